@@ -1,0 +1,25 @@
+"""Apply the patches a run needs, once: the CPU shim (only on CPU) and the optimizer re-route."""
+from __future__ import annotations
+
+import importlib.util
+
+import mindspeed_ha.patches as registry
+from mindspeed_ha.device import Device, detect
+
+
+def megatron_lm_available() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.training") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def apply_patches(device: Device | None = None, megatron_lm: bool | None = None) -> Device:
+    device = device or detect()
+    if device.needs_cpu_shim:
+        registry.apply("torch_cpu")
+        registry.apply("megatron_cpu")
+    registry.apply("replica_optimizer")
+    if megatron_lm if megatron_lm is not None else megatron_lm_available():
+        registry.apply("megatron_training")
+    return device

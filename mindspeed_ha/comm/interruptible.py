@@ -1,0 +1,300 @@
+"""Interruptible collectives: the rank-side half of the *stop* action.
+
+Why: gloo's ``ProcessGroup.abort()`` does not wake a collective blocked on a live (hung) peer, so a
+rank blocked in a synchronous collective could only leave at the collective timeout (minutes).
+Instead every blocking collective is issued with ``async_op=True`` and its work is waited on in
+short slices, checking a process-wide stop flag between slices. ``request_stop()`` (called by the
+processor thread) makes the blocked thread raise :class:`CollectiveStopped` within one slice.
+
+Stream-ordered backends (NCCL, HCCL) are passed through untouched: their collectives do not block
+the CPU, and a stop there means aborting the communicators (``request_stop`` runs the abort hooks).
+
+This module only *builds* wrappers; ``mindspeed_ha.patches.torch.distributed`` installs them.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import inspect
+import threading
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+# One wait slice: the bound on stop latency. A slice that ends because the work completed returns
+# at once (the wait is condition-variable based), so the slice length costs nothing on the fast path.
+WAIT_SLICE = datetime.timedelta(milliseconds=20)
+
+_stop = threading.Event()
+_reason = ""
+_abort_hooks: list[Callable[[str], None]] = []
+
+
+class CollectiveStopped(RuntimeError):
+    """Raised in the thread blocked in (or entering) a collective after ``request_stop()``."""
+
+
+def request_stop(reason: str = "") -> None:
+    """Make every blocked or future collective raise ``CollectiveStopped`` until ``clear_stop()``.
+
+    Safe to call from any thread; also runs the communicator-abort hooks (NCCL/HCCL)."""
+    global _reason
+    _reason = reason
+    _stop.set()
+    for hook in list(_abort_hooks):
+        try:
+            hook(reason)
+        except Exception:  # a failing abort must not stop the others
+            pass
+
+
+def clear_stop() -> None:
+    global _reason
+    _reason = ""
+    _stop.clear()
+
+
+def stop_requested() -> bool:
+    return _stop.is_set()
+
+
+def add_abort_hook(fn: Callable[[str], None]) -> None:
+    """Register ``fn(reason)`` to run on ``request_stop`` (e.g. a trainer's own communicator abort)."""
+    if fn not in _abort_hooks:
+        _abort_hooks.append(fn)
+
+
+def remove_abort_hook(fn: Callable[[str], None]) -> None:
+    if fn in _abort_hooks:
+        _abort_hooks.remove(fn)
+
+
+def _raise_stopped():
+    raise CollectiveStopped(f"collective stopped by request{': ' + _reason if _reason else ''}")
+
+
+def wait_work(work) -> None:
+    """Wait for a c10d ``Work`` in slices, raising ``CollectiveStopped`` once a stop is requested."""
+    while True:
+        if _stop.is_set():
+            _raise_stopped()
+        try:
+            work.wait(WAIT_SLICE)  # releases the GIL; wakes at once on completion
+            return
+        except RuntimeError:
+            if work.is_completed():  # a real failure (peer gone ...): surface the backend's error
+                work.wait()
+                return
+            # else: the slice timed out ("Operation timed out!"); the work itself is untouched
+
+
+class PollingWork(dist.Work):
+    """What an ``async_op=True`` caller gets back: ``wait()`` is interruptible, the rest delegates."""
+
+    def __init__(self, work):
+        super().__init__()
+        self._work = work
+
+    def wait(self, timeout=None):
+        if timeout:  # an explicit timeout keeps torch's meaning
+            return self._work.wait(timeout)
+        wait_work(self._work)
+        return True
+
+    def is_completed(self):
+        return self._work.is_completed()
+
+    def is_success(self):
+        return self._work.is_success()
+
+    def exception(self):
+        return self._work.exception()
+
+    def source_rank(self):
+        return self._work.source_rank()
+
+    def _source_rank(self):
+        return self._work._source_rank()
+
+    def result(self):
+        return self._work.result()
+
+    def synchronize(self):
+        return self._work.synchronize()
+
+    def get_future(self):
+        return self._work.get_future()
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _unwrap(work):
+    return work._work if isinstance(work, PollingWork) else work
+
+
+# ---------------------------------------------------------------------------------------------
+# Which calls to poll. CPU tensors (gloo, or gloo in a multi-backend group) block the calling
+# thread; device tensors on NCCL/HCCL are stream-ordered and left alone.
+
+def _first_tensor(args, kwargs):
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a
+        if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+            return a[0]
+    return None
+
+
+def _polls(args, kwargs, group) -> bool:
+    t = _first_tensor(args, kwargs)
+    if t is not None:
+        return t.device.type == "cpu"
+    try:  # barrier: decided by the group's backend
+        backend = str(dist.get_backend(group))
+    except Exception:
+        return True
+    return "nccl" not in backend and "hccl" not in backend
+
+
+def make_interruptible(fn: Callable) -> Callable:
+    """Wrap a c10d collective that takes ``async_op``: issue async, wait interruptibly."""
+    params = list(inspect.signature(fn).parameters)
+    idx = params.index("async_op")
+    gidx = params.index("group") if "group" in params else None
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _stop.is_set():
+            _raise_stopped()
+        if idx < len(args):
+            want_async = bool(args[idx])
+            args = args[:idx] + (True,) + args[idx + 1:]
+        else:
+            want_async = bool(kwargs.get("async_op", False))
+            kwargs["async_op"] = True
+        group = kwargs.get("group") if gidx is None or gidx >= len(args) else args[gidx]
+        if not _polls(args, kwargs, group):
+            # stream-ordered backend: call exactly as the caller asked
+            if idx < len(args):
+                args = args[:idx] + (want_async,) + args[idx + 1:]
+            else:
+                kwargs["async_op"] = want_async
+            return fn(*args, **kwargs)
+        work = fn(*args, **kwargs)
+        if work is None or isinstance(work, c10d._IllegalWork):
+            # not a member of the group, or inside a coalescing block: the manager's handle is waited
+            return work if want_async else None
+        work = _unwrap(work)
+        if want_async:
+            return PollingWork(work)
+        wait_work(work)
+        return None
+
+    wrapper.__mindspeed_ha_original__ = fn
+    return wrapper
+
+
+def make_interruptible_p2p(fn: Callable) -> Callable:
+    """Wrap ``isend``/``irecv`` (always async): hand back a PollingWork so ``send``/``recv`` and
+    callers' ``.wait()`` are interruptible."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _stop.is_set():
+            _raise_stopped()
+        work = fn(*args, **kwargs)
+        t = _first_tensor(args, kwargs)
+        if work is None or isinstance(work, (PollingWork, c10d._IllegalWork)) or (
+                t is not None and t.device.type != "cpu"):
+            return work
+        return PollingWork(work)
+
+    wrapper.__mindspeed_ha_original__ = fn
+    return wrapper
+
+
+def make_interruptible_batch_p2p(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(p2p_op_list):
+        if _stop.is_set():
+            _raise_stopped()
+        works = fn(p2p_op_list)
+        if p2p_op_list and p2p_op_list[0].tensor.device.type != "cpu":
+            return works
+        return [w if w is None or isinstance(w, PollingWork) else PollingWork(w) for w in works]
+
+    wrapper.__mindspeed_ha_original__ = fn
+    return wrapper
+
+
+def make_interruptible_coalescing_manager(orig_cm: Callable) -> Callable:
+    """Wrap ``_coalescing_manager``: ops inside it only record themselves (returning ``_IllegalWork``);
+    the real work is issued when the block exits. Force ``async_ops=True`` there and wait for the
+    manager's works interruptibly (at exit for a sync block, in ``cm.wait()`` for an async one)."""
+
+    @contextlib.contextmanager
+    @functools.wraps(orig_cm)
+    def wrapper(group=None, device=None, async_ops=False):
+        if _stop.is_set():
+            _raise_stopped()
+        if device is not None and torch.device(device).type != "cpu":
+            with orig_cm(group, device, async_ops) as cm:  # NCCL-style: stream-ordered, untouched
+                yield cm
+            return
+        resolved = group or c10d._get_default_group()
+        try:
+            with orig_cm(group, device, async_ops=True) as cm:
+                cm.wait = functools.partial(_wait_all, cm)  # instance attribute: megatron calls cm.wait()
+                yield cm
+        except BaseException:
+            # torch leaves the op list behind when the block raises, poisoning the next coalescing
+            # block on this group ("non-empty op list"): drop it
+            c10d._world.pg_coalesce_state.pop(resolved, None)
+            raise
+        if not async_ops:
+            _wait_all(cm)
+
+    wrapper.__mindspeed_ha_original__ = orig_cm
+    return wrapper
+
+
+def _wait_all(cm) -> None:
+    for w in cm.works:
+        if w is not None and not isinstance(w, c10d._IllegalWork):
+            wait_work(_unwrap(w))
+
+
+# ---------------------------------------------------------------------------------------------
+# Communicator abort hooks for stream-ordered backends.
+
+def _abort_nccl(reason: str) -> None:
+    """CUDA: abort every NCCL communicator so kernels blocked on a dead/hung peer exit."""
+    if not (torch.cuda.is_available() and dist.is_available() and dist.is_initialized()):
+        return
+    for pg in list(c10d._world.pg_map.keys()):
+        try:
+            if "nccl" in str(dist.get_backend(pg)):
+                pg.abort()
+        except Exception:
+            pass
+
+
+def _abort_hccl(reason: str) -> None:
+    """ASCEND HOOK (untested here, no NPU on the CI machine): stop the device so HCCL kernels exit;
+    recovery must call ``torch_npu.npu.restart_device`` before rebuilding HCCL groups."""
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        return
+    stop_device = getattr(torch.npu, "stop_device", None) if hasattr(torch, "npu") else None
+    if stop_device is not None:
+        stop_device(torch.npu.current_device())
+
+
+add_abort_hook(_abort_nccl)
+add_abort_hook(_abort_hccl)

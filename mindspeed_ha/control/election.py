@@ -1,0 +1,106 @@
+"""Backup controllers: who stands by, when a standby may take over, where clients look next.
+
+Two ranks stand by (on nodes other than the controller's, and other than each other's, when there
+are). A standby binds its own socket at once but answers ``ack(standby=True)`` until more than half
+of the world's ranks talk to it: processors only come to a standby after losing the active
+controller, so a majority there means the active one is gone for most of the job, and two standbys
+can never both hold a majority (no split brain). Clients walk the candidates in one fixed order, so
+they gather at the same standby.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+def choose_backups(nodes: dict[int, str], controller_rank: int | None, n: int = 2) -> list[int]:
+    """``nodes``: rank -> node name. Prefer ranks on other nodes than the controller's, one per node,
+    then any other rank; deterministic (lowest rank first within a node)."""
+    ctrl_node = nodes.get(controller_rank)
+    picked: list[int] = []
+    used_nodes = {ctrl_node}
+    by_rank = sorted(r for r in nodes if r != controller_rank)
+    for r in by_rank:  # other nodes, one each
+        if len(picked) < n and nodes[r] not in used_nodes:
+            picked.append(r)
+            used_nodes.add(nodes[r])
+    for r in reversed(by_rank):  # then other ranks, from the far end (often a different host)
+        if len(picked) < n and r not in picked:
+            picked.append(r)
+    return picked[:n]
+
+
+def has_quorum(reachable: int, world: int) -> bool:
+    """More than half of the world's ranks (the candidate's own rank included)."""
+    return world > 0 and 2 * reachable > world
+
+
+def read_controller_json(log_dir: str, job_id: str | None = None) -> dict | None:
+    path = os.path.join(log_dir, "controller.json")
+    try:
+        with open(path) as f:
+            info = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or "endpoint" not in info:
+        return None
+    if job_id and info.get("job_id") and info.get("job_id") != job_id:
+        return None  # a stale file from another job in the same log dir
+    return info
+
+
+def write_controller_json(log_dir: str, info: dict) -> None:
+    os.makedirs(log_dir, exist_ok=True)
+    path = os.path.join(log_dir, "controller.json")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(info, f, indent=1)
+    os.replace(tmp, path)  # readers never see half a file
+
+
+class Candidates:
+    """Where a client that lost its controller looks next: the newest controller.json, then the
+    standbys in the order the controller announced them, then the old controller. A candidate that
+    answers as standby is kept for ``standby_wait`` (it may be gathering a quorum), one that does not
+    answer at all for ``answer_wait``."""
+
+    def __init__(self, log_dir: str, job_id: str | None, answer_wait: float = 1.0, standby_wait: float = 4.0):
+        self.log_dir, self.job_id = log_dir, job_id
+        self.answer_wait, self.standby_wait = answer_wait, standby_wait
+        self.backups: list[str] = []
+        self.current: str | None = None
+        self.epoch = 0
+        self._tried: list[str] = []
+
+    def from_file(self) -> tuple[str, int] | None:
+        info = read_controller_json(self.log_dir, self.job_id)
+        if info:
+            return info["endpoint"], int(info.get("epoch", 1))
+        return None
+
+    def next(self, lost: str | None) -> str | None:
+        """The next endpoint to try after ``lost`` stopped answering."""
+        f = self.from_file()
+        if f and f[1] > self.epoch and f[0] != lost:
+            return f[0]
+        order = [e for e in self.backups if e != lost]
+        if f and f[0] not in order:
+            order.append(f[0])
+        if lost and lost not in order:
+            order.append(lost)
+        if not order:
+            return f[0] if f else None
+        untried = [e for e in order if e not in self._tried]
+        if not untried:
+            self._tried = []
+            untried = order
+        self._tried.append(untried[0])
+        return untried[0]
+
+    def connected(self, endpoint: str, epoch: int) -> None:
+        self.current, self.epoch, self._tried = endpoint, max(self.epoch, epoch), []
+
+
+def now() -> float:
+    return time.monotonic()

@@ -1,0 +1,160 @@
+"""Wire protocol of the control plane: every message, its version, its limits.
+
+A message is a msgpack map ``{"v": VERSION, "t": TYPE, ...fields}`` sent as one ZeroMQ frame (the
+ROUTER adds the peer identity frame). ``decode`` returns a validated dict or raises ``ProtocolError``;
+callers drop what fails and count it in ``Counters`` -- a bad peer must never crash or stall the
+controller or a processor.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+
+import msgpack
+
+VERSION = 1
+MAX_BYTES = 256 * 1024          # one frame; a register of a rank in many groups stays far below
+MAX_LIST = 4096                 # any list (ranks in a group, groups of a rank, ranks of an agent)
+MAX_STR = 4096
+MAX_INT = 2 ** 62
+
+FAULT_KINDS = ("memory-error", "comm-failure", "other", "process-exit", "hang", "heartbeat-lost",
+               "controller-lost", "node-lost")
+PHASES = ("startup", "forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint",
+          "step", "unknown")
+
+
+class ProtocolError(ValueError):
+    pass
+
+
+_int, _str, _bool, _float = "int", "str", "bool", "float"
+
+
+def _check(kind, value, name):
+    if kind == _int:
+        ok = isinstance(value, int) and not isinstance(value, bool) and -MAX_INT < value < MAX_INT
+    elif kind == _str:
+        ok = isinstance(value, str) and len(value) <= MAX_STR
+    elif kind == _bool:
+        ok = isinstance(value, bool)
+    elif kind == _float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    elif kind == "ints":
+        ok = isinstance(value, list) and len(value) <= MAX_LIST and all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_INT for v in value)
+    elif kind == "groups":
+        ok = isinstance(value, list) and len(value) <= MAX_LIST and all(
+            isinstance(g, list) and len(g) <= MAX_LIST and all(
+                isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_INT for v in g)
+            for g in value)
+    elif kind == "strs":
+        ok = isinstance(value, list) and len(value) <= MAX_LIST and all(
+            isinstance(v, str) and len(v) <= MAX_STR for v in value)
+    elif kind == "map":  # free-form handler arguments: flat str -> scalar
+        ok = isinstance(value, dict) and len(value) <= 64 and all(
+            isinstance(k, str) and len(k) <= 64 and (
+                v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= MAX_STR)
+                or (isinstance(v, list) and len(v) <= MAX_LIST and all(isinstance(x, (int, str)) for x in v)))
+            for k, v in value.items())
+    else:  # pragma: no cover - schema bug
+        raise AssertionError(kind)
+    if not ok:
+        raise ProtocolError(f"field {name!r}: bad {kind}")
+
+
+# type -> {field: (kind, required)}. Unknown fields are rejected too: a peer speaking a newer version
+# must bump VERSION rather than be half-understood.
+R, O = True, False
+SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
+    # processor -> controller
+    "register": {"rank": (_int, R), "world": (_int, R), "node": (_str, R), "pid": (_int, R),
+                 "local_rank": (_int, O), "groups": ("groups", O), "host": (_str, O), "epoch": (_int, O),
+                 "iteration": (_int, O), "standby": (_str, O)},
+    "hb": {"rank": (_int, R), "it": (_int, R), "upd": (_bool, R), "health": (_str, R),
+           "phase": (_str, O), "progress": (_float, O)},
+    "fault": {"rank": (_int, R), "kind": (_str, R), "iteration": (_int, R), "phase": (_str, R),
+              "detail": (_str, O), "at": (_float, O)},
+    "result": {"rank": (_int, R), "action": (_str, R), "id": (_int, R), "ok": (_bool, R),
+               "detail": (_str, O)},
+    "bye": {"rank": (_int, R)},
+    # agent -> controller
+    "agent": {"node": (_str, R), "node_rank": (_int, R), "nnodes": (_int, R), "pid": (_int, R),
+              "ranks": ("ints", R), "pids": ("ints", R), "exits": ("groups", O)},
+    "agent_hb": {"node_rank": (_int, R)},
+    "exit": {"node_rank": (_int, R), "rank": (_int, R), "pid": (_int, R), "code": (_int, O),
+             "signal": (_int, O), "at": (_float, O)},
+    # cli -> controller
+    "status?": {},
+    "inject": {"kind": (_str, R), "rank": (_int, R), "step": (_int, O), "phase": (_str, O)},
+    # controller -> peers
+    "ack": {"epoch": (_int, R), "state": (_str, R), "standby": (_bool, O), "backups": ("strs", O)},
+    "do": {"action": (_str, R), "id": (_int, R), "args": ("map", O), "epoch": (_int, R)},
+    "status": {"body": (_str, R)},   # JSON text: status is for humans and tools, not for routing
+    "refused": {"reason": (_str, R)},
+}
+
+Counters = collections.Counter
+
+
+class DropCounter:
+    """Counts dropped input per reason; logs the first of each reason and then every 1000th."""
+
+    def __init__(self, log):
+        self.counts: collections.Counter = collections.Counter()
+        self._log = log
+        self._lock = threading.Lock()
+
+    def drop(self, reason: str, detail: str = "") -> None:
+        with self._lock:
+            self.counts[reason] += 1
+            n = self.counts[reason]
+        if n == 1 or n % 1000 == 0:
+            self._log.warning("dropped input (%s, %d so far): %s", reason, n, detail[:200])
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def encode(t: str, **fields) -> bytes:
+    msg = {"v": VERSION, "t": t}
+    msg.update(fields)
+    validate(msg)  # we never send what we would refuse to read
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def decode(frame: bytes) -> dict:
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError("not bytes")
+    if len(frame) > MAX_BYTES:
+        raise ProtocolError(f"oversized ({len(frame)} bytes)")
+    try:
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_buffer_size=MAX_BYTES,
+                              max_array_len=MAX_LIST, max_map_len=64, max_str_len=MAX_STR,
+                              max_bin_len=MAX_STR, max_ext_len=0)
+    except Exception as e:  # msgpack raises many types for garbage
+        raise ProtocolError(f"undecodable: {type(e).__name__}") from None
+    validate(msg)
+    return msg
+
+
+def validate(msg) -> None:
+    if not isinstance(msg, dict):
+        raise ProtocolError("not a map")
+    if msg.get("v") != VERSION:
+        raise ProtocolError(f"version {msg.get('v')!r} != {VERSION}")
+    t = msg.get("t")
+    schema = SCHEMAS.get(t) if isinstance(t, str) else None
+    if schema is None:
+        raise ProtocolError(f"unknown type {t!r}")
+    for name, value in msg.items():
+        if name in ("v", "t"):
+            continue
+        spec = schema.get(name)
+        if spec is None:
+            raise ProtocolError(f"unknown field {name!r} in {t!r}")
+        _check(spec[0], value, name)
+    for name, (_, required) in schema.items():
+        if required and name not in msg:
+            raise ProtocolError(f"missing field {name!r} in {t!r}")

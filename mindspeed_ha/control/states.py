@@ -1,0 +1,163 @@
+"""The recovery state machine: one table, state x outcome -> next state.
+
+The life of a fault reads down the table: NORMAL -fault-> PAUSE (stop every survivor) -stopped->
+ENV_CLEAR (clean, rebuild groups) -strategy-> REPAIR / DOWNGRADE / DUMP -> ROLLBACK -> NORMAL, or EXIT.
+The controller runs the action bound to a state when it enters it and feeds the action's outcome back
+here; the actions live in the controller, so later issues plug in repair/rollback/dump by binding an
+action to a state, not by editing this table.
+"""
+from __future__ import annotations
+
+import enum
+import time
+
+
+class State(str, enum.Enum):
+    INIT = "init"            # waiting for every rank to register
+    NORMAL = "normal"        # training
+    PAUSE = "pause"          # abnormal: a fault is known, survivors are being stopped
+    ENV_CLEAR = "env-clear"  # survivors stopped; clean communicators, rebuild groups, pick a strategy
+    REPAIR = "repair"        # retry/recover: restore the lost state from replicas (UCE, ARF)
+    ROLLBACK = "rollback"    # every rank back to the start of the failed step
+    DUMP = "dump"            # TTP: dying-gasp checkpoint from the survivors
+    DOWNGRADE = "downgrade"  # elastic: drop the failed DP domain
+    UPGRADE = "upgrade"      # elastic: a spare returned, scale back out
+    EXIT = "exit"            # tell everyone to exit, write the diagnosis
+    DONE = "done"            # terminal
+
+
+class Outcome(str, enum.Enum):
+    REGISTERED = "registered"    # every rank registered
+    FAULT = "fault"              # a (new) fault was detected
+    FINISHED = "finished"        # every rank left cleanly: the job is over
+    STOPPED = "stopped"          # every survivor acknowledged stop
+    CLEARED = "cleared"          # environment clean, strategy chosen below
+    RETRY = "retry"              # strategy: online repair of a memory/communication fault
+    RECOVER = "recover"          # strategy: restart the failed process, repair from replicas
+    DUMP = "dump"                # strategy: dying-gasp checkpoint
+    ELASTIC = "elastic"          # strategy: scale in
+    NO_STRATEGY = "no-strategy"  # nothing enabled/built can handle this fault
+    OK = "ok"                    # the state's action succeeded
+    FAILED = "failed"            # the state's action failed
+    TIMEOUT = "timeout"          # the state's action ran past its timeout
+    SCALE_OUT = "scale-out"      # a spare is available again
+
+
+S, O = State, Outcome
+TABLE: dict[tuple[State, Outcome], State] = {
+    (S.INIT, O.REGISTERED): S.NORMAL,
+    (S.INIT, O.FAULT): S.PAUSE,
+    (S.INIT, O.FINISHED): S.DONE,
+    (S.INIT, O.TIMEOUT): S.EXIT,
+    (S.NORMAL, O.FAULT): S.PAUSE,
+    (S.NORMAL, O.FINISHED): S.DONE,
+    (S.NORMAL, O.SCALE_OUT): S.UPGRADE,
+    (S.PAUSE, O.STOPPED): S.ENV_CLEAR,
+    (S.PAUSE, O.TIMEOUT): S.ENV_CLEAR,   # a survivor that won't stop is a new fault; clear anyway
+    (S.PAUSE, O.FAULT): S.PAUSE,         # more faults while stopping: same pause, wider fault set
+    (S.ENV_CLEAR, O.RETRY): S.REPAIR,
+    (S.ENV_CLEAR, O.RECOVER): S.REPAIR,
+    (S.ENV_CLEAR, O.DUMP): S.DUMP,
+    (S.ENV_CLEAR, O.ELASTIC): S.DOWNGRADE,
+    (S.ENV_CLEAR, O.NO_STRATEGY): S.EXIT,
+    (S.ENV_CLEAR, O.FAILED): S.EXIT,
+    (S.ENV_CLEAR, O.TIMEOUT): S.EXIT,
+    (S.ENV_CLEAR, O.FAULT): S.PAUSE,
+    (S.REPAIR, O.OK): S.ROLLBACK,
+    (S.REPAIR, O.FAILED): S.DUMP,        # could not repair: save what we have
+    (S.REPAIR, O.TIMEOUT): S.DUMP,
+    (S.REPAIR, O.FAULT): S.PAUSE,
+    (S.ROLLBACK, O.OK): S.NORMAL,
+    (S.ROLLBACK, O.FAILED): S.DUMP,
+    (S.ROLLBACK, O.TIMEOUT): S.DUMP,
+    (S.ROLLBACK, O.FAULT): S.PAUSE,
+    (S.DOWNGRADE, O.OK): S.ROLLBACK,
+    (S.DOWNGRADE, O.FAILED): S.DUMP,
+    (S.DOWNGRADE, O.TIMEOUT): S.DUMP,
+    (S.DOWNGRADE, O.FAULT): S.PAUSE,
+    (S.UPGRADE, O.OK): S.ROLLBACK,
+    (S.UPGRADE, O.FAILED): S.NORMAL,     # the spare did not come up: keep training scaled in
+    (S.UPGRADE, O.TIMEOUT): S.NORMAL,
+    (S.UPGRADE, O.FAULT): S.PAUSE,
+    (S.DUMP, O.OK): S.EXIT,
+    (S.DUMP, O.FAILED): S.EXIT,
+    (S.DUMP, O.TIMEOUT): S.EXIT,
+    (S.DUMP, O.FAULT): S.DUMP,           # the dump elects among live holders; keep going
+    (S.EXIT, O.OK): S.DONE,
+    (S.EXIT, O.TIMEOUT): S.DONE,
+    (S.EXIT, O.FAULT): S.EXIT,
+}
+
+# Seconds an action bound to a state may take before the controller feeds TIMEOUT.
+TIMEOUTS: dict[State, float] = {
+    S.INIT: 600.0, S.PAUSE: 2.0, S.ENV_CLEAR: 10.0, S.REPAIR: 60.0, S.ROLLBACK: 30.0,
+    S.DUMP: 120.0, S.DOWNGRADE: 60.0, S.UPGRADE: 120.0, S.EXIT: 5.0,
+}
+
+
+class TransitionError(KeyError):
+    pass
+
+
+def next_state(state: State, outcome: Outcome) -> State:
+    try:
+        return TABLE[(State(state), Outcome(outcome))]
+    except KeyError:
+        raise TransitionError(f"no transition from {state} on {outcome}") from None
+
+
+# Which strategy can handle which fault class. retry repairs in place (the process is alive);
+# recover restarts a lost process; dump saves whatever the survivors hold; elastic drops a domain.
+HANDLES: dict[str, frozenset] = {
+    "retry": frozenset({"memory-error", "comm-failure"}),
+    "recover": frozenset({"memory-error", "comm-failure", "other", "process-exit", "hang",
+                          "heartbeat-lost", "controller-lost", "node-lost"}),
+    "dump": frozenset({"memory-error", "comm-failure", "other", "process-exit", "hang",
+                       "heartbeat-lost", "controller-lost", "node-lost"}),
+    "elastic-training": frozenset({"process-exit", "heartbeat-lost", "node-lost", "controller-lost"}),
+}
+STRATEGY_OUTCOME = {"retry": O.RETRY, "recover": O.RECOVER, "dump": O.DUMP, "elastic-training": O.ELASTIC}
+
+
+def choose_strategy(ordered: list[str], fault_kinds, built: set[str]) -> tuple[Outcome, str]:
+    """First enabled (``ordered``, preference order) and built strategy that handles every fault.
+
+    Returns the outcome to feed the table and a reason for the log.
+    """
+    kinds = set(fault_kinds)
+    skipped = []
+    for s in ordered:
+        if not kinds <= HANDLES.get(s, frozenset()):
+            skipped.append(f"{s} does not handle {', '.join(sorted(kinds - HANDLES.get(s, set())))}")
+        elif s not in built:
+            skipped.append(f"{s} is not available in this build")
+        else:
+            return STRATEGY_OUTCOME[s], f"strategy {s}"
+    if not ordered:
+        skipped.append("no strategy enabled")
+    return O.NO_STRATEGY, "; ".join(skipped)
+
+
+class Machine:
+    """The current state and the clock of its entry; ``feed`` applies the table and logs the move."""
+
+    def __init__(self, on_transition=None, state: State = S.INIT):
+        self.state = state
+        self.entered = time.monotonic()
+        self.history: list[tuple[State, Outcome, State, float]] = []
+        self._on_transition = on_transition
+
+    def feed(self, outcome: Outcome) -> State:
+        new = next_state(self.state, outcome)
+        now = time.monotonic()
+        seconds = now - self.entered
+        old = self.state
+        self.history.append((old, Outcome(outcome), new, seconds))
+        self.state, self.entered = new, now
+        if self._on_transition:
+            self._on_transition(old, Outcome(outcome), new, seconds)
+        return new
+
+    def overdue(self) -> bool:
+        limit = TIMEOUTS.get(self.state)
+        return limit is not None and time.monotonic() - self.entered > limit

@@ -1,0 +1,60 @@
+"""Validate the parallel layout against the replica optimizer before any model is built.
+
+Every rank computes the same verdict from the same arguments, so every rank prints the same message.
+Each message names the flags and values and proposes a layout that works for this world size.
+"""
+from __future__ import annotations
+
+from mindspeed_ha.options import HAConfigError, HAOptions
+
+
+def _proposals(world: int, tp: int, pp: int, cp: int, replicas: int, limit: int = 3) -> list[str]:
+    """Layouts (TP, PP, CP) for this world whose DP x CP is a multiple of the replica count, closest first."""
+    out = []
+    for t in sorted({d for d in range(1, world + 1) if world % d == 0}, key=lambda d: (abs(d - tp), d)):
+        for p in sorted({d for d in range(1, world // t + 1) if (world // t) % d == 0}, key=lambda d: (abs(d - pp), d)):
+            dp = world // (t * p * cp)
+            if world % (t * p * cp) == 0 and dp * cp >= replicas and (dp * cp) % replicas == 0:
+                out.append(f"--tensor-model-parallel-size {t} --pipeline-model-parallel-size {p}"
+                           + (f" --context-parallel-size {cp}" if cp > 1 else "") + f" (DP={dp})")
+    return out[:limit]
+
+
+def validate(world: int, args, options: HAOptions) -> None:
+    if not options.enabled:
+        return
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    cp = getattr(args, "context_parallel_size", 1)
+    if not options.use_replica_optimizer:
+        return
+    flags = ("--enable-high-availability" if options.source == "flags" else f"{options.source}=...")
+    if not args.use_distributed_optimizer:
+        raise HAConfigError(
+            f"{flags} builds the replica optimizer on megatron-core's distributed optimizer: add "
+            "--use-distributed-optimizer (or add --distributed-optimizer-no-replica to run without replicas)")
+    R = options.replica_num
+    if world % (tp * pp * cp):
+        raise HAConfigError(f"world size {world} is not divisible by TP {tp} x PP {pp} x CP {cp}")
+    dp = world // (tp * pp * cp)
+    if dp * cp < 2 or (dp * cp) % R:
+        ideas = _proposals(world, tp, pp, cp, R)
+        hint = ("; layouts that work with " + str(world) + " ranks: " + "; ".join(ideas)) if ideas else \
+            (f"; no layout of {world} ranks gives a data-parallel size divisible by {R}: use a world size "
+             f"that is a multiple of {R}, or --distributed-optimizer-no-replica")
+        raise HAConfigError(
+            f"the replica optimizer keeps {R} copies of every optimizer shard, so data-parallel x "
+            f"context-parallel size must be at least 2 and divisible by --optimizer-replica-num {R}; with "
+            f"{world} ranks, --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"
+            + (f" --context-parallel-size {cp}" if cp > 1 else "") + f" it is {dp * cp}" + hint)
+    experts = getattr(args, "num_experts", None)
+    if experts:
+        ep = getattr(args, "expert_model_parallel_size", 1)
+        edp = world // (tp * pp * ep) if world % (tp * pp * ep) == 0 else 0
+        if edp < 2 or edp % R:
+            raise HAConfigError(
+                f"with MoE (--num-experts {experts}) the expert data-parallel size is {edp} for "
+                f"--expert-model-parallel-size {ep}; it must be at least 2 and divisible by "
+                f"--optimizer-replica-num {R}. Try --expert-model-parallel-size "
+                f"{max(1, (world // (tp * pp)) // R)}")
+    if getattr(args, "overlap_param_gather", False) and not getattr(args, "overlap_grad_reduce", False):
+        raise HAConfigError("--overlap-param-gather needs --overlap-grad-reduce (megatron-core requirement)")

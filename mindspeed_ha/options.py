@@ -1,0 +1,152 @@
+"""HA switches: one options object from command-line flags, ``HIGH_AVAILABILITY`` and MindIO aliases.
+
+Precedence: ``HIGH_AVAILABILITY`` (comma list) > ``MS_ENABLE_TFT`` > flags. Strategies are tried in
+the order retry -> recover -> dump; dump (the dying-gasp checkpoint) is always on when HA is on.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+
+STRATEGIES = ("dump", "retry", "recover", "elastic-training")
+PREFERENCE = ("retry", "recover", "dump")  # the controller tries them in this order
+
+# What each strategy needs before this build can honour it. A strategy listed here is refused with
+# this message instead of being silently ignored.
+NOT_BUILT: dict[str, str] = {
+    "retry": "UCE/communication-fault retry (--enable-hbmfault-repair, HIGH_AVAILABILITY=retry) "
+             "is not built in this version of mindspeed-ha",
+    "recover": "process restart (--enable-worker-reboot, HIGH_AVAILABILITY=recover) "
+               "is not built in this version of mindspeed-ha",
+    "elastic-training": "elastic scale-in/out (--enable-elastic-training, "
+                        "HIGH_AVAILABILITY=elastic-training) is not built in this version of mindspeed-ha",
+}
+
+_FLAG_TO_STRATEGY = {
+    "enable_high_availability": "dump",
+    "enable_hbmfault_repair": "retry",
+    "enable_worker_reboot": "recover",
+    "enable_elastic_training": "elastic-training",
+}
+_TFT_ALIAS = {"TTP": "dump", "UCE": "retry", "ARF": "recover"}
+
+
+class HAConfigError(ValueError):
+    """A configuration the user must change; the message names the flags and proposes a fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HAOptions:
+    strategies: frozenset = frozenset()
+    replica: bool = True           # False with --distributed-optimizer-no-replica
+    replica_num: int = 2
+    verify_replicas_interval: int = 0
+    log_dir: str = "./logs"
+    key_dir: str | None = None
+    insecure: bool = False
+    heartbeat_s: float = 0.5
+    hang_timeout_s: float = 60.0
+    source: str = "flags"          # where the strategies came from: flags | HIGH_AVAILABILITY | MS_ENABLE_TFT
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.strategies)
+
+    @property
+    def use_replica_optimizer(self) -> bool:
+        return self.enabled and self.replica
+
+    def ordered_strategies(self) -> list[str]:
+        return [s for s in PREFERENCE if s in self.strategies]
+
+
+def add_ha_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("mindspeed-ha (high availability)")
+    g.add_argument("--enable-high-availability", action="store_true",
+                   help="Replica optimizer + dying-gasp checkpoint (TTP) on any fault")
+    g.add_argument("--enable-hbmfault-repair", action="store_true",
+                   help="Online repair of memory (UCE) and communication faults (retry)")
+    g.add_argument("--enable-worker-reboot", action="store_true",
+                   help="Restart only the failed process or node (ARF, recover)")
+    g.add_argument("--enable-elastic-training", action="store_true",
+                   help="Scale data parallelism in when no spare exists, out when it returns")
+    g.add_argument("--distributed-optimizer-no-replica", action="store_true",
+                   help="Keep the plain distributed optimizer; recovery reloads the periodic checkpoint")
+    g.add_argument("--optimizer-replica-num", type=int, default=2,
+                   help="Copies of every optimizer shard (default 2)")
+    g.add_argument("--ha-verify-replicas-interval", type=int, default=0,
+                   help="Every N iterations replica peers compare shard fingerprints (0 = off)")
+    g.add_argument("--ha-log-dir", default=None,
+                   help="Logs and events directory (env MINDSPEED_HA_LOG_DIR, default ./logs)")
+    g.add_argument("--ha-key-dir", default=None, help="CurveZMQ keys (default DIR/keys, made per job)")
+    g.add_argument("--ha-insecure", action="store_true", help="Turn CurveZMQ off (not recommended)")
+    g.add_argument("--ha-heartbeat-interval", type=float, default=0.5, help="Seconds between heartbeats")
+    g.add_argument("--ha-hang-timeout", type=float, default=60.0,
+                   help="Seconds without progress before a live rank is declared hung")
+    return parser
+
+
+def _parse_list(value: str, var: str) -> set[str]:
+    items = {v.strip().lower() for v in value.split(",") if v.strip()}
+    bad = sorted(items - set(STRATEGIES))
+    if bad:
+        raise HAConfigError(
+            f"{var}={value!r}: unknown value(s) {', '.join(map(repr, bad))}; "
+            f"use a comma list of {', '.join(STRATEGIES)} (e.g. {var}=retry,recover)")
+    return items
+
+
+def _parse_tft(value: str) -> set[str]:
+    body = value.strip().strip("{}")
+    out = set()
+    for part in filter(None, (p.strip() for p in body.split(","))):
+        m = re.fullmatch(r"([A-Za-z]+)\s*:\s*([01])", part)
+        if not m or m.group(1).upper() not in _TFT_ALIAS:
+            raise HAConfigError(
+                f"MS_ENABLE_TFT={value!r}: cannot read {part!r}; expected e.g. "
+                "MS_ENABLE_TFT=\"{TTP:1,UCE:1,ARF:1}\" with keys TTP, UCE, ARF and values 0/1")
+        if m.group(2) == "1":
+            out.add(_TFT_ALIAS[m.group(1).upper()])
+    return out
+
+
+def from_args(args: argparse.Namespace, env: dict | None = None) -> HAOptions:
+    env = os.environ if env is None else env
+    if env.get("HIGH_AVAILABILITY", "").strip():
+        strategies, source = _parse_list(env["HIGH_AVAILABILITY"], "HIGH_AVAILABILITY"), "HIGH_AVAILABILITY"
+    elif env.get("MS_ENABLE_TFT", "").strip():
+        strategies, source = _parse_tft(env["MS_ENABLE_TFT"]), "MS_ENABLE_TFT"
+    else:
+        strategies = {s for flag, s in _FLAG_TO_STRATEGY.items() if getattr(args, flag, False)}
+        source = "flags"
+    if strategies:
+        strategies.add("dump")  # the last resort under every other strategy
+    for s in sorted(strategies):
+        if s in NOT_BUILT:
+            raise HAConfigError(
+                f"{NOT_BUILT[s]}. Today mindspeed-ha supports --enable-high-availability "
+                "(HIGH_AVAILABILITY=dump); drop the other switch or set HIGH_AVAILABILITY=dump.")
+    no_replica = bool(getattr(args, "distributed_optimizer_no_replica", False))
+    replica_num = int(getattr(args, "optimizer_replica_num", 2))
+    interval = int(getattr(args, "ha_verify_replicas_interval", 0))
+    if no_replica and not strategies:
+        raise HAConfigError("--distributed-optimizer-no-replica only has a meaning with high availability "
+                            "on; add --enable-high-availability (or HIGH_AVAILABILITY=dump) or drop it")
+    if replica_num < 2:
+        raise HAConfigError(f"--optimizer-replica-num {replica_num}: needs at least 2 copies of every "
+                            "shard; use --optimizer-replica-num 2 (the default)")
+    if interval < 0:
+        raise HAConfigError(f"--ha-verify-replicas-interval {interval}: use 0 (off) or a positive N")
+    if interval and (not strategies or no_replica):
+        raise HAConfigError("--ha-verify-replicas-interval compares replica shards and needs the replica "
+                            "optimizer: add --enable-high-availability and drop "
+                            "--distributed-optimizer-no-replica, or set the interval to 0")
+    return HAOptions(
+        strategies=frozenset(strategies), replica=not no_replica, replica_num=replica_num,
+        verify_replicas_interval=interval,
+        log_dir=getattr(args, "ha_log_dir", None) or env.get("MINDSPEED_HA_LOG_DIR") or "./logs",
+        key_dir=getattr(args, "ha_key_dir", None), insecure=bool(getattr(args, "ha_insecure", False)),
+        heartbeat_s=float(getattr(args, "ha_heartbeat_interval", 0.5)),
+        hang_timeout_s=float(getattr(args, "ha_hang_timeout", 60.0)), source=source)

@@ -1,0 +1,144 @@
+"""ReplicaOptimizer: megatron-core's (partial) DistributedOptimizer plus what recovery needs.
+
+An optimizer instance keeps its class and behaviour; its ``__class__`` becomes a subclass that adds:
+a stable description of the shard, export/import of the shard state (fp32 main params, exp_avg,
+exp_avg_sq, step) as plain tensors for point-to-point transfer, a fingerprint of that state, and the
+shard's iteration plus an "update in progress" mark around the optimizer step. ``isinstance`` checks
+in Megatron keep working because the class is a subclass of the original. (The methods are copied
+into that subclass rather than mixed in: CPython 3.11 refuses a ``__class__`` swap onto a class whose
+first base is a mixin, "object layout differs".)
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+from typing import Callable, Iterator
+
+import torch
+
+from mindspeed_ha.replica.topology import ReplicaTopology
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
+
+
+def _inner_optimizers(opt) -> list:
+    """The DistributedOptimizers inside a (possibly chained) megatron optimizer."""
+    return list(getattr(opt, "chained_optimizers", None) or [opt])
+
+
+class ReplicaMixin:
+    ha_topology: "ReplicaTopology"
+    _ha_base: type  # the megatron class this replica class extends
+
+    # -- update window ---------------------------------------------------------------------------
+    def ha_attach(self, topology: ReplicaTopology, iteration: int = 0) -> None:
+        self.ha_topology = topology
+        self.ha_iteration = iteration
+        self.ha_updating = False
+        self._ha_listeners: list[Callable[[str, int], None]] = []
+
+    def ha_add_listener(self, fn: Callable[[str, int], None]) -> None:
+        """fn(event, iteration) with event in {"update_start", "update_end"}."""
+        self._ha_listeners.append(fn)
+
+    def _ha_notify(self, event: str, iteration: int) -> None:
+        for fn in list(getattr(self, "_ha_listeners", ())):
+            fn(event, iteration)
+
+    def ha_mark_update_end(self) -> None:
+        """Called when this rank's shard has its new values (before the parameter all-gather)."""
+        if self.ha_updating:
+            self.ha_updating = False
+            self.ha_iteration += 1
+            self._ha_notify("update_end", self.ha_iteration)
+
+    def step(self):
+        target = self.ha_iteration + 1
+        self.ha_updating = True
+        self._ha_notify("update_start", target)
+        result = self._ha_base.step(self)
+        self.ha_mark_update_end()  # no-op if the param-sync hook already marked it
+        return result
+
+    # -- shard state -----------------------------------------------------------------------------
+    def _ha_entries(self) -> Iterator[tuple[str, torch.Tensor, torch.nn.Parameter, object]]:
+        """(name, main_param, model_param, inner_optimizer) in a stable order."""
+        for o, inner in enumerate(_inner_optimizers(self)):
+            model_groups = [a + b for a, b in zip(inner.model_float16_groups, inner.model_fp32_groups)]
+            for g, group in enumerate(inner.optimizer.param_groups):
+                for i, main in enumerate(group["params"]):
+                    yield f"o{o}.g{g}.p{i}", main, model_groups[g][i], inner
+
+    def ha_shard_description(self) -> list[dict]:
+        desc = []
+        for name, main, model_param, inner in self._ha_entries():
+            rng = inner._get_model_param_range_map(model_param)["param"]
+            desc.append({"name": name, "param": inner._param_name(model_param),
+                         "shape": list(model_param.shape), "start": rng.start, "end": rng.end,
+                         "dtype": str(main.dtype)})
+        return desc
+
+    def ha_ensure_state(self) -> None:
+        """Allocate Adam state (a newcomer's optimizer has none until its first step)."""
+        for inner in _inner_optimizers(self):
+            if not inner.optimizer.state:
+                inner._init_optimizer_states_with_dummy_values()
+            for group in inner.optimizer.param_groups:
+                for p in group["params"]:
+                    st = inner.optimizer.state.get(p)
+                    if st is not None and "step" in st:
+                        st["step"] = st["step"].detach().clone()  # never share one step tensor
+
+    def ha_export_shard(self) -> "collections.OrderedDict[str, torch.Tensor]":
+        """Views of the live shard state, in a stable order; send them, don't mutate them."""
+        out = collections.OrderedDict()
+        for name, main, _, inner in self._ha_entries():
+            out[f"{name}.param"] = main.detach()
+            st = inner.optimizer.state.get(main, {})
+            for k in STATE_KEYS:
+                if k in st:
+                    v = st[k]
+                    out[f"{name}.{k}"] = v.detach() if torch.is_tensor(v) else torch.tensor(float(v))
+        return out
+
+    def ha_import_shard(self, tensors: dict) -> None:
+        """Overwrite this rank's shard with ``tensors`` (from ``ha_export_shard`` of a replica)."""
+        self.ha_ensure_state()
+        with torch.no_grad():
+            for name, main, _, inner in self._ha_entries():
+                main.copy_(tensors[f"{name}.param"])
+                st = inner.optimizer.state.setdefault(main, {})
+                for k in STATE_KEYS:
+                    key = f"{name}.{k}"
+                    if key in tensors:
+                        if k in st and torch.is_tensor(st[k]):
+                            st[k].copy_(tensors[key])
+                        else:
+                            st[k] = tensors[key].detach().clone()
+
+    def ha_fingerprint(self) -> "collections.OrderedDict[str, int]":
+        """A 63-bit digest of every shard tensor's bytes (bit-exact: any flipped bit changes it)."""
+        out = collections.OrderedDict()
+        for key, t in self.ha_export_shard().items():
+            raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            out[key] = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1
+        return out
+
+
+_classes: dict[type, type] = {}
+
+
+def make_replica(optimizer, topology: ReplicaTopology, iteration: int = 0):
+    """Turn a megatron-core (Chained/)DistributedOptimizer into a ReplicaOptimizer in place."""
+    cls = type(optimizer)
+    if not is_replica(optimizer):
+        if cls not in _classes:
+            methods = {k: v for k, v in vars(ReplicaMixin).items() if not k.startswith("__")}
+            _classes[cls] = type(f"Replica{cls.__name__}", (cls,), {**methods, "_ha_base": cls})
+        optimizer.__class__ = _classes[cls]
+    optimizer.ha_attach(topology, iteration)
+    return optimizer
+
+
+def is_replica(optimizer) -> bool:
+    return "_ha_base" in vars(type(optimizer))

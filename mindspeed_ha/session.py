@@ -1,0 +1,141 @@
+"""The HA runtime of one rank: options, events, replica optimizer, checks, and (later) the processor.
+
+Both trainers report to it through a handful of hooks (step start/end, phase points, saves); it owns
+nothing of the training loop itself.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch.distributed as dist
+
+from mindspeed_ha.events import EventLog, get_logger, setup_text_log
+from mindspeed_ha.options import HAOptions
+
+log = get_logger("session")
+_current: "RankSession | None" = None
+
+
+def current() -> "RankSession | None":
+    return _current
+
+
+class RankSession:
+    def __init__(self, options: HAOptions, device, rank: int, world_size: int, local_rank: int = 0):
+        global _current
+        self.options, self.device = options, device
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        setup_text_log(options.log_dir, rank)
+        self.events = EventLog.for_rank(options.log_dir, rank)
+        self.trainer = None
+        self.optimizer = None
+        self.topology = None
+        self.injector = None
+        self.processor = None
+        self._replica_pg = None
+        self._writes_loss = False
+        _current = self
+
+    # -- optimizer -------------------------------------------------------------------------------
+    def on_optimizer_built(self, optimizer):
+        """Called (through the get_megatron_optimizer patch) for every optimizer megatron builds."""
+        if not self.options.use_replica_optimizer:
+            return optimizer
+        from megatron.core import parallel_state as ps
+        from mindspeed_ha.replica.optimizer import _inner_optimizers, make_replica
+        from mindspeed_ha.replica.topology import from_parallel_state
+
+        R = self.options.replica_num
+        for inner in _inner_optimizers(optimizer):
+            got = getattr(getattr(inner, "ddp_config", None), "num_distributed_optimizer_instances", None)
+            if got != R:
+                raise RuntimeError(
+                    f"the replica optimizer needs megatron-core's partial distributed optimizer with "
+                    f"num_distributed_optimizer_instances={R} (DDP config and initialize_model_parallel), "
+                    f"got {got}; with Megatron-LM pass --use-distributed-optimizer")
+        self.topology = from_parallel_state(R)
+        make_replica(optimizer, self.topology)
+        optimizer.ha_add_listener(self._on_update)
+        self.optimizer = optimizer
+        self._replica_pg = ps.get_inter_distributed_optimizer_instance_group()
+        pg_ranks = dist.get_process_group_ranks(self._replica_pg)
+        if sorted(pg_ranks) != sorted(self.topology.replica_group):
+            raise RuntimeError(f"rank {self.rank}: megatron-core's inter-instance group {pg_ranks} is not "
+                               f"the replica group {self.topology.replica_group}")
+        # The seeds' line (MindIO's wording), then the same as an event.
+        log.info("rank:%d, report group list: %s", self.rank, self.topology.replica_group)
+        self.events.emit("replica_groups", replica_group=self.topology.replica_group,
+                         instance=self.topology.instance, shard_index=self.topology.shard_index,
+                         dp_ranks=list(self.topology.dp_ranks), replica_num=R,
+                         shard_tensors=len(optimizer.ha_shard_description()))
+        return optimizer
+
+    def _on_update(self, event: str, iteration: int) -> None:
+        if self.processor is not None:
+            (self.processor.update_start if event == "update_start" else self.processor.update_end)(iteration)
+
+    # -- trainer hooks ---------------------------------------------------------------------------
+    def attach_trainer(self, trainer) -> None:
+        from megatron.core import parallel_state as ps
+        self.trainer = trainer
+        self._writes_loss = (ps.is_pipeline_last_stage(ignore_virtual=True)
+                             and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)
+        self.events.emit("start", world_size=self.world_size, device=self.device.kind,
+                         backend=self.device.backend, strategies=sorted(self.options.strategies),
+                         replica=self.options.use_replica_optimizer)
+
+    def fire(self, phase: str, iteration: int) -> None:
+        if self.injector is not None:
+            self.injector.fire_point(phase, iteration)
+
+    def step_start(self, iteration: int) -> None:
+        self._t_step = time.perf_counter()
+        if self.processor is not None:
+            self.processor.step_start(iteration)
+
+    def step_end(self, iteration: int, loss, **extra) -> None:
+        seconds = time.perf_counter() - self._t_step
+        if loss is not None and self._writes_loss:
+            fields = {"iteration": iteration, "loss": loss, "loss_hex": float.hex(loss), "step_s": seconds}
+            gn = extra.get("grad_norm")
+            if gn is not None:
+                fields["grad_norm"] = float(gn)
+            if extra.get("lr") is not None:
+                fields["lr"] = float(extra["lr"])
+            self.events.emit("step", **fields)
+        if self.processor is not None:
+            self.processor.step_end(iteration, loss)
+        n = self.options.verify_replicas_interval
+        if n and self.optimizer is not None and iteration % n == 0:
+            self.verify_replicas(iteration)
+
+    def verify_replicas(self, iteration: int) -> dict:
+        from mindspeed_ha.replica.verify import ReplicaMismatchError, check_replicas
+        t0 = time.perf_counter()
+        try:
+            fields = check_replicas(self.optimizer, iteration, self._replica_pg, self.device.torch_device(self.local_rank))
+        except ReplicaMismatchError as e:
+            self.events.emit("replica_check", iteration=iteration, ok=False, error=str(e))
+            log.error("%s", e)
+            raise
+        fields["seconds"] = time.perf_counter() - t0
+        self.events.emit("replica_check", **fields)
+        return fields
+
+    def saved(self, iteration: int, path: str, seconds: float) -> None:
+        self.events.emit("checkpoint", kind="periodic", iteration=iteration, path=os.path.abspath(path), seconds=seconds)
+        log.info("saved iteration %d to %s in %.2f s", iteration, path, seconds)
+
+    def loaded(self, iteration: int, path: str, seconds: float) -> None:
+        self.events.emit("load", iteration=iteration, path=os.path.abspath(path), seconds=seconds)
+        log.info("loaded iteration %d from %s in %.2f s", iteration, path, seconds)
+
+    def close(self) -> None:
+        global _current
+        if self.processor is not None:
+            self.processor.close()
+        self.events.emit("end", iteration=getattr(self.trainer, "iteration", None))
+        self.events.close()
+        if _current is self:
+            _current = None

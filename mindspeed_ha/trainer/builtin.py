@@ -1,0 +1,224 @@
+"""The built-in megatron-core GPT trainer (used when Megatron-LM's ``megatron.training`` is absent).
+
+Real megatron-core end to end: GPTModel, DistributedDataParallel, (replica) DistributedOptimizer,
+OptimizerParamScheduler, the forward_backward schedules (micro-batching and pipeline parallelism),
+MockGPTDataset or indexed datasets, dist_checkpointing. Megatron-LM's argument names.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+from datetime import timedelta
+from functools import partial
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.num_microbatches_calculator import get_num_microbatches, init_num_microbatches_calculator
+from megatron.core import optimizer as megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer import TransformerConfig
+
+from mindspeed_ha.events import get_logger
+from mindspeed_ha.trainer import checkpoint, data
+from mindspeed_ha.trainer.interface import TrainerInterface
+
+log = get_logger("trainer")
+
+
+def set_seed(seed: int) -> None:
+    # Same seed on every rank, like Megatron-LM; PP stages offset it so their layers differ.
+    seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+class BuiltinTrainer(TrainerInterface):
+    def __init__(self, args: argparse.Namespace, session):
+        self.args = args
+        self.session = session  # mindspeed_ha.session.RankSession: HA hooks, events, device
+        self.iteration = 0
+        self.consumed_samples = 0
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def setup(self) -> None:
+        a, s = self.args, self.session
+        replicas = s.options.replica_num if s.options.use_replica_optimizer else 1
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=a.tensor_model_parallel_size,
+            pipeline_model_parallel_size=a.pipeline_model_parallel_size,
+            context_parallel_size=a.context_parallel_size,
+            expert_model_parallel_size=a.expert_model_parallel_size,
+            num_distributed_optimizer_instances=replicas,
+            distributed_timeout_minutes=a.distributed_timeout_minutes)
+        init_num_microbatches_calculator(dist.get_rank(), None, a.global_batch_size, a.micro_batch_size,
+                                         ps.get_data_parallel_world_size())
+        set_seed(a.seed)
+        self.model_chunks = [self._build_model(replicas)]
+        self.optimizer = megatron_optimizer.get_megatron_optimizer(self._optimizer_config(), self.model_chunks)
+        self.scheduler = self._build_scheduler()
+        self.dataset = data.build_train_dataset(a, a.train_iters * a.global_batch_size)
+        s.attach_trainer(self)
+        if a.load and checkpoint.read_tracker(a.load) is not None:
+            t0 = time.perf_counter()
+            checkpoint.load(self, a.load, load_optim=not a.no_load_optim, load_rng=not a.no_load_rng)
+            s.loaded(self.iteration, a.load, time.perf_counter() - t0)
+        elif a.load:
+            log.warning("--load %s: no checkpoint there yet, starting from iteration 0", a.load)
+        self._data_iter = self.data_iterator(self.consumed_samples)
+
+    def _transformer_config(self) -> TransformerConfig:
+        a = self.args
+        return TransformerConfig(
+            num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+            ffn_hidden_size=a.ffn_hidden_size, hidden_dropout=a.hidden_dropout,
+            attention_dropout=a.attention_dropout, use_cpu_initialization=True,
+            tensor_model_parallel_size=a.tensor_model_parallel_size,
+            pipeline_model_parallel_size=a.pipeline_model_parallel_size,
+            context_parallel_size=a.context_parallel_size, sequence_parallel=a.sequence_parallel,
+            num_moe_experts=a.num_experts, moe_router_topk=a.moe_router_topk,
+            expert_model_parallel_size=a.expert_model_parallel_size,
+            bf16=a.bf16, params_dtype=torch.bfloat16 if a.bf16 else torch.float32,
+            pipeline_dtype=torch.bfloat16 if a.bf16 else torch.float32,
+            bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+            bias_dropout_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
+            moe_token_dispatcher_type="alltoall" if a.num_experts else "allgather",
+            finalize_model_grads_func=self._finalize_grads)
+
+    def _build_model(self, replicas: int):
+        a = self.args
+        config = self._transformer_config()
+        self.config = config
+        model = GPTModel(
+            config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=a.num_experts),
+            vocab_size=data.padded_vocab_size(a.vocab_size, a.tensor_model_parallel_size),
+            max_sequence_length=a.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute")
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=a.overlap_grad_reduce,
+            overlap_param_gather=a.overlap_param_gather,
+            use_distributed_optimizer=a.use_distributed_optimizer,
+            num_distributed_optimizer_instances=replicas, bucket_size=None)
+        config.no_sync_func = None
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        ddp.broadcast_params()
+        return ddp
+
+    def _optimizer_config(self) -> OptimizerConfig:
+        a = self.args
+        return OptimizerConfig(
+            optimizer="adam", lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay,
+            adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.clip_grad,
+            bf16=a.bf16, params_dtype=torch.bfloat16 if a.bf16 else torch.float32,
+            use_distributed_optimizer=a.use_distributed_optimizer)
+
+    def _build_scheduler(self) -> OptimizerParamScheduler:
+        a = self.args
+        gbs = a.global_batch_size
+        return OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=a.lr, min_lr=a.min_lr,
+            lr_warmup_steps=a.lr_warmup_iters * gbs, lr_decay_steps=a.lr_decay_iters * gbs,
+            lr_decay_style=a.lr_decay_style, start_wd=a.weight_decay, end_wd=a.weight_decay,
+            wd_incr_steps=a.train_iters * gbs, wd_incr_style="constant")
+
+    def checkpoint_args(self) -> argparse.Namespace:
+        a = self.args
+        keep = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                "max_position_embeddings", "vocab_size", "tensor_model_parallel_size",
+                "pipeline_model_parallel_size", "micro_batch_size", "global_batch_size", "seed", "bf16")
+        ns = argparse.Namespace(**{k: getattr(a, k) for k in keep})
+        ns.consumed_train_samples = self.consumed_samples
+        ns.padded_vocab_size = data.padded_vocab_size(a.vocab_size, a.tensor_model_parallel_size)
+        ns.data_parallel_size = a.data_parallel_size
+        return ns
+
+    # -- data ------------------------------------------------------------------------------------
+    def data_iterator(self, consumed_samples: int):
+        return data.SampleIterator(self.dataset, consumed_samples, self.args.micro_batch_size,
+                                   ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+
+    # -- the step --------------------------------------------------------------------------------
+    def _finalize_grads(self, *fargs, **fkwargs):
+        self.session.fire("grad-sync", self.iteration + 1)
+        return finalize_model_grads(*fargs, **fkwargs)
+
+    def _loss(self, loss_mask, output_tensor):
+        losses = output_tensor.float()
+        mask = loss_mask.view(-1).float()
+        loss = torch.sum(losses.view(-1) * mask) / mask.sum()
+        if loss.requires_grad:
+            it = self.iteration + 1
+            loss.register_hook(lambda g: (self.session.fire("backward", it), g)[1])
+        return loss, {"lm loss": loss.detach().clone()}
+
+    def _forward_step(self, data_iterator, model):
+        self.session.fire("forward", self.iteration + 1)
+        batch = next(data_iterator)
+        tokens, labels = batch["tokens"], batch["labels"]
+        out = model(tokens, batch["position_ids"], None, labels=labels)
+        return out, partial(self._loss, batch["loss_mask"])
+
+    def train_step(self) -> float | None:
+        a, s = self.args, self.session
+        it = self.iteration + 1
+        s.step_start(it)
+        for m in self.model_chunks:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = get_forward_backward_func()(
+            forward_step_func=self._forward_step, data_iterator=self._data_iter, model=self.model_chunks,
+            num_microbatches=get_num_microbatches(), seq_length=a.seq_length,
+            micro_batch_size=a.micro_batch_size, decoder_seq_length=a.seq_length, forward_only=False)
+        s.fire("optimizer", it)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=a.global_batch_size)
+        self.iteration = it
+        self.consumed_samples += a.global_batch_size
+        loss = None
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            mean = torch.stack([x["lm loss"] for x in losses]).mean().reshape(1)
+            dist.all_reduce(mean, group=ps.get_data_parallel_group())
+            loss = float(mean.item() / ps.get_data_parallel_world_size())
+        s.step_end(it, loss, grad_norm=grad_norm, lr=self.scheduler.get_lr(self.optimizer.param_groups[0]))
+        return loss
+
+    def save_checkpoint(self, save_dir: str) -> str:
+        self.session.fire("checkpoint", self.iteration)
+        path, seconds = checkpoint.save(self, save_dir)
+        self.session.saved(self.iteration, path, seconds)
+        return path
+
+    def load_checkpoint(self, load_dir: str) -> int:
+        return checkpoint.load(self, load_dir)
+
+    # -- the loop --------------------------------------------------------------------------------
+    def train(self) -> None:
+        a = self.args
+        while self.iteration < a.train_iters:
+            t0 = time.perf_counter()
+            loss = self.train_step()
+            dt = time.perf_counter() - t0
+            if loss is not None and self.iteration % a.log_interval == 0 and ps.get_tensor_model_parallel_rank() == 0 \
+                    and ps.get_data_parallel_rank() == 0:
+                print(f" iteration {self.iteration:8d}/{a.train_iters:8d} | lm loss: {loss:.6E} | "
+                      f"step time: {dt * 1000:.1f} ms", flush=True)
+            if a.save and a.save_interval and self.iteration % a.save_interval == 0:
+                self.save_checkpoint(a.save)
+        if a.save and (not a.save_interval or self.iteration % a.save_interval):
+            self.save_checkpoint(a.save)
+
+
+def init_distributed(backend: str, timeout_minutes: int) -> None:
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))

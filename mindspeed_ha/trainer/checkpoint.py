@@ -1,0 +1,153 @@
+"""Checkpoints in Megatron-LM's layout through megatron-core dist_checkpointing (torch_dist).
+
+``DIR/iter_0000010/`` plus ``DIR/latest_checkpointed_iteration.txt``. Written atomically: every rank
+writes into ``iter_XXXXXXX_tmp``, then one rank renames it and only then replaces the tracker file,
+so ``--load`` never sees a torn directory. Loading handles the torch-Adam traps listed in DESIGN.md.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state as ps, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+TRACKER = "latest_checkpointed_iteration.txt"
+SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+CHECKPOINT_VERSION = 3.0
+
+
+def iter_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> int | None:
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    text = open(path).read().strip()
+    if text == "release":
+        return 0
+    it = int(text)
+    return it if os.path.isdir(iter_dir(root, it)) else None
+
+
+def _rng_state() -> ShardedObject:
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state(),
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    pp, tp = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    return ShardedObject("rng_state", [state], (ps.get_pipeline_model_parallel_world_size(),
+                         ps.get_tensor_model_parallel_world_size()), (pp, tp),
+                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+
+
+def _set_rng_state(sharded) -> None:
+    state = sharded[0] if isinstance(sharded, list) else sharded
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def state_dict(trainer, is_loading: bool = False) -> dict:
+    model_sd = {}
+    chunks = trainer.model_chunks
+    if len(chunks) == 1:
+        model_sd["model"] = chunks[0].sharded_state_dict()
+    else:
+        for i, m in enumerate(chunks):
+            model_sd[f"model{i}"] = m.sharded_state_dict()
+    sd = dict(model_sd)
+    sd["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING)
+    sd["opt_param_scheduler"] = trainer.scheduler.state_dict()
+    sd["iteration"] = trainer.iteration
+    sd["consumed_samples"] = trainer.consumed_samples
+    sd["checkpoint_version"] = CHECKPOINT_VERSION
+    sd["args"] = trainer.checkpoint_args()
+    sd["rng_state"] = _rng_state()
+    return sd
+
+
+def save(trainer, root: str, group=None) -> tuple[str, float]:
+    """Collective over ``group`` (default: world). Returns (directory, seconds)."""
+    t0 = time.perf_counter()
+    final, tmp = iter_dir(root, trainer.iteration), iter_dir(root, trainer.iteration) + "_tmp"
+    rank = dist.get_rank(group)
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier(group=group)
+    sd = state_dict(trainer)
+    dist_checkpointing.save(sd, tmp, validate_access_integrity=False, content_metadata=SHARDING)
+    dist.barrier(group=group)
+    if rank == 0:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+        with open(tracker_tmp, "w") as f:
+            f.write(str(trainer.iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    dist.barrier(group=group)
+    return final, time.perf_counter() - t0
+
+
+def _fix_adam_steps(optimizer, iteration_steps) -> None:
+    """dist_checkpointing restores one shared ``step`` tensor (or none) for every parameter: torch's
+    Adam would bump it once per parameter per step. Give each parameter its own, correct tensor."""
+    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        for group in inner.optimizer.param_groups:
+            step = iteration_steps if iteration_steps is not None else group.get("step")
+            for p in group["params"]:
+                st = inner.optimizer.state.get(p)
+                if st is None:
+                    continue
+                value = float(step) if step is not None else float(st["step"])
+                st["step"] = torch.tensor(value, dtype=torch.float32)
+
+
+def load(trainer, root: str, load_optim: bool = True, load_rng: bool = True) -> int:
+    it = read_tracker(root)
+    if it is None:
+        raise FileNotFoundError(f"--load {root}: no complete checkpoint (missing or dangling {TRACKER})")
+    path = iter_dir(root, it)
+    if load_optim:
+        # Trap 1: the optimizer needs real state (with ``step``) before sharded_state_dict(is_loading).
+        for inner in getattr(trainer.optimizer, "chained_optimizers", None) or [trainer.optimizer]:
+            inner._init_optimizer_states_with_dummy_values()
+    sd = state_dict(trainer, is_loading=True)
+    if not load_optim:
+        sd.pop("optimizer")
+    if not load_rng:
+        sd.pop("rng_state")
+    loaded = dist_checkpointing.load(sd, path, strict="assume_ok_unexpected")
+    chunks = trainer.model_chunks
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(loaded["model"])
+    else:
+        for i, m in enumerate(chunks):
+            m.load_state_dict(loaded[f"model{i}"])
+    if load_optim:
+        trainer.optimizer.load_state_dict(loaded["optimizer"])
+        # Traps 2 and 3: per-parameter step from the checkpoint's param_groups, one tensor each.
+        _fix_adam_steps(trainer.optimizer, None)
+    trainer.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if load_rng and "rng_state" in loaded:
+        _set_rng_state(loaded["rng_state"])
+    trainer.iteration = int(loaded["iteration"])
+    trainer.consumed_samples = int(loaded.get("consumed_samples", trainer.iteration * trainer.args.global_batch_size))
+    return trainer.iteration

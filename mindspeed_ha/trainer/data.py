@@ -1,0 +1,70 @@
+"""Training data through megatron.core.datasets: MockGPTDataset (default) or indexed .bin/.idx files.
+
+The position in the data is one number, ``consumed_samples``: the iterator for a step is a pure
+function of it, so a resumed or repaired rank reads exactly the samples the lost one would have.
+Sampling follows Megatron-LM's MegatronPretrainingSampler: each global batch is laid out as
+micro-batch-sized slices, DP rank r reading slice r of every micro-batch group.
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+
+class _Tokenizer(NullTokenizer):
+    """NullTokenizer with the attributes megatron.core.datasets reads."""
+
+    @property
+    def eod(self):
+        return self._eod_id
+
+    @property
+    def pad(self):
+        return -1
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron-LM's rule: NullTokenizer adds EOD, then pad to a multiple of 128 x TP."""
+    multiple = divisible_by * tp
+    n = vocab_size + 1
+    return ((n + multiple - 1) // multiple) * multiple
+
+
+def build_train_dataset(args, train_samples: int):
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=(args.data_path, None) if args.data_path else None,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=_Tokenizer(args.vocab_size),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        mid_level_dataset_surplus=0.005,
+    )
+    cls = GPTDataset if args.data_path else MockGPTDataset
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        cls, [train_samples, 0, 0], lambda: True, config).build()
+    return train
+
+
+class SampleIterator:
+    """Micro-batches for one DP rank, starting at ``consumed_samples``."""
+
+    def __init__(self, dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int):
+        self.dataset = dataset
+        self.next_index = consumed_samples
+        self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        start = self.next_index + self.dp_rank * self.mbs
+        samples = [self.dataset[i] for i in range(start, start + self.mbs)]
+        self.next_index += self.mbs * self.dp_size
+        return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in ("tokens", "labels", "loss_mask", "position_ids")}

@@ -1,0 +1,59 @@
+"""Entry of the built-in trainer: parse, validate (before any model is built), train."""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+from mindspeed_ha.options import HAConfigError
+
+
+def _fail(msg: str, code: int = 2) -> "NoReturn":  # noqa: F821
+    rank = os.environ.get("RANK", "0")
+    sys.stderr.write(f"mindspeed-ha: error (rank {rank}): {msg}\n")
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+def run(argv: list[str] | None = None) -> int:
+    from mindspeed_ha import layout, options as ha_options
+    from mindspeed_ha.device import DeviceError, detect
+    from mindspeed_ha.trainer.args import ArgError, build_parser, finalize
+
+    args = build_parser().parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    try:
+        device = detect()
+        args = finalize(args, world)
+        opts = ha_options.from_args(args)
+        layout.validate(world, args, opts)
+    except (HAConfigError, ArgError, DeviceError) as e:
+        _fail(str(e))
+
+    from mindspeed_ha.adaptor import apply_patches
+    apply_patches(device, megatron_lm=False)
+    device.set_current(local_rank)
+
+    from mindspeed_ha.replica.verify import ReplicaMismatchError
+    from mindspeed_ha.session import RankSession
+    from mindspeed_ha.trainer.builtin import BuiltinTrainer, init_distributed
+
+    init_distributed(args.distributed_backend or device.backend, args.distributed_timeout_minutes)
+    session = RankSession(opts, device, rank, world, local_rank)
+    trainer = BuiltinTrainer(args, session)
+    try:
+        trainer.setup()
+        trainer.train()
+    except ReplicaMismatchError as e:
+        _fail(str(e), code=3)
+    except Exception:
+        traceback.print_exc()
+        raise
+    finally:
+        session.close()
+    import torch.distributed as dist
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0

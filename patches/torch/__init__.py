@@ -1,0 +1,1 @@
+"""Patches of torch modules (mirrors ``torch.*``)."""

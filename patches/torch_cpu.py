@@ -1,0 +1,60 @@
+"""torch.cuda -> CPU stand-ins (applied only when the device layer picked cpu)."""
+import torch
+
+from mindspeed_ha.device import cpu
+
+_mode = None
+
+
+def _own(fn):
+    """A distinct function object per patched name: torch._dynamo's trace rules reject one object
+    registered under two torch names."""
+    def f(*args, **kwargs):
+        return fn(*args, **kwargs)
+    f.__name__ = getattr(fn, "__name__", "f")
+    return f
+
+
+def patches(ctx=None):
+    c = torch.cuda
+    table = [
+        (c, "is_available", lambda: True),  # Megatron-LM asserts CUDA; the work still runs on CPU
+        (c, "current_device", cpu.current_device),
+        (c, "device_count", lambda: 1),
+        (c, "set_device", cpu.noop),
+        (c, "synchronize", cpu.noop),
+        (c, "empty_cache", cpu.noop),
+        (c, "Stream", cpu.Stream),
+        (c, "Event", cpu.Event),
+        (c, "stream", cpu.stream),
+        (c, "current_stream", cpu.current_stream),
+        (c, "default_stream", cpu.current_stream),
+        (c, "set_stream", cpu.noop),
+        (c, "manual_seed", cpu.cuda_manual_seed),
+        (c, "manual_seed_all", cpu.noop),  # torch.manual_seed calls it after seeding the CPU
+        (c, "get_rng_state", cpu.get_rng_state),
+        (c, "set_rng_state", cpu.set_rng_state),
+        (c.random, "get_rng_state", cpu.get_rng_state),
+        (c.random, "set_rng_state", cpu.set_rng_state),
+        (c, "memory_allocated", lambda *a, **k: 0),
+        (c, "max_memory_allocated", lambda *a, **k: 0),
+        (c, "memory_reserved", lambda *a, **k: 0),
+        (c.nvtx, "range_push", cpu.noop),
+        (c.nvtx, "range_pop", cpu.noop),
+        (torch.Tensor, "type", cpu.make_tensor_type(torch.Tensor.type)),
+        (torch.Tensor, "cuda", cpu.tensor_cuda),
+    ]
+    return [(o, a, v if isinstance(v, type) or o is torch.Tensor else _own(v)) for o, a, v in table]
+
+
+def after_apply(ctx=None):
+    global _mode
+    _mode = cpu.CpuDeviceMode()
+    _mode.__enter__()  # process-wide: device='cuda' literals anywhere become cpu
+
+
+def before_remove():
+    global _mode
+    if _mode is not None:
+        _mode.__exit__(None, None, None)
+        _mode = None
