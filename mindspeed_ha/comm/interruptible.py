@@ -14,7 +14,6 @@ This module only *builds* wrappers; ``mindspeed_ha.patches.torch.distributed`` i
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import inspect
 import threading
@@ -25,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-# One wait slice: the bound on stop latency. A slice that ends because the work completed returns
-# at once (the wait is condition-variable based), so the slice length costs nothing on the fast path.
-WAIT_SLICE = datetime.timedelta(milliseconds=20)
+# One wait slice: the bound on stop latency. A slice ends at once when the work completes, so its
+# length costs nothing on the fast path.
+WAIT_SLICE_S = 0.02
 
 _stop = threading.Event()
 _reason = ""
@@ -78,18 +77,36 @@ def _raise_stopped():
 
 
 def wait_work(work) -> None:
-    """Wait for a c10d ``Work`` in slices, raising ``CollectiveStopped`` once a stop is requested."""
-    while True:
-        if _stop.is_set():
-            _raise_stopped()
+    """Wait for a c10d ``Work`` in slices, raising ``CollectiveStopped`` once a stop is requested.
+
+    Collectives: a done-callback on the work's future sets an Event the caller waits on in slices,
+    so completion wakes it at once (no polling lag). Not ``work.wait(timeout)``: for gloo p2p a
+    timed-out wait closes the connection, and ``is_completed()`` of gloo p2p works stays False
+    until ``wait()``. Works without a future (gloo send/recv) are waited for on a helper thread."""
+    if _stop.is_set():
+        _raise_stopped()
+    if not work.is_completed():
+        done = threading.Event()
         try:
-            work.wait(WAIT_SLICE)  # releases the GIL; wakes at once on completion
-            return
-        except RuntimeError:
-            if work.is_completed():  # a real failure (peer gone ...): surface the backend's error
-                work.wait()
-                return
-            # else: the slice timed out ("Operation timed out!"); the work itself is untouched
+            work.get_future().add_done_callback(lambda _f: done.set())
+        except RuntimeError:  # "getFuture not implemented" (gloo p2p)
+            _wait_on_helper(work, done)
+        while not done.wait(WAIT_SLICE_S):
+            if _stop.is_set():
+                _raise_stopped()
+    work.wait()  # completed: returns at once, or raises the backend's error
+
+
+def _wait_on_helper(work, done: threading.Event) -> None:
+    def run():
+        try:
+            work.wait()
+        except Exception:  # surfaces again from the caller's own work.wait()
+            pass
+        done.set()
+
+    # a daemon thread per wait: one left blocked on a hung peer after a stop must not block exit
+    threading.Thread(target=run, name="mindspeed-ha-p2p-wait", daemon=True).start()
 
 
 class PollingWork(dist.Work):

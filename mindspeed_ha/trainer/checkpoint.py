@@ -22,6 +22,12 @@ SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 CHECKPOINT_VERSION = 3.0
 
 
+def unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
 def iter_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
@@ -62,7 +68,7 @@ def _set_rng_state(sharded) -> None:
 
 def state_dict(trainer, is_loading: bool = False) -> dict:
     model_sd = {}
-    chunks = trainer.model_chunks
+    chunks = [unwrap(m) for m in trainer.model_chunks]  # Megatron-LM saves the unwrapped modules
     if len(chunks) == 1:
         model_sd["model"] = chunks[0].sharded_state_dict()
     else:
@@ -135,14 +141,15 @@ def load(trainer, root: str, load_optim: bool = True, load_rng: bool = True) -> 
     if not load_rng:
         sd.pop("rng_state")
     loaded = dist_checkpointing.load(sd, path, strict="assume_ok_unexpected")
-    chunks = trainer.model_chunks
+    chunks = [unwrap(m) for m in trainer.model_chunks]
     if len(chunks) == 1:
         chunks[0].load_state_dict(loaded["model"])
     else:
         for i, m in enumerate(chunks):
             m.load_state_dict(loaded[f"model{i}"])
     if load_optim:
-        trainer.optimizer.load_state_dict(loaded["optimizer"])
+        with torch.no_grad():  # fp32 shards are views of leaf parameters
+            trainer.optimizer.load_state_dict(loaded["optimizer"])
         # Traps 2 and 3: per-parameter step from the checkpoint's param_groups, one tensor each.
         _fix_adam_steps(trainer.optimizer, None)
     trainer.scheduler.load_state_dict(loaded["opt_param_scheduler"])

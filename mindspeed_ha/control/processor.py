@@ -1,0 +1,376 @@
+"""The processor: a thread on every rank that reports to the controller and runs its actions.
+
+The main (training) thread only touches plain attributes through the hooks (``step_start`` ...) and
+an outbox; the processor thread owns the ZeroMQ socket (sockets are not thread-safe). Actions run
+through handlers registered by name; ``exit`` and ``stop`` run on the processor thread at once
+(they must work while the main thread is blocked in a collective), the others on a handler thread
+so heartbeats go on while a long repair runs.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import socket as _socket
+import threading
+import time
+
+import zmq
+
+from ..events import EventLog, get_logger, setup_text_log
+from ..options import HAOptions
+from . import election, protocol as P, security
+
+log = get_logger("control.processor")
+INLINE_ACTIONS = ("stop", "exit", "standby")
+
+_MEMORY_WORDS = ("out of memory", "outofmemory", "uce", "hbm", "ecc", "memory error", "uncorrectable",
+                 "memory corruption")
+_COMM_WORDS = ("nccl", "gloo", "hccl", "connection closed", "connection reset", "broken pipe",
+               "timed out", "timeout", "processgroup", "distbackenderror", "socket", "peer",
+               "communicator", "collective")
+
+
+def classify(exc: BaseException) -> str:
+    """memory-error / comm-failure / other, from the type first and the message second."""
+    names = {c.__name__ for c in type(exc).__mro__}
+    text = f"{type(exc).__name__}: {exc}".lower()
+    if names & {"MemoryError", "OutOfMemoryError"} or any(w in text for w in _MEMORY_WORDS):
+        return "memory-error"
+    if names & {"DistBackendError", "DistNetworkError", "DistStoreError", "ConnectionError",
+                "CollectiveStopped"} or any(w in text for w in _COMM_WORDS):
+        return "comm-failure"
+    return "other"
+
+
+def job_id_from_env() -> str | None:
+    return os.environ.get("MINDSPEED_HA_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or None
+
+
+class ControllerLink:
+    """A DEALER connection to whichever controller is active, with failover.
+
+    ``hello()`` returns the registration frame, resent on every new connection; frames sent with
+    ``replay=True`` (fault and exit reports) are resent after it too, so a report made while the
+    controller was dying reaches its successor (controllers de-duplicate)."""
+
+    def __init__(self, keys: security.Keys, log_dir: str, job_id: str | None, hello, heartbeat_s: float,
+                 name: str = "processor", ctx: zmq.Context | None = None):
+        self.ctx = ctx or zmq.Context.instance()
+        self.keys, self.hello, self.name = keys, hello, name
+        self.cands = election.Candidates(log_dir, job_id, answer_wait=max(1.0, 2 * heartbeat_s),
+                                         standby_wait=max(4.0, 8 * heartbeat_s))
+        self.lost_after = max(3 * heartbeat_s, 1.5)
+        self.sock: zmq.Socket | None = None
+        self.endpoint: str | None = None
+        self.epoch = 0
+        self.active = False          # answered by a controller that is not a standby
+        self.answered = False
+        self._t_connect = self._last_heard = self._standby_since = 0.0
+        self._replay: collections.deque = collections.deque(maxlen=64)
+        self.drops = P.DropCounter(log)
+        self.ever_active = False
+
+    def _connect(self, ep: str) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        s = self.ctx.socket(zmq.DEALER)
+        s.linger = 500
+        s.maxmsgsize = P.MAX_BYTES + 1024
+        security.secure_client(s, self.keys)
+        s.connect(ep)
+        self.sock, self.endpoint = s, ep
+        self.answered = self.active = False
+        self._t_connect = time.monotonic()
+        self._standby_since = 0.0
+        self._send_raw(self.hello())
+        for data in list(self._replay):
+            self._send_raw(data)
+
+    def _send_raw(self, data: bytes) -> None:
+        try:
+            self.sock.send(data, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def send(self, data: bytes, replay: bool = False) -> None:
+        if replay:
+            self._replay.append(data)
+        if self.sock is not None:
+            self._send_raw(data)
+
+    def maintain(self) -> None:
+        now = time.monotonic()
+        if self.sock is None:
+            ep = self.cands.next(None)
+            if ep:
+                self._connect(ep)
+            return
+        why = None
+        if not self.answered and now - self._t_connect > self.cands.answer_wait:
+            why = "no answer"
+        elif self.answered and not self.active and now - self._standby_since > self.cands.standby_wait:
+            why = "standby without quorum"
+        elif self.active and now - self._last_heard > self.lost_after:
+            why = f"silent for {now - self._last_heard:.1f}s"
+        if why:
+            ep = self.cands.next(self.endpoint)
+            if self.active:
+                log.warning("%s lost controller %s (%s); trying %s", self.name, self.endpoint, why, ep)
+            if ep:
+                self._connect(ep)
+
+    def receive(self, timeout_ms: int) -> list[dict]:
+        if self.sock is None:
+            time.sleep(timeout_ms / 1000)
+            return []
+        out = []
+        if not self.sock.poll(timeout_ms):
+            return out
+        while True:
+            try:
+                data = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                msg = P.decode(data)
+            except P.ProtocolError as e:
+                self.drops.drop("malformed", str(e))
+                continue
+            now = time.monotonic()
+            t = msg["t"]
+            if t == "ack":
+                self._last_heard = now
+                if not self.answered:
+                    self.answered = True
+                if msg.get("standby"):
+                    if not self._standby_since:
+                        self._standby_since = now
+                    self.active = False
+                else:
+                    if not self.active:
+                        log.info("%s connected to controller %s (epoch %d)", self.name, self.endpoint, msg["epoch"])
+                    self.active = self.ever_active = True
+                    self.epoch = msg["epoch"]
+                    self.cands.connected(self.endpoint, msg["epoch"])
+                if msg.get("backups"):
+                    self.cands.backups = list(msg["backups"])
+            elif t == "refused":
+                self._last_heard = now
+                self._send_raw(self.hello())
+            elif t == "do":
+                self._last_heard = now
+                out.append(msg)
+            else:
+                out.append(msg)
+        return out
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=300)
+            self.sock = None
+
+
+class Processor:
+    def __init__(self, rank: int, world_size: int, local_rank: int, node: str, options: HAOptions,
+                 replica_groups: list[list[int]]):
+        self.rank, self.world, self.local_rank, self.node = rank, world_size, local_rank, node or _socket.gethostname()
+        self.options = options
+        self.groups = [list(map(int, g)) for g in (replica_groups or []) if rank in g]
+        self.log_dir = options.log_dir
+        self.job_id = job_id_from_env()
+        self.handlers: dict[str, callable] = {}
+        self.controller = None         # the Controller hosted here (rank 0, or a standby)
+        self.iteration = -1
+        self.updating = False
+        self.phase = "startup"
+        self.health = "ok"
+        self.loss = None
+        self._progress = 0.0
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._sent = threading.Event()
+        self._thread = self._worker = None
+        self.link: ControllerLink | None = None
+        self.events: EventLog | None = None
+
+    # ---- life ---------------------------------------------------------------------------------
+    def start(self) -> "Processor":
+        setup_text_log(self.log_dir, self.rank)
+        self.events = EventLog.for_rank(self.log_dir, self.rank)
+        mode = os.environ.get("MINDSPEED_HA_CONTROLLER", "rank0")
+        self.keys = security.Keys.load(self.log_dir, self.options.key_dir, self.options.insecure,
+                                       create=(self.rank == 0 and mode == "rank0"))
+        if self.rank == 0 and mode == "rank0":
+            from .controller import Controller
+            self.controller = Controller(self.log_dir, self.world, self.options, self.keys, rank=0,
+                                         job_id=self.job_id, local_exit=self._exit_now).start()
+        self.link = ControllerLink(self.keys, self.log_dir, self.job_id, self._hello, self.options.heartbeat_s,
+                                   name=f"rank {self.rank}")
+        self._thread = threading.Thread(target=self._run, name="mindspeed-ha-processor", daemon=True)
+        self._worker = threading.Thread(target=self._work_loop, name="mindspeed-ha-handlers", daemon=True)
+        self._thread.start()
+        self._worker.start()
+        return self
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Leave cleanly: say bye (the controller then does not read our exit as a fault); the
+        controller's host waits for the others to finish so no one loses its controller early."""
+        if self._thread is None:
+            return
+        self._sent.clear()
+        self._outbox.put(P.encode("bye", rank=self.rank))
+        self._sent.wait(1.0)
+        if self.controller is not None and not self.controller.standby:
+            self.controller.done.wait(timeout)
+        self._stop.set()
+        self._work.put(None)
+        self._thread.join(2.0)
+        if self.controller is not None:
+            self.controller.close()
+        self._thread = None
+
+    def register_handler(self, action: str, fn) -> None:
+        """``fn(args: dict) -> (ok: bool, detail: str) | None``; a raised exception means not ok."""
+        self.handlers[action] = fn
+
+    # ---- hooks for the training loop (main thread) -------------------------------------------
+    def step_start(self, iteration: int) -> None:
+        self.iteration, self.phase, self._progress = int(iteration), "forward", time.time()
+
+    def step_end(self, iteration: int, loss=None) -> None:
+        self.iteration, self.phase, self._progress = int(iteration), "step", time.time()
+        if loss is not None:
+            self.loss = float(loss)
+            if self.loss != self.loss:
+                self.health = "nan-loss"
+
+    def update_start(self, iteration: int) -> None:
+        self.updating, self.phase, self._progress = True, "optimizer", time.time()
+
+    def update_end(self, iteration: int) -> None:
+        self.updating, self._progress = False, time.time()
+
+    def mark_phase(self, phase: str) -> None:
+        """Optional finer progress marks (forward, backward, grad-sync, ...): they make hang
+        attribution and the diagnosis precise."""
+        self.phase, self._progress = phase, time.time()
+
+    def report_exception(self, exc: BaseException, iteration: int, phase: str) -> str:
+        kind = classify(exc)
+        if type(exc).__name__ == "CollectiveStopped":
+            return "stopped"  # we stopped it ourselves: not a new fault
+        self.health = "faulty"
+        detail = f"{type(exc).__name__}: {exc}"[:1000]
+        if self.events:
+            self.events.emit("exception", kind=kind, iteration=int(iteration), phase=phase, detail=detail)
+        self._sent.clear()
+        self._outbox.put((P.encode("fault", rank=self.rank, kind=kind, iteration=int(iteration),
+                                   phase=str(phase)[:64], detail=detail, at=time.time()), True))
+        self._sent.wait(1.0)  # handed to ZeroMQ before the caller may let the process die
+        return kind
+
+    # ---- processor thread ---------------------------------------------------------------------
+    def _hello(self) -> bytes:
+        return P.encode("register", rank=self.rank, world=self.world, node=self.node, pid=os.getpid(),
+                        local_rank=self.local_rank, groups=self.groups, host=_socket.gethostname(),
+                        iteration=self.iteration)
+
+    def _run(self) -> None:
+        hb = self.options.heartbeat_s
+        next_hb = 0.0
+        was_active = False
+        while not self._stop.is_set():
+            try:
+                self.link.maintain()
+                while True:
+                    try:
+                        item = self._outbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    data, replay = item if isinstance(item, tuple) else (item, False)
+                    self.link.send(data, replay=replay)
+                    self._sent.set()
+                now = time.monotonic()
+                if now >= next_hb:
+                    next_hb = now + hb
+                    self.link.send(P.encode("hb", rank=self.rank, it=self.iteration, upd=self.updating,
+                                            health=self.health, phase=self.phase, progress=self._progress))
+                for msg in self.link.receive(20):
+                    if msg["t"] == "do":
+                        self._dispatch(msg)
+                if self.link.active and not was_active:
+                    self.events.emit("controller", endpoint=self.link.endpoint, epoch=self.link.epoch)
+                was_active = self.link.active
+            except Exception:
+                log.exception("processor loop error (continuing)")
+                time.sleep(0.1)
+        self.link.close()
+
+    def _dispatch(self, msg: dict) -> None:
+        action, aid, args = msg["action"], msg["id"], msg.get("args", {})
+        self.events.emit("action", action=action, id=aid, args={k: v for k, v in args.items() if k != "diagnosis"})
+        if action == "exit":
+            self._result(action, aid, True, "exiting")
+            self._exit_now(int(args.get("code", 1)), flush_link=True)
+        elif action in INLINE_ACTIONS:
+            self._run_handler(action, aid, args)
+        else:
+            self._work.put((action, aid, args))
+
+    def _run_handler(self, action, aid, args) -> None:
+        fn = self.handlers.get(action) or getattr(self, f"_builtin_{action}", None)
+        if fn is None:
+            self._result(action, aid, False, f"no handler for {action!r} on rank {self.rank}")
+            return
+        try:
+            res = fn(args)
+            ok, detail = res if isinstance(res, tuple) else (True, "" if res is None else str(res))
+        except Exception as e:
+            log.exception("handler %s failed", action)
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        self._result(action, aid, bool(ok), str(detail)[:1000])
+
+    def _result(self, action, aid, ok, detail="") -> None:
+        data = P.encode("result", rank=self.rank, action=action, id=aid, ok=ok, detail=detail)
+        if threading.current_thread() is self._thread:
+            self.link.send(data)
+        else:
+            self._outbox.put(data)
+
+    def _work_loop(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            self._run_handler(*item)
+
+    # ---- built-in handlers --------------------------------------------------------------------
+    def _builtin_stop(self, args):
+        try:
+            from mindspeed_ha.comm.interruptible import request_stop
+        except ImportError:
+            return True, "no interruptible collectives in this build; nothing to stop"
+        request_stop()
+        return True, "stop requested"
+
+    def _builtin_standby(self, args):
+        from .controller import Controller
+        if self.controller is None:
+            self.controller = Controller(self.log_dir, self.world, self.options, self.keys, rank=self.rank,
+                                         standby=True, epoch=int(args.get("epoch", 1)), job_id=self.job_id,
+                                         local_exit=self._exit_now).start()
+        return True, self.controller.endpoint
+
+    def _exit_now(self, code: int, flush_link: bool = False) -> None:
+        try:
+            if self.events:
+                self.events.emit("exit", code=code)
+            for h in logging.getLogger("mindspeed_ha").handlers:
+                h.flush()
+            if flush_link and self.link is not None:
+                self.link.close()  # linger: the result above leaves before we go
+        finally:
+            os._exit(code)

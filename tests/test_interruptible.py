@@ -1,0 +1,291 @@
+"""Interruptible collectives on a real 4-process gloo job.
+
+The workers are this file run as a script (``python test_interruptible.py MODE RANK ...``); the test
+process hosts the TCPStores, so a hung or stopped rank never takes the rendezvous down with it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+WORLD = 4
+HERE = os.path.abspath(__file__)
+
+
+# ----------------------------------------------------------------------------------- workers
+
+def _init(rank, port):
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=120))
+
+
+def _apply_patches():
+    from mindspeed_ha import patches as P
+
+    P.apply("interruptible_collectives", {"import_megatron": False})
+    return P
+
+
+def worker_stop(rank, port, port2, out):
+    """Ranks 0-2 block in an all_reduce that rank 3 never joins (it hangs, alive); a watcher thread
+    requests a stop; the main thread must raise CollectiveStopped within 1 s. Survivors then
+    rebuild a 3-rank gloo group over a fresh store and all-reduce."""
+    import torch
+    import torch.distributed as dist
+
+    from mindspeed_ha.comm import CollectiveStopped, clear_stop, request_stop, stop_requested
+
+    _init(rank, port)
+    _apply_patches()
+    t = torch.ones(1024)
+    dist.all_reduce(t)  # all four ranks: the group works
+    assert t[0].item() == WORLD
+    dist.barrier()
+    if rank == WORLD - 1:
+        time.sleep(600)  # hung but alive; the test kills it
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    def expect_stop(what, fn, delay):
+        """Run ``fn`` (which blocks on rank 3); a watcher thread requests a stop after ``delay``."""
+        stopped_at = {}
+
+        def watcher():
+            time.sleep(delay)
+            stopped_at["t"] = time.monotonic()
+            request_stop("test: rank 3 hung")
+
+        th = threading.Thread(target=watcher, daemon=True)
+        th.start()
+        try:
+            fn()
+            result.setdefault("error", f"{what} returned")
+        except CollectiveStopped as e:
+            result[f"{what}_latency_s"] = time.monotonic() - stopped_at["t"]
+            result["message"] = str(e)
+        th.join()
+        # a collective issued while the stop is pending raises at once
+        try:
+            dist.barrier()
+            result.setdefault("error", f"barrier after stop ({what}) returned")
+        except CollectiveStopped:
+            pass
+        assert stop_requested()
+        clear_stop()
+
+    def coalesced():  # megatron's grad-sync shape: sync ops inside a coalescing block
+        with c10d._coalescing_manager():
+            dist.all_reduce(torch.ones(4))
+            dist.all_reduce(torch.ones(4))
+
+    def async_handle():
+        dist.all_reduce(torch.ones(4), async_op=True).wait()
+
+    result = {"rank": rank}
+    expect_stop("all_reduce", lambda: dist.all_reduce(t), 1.0)
+    expect_stop("coalesced", coalesced, 0.3)
+    expect_stop("async_wait", async_handle, 0.3)
+    expect_stop("recv", lambda: dist.recv(torch.empty(2), WORLD - 1), 0.3)
+
+    # rebuild: a fresh ProcessGroupGloo over a PrefixStore of a new TCPStore, survivors only
+    t0 = time.monotonic()
+    store = dist.TCPStore("127.0.0.1", port2, WORLD - 1, is_master=False,
+                          timeout=timedelta(seconds=60))
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("rebuild/1", store), rank, WORLD - 1,
+                               timedelta(seconds=60))
+    x = torch.full((8,), float(rank + 1))
+    pg.allreduce([x]).wait()
+    result["rebuilt_sum"] = x[0].item()
+    result["rebuild_s"] = time.monotonic() - t0
+    with open(os.path.join(out, f"stop_{rank}.json"), "w") as f:
+        json.dump(result, f)
+    os._exit(0)  # the old default group still has a pending op on the hung peer: don't tear it down
+
+
+def _mixed_collectives(rank, sub):
+    """A deterministic mix of collectives; returns their results as a list of tensors/objects."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    g = torch.Generator().manual_seed(1234 + rank)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    out = []
+    a = r(37)
+    dist.all_reduce(a)
+    out.append(a)
+    b = r(5)
+    dist.all_reduce(b, dist.ReduceOp.MAX, None, False)  # async_op passed positionally
+    out.append(b)
+    w = dist.all_reduce(c := r(11), async_op=True)
+    w.wait()
+    out.append(c)
+    d = r(6) if rank == 1 else torch.zeros(6)
+    dist.broadcast(d, src=1)
+    out.append(d)
+    ag = torch.empty(WORLD * 3)
+    dist.all_gather_into_tensor(ag, r(3))
+    out.append(ag)
+    lst = [torch.empty(2) for _ in range(WORLD)]
+    dist.all_gather(lst, r(2))
+    out += lst
+    rs = torch.empty(4)
+    dist.reduce_scatter_tensor(rs, r(4 * WORLD))
+    out.append(rs)
+    rs2 = torch.empty(3)
+    dist.reduce_scatter(rs2, [r(3) for _ in range(WORLD)])
+    out.append(rs2)
+    ab = torch.empty(WORLD * 2)
+    dist._all_gather_base(ab, r(2))
+    out.append(ab)
+    dist.barrier()
+    # coalesced, sync and async, as megatron's param_and_grad_buffer does
+    xs = [r(8) for _ in range(3)]
+    with c10d._coalescing_manager(sub):
+        for x in xs:
+            dist.all_reduce(x, group=sub)
+    out += xs
+    shards = [torch.empty(2) for _ in range(2)]
+    with c10d._coalescing_manager(sub, async_ops=True) as cm:
+        for s in shards:
+            dist.reduce_scatter_tensor(s, r(2 * dist.get_world_size(sub)), group=sub, async_op=True)
+    cm.wait()
+    out += shards
+    # p2p ring, send/recv and batch
+    nxt, prv = (rank + 1) % WORLD, (rank - 1) % WORLD
+    buf = torch.empty(4)
+    if rank % 2 == 0:
+        dist.send(r(4), nxt)
+        dist.recv(buf, prv)
+    else:
+        dist.recv(buf, prv)
+        dist.send(r(4), nxt)
+    out.append(buf)
+    rb = torch.empty(3)
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, r(3), nxt), dist.P2POp(dist.irecv, rb, prv)])
+    for q in reqs:
+        q.wait()
+    out.append(rb)
+    objs = [None] * WORLD
+    dist.all_gather_object(objs, {"rank": rank, "v": r(1).item()})
+    out.append(objs)
+    return out
+
+
+def worker_equiv(rank, port, port2, out):
+    """Same collectives unpatched, patched, and unpatched again: bit-identical results."""
+    import torch
+    import torch.distributed as dist
+
+    _init(rank, port)
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    sub = groups[rank // 2]
+
+    def digest(res):
+        return [x.numpy().tobytes().hex() if isinstance(x, torch.Tensor) else json.dumps(x)
+                for x in res]
+
+    base = digest(_mixed_collectives(rank, sub))
+    P = _apply_patches()
+    from mindspeed_ha.comm.interruptible import PollingWork
+
+    assert hasattr(dist.all_reduce, "__mindspeed_ha_original__")
+    w = dist.all_reduce(torch.ones(2), async_op=True)
+    assert isinstance(w, PollingWork) and w.wait()
+    patched = digest(_mixed_collectives(rank, sub))
+    P.remove_all()
+    assert not hasattr(dist.all_reduce, "__mindspeed_ha_original__")
+    again = digest(_mixed_collectives(rank, sub))
+    with open(os.path.join(out, f"equiv_{rank}.json"), "w") as f:
+        json.dump({"base": base, "patched": patched, "again": again}, f)
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------- tests
+
+def _launch(mode, tmp_path, env_extra=None):
+    import torch.distributed as dist
+
+    stores = [dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False)
+              for n in (WORLD, WORLD - 1)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning",
+               **(env_extra or {}))
+    procs = [subprocess.Popen([sys.executable, HERE, mode, str(r), str(stores[0].port),
+                               str(stores[1].port), str(tmp_path)], env=env)
+             for r in range(WORLD)]
+    return stores, procs
+
+
+def _reap(procs, ranks, timeout):
+    deadline = time.monotonic() + timeout
+    codes = {}
+    for r in ranks:
+        try:
+            codes[r] = procs[r].wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            codes[r] = None
+    return codes
+
+
+def _kill_all(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_stop_leaves_blocked_collective_and_group_rebuilds(tmp_path):
+    stores, procs = _launch("stop", tmp_path)
+    try:
+        codes = _reap(procs, range(WORLD - 1), 90)
+        assert procs[WORLD - 1].poll() is None, "the hung rank should still be alive"
+    finally:
+        _kill_all(procs)
+    assert codes == {0: 0, 1: 0, 2: 0}, codes
+    for r in range(WORLD - 1):
+        res = json.load(open(tmp_path / f"stop_{r}.json"))
+        assert "error" not in res, res
+        lat = {k[:-len("_latency_s")]: v for k, v in res.items() if k.endswith("_latency_s")}
+        assert set(lat) == {"all_reduce", "coalesced", "async_wait", "recv"}, res
+        assert max(lat.values()) < 1.0, res
+        assert "rank 3 hung" in res["message"]
+        assert res["rebuilt_sum"] == 1 + 2 + 3
+        print(f"rank {r}: stop latency (ms) " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in lat.items())
+              + f"; rebuild {res['rebuild_s']:.2f} s")
+
+
+def test_patched_collectives_bit_identical(tmp_path):
+    stores, procs = _launch("equiv", tmp_path)
+    try:
+        codes = _reap(procs, range(WORLD), 120)
+    finally:
+        _kill_all(procs)
+    assert codes == {r: 0 for r in range(WORLD)}, codes
+    for r in range(WORLD):
+        res = json.load(open(tmp_path / f"equiv_{r}.json"))
+        assert res["base"] == res["patched"] == res["again"]
+
+
+def test_request_stop_api():
+    from mindspeed_ha.comm import clear_stop, request_stop, stop_requested
+
+    assert not stop_requested()
+    request_stop("x")
+    assert stop_requested()
+    clear_stop()
+    assert not stop_requested()
+
+
+if __name__ == "__main__":
+    mode, rank, port, port2, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    {"stop": worker_stop, "equiv": worker_equiv}[mode](rank, port, port2, out)
