@@ -85,28 +85,38 @@ def wait_work(work) -> None:
     until ``wait()``. Works without a future (gloo send/recv) are waited for on a helper thread."""
     if _stop.is_set():
         _raise_stopped()
-    if not work.is_completed():
-        done = threading.Event()
-        try:
-            work.get_future().add_done_callback(lambda _f: done.set())
-        except RuntimeError:  # "getFuture not implemented" (gloo p2p)
-            _wait_on_helper(work, done)
-        while not done.wait(WAIT_SLICE_S):
-            if _stop.is_set():
-                _raise_stopped()
-    work.wait()  # completed: returns at once, or raises the backend's error
+    if work.is_completed():
+        work.wait()  # returns at once, or raises the backend's error
+        return
+    done = threading.Event()
+    helper_errors = None
+    try:
+        work.get_future().add_done_callback(lambda _f: done.set())
+    except RuntimeError:  # "getFuture not implemented" (gloo p2p)
+        helper_errors = _wait_on_helper(work, done)
+    while not done.wait(WAIT_SLICE_S):
+        if _stop.is_set():
+            _raise_stopped()
+    if helper_errors is None:
+        work.wait()  # future completed: returns at once, or raises the backend's error
+    elif helper_errors:
+        raise helper_errors[0]
+    # else the helper already waited: a second wait() on a gloo p2p work blocks for the next message
 
 
-def _wait_on_helper(work, done: threading.Event) -> None:
+def _wait_on_helper(work, done: threading.Event) -> list:
+    errors: list[BaseException] = []
+
     def run():
         try:
             work.wait()
-        except Exception:  # surfaces again from the caller's own work.wait()
-            pass
+        except BaseException as e:  # re-raised in the caller's thread
+            errors.append(e)
         done.set()
 
     # a daemon thread per wait: one left blocked on a hung peer after a stop must not block exit
     threading.Thread(target=run, name="mindspeed-ha-p2p-wait", daemon=True).start()
+    return errors
 
 
 class PollingWork(dist.Work):
@@ -115,11 +125,15 @@ class PollingWork(dist.Work):
     def __init__(self, work):
         super().__init__()
         self._work = work
+        self._waited = False
 
     def wait(self, timeout=None):
+        if self._waited:
+            return True
         if timeout:  # an explicit timeout keeps torch's meaning
             return self._work.wait(timeout)
         wait_work(self._work)
+        self._waited = True
         return True
 
     def is_completed(self):

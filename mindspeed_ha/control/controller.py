@@ -77,8 +77,9 @@ class Controller:
         self.local_exit = local_exit          # how the host rank exits (never through the socket)
         self.write_json = write_json
         self.hb = float(self.options.heartbeat_s)
-        self.dead_after = float(os.environ.get("MINDSPEED_HA_DEAD_AFTER", 0) or 0) or 1.5 * self.hb
+        self.dead_after = float(os.environ.get("MINDSPEED_HA_DEAD_AFTER", 0) or 0) or 1.8 * self.hb  # <= 2 heartbeats with the scan granularity
         self.hang_timeout = float(self.options.hang_timeout_s)
+        self.settle_s = 0.25
         self.ranks: dict[int, Rank] = {}
         self.by_ident: dict[bytes, int] = {}
         self.agents: dict[int, Agent] = {}
@@ -288,8 +289,8 @@ class Controller:
         if self.machine.state in (S.EXIT, S.DONE):
             return  # survivors we told to exit
         how = f"killed by signal {sig}" if sig else f"exit code {code}"
-        it = info.it if info else -1
-        phase = info.phase if info else "unknown"
+        it = msg.get("iteration", info.it if info else -1)
+        phase = msg.get("phase", info.phase if info else "unknown")
         at = msg.get("at")
         self._fault([r], "process-exit", it, phase, detect_s=max(0.0, time.time() - at) if at else 0.0,
                     detail=f"pid {msg['pid']} {how}", key=("exit", r, msg["pid"]))
@@ -428,7 +429,11 @@ class Controller:
                 return
         if st == S.PAUSE and self._stop_id is not None:
             pend = self._pending.get(self._stop_id)
-            if pend is None or not (pend["waiting"] & self._live()):
+            # Dwell a little: the agent's exit report of a killed rank can trail the survivors'
+            # communication errors by tens of ms, and the strategy must see the real cause.
+            if now - self.machine.entered < self.settle_s:
+                pass
+            elif pend is None or not (pend["waiting"] & self._live()):
                 self._feed(O.STOPPED)
                 return
         if st == S.EXIT:
@@ -448,8 +453,7 @@ class Controller:
     def _act_pause(self):
         """Stop every survivor; decision latency is fault detection -> last stop sent."""
         fault = self.active_faults[-1] if self.active_faults else None
-        survivors = sorted(self._live() - {r for f in self.active_faults for r in f["ranks"]
-                                             if f["kind"] != "hang"})
+        survivors = sorted(self._live())  # every live rank, reporters of comm failures included
         self._stop_id = self._do("stop", survivors)
         if fault is not None:
             decide_ms = (time.monotonic() - fault["t_detect"]) * 1e3
@@ -465,20 +469,30 @@ class Controller:
         return outcome
 
     def diagnosis(self) -> str:
-        if not self.active_faults and not self.faults:
+        faults = self.active_faults or self.faults
+        if not faults:
             return "mindspeed-ha: the job ended without a recorded fault."
-        parts = []
-        for f in (self.active_faults or self.faults):
-            ranks = ", ".join(map(str, f["ranks"]))
-            nodes = ", ".join(sorted(set(f["nodes"])))
-            parts.append(f"rank {ranks} (node {nodes}) failed with {f['kind']}"
-                         f"{' (' + f['detail'] + ')' if f['detail'] else ''} at iteration {f['iteration']}, "
-                         f"phase {f['phase']}; detected {f['detect_s']:.2f}s after it was observed")
-        live = sorted(self._live() - {r for f in self.active_faults for r in f["ranks"]})
-        return ("mindspeed-ha diagnosis: " + "; ".join(parts) + ". "
-                f"Recovery: {self.strategy_note or 'none'}; so the job ends here: the {len(live)} surviving "
-                f"rank(s) were told to exit. Training can resume from the last checkpoint. "
-                f"Events: {os.path.join(self.log_dir, 'events', 'controller.jsonl')}.")
+        # The first fault of an episode is the cause; communication failures that follow it are
+        # survivors noticing the loss, so they are summarised, not described.
+        root = next((f for f in faults if f["kind"] != "comm-failure"), faults[0])
+        nodes = ", ".join(sorted(set(root["nodes"])))
+        detail = f" ({root['detail'][:160]})" if root["detail"] else ""
+        text = (f"mindspeed-ha diagnosis: rank {', '.join(map(str, root['ranks']))} (node {nodes}) failed: "
+                f"{root['kind']}{detail} at iteration {root['iteration']}, phase {root['phase']}; "
+                f"the controller knew {root['detect_s']:.2f}s after the fault was observed.")
+        rest = [f for f in faults if f is not root]
+        follow = sorted({r for f in rest if f["kind"] == "comm-failure" for r in f["ranks"]})
+        other = [f for f in rest if f["kind"] != "comm-failure"]
+        if follow:
+            text += f" Then rank(s) {', '.join(map(str, follow))} reported communication failures (consequences)."
+        for f in other:
+            text += (f" Also rank {', '.join(map(str, f['ranks']))}: {f['kind']} at iteration "
+                     f"{f['iteration']}, phase {f['phase']}.")
+        live = sorted(self._live())
+        text += (f" Recovery: {self.strategy_note or 'none'}; so the job ends here: the {len(live)} live "
+                 f"rank(s) were told to exit (exit code {1 if self.faults else 0}). Resume from the last "
+                 f"checkpoint. Events: {os.path.join(self.log_dir, 'events', 'controller.jsonl')}.")
+        return text
 
     def _act_exit(self):
         self.exit_code = 1 if self.faults else 0

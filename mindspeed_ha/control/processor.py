@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import collections
 import logging
+import mmap
 import os
 import queue
 import socket as _socket
+import struct
 import threading
 import time
 
@@ -44,6 +46,41 @@ def classify(exc: BaseException) -> str:
     return "other"
 
 
+class ProgressBoard:
+    """Iteration and phase of a rank in a small shared-memory file the agent reads when the rank
+    dies: exact even for a SIGKILL between two heartbeats, and a few microseconds per hook."""
+    FMT = struct.Struct("<qq40s")  # iteration, sequence, phase
+
+    def __init__(self, path: str, create: bool = True):
+        self.path = path
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, self.FMT.size)
+            self.mm = mmap.mmap(fd, self.FMT.size)
+        finally:
+            os.close(fd)
+        self.seq = 0
+
+    def write(self, iteration: int, phase: str) -> None:
+        self.seq += 1
+        self.mm[:] = self.FMT.pack(int(iteration), self.seq, phase.encode()[:40])
+
+    @classmethod
+    def read(cls, path: str) -> tuple[int, str] | None:
+        try:
+            with open(path, "rb") as f:
+                it, seq, ph = cls.FMT.unpack(f.read(cls.FMT.size))
+        except (OSError, struct.error):
+            return None
+        return (it, ph.rstrip(b"\0").decode(errors="replace")) if seq else None
+
+
+def board_path(rank: int) -> str | None:
+    d = os.environ.get("MINDSPEED_HA_PROGRESS_DIR")
+    return os.path.join(d, f"rank_{rank}") if d else None
+
+
 def job_id_from_env() -> str | None:
     return os.environ.get("MINDSPEED_HA_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or None
 
@@ -71,6 +108,7 @@ class ControllerLink:
         self._replay: collections.deque = collections.deque(maxlen=64)
         self.drops = P.DropCounter(log)
         self.ever_active = False
+        self.state = ""              # the controller's state in its last ack
 
     def _connect(self, ep: str) -> None:
         if self.sock is not None:
@@ -116,7 +154,7 @@ class ControllerLink:
             why = f"silent for {now - self._last_heard:.1f}s"
         if why:
             ep = self.cands.next(self.endpoint)
-            if self.active:
+            if self.active and self.state not in ("done", "exit"):
                 log.warning("%s lost controller %s (%s); trying %s", self.name, self.endpoint, why, ep)
             if ep:
                 self._connect(ep)
@@ -153,6 +191,7 @@ class ControllerLink:
                         log.info("%s connected to controller %s (epoch %d)", self.name, self.endpoint, msg["epoch"])
                     self.active = self.ever_active = True
                     self.epoch = msg["epoch"]
+                    self.state = msg["state"]
                     self.cands.connected(self.endpoint, msg["epoch"])
                 if msg.get("backups"):
                     self.cands.backups = list(msg["backups"])
@@ -195,11 +234,18 @@ class Processor:
         self._thread = self._worker = None
         self.link: ControllerLink | None = None
         self.events: EventLog | None = None
+        self.board: ProgressBoard | None = None
 
     # ---- life ---------------------------------------------------------------------------------
     def start(self) -> "Processor":
         setup_text_log(self.log_dir, self.rank)
         self.events = EventLog.for_rank(self.log_dir, self.rank)
+        path = board_path(self.rank)
+        if path:
+            try:
+                self.board = ProgressBoard(path)
+            except OSError as e:
+                log.warning("no progress board at %s: %s", path, e)
         mode = os.environ.get("MINDSPEED_HA_CONTROLLER", "rank0")
         self.keys = security.Keys.load(self.log_dir, self.options.key_dir, self.options.insecure,
                                        create=(self.rank == 0 and mode == "rank0"))
@@ -237,18 +283,26 @@ class Processor:
         self.handlers[action] = fn
 
     # ---- hooks for the training loop (main thread) -------------------------------------------
+    def _mark(self, phase: str) -> None:
+        self.phase, self._progress = phase, time.time()
+        if self.board is not None:
+            self.board.write(self.iteration, phase)
+
     def step_start(self, iteration: int) -> None:
-        self.iteration, self.phase, self._progress = int(iteration), "forward", time.time()
+        self.iteration = int(iteration)
+        self._mark("forward")
 
     def step_end(self, iteration: int, loss=None) -> None:
-        self.iteration, self.phase, self._progress = int(iteration), "step", time.time()
+        self.iteration = int(iteration)
+        self._mark("step")
         if loss is not None:
             self.loss = float(loss)
             if self.loss != self.loss:
                 self.health = "nan-loss"
 
     def update_start(self, iteration: int) -> None:
-        self.updating, self.phase, self._progress = True, "optimizer", time.time()
+        self.updating = True
+        self._mark("optimizer")
 
     def update_end(self, iteration: int) -> None:
         self.updating, self._progress = False, time.time()
@@ -256,7 +310,7 @@ class Processor:
     def mark_phase(self, phase: str) -> None:
         """Optional finer progress marks (forward, backward, grad-sync, ...): they make hang
         attribution and the diagnosis precise."""
-        self.phase, self._progress = phase, time.time()
+        self._mark(phase)
 
     def report_exception(self, exc: BaseException, iteration: int, phase: str) -> str:
         kind = classify(exc)

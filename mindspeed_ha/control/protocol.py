@@ -83,7 +83,7 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
               "ranks": ("ints", R), "pids": ("ints", R), "exits": ("groups", O)},
     "agent_hb": {"node_rank": (_int, R)},
     "exit": {"node_rank": (_int, R), "rank": (_int, R), "pid": (_int, R), "code": (_int, O),
-             "signal": (_int, O), "at": (_float, O)},
+             "signal": (_int, O), "at": (_float, O), "iteration": (_int, O), "phase": (_str, O)},
     # cli -> controller
     "status?": {},
     "inject": {"kind": (_str, R), "rank": (_int, R), "step": (_int, O), "phase": (_str, O)},
@@ -130,7 +130,7 @@ def decode(frame: bytes) -> dict:
     if len(frame) > MAX_BYTES:
         raise ProtocolError(f"oversized ({len(frame)} bytes)")
     try:
-        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_buffer_size=MAX_BYTES,
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True,
                               max_array_len=MAX_LIST, max_map_len=64, max_str_len=MAX_STR,
                               max_bin_len=MAX_STR, max_ext_len=0)
     except Exception as e:  # msgpack raises many types for garbage

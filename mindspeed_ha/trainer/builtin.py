@@ -26,6 +26,7 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
 
 from mindspeed_ha.events import get_logger
 from mindspeed_ha.trainer import checkpoint, data
@@ -105,6 +106,8 @@ class BuiltinTrainer(TrainerInterface):
             max_sequence_length=a.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
             share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute")
+        if a.bf16:
+            model = Float16Module(config, model)  # as Megatron-LM: bf16 weights, casts at the edges
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=a.overlap_grad_reduce,
             overlap_param_gather=a.overlap_param_gather,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
 
@@ -36,7 +37,8 @@ def build_train_dataset(args, train_samples: int):
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
-        blend=(args.data_path, None) if args.data_path else None,
+        # Megatron-LM's --data-path grammar: "prefix [prefix ...]" or "w1 prefix1 w2 prefix2 ...".
+        blend=get_blend_from_list(args.data_path) if args.data_path else None,
         split=args.split,
         path_to_cache=args.data_cache_path,
         tokenizer=_Tokenizer(args.vocab_size),

@@ -15,7 +15,17 @@ def _fail(msg: str, code: int = 2) -> "NoReturn":  # noqa: F821
     sys.exit(code)
 
 
+def _quiet_known_warnings() -> None:
+    """Benign, repeated-per-rank warnings of megatron-core/torch on CPU that would bury our logs."""
+    import warnings
+    for pattern in (r".*(Apex|Transformer Engine).*not installed.*", r".*is deprecated.*",
+                    r".*\.grad attribute of a Tensor that is not a leaf.*", r".*cuda_graph_scope.*",
+                    r".*Please use DTensor instead.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
 def run(argv: list[str] | None = None) -> int:
+    _quiet_known_warnings()
     from mindspeed_ha import layout, options as ha_options
     from mindspeed_ha.device import DeviceError, detect
     from mindspeed_ha.trainer.args import ArgError, build_parser, finalize

@@ -1,0 +1,57 @@
+"""megatron.training (Megatron-LM's own loop) -> mindspeed_ha.megatron_lm.
+
+Megatron-LM's modules import what they call by name, so each name is patched where it is looked up:
+``initialize.parse_args`` (options, validation, replica count and the HA session, before any model
+is built), ``training.get_megatron_optimizer`` (the replica optimizer), ``training.train_step``
+(step hooks), ``training.save_checkpoint`` / ``training.load_checkpoint`` (events, Adam ``step`` fix).
+On CPU also ``legacy.fused_kernels.load`` (CUDA kernels cannot be built there). And
+``core.datasets.utils.compile_helpers`` when ``helpers_cpp`` is already importable (the make it runs
+asks the system's ``python3-config``/pybind11, which may not be the training Python).
+"""
+import mindspeed_ha.patches as registry
+
+INIT, TRAINING = "megatron.training.initialize", "megatron.training.training"
+
+
+def _route(name: str, original):
+    """A thin wrapper calling ``mindspeed_ha.megatron_lm.<name>(original, *args, **kwargs)``."""
+    def patched(*args, **kwargs):
+        from mindspeed_ha import megatron_lm
+        return getattr(megatron_lm, name)(original, *args, **kwargs)
+    patched.__wrapped__ = original
+    patched.__name__ = getattr(original, "__name__", name)
+    return patched
+
+
+def patches(ctx=None):
+    import megatron.core.optimizer as core_optimizer
+    import megatron.training.initialize as init
+    import megatron.training.training as training
+
+    table = [
+        (INIT, "parse_args", _route("on_parse_args", init.parse_args)),
+        (TRAINING, "train_step", _route("on_train_step", training.train_step)),
+        (TRAINING, "save_checkpoint", _route("on_save_checkpoint", training.save_checkpoint)),
+        (TRAINING, "load_checkpoint", _route("on_load_checkpoint", training.load_checkpoint)),
+    ]
+    # training.py bound get_megatron_optimizer at import: point it at the (possibly already) re-routed
+    # megatron.core one, so the session sees every optimizer exactly once.
+    if "replica_optimizer" in registry.applied():
+        table.append((TRAINING, "get_megatron_optimizer", core_optimizer.get_megatron_optimizer))
+    if _helpers_prebuilt():
+        table.append(("megatron.core.datasets.utils", "compile_helpers", _noop))
+    if "torch_cpu" in registry.applied():
+        table.append(("megatron.legacy.fused_kernels", "load", _noop))
+    return table
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+def _helpers_prebuilt() -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None
+    except ImportError:
+        return False

@@ -1,0 +1,241 @@
+"""What the replica optimizer costs: step time, optimizer-state memory, gradient traffic.
+
+Runs the same tiny GPT twice per repeat, interleaved (plain, replica, plain, replica, ...), each as
+a torchrun job on 127.0.0.1: "plain" is megatron-core's distributed optimizer (no HA flags),
+"replica" adds --enable-high-availability (two optimizer instances: every shard has a twin).
+Every rank of both runs is ``replica_overhead_worker.py``: the built-in trainer plus counters.
+
+- Step time: median of the per-step ``step_s`` in rank 0's events, warm-up steps skipped, pooled
+  over the repeats; interleaving spreads slow phases of a shared machine over both variants.
+- Memory: bytes per parameter per rank measured from the live DDP buffers and optimizer (distinct
+  storages), against 4+16/d (distributed) and 4+32/d (replica), d = DP size: bf16 params (2) +
+  bf16 grads (2) + a 1/d (resp. 2/d) shard of fp32 main params, fp32 main grads, exp_avg, exp_avg_sq.
+  The formula assumes bf16 grads, so the runs pass --grad-reduce-in-bf16 (Megatron-LM's flag;
+  with --bf16 Megatron-LM and the built-in trainer otherwise keep fp32 grad buffers: 6+12/d).
+- Gradient traffic per step, per rank: bytes handed to the collectives inside finalize_model_grads
+  (counted by wrapping torch.distributed), and the ring-algorithm bytes each rank sends
+  (reduce-scatter/all-gather over n: (n-1)/n of the message; all-reduce: 2(n-1)/n). MindSpeed's scheme
+  (all-reduce of the whole grad buffer over the full DP group) is computed from the live buckets.
+
+Last line: one JSON object (step_time_ratio, bytes_per_param_*, formula_*, ...).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+WORKER = os.path.join(HERE, "replica_overhead_worker.py")
+sys.path.insert(0, ROOT)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_args(a) -> list[str]:
+    return ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads),
+            "--seq-length", str(a.seq), "--micro-batch-size", str(a.mbs), "--vocab-size", str(a.vocab),
+            "--train-iters", str(a.iters), "--lr-warmup-iters", "0", "--log-interval", str(10 ** 6),
+            "--use-distributed-optimizer", "--mock-data", "--bench-warmup", str(a.warmup)] + \
+           (["--bf16"] + ([] if a.fp32_grads else ["--grad-reduce-in-bf16"]) if not a.fp32 else [])
+
+
+def run_once(a, replica: bool, log_dir: str) -> dict:
+    from mindspeed_ha.events import read_events
+
+    env = dict(os.environ)
+    for k in ("HIGH_AVAILABILITY", "MS_ENABLE_TFT", "MINDSPEED_HA_INJECT", "MINDSPEED_HA_LOG_DIR"):
+        env.pop(k, None)  # the env would override the flags that make the two variants differ
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(a.nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), WORKER,
+           *model_args(a), "--ha-log-dir", log_dir] + (["--enable-high-availability"] if replica else [])
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, env=env, cwd=log_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=a.timeout)
+    if p.returncode:
+        sys.stderr.write(p.stdout[-6000:])
+        raise SystemExit(f"{'replica' if replica else 'plain'} run failed (rc {p.returncode}): {' '.join(cmd)}")
+    ranks = []
+    for r in range(a.nproc):
+        ev = read_events(os.path.join(log_dir, "events", f"rank_{r}.jsonl"))
+        bench = [e for e in ev if e["event"] == "bench"]
+        if not bench:
+            raise SystemExit(f"rank {r} wrote no bench event in {log_dir}")
+        ranks.append(bench[-1])
+    steps = [e for e in read_events(os.path.join(log_dir, "events", "rank_0.jsonl")) if e["event"] == "step"]
+    return {"step_s": [e["step_s"] for e in steps if e["iteration"] > a.warmup],
+            "loss_hex": [e["loss_hex"] for e in steps], "ranks": ranks, "wall_s": time.perf_counter() - t0}
+
+
+def wire(op: str, n: int, nbytes: float) -> float:
+    """Bytes one rank sends for a ring collective over n ranks whose message is nbytes."""
+    return nbytes * (2 if op == "all_reduce" else 1) * (n - 1) / n
+
+
+def comm_summary(rank_bench: dict) -> dict:
+    """Per-step bytes of rank 0, checked constant over the measured steps."""
+    steps = rank_bench["comm"]
+    if not steps:
+        raise SystemExit("no communication was recorded after warm-up: raise --iters")
+    first = steps[0]
+    if any(s != first for s in steps):
+        raise SystemExit(f"communication differs between steps: {steps}")
+    out = {"grad_msg_bytes": 0, "grad_wire_bytes": 0.0, "param_gather_msg_bytes": 0, "param_gather_wire_bytes": 0.0,
+           "other_msg_bytes": 0, "grad_ops": []}
+    for c in first:
+        if c["phase"] == "grad":
+            out["grad_msg_bytes"] += c["bytes"]
+            out["grad_wire_bytes"] += wire(c["op"], c["group_size"], c["bytes"])
+            out["grad_ops"].append(f"{c['op']}/{c['group_size']}:{c['bytes']}")
+        elif c["phase"] == "optimizer" and "all_gather" in c["op"]:
+            out["param_gather_msg_bytes"] += c["bytes"]
+            out["param_gather_wire_bytes"] += wire(c["op"], c["group_size"], c["bytes"])
+        else:
+            out["other_msg_bytes"] += c["bytes"]
+    return out
+
+
+def expected_grad_comm(buckets: list[dict], scheme: str) -> tuple[int, float]:
+    """(message bytes, wire bytes) per step from the live buckets for a scheme."""
+    msg = wire_b = 0
+    for b in buckets:
+        d, inst, s = b["dp_size"], b["instance_size"], b["bytes"]
+        if scheme == "mindspeed":  # all-reduce of the whole buffer over the full DP group
+            msg, wire_b = msg + s, wire_b + wire("all_reduce", d, s)
+        else:  # reduce-scatter in the instance, then all-reduce of the shard across instances
+            msg, wire_b = msg + s, wire_b + wire("reduce_scatter_tensor", inst, s)
+            if d // inst > 1:
+                msg, wire_b = msg + s // inst, wire_b + wire("all_reduce", d // inst, s // inst)
+    return msg, wire_b
+
+
+def memory_summary(ranks: list[dict]) -> dict:
+    per_rank = []
+    for rb in ranks:
+        m = rb["memory"]
+        per_rank.append({"bytes_per_param": sum(m["bytes"].values()) / m["numel"],
+                         "by_kind": {k: v / m["numel"] for k, v in sorted(m["bytes"].items())},
+                         "numel": m["numel"], "padding": m["numel_buffers"] - m["numel"],
+                         "step_scalar_bytes": m["step_scalar_bytes"],
+                         "grad_dtype": sorted({b["grad_dtype"] for b in m["buffers"]}),
+                         "param_dtype": sorted({b["param_dtype"] for b in m["buffers"]})})
+    worst = max(per_rank, key=lambda x: x["bytes_per_param"])
+    return {**worst, "min_bytes_per_param": min(x["bytes_per_param"] for x in per_rank)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nproc", type=int, default=4, help="ranks (= DP size d; the replica run needs d even)")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5, help="first steps left out of timing and comm counts")
+    p.add_argument("--repeats", type=int, default=3, help="plain/replica pairs, interleaved")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--mbs", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=127, help="NullTokenizer vocab; padded to 128 x TP")
+    p.add_argument("--fp32", action="store_true", help="fp32 params (the bf16 formulas do not apply)")
+    p.add_argument("--fp32-grads", action="store_true",
+                   help="bf16 params with fp32 grad buffers (the trainer's default; formula 6+12/d)")
+    p.add_argument("--timeout", type=int, default=300, help="seconds per torchrun job")
+    p.add_argument("--keep", default=None, help="keep the runs' logs in this directory")
+    a = p.parse_args(argv)
+    a.warmup = min(a.warmup, max(a.iters - 2, 0))
+
+    base = a.keep or tempfile.mkdtemp(prefix="replica_overhead_")
+    os.makedirs(base, exist_ok=True)
+    runs = {"plain": [], "replica": []}
+    t0 = time.perf_counter()
+    try:
+        for i in range(a.repeats):
+            for name in ("plain", "replica"):  # interleaved: A B A B ...
+                d = os.path.join(base, f"{i}_{name}")
+                shutil.rmtree(d, ignore_errors=True)
+                os.makedirs(d)
+                r = run_once(a, name == "replica", d)
+                runs[name].append(r)
+                print(f"run {i} {name:7s}: median step {1000 * statistics.median(r['step_s']):.2f} ms over "
+                      f"{len(r['step_s'])} steps, job {r['wall_s']:.1f} s", flush=True)
+    finally:
+        if not a.keep:
+            shutil.rmtree(base, ignore_errors=True)
+
+    d = runs["plain"][-1]["ranks"][0]["dp_size"]
+    med = {k: statistics.median([s for r in v for s in r["step_s"]]) for k, v in runs.items()}
+    pair_ratios = [statistics.median(r["step_s"]) / statistics.median(pl["step_s"])
+                   for pl, r in zip(runs["plain"], runs["replica"])]
+    mem = {k: memory_summary(v[-1]["ranks"]) for k, v in runs.items()}
+    comm = {k: comm_summary(v[-1]["ranks"][0]) for k, v in runs.items()}
+    buckets = {k: v[-1]["ranks"][0]["buckets"] for k, v in runs.items()}
+    exp = {"plain": expected_grad_comm(buckets["plain"], "distributed"),
+           "replica": expected_grad_comm(buckets["replica"], "replica"),
+           "mindspeed": expected_grad_comm(buckets["plain"], "mindspeed")}
+    if a.fp32:
+        f_dist, f_rep, assumes = 8 + 8 / d, 8 + 16 / d, "fp32 params and grads: 8+8/d, 8+16/d"
+    elif a.fp32_grads:
+        f_dist, f_rep, assumes = 6 + 12 / d, 6 + 24 / d, "bf16 params, fp32 grads: 6+12/d, 6+24/d"
+    else:
+        f_dist, f_rep, assumes = 4 + 16 / d, 4 + 32 / d, "bf16 params, bf16 grads: 4+16/d, 4+32/d"
+
+    print(f"\nconfig: {a.nproc} ranks (DP d={d}), {a.layers} layers, hidden {a.hidden}, seq {a.seq}, "
+          f"mbs {a.mbs}, {a.iters} iters ({a.warmup} warm-up), {a.repeats} interleaved pairs; {assumes}")
+    print(f"step time: plain {1000 * med['plain']:.2f} ms, replica {1000 * med['replica']:.2f} ms, "
+          f"ratio {med['replica'] / med['plain']:.4f} (per pair: {', '.join(f'{x:.3f}' for x in pair_ratios)})")
+    for k, label, f in (("plain", "distributed", f_dist), ("replica", "replica", f_rep)):
+        m = mem[k]
+        kinds = ", ".join(f"{n} {v:g}" for n, v in m["by_kind"].items())
+        print(f"memory {label:11s}: {m['bytes_per_param']:.6g} B/param/rank (formula {f:.6g}) = {kinds}; "
+              f"{m['numel']} params, padding {m['padding']}, grads {m['grad_dtype']}, "
+              f"+{m['step_scalar_bytes']} B of Adam step scalars")
+    for k, label in (("plain", "distributed"), ("replica", "replica")):
+        c, (emsg, ewire) = comm[k], exp[k]
+        print(f"grad comm {label:11s}: {c['grad_msg_bytes']} B handed to collectives ({'; '.join(c['grad_ops'])}), "
+              f"{c['grad_wire_bytes']:.0f} B sent per rank (ring); from buckets: {emsg} B / {ewire:.0f} B; "
+              f"param all-gather {c['param_gather_wire_bytes']:.0f} B sent per rank")
+    print(f"grad comm mindspeed  : {exp['mindspeed'][0]} B all-reduced over DP={d}, "
+          f"{exp['mindspeed'][1]:.0f} B sent per rank (ring), from the live buckets")
+    print(f"total {time.perf_counter() - t0:.1f} s")
+
+    result = {
+        "step_time_ratio": round(med["replica"] / med["plain"], 4),
+        "bytes_per_param_replica": mem["replica"]["bytes_per_param"], "formula_replica": f_rep,
+        "bytes_per_param_distributed": mem["plain"]["bytes_per_param"], "formula_distributed": f_dist,
+        "dp_size": d, "nproc": a.nproc, "iters": a.iters, "warmup": a.warmup, "repeats": a.repeats,
+        "step_ms_plain": round(1000 * med["plain"], 3), "step_ms_replica": round(1000 * med["replica"], 3),
+        "pair_ratios": [round(x, 4) for x in pair_ratios],
+        "params": mem["plain"]["numel"], "padding_replica": mem["replica"]["padding"],
+        "padding_distributed": mem["plain"]["padding"], "grad_dtype": mem["plain"]["grad_dtype"][0],
+        "grad_comm_bytes_distributed": comm["plain"]["grad_msg_bytes"],
+        "grad_comm_bytes_replica": comm["replica"]["grad_msg_bytes"],
+        "grad_comm_bytes_mindspeed": exp["mindspeed"][0],
+        "grad_wire_bytes_distributed": round(comm["plain"]["grad_wire_bytes"]),
+        "grad_wire_bytes_replica": round(comm["replica"]["grad_wire_bytes"]),
+        "grad_wire_bytes_mindspeed": round(exp["mindspeed"][1]),
+        "grad_comm_matches_buckets": all(comm[k]["grad_msg_bytes"] == exp[k][0] and
+                                         round(comm[k]["grad_wire_bytes"]) == round(exp[k][1])
+                                         for k in ("plain", "replica")),
+        "param_gather_wire_bytes_distributed": round(comm["plain"]["param_gather_wire_bytes"]),
+        "param_gather_wire_bytes_replica": round(comm["replica"]["param_gather_wire_bytes"]),
+        "losses_equal": runs["plain"][-1]["loss_hex"] == runs["replica"][-1]["loss_hex"],
+    }
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""``mindspeed-ha``: run | controller | status | inject (``report`` comes later)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import zmq
+
+from .events import log_dir_from_env, read_events
+
+
+def _add_security(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-dir", "--ha-log-dir", dest="log_dir", default=None,
+                   help="the job's log dir (env MINDSPEED_HA_LOG_DIR, default ./logs)")
+    p.add_argument("--ha-key-dir", default=None)
+    p.add_argument("--ha-insecure", action="store_true")
+    p.add_argument("--timeout", type=float, default=5.0)
+
+
+def _request(args, data: bytes) -> dict | None:
+    """One authenticated request to the active controller; ``None`` if it does not answer."""
+    from .control import protocol as P, security
+    from .control.election import read_controller_json
+    log_dir = log_dir_from_env(args.log_dir)
+    info = read_controller_json(log_dir)
+    if info is None:
+        return None
+    keys = security.Keys.load(log_dir, args.ha_key_dir, args.ha_insecure, timeout=0.5)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    security.secure_client(s, keys)
+    try:
+        s.connect(info["endpoint"])
+        s.send(data)
+        if not s.poll(int(args.timeout * 1000)):
+            return None
+        while True:
+            msg = P.decode(s.recv())
+            if msg["t"] in ("status", "refused"):
+                return msg
+            if not s.poll(int(args.timeout * 1000)):
+                return None
+    finally:
+        s.close()
+        ctx.term()
+
+
+def cmd_status(args) -> int:
+    from .control import protocol as P
+    msg = _request(args, P.encode("status?"))
+    log_dir = log_dir_from_env(args.log_dir)
+    if msg is None or msg["t"] != "status":
+        faults = [e for e in read_events(os.path.join(log_dir, "events", "controller.jsonl"))
+                  if e.get("event") == "fault"]
+        st = {"state": "unreachable", "faults": faults,
+              "note": f"no controller answered (see {log_dir}/controller.json); faults from the event log"}
+    else:
+        st = json.loads(msg["body"])
+    if args.json:
+        print(json.dumps(st, indent=1))
+        return 0 if st["state"] != "unreachable" else 1
+    if st["state"] == "unreachable":
+        print(st["note"])
+    else:
+        c = st["controller"]
+        print(f"state {st['state']}  epoch {st['epoch']}  world {st['world_size']}  "
+              f"controller rank {c['rank']} pid {c['pid']} at {c['endpoint']}")
+        print("backups: " + (", ".join(f"rank {b['rank']} at {b['endpoint']}" for b in st["backups"]) or "none"))
+        print(f"{'rank':>5} {'pid':>8} {'node':<20} {'iter':>6} {'phase':<11} {'health':<8} alive  replica groups")
+        for r in st["ranks"]:
+            print(f"{r['rank']:>5} {r['pid']:>8} {r['node']:<20} {r['iteration']:>6} {r['phase']:<11} "
+                  f"{r['health']:<8} {'yes' if r['alive'] else 'no':<6} {r['replica_groups']}")
+    for f in st["faults"]:
+        print(f"fault: ranks {f['ranks']} {f['kind']} at iteration {f['iteration']} phase {f['phase']} "
+              f"(detected in {f['detect_s']}s)")
+    return 0 if st["state"] != "unreachable" else 1
+
+
+def cmd_inject(args) -> int:
+    from .control import protocol as P
+    fields = {"kind": args.kind, "rank": args.rank}
+    if args.step is not None:
+        fields["step"] = args.step
+    if args.phase:
+        fields["phase"] = args.phase
+    msg = _request(args, P.encode("inject", **fields))
+    if msg is None:
+        print("no controller answered", file=sys.stderr)
+        return 1
+    if msg["t"] == "refused":
+        print(f"refused: {msg['reason']}", file=sys.stderr)
+        return 1
+    body = json.loads(msg["body"])
+    print(json.dumps(body))
+    return 0 if body.get("ok") else 1
+
+
+def cmd_controller(args) -> int:
+    from .control.controller import run_standalone
+    from .events import setup_text_log
+    from .options import HAOptions
+    log_dir = log_dir_from_env(args.log_dir)
+    setup_text_log(log_dir)
+    opts = HAOptions(strategies=frozenset({"dump"}), log_dir=log_dir, key_dir=args.ha_key_dir,
+                     insecure=args.ha_insecure, heartbeat_s=args.ha_heartbeat_interval,
+                     hang_timeout_s=args.ha_hang_timeout)
+    return run_standalone(log_dir, args.world_size, opts, host=args.host, port=args.port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="mindspeed-ha", description="mindspeed-ha: training fault tolerance")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    from .launcher.agent import build_parser
+    build_parser(sub.add_parser("run", help="launch workers on this node (torchrun's flags)"))
+    c = sub.add_parser("controller", help="run the controller as a standalone process")
+    _add_security(c)
+    c.add_argument("--world-size", type=int, required=True)
+    c.add_argument("--host", default=None)
+    c.add_argument("--port", type=int, default=0)
+    c.add_argument("--ha-heartbeat-interval", type=float, default=0.5)
+    c.add_argument("--ha-hang-timeout", type=float, default=60.0)
+    s = sub.add_parser("status", help="ranks, iteration, state, controller, faults of a live job")
+    _add_security(s)
+    s.add_argument("--json", action="store_true")
+    i = sub.add_parser("inject", help="inject a fault into a live job (through the controller)")
+    _add_security(i)
+    i.add_argument("--kind", required=True, choices=("kill", "exit", "exception", "uce", "hang", "comm"))
+    i.add_argument("--rank", type=int, required=True)
+    i.add_argument("--step", type=int, default=None)
+    i.add_argument("--phase", default=None,
+                   choices=("forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint"))
+    # "report" (post-mortem of a log dir) is reserved for a later issue.
+    args = p.parse_args(argv)
+    if args.cmd == "run":
+        from .launcher.agent import Agent
+        return Agent(args).run()
+    return {"controller": cmd_controller, "status": cmd_status, "inject": cmd_inject}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

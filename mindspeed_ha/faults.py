@@ -1,0 +1,79 @@
+"""Fault classes: what kind of failure an exception raised in a training step is.
+
+``classify(exc)`` -> ``"memory"`` (hardware memory corruption: UCE / multi-bit ECC; repairable from a
+replica on Ascend), ``"comm"`` (a collective or link failed, or was stopped on purpose) or
+``"other"`` (everything else, out-of-memory included). ``process_fatal(exc)``: the device context
+is poisoned (CUDA sticky errors such as uncorrectable ECC), so the process must be restarted even
+when its memory fault could otherwise be repaired in place.
+"""
+from __future__ import annotations
+
+
+class MemoryFault(RuntimeError):
+    """Hardware memory corruption (UCE). Messages carry the "UCE ERROR" marker as torch_npu's do."""
+
+
+class CommFault(RuntimeError):
+    """A communication failure raised by mindspeed-ha itself (e.g. an injected ``comm`` fault)."""
+
+
+# Substrings, matched case-insensitively on the message of the exception and of its causes.
+MEMORY_MARKERS = (
+    "uce error",                  # torch_npu: uncorrectable error in HBM
+    "hbm multi bit ecc",          # Ascend HBM multi-bit ECC
+    "uncorrectable ecc",          # CUDA: "uncorrectable ECC error encountered"
+    "suspect mem error",          # torch_npu
+)
+COMM_MARKERS = (
+    "connection closed by peer", "connection reset", "connection refused", "broken pipe",
+    "pair closure", "gloo", "nccl error", "ncclremoteerror", "ncclsystemerror", "nccl watchdog",
+    "hccl", "hccs link error", "processgroup", "process group", "collective operation timeout",
+    "socket timeout", "force stop",  # torch_npu: a collective interrupted by stop_device
+)
+# CUDA errors that leave the context unusable ("sticky"): only a new process recovers.
+CUDA_STICKY_MARKERS = (
+    "uncorrectable ecc error encountered",
+    "an illegal memory access was encountered",
+    "unspecified launch failure",
+)
+
+
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _text(exc: BaseException) -> str:
+    return " | ".join(f"{type(e).__name__}: {e}" for e in _chain(exc)).lower()
+
+
+def classify(exc: BaseException) -> str:
+    """``"memory"`` | ``"comm"`` | ``"other"`` for an exception raised in a training step."""
+    import torch
+
+    chain = list(_chain(exc))
+    if any(isinstance(e, MemoryFault) for e in chain):
+        return "memory"
+    text = _text(exc)
+    if any(m in text for m in MEMORY_MARKERS):
+        return "memory"
+    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text:
+        return "other"  # allocation failure, not corruption: nothing to repair from a replica
+    from mindspeed_ha.comm.interruptible import CollectiveStopped
+
+    comm_types = (CommFault, CollectiveStopped) + tuple(
+        t for t in (getattr(torch.distributed, "DistError", None),) if t is not None)
+    if any(isinstance(e, comm_types) for e in chain):
+        return "comm"  # DistError covers DistBackendError, DistNetworkError, DistStoreError
+    if any(m in text for m in COMM_MARKERS):
+        return "comm"
+    return "other"
+
+
+def process_fatal(exc: BaseException) -> bool:
+    """True when the device context is poisoned (CUDA sticky error, e.g. uncorrectable ECC)."""
+    text = _text(exc)
+    return any(m in text for m in CUDA_STICKY_MARKERS)

@@ -1,0 +1,233 @@
+"""Fault injection, for chaos drills and tests.
+
+``MINDSPEED_HA_INJECT="KIND:rank=R:step=S[:phase=P],..."``
+    KIND   kill (SIGKILL self) | exit (os._exit(1)) | exception (RuntimeError in the step)
+           | uce (corrupt this rank's optimizer shard, raise a "UCE ERROR" MemoryFault)
+           | hang (the calling thread sleeps forever; other threads keep running)
+           | comm (abort this rank's communicators, raise a CommFault)
+    PHASE  forward (default) | backward | grad-sync | optimizer | param-sync | checkpoint
+
+The trainer calls ``fire_point(phase, iteration)`` at each phase of each step. Each fault fires once
+per *job*: before firing, the rank claims ``DIR/inject/<hash>.fired`` with an exclusive create, so a
+restarted worker (same log dir) skips it. The ``inject`` event is written (unbuffered) before firing.
+Live faults from the controller arrive through ``add()`` on the processor thread.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from mindspeed_ha.events import EventLog, get_logger
+from mindspeed_ha.faults import CommFault, MemoryFault
+
+ENV = "MINDSPEED_HA_INJECT"
+KINDS = ("kill", "exit", "exception", "uce", "hang", "comm")
+PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint")
+DEFAULT_PHASE = "forward"
+EXAMPLE = f'{ENV}="kill:rank=1:step=3:phase=backward,hang:rank=2:step=5"'
+
+log = get_logger("inject")
+
+
+class InjectSpecError(ValueError):
+    pass
+
+
+class InjectedError(RuntimeError):
+    """The ``exception`` fault."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int | None  # None: the next phase point reached (live injection)
+    phase: str = DEFAULT_PHASE
+    nonce: str = ""   # distinguishes repeated live injections of the same fault
+
+    def spec(self) -> str:
+        step = "" if self.step is None else f":step={self.step}"
+        return f"{self.kind}:rank={self.rank}{step}:phase={self.phase}"
+
+    def key(self) -> str:
+        return hashlib.sha1(f"{self.spec()}#{self.nonce}".encode()).hexdigest()[:16]
+
+
+def _bad(spec: str, why: str) -> InjectSpecError:
+    return InjectSpecError(
+        f"{ENV}: bad fault {spec!r}: {why}. Expected KIND:rank=R:step=S[:phase=P],... with KIND in "
+        f"{'|'.join(KINDS)} and PHASE in {'|'.join(PHASES)} (default {DEFAULT_PHASE}); "
+        f"e.g. {EXAMPLE}")
+
+
+def validate(kind: str, rank, step, phase: str | None, spec: str | None = None) -> Fault:
+    """Check one fault's fields (also the live injection path); raises InjectSpecError."""
+    spec = spec or f"{kind}:rank={rank}:step={step}:phase={phase}"
+    if kind not in KINDS:
+        raise _bad(spec, f"unknown kind {kind!r}")
+    phase = phase or DEFAULT_PHASE
+    if phase not in PHASES:
+        raise _bad(spec, f"unknown phase {phase!r}")
+    for name, v in (("rank", rank), ("step", step)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise _bad(spec, f"{name} must be an integer >= 0, got {v!r}")
+    if rank is None:
+        raise _bad(spec, "rank is required")
+    return Fault(kind, rank, step, phase)
+
+
+def parse(value: str) -> list[Fault]:
+    """Parse a ``MINDSPEED_HA_INJECT`` value. Every field is checked; step is required."""
+    faults = []
+    for spec in (s.strip() for s in value.split(",")):
+        if not spec:
+            continue
+        kind, *fields = [p.strip() for p in spec.split(":")]
+        kv: dict[str, str] = {}
+        for f in fields:
+            key, eq, val = f.partition("=")
+            if not eq or not val:
+                raise _bad(spec, f"field {f!r} is not key=value")
+            if key not in ("rank", "step", "phase"):
+                raise _bad(spec, f"unknown field {key!r}")
+            if key in kv:
+                raise _bad(spec, f"field {key!r} given twice")
+            kv[key] = val
+        for key in ("rank", "step"):
+            if key not in kv:
+                raise _bad(spec, f"{key} is required")
+            try:
+                kv[key] = int(kv[key])
+            except ValueError:
+                raise _bad(spec, f"{key} must be an integer, got {kv[key]!r}") from None
+        faults.append(validate(kind.lower(), kv["rank"], kv["step"], kv.get("phase"), spec))
+    return faults
+
+
+class Injector:
+    def __init__(self, rank: int, log_dir: str, events: EventLog | None, faults=()):
+        self.rank = rank
+        self.marker_dir = os.path.join(log_dir, "inject")
+        self.events = events
+        self._lock = threading.Lock()
+        self._pending: list[Fault] = [f for f in faults if f.rank == rank]
+        self._uce_corruptor: Callable[[], None] | None = None
+        self._comm_breaker: Callable[[], None] | None = None
+        self._live = 0
+
+    @classmethod
+    def from_env(cls, rank: int, log_dir: str, events: EventLog | None,
+                 env: Mapping[str, str] | None = None) -> "Injector":
+        value = (os.environ if env is None else env).get(ENV, "")
+        return cls(rank, log_dir, events, parse(value))  # every rank validates every fault
+
+    def set_uce_corruptor(self, fn: Callable[[], None]) -> None:
+        """``fn()`` corrupts this rank's optimizer shard (the trainer knows where it lives)."""
+        self._uce_corruptor = fn
+
+    def set_comm_breaker(self, fn: Callable[[], None]) -> None:
+        """``fn()`` aborts this rank's communicators; default: abort/destroy the process groups."""
+        self._comm_breaker = fn
+
+    def add(self, kind: str, rank: int, step: int | None = None, phase: str | None = None) -> Fault:
+        """Queue a live fault (any thread). Faults for other ranks are ignored."""
+        with self._lock:
+            self._live += 1
+            f = validate(kind, rank, step, phase)
+            f = Fault(f.kind, f.rank, f.step, f.phase, nonce=f"live-{os.getpid()}-{time.time_ns()}-{self._live}")
+            if rank == self.rank:
+                self._pending.append(f)
+        return f
+
+    def pending(self) -> list[Fault]:
+        with self._lock:
+            return list(self._pending)
+
+    def fire_point(self, phase: str, iteration: int) -> None:
+        """Called by the trainer at each phase point; fires the faults due here (at most once per job)."""
+        if not self._pending:
+            return
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; expected one of {PHASES}")
+        with self._lock:
+            due = [f for f in self._pending if f.phase == phase and f.step in (None, iteration)]
+            for f in due:
+                self._pending.remove(f)
+        for f in due:
+            if self._claim(f, iteration):
+                self._fire(f, iteration)
+
+    # ------------------------------------------------------------------------------------------
+
+    def _claim(self, f: Fault, iteration: int) -> bool:
+        """Atomically mark ``f`` fired for the whole job; False if some process already did."""
+        os.makedirs(self.marker_dir, exist_ok=True)
+        path = os.path.join(self.marker_dir, f"{f.key()}.fired")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            log.info("inject %s already fired in this job: skipped", f.spec())
+            return False
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"spec": f.spec(), "rank": self.rank, "pid": os.getpid(),
+                       "iteration": iteration, "time": time.time()}, fh)
+        return True
+
+    def _fire(self, f: Fault, iteration: int) -> None:
+        if self.events is not None:
+            self.events.emit("inject", kind=f.kind, phase=f.phase, iteration=iteration, step=f.step,
+                             live=bool(f.nonce))
+        where = f"rank {self.rank}, iteration {iteration}, phase {f.phase}"
+        log.warning("injecting %s fault (%s)", f.kind, where)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        if f.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(60)  # SIGKILL is asynchronous only in theory
+        elif f.kind == "exit":
+            os._exit(1)
+        elif f.kind == "exception":
+            raise InjectedError(f"injected exception ({where})")
+        elif f.kind == "uce":
+            if self._uce_corruptor is not None:
+                self._uce_corruptor()
+            else:
+                log.warning("uce injected but no corruptor registered: nothing corrupted")
+            raise MemoryFault(f"UCE ERROR: injected uncorrectable memory error ({where})")
+        elif f.kind == "hang":
+            while True:  # alive, no progress; only this thread stops
+                time.sleep(3600)
+        elif f.kind == "comm":
+            (self._comm_breaker or default_comm_breaker)()
+            raise CommFault(f"injected communication failure: communicators aborted ({where})")
+
+
+def default_comm_breaker() -> None:
+    """Abort every process group we can see. NCCL/HCCL: ``abort()`` kills the communicators. gloo:
+    ``abort()`` is a no-op, so the default group is also destroyed (peers then see "Connection
+    closed by peer"); subgroups still referenced elsewhere stay up - register a trainer breaker
+    that knows them."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    for pg in list(c10d._world.pg_map.keys()):
+        try:
+            pg.abort()
+        except Exception:
+            pass
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass

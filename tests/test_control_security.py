@@ -1,0 +1,117 @@
+"""CurveZMQ: strangers (no keys, wrong keys) cannot register or ask; a forged controller gets nothing."""
+import json
+import os
+import stat
+import time
+
+import pytest
+import zmq
+import zmq.auth
+
+from mindspeed_ha.control import protocol as P, security
+from mindspeed_ha.control.controller import Controller
+from mindspeed_ha.control.election import write_controller_json
+from mindspeed_ha.control.processor import ControllerLink
+from mindspeed_ha.options import HAOptions
+
+
+@pytest.fixture
+def ctl(tmp_path):
+    d = str(tmp_path)
+    keys = security.Keys.load(d, create=True)
+    c = Controller(d, 4, HAOptions(strategies=frozenset({"dump"}), log_dir=d), keys).start()
+    yield d, keys, c
+    c.close()
+
+
+def _client(keys=None, server_key=None, secret=None, public=None):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    if keys is not None:
+        security.secure_client(s, keys)
+    elif server_key:
+        s.curve_secretkey, s.curve_publickey, s.curve_serverkey = secret, public, server_key
+    return s
+
+
+def _ask_status(s, timeout=2.0):
+    s.send(P.encode("status?"))
+    if not s.poll(int(timeout * 1000)):
+        return None
+    return json.loads(P.decode(s.recv())["body"])
+
+
+REG = dict(rank=1, world=4, node="evil", pid=666)
+
+
+def test_key_files(ctl):
+    d, keys, c = ctl
+    kd = os.path.join(d, "keys")
+    assert stat.S_IMODE(os.stat(kd).st_mode) == 0o700
+    for name in os.listdir(kd):
+        if name.endswith("_secret"):
+            assert stat.S_IMODE(os.stat(os.path.join(kd, name)).st_mode) == 0o600
+    info = json.load(open(os.path.join(d, "controller.json")))
+    assert {"host", "port", "server_public_key"} <= set(info)
+    assert info["server_public_key"] == keys.server_public.decode() and info["secure"]
+
+
+def test_no_keys_refused(ctl):
+    d, keys, c = ctl
+    s = _client()
+    s.connect(c.endpoint)
+    s.send(P.encode("register", **REG))
+    assert _ask_status(s, 1.0) is None
+    ok = _client(keys)
+    ok.connect(c.endpoint)
+    st = _ask_status(ok, 5.0)
+    assert st is not None and st["ranks"] == []
+
+
+def test_wrong_keys_refused(ctl):
+    d, keys, c = ctl
+    public, secret = zmq.curve_keypair()
+    s = _client(server_key=keys.server_public, secret=secret, public=public)
+    s.connect(c.endpoint)
+    s.send(P.encode("register", **REG))
+    s.send(P.encode("inject", kind="kill", rank=1))
+    assert _ask_status(s, 1.5) is None
+    ok = _client(keys)
+    ok.connect(c.endpoint)
+    st = _ask_status(ok, 5.0)
+    assert st["ranks"] == [] and st["state"] == "init"
+
+
+def test_forged_controller_gets_nothing(ctl, tmp_path):
+    d, keys, c = ctl
+    # A forger who can write controller.json but lacks the job's server secret.
+    fake_pub, fake_sec = zmq.curve_keypair()
+    ctx = zmq.Context()
+    forged = ctx.socket(zmq.ROUTER)
+    forged.linger = 0
+    forged.curve_server, forged.curve_secretkey, forged.curve_publickey = True, fake_sec, fake_pub
+    port = forged.bind_to_random_port("tcp://127.0.0.1")
+    write_controller_json(d, {"host": "127.0.0.1", "port": port, "endpoint": f"tcp://127.0.0.1:{port}",
+                              "server_public_key": fake_pub.decode(), "epoch": 99})
+    link = ControllerLink(keys, d, None, lambda: P.encode("register", rank=1, world=4, node="n", pid=1), 0.2)
+    t = time.time()
+    while time.time() - t < 1.5:
+        link.maintain()
+        link.receive(20)
+    assert not forged.poll(100), "the forged controller received a frame"
+    assert not link.active
+    forged.close()
+    ctx.term()
+    link.close()
+
+
+def test_insecure_is_loud(tmp_path, caplog):
+    with caplog.at_level("WARNING"):
+        k = security.Keys.load(str(tmp_path), insecure=True)
+    assert not k.secure and "WITHOUT authentication" in caplog.text
+
+
+def test_missing_keys_explain(tmp_path):
+    with pytest.raises(security.SecurityError, match="--ha-insecure"):
+        security.Keys.load(str(tmp_path), timeout=0.1)

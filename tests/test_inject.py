@@ -1,0 +1,184 @@
+"""Fault injection (MINDSPEED_HA_INJECT) and fault classification."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from mindspeed_ha.comm import CollectiveStopped
+from mindspeed_ha.events import EventLog, read_events
+from mindspeed_ha.faults import CommFault, MemoryFault, classify, process_fatal
+from mindspeed_ha.inject import ENV, Fault, InjectedError, Injector, InjectSpecError, parse
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("", []),
+    ("kill:rank=1:step=3", [Fault("kill", 1, 3, "forward")]),
+    (" EXIT:rank=0:step=0:phase=checkpoint ,", [Fault("exit", 0, 0, "checkpoint")]),
+    ("hang:step=5:rank=2:phase=grad-sync,uce:rank=3:step=1:phase=optimizer",
+     [Fault("hang", 2, 5, "grad-sync"), Fault("uce", 3, 1, "optimizer")]),
+    ("comm:rank=0:step=2:phase=param-sync,exception:rank=1:step=4:phase=backward",
+     [Fault("comm", 0, 2, "param-sync"), Fault("exception", 1, 4, "backward")]),
+])
+def test_parse_ok(value, expected):
+    assert parse(value) == expected
+
+
+@pytest.mark.parametrize("value, why", [
+    ("kill:rank=1", "step is required"),
+    ("kill:step=1", "rank is required"),
+    ("boom:rank=1:step=2", "unknown kind"),
+    ("kill:rank=1:step=2:phase=fwd", "unknown phase"),
+    ("kill:rank=x:step=2", "rank must be an integer"),
+    ("kill:rank=1:step=-2", "step must be an integer >= 0"),
+    ("kill:rank=1:step=2:node=3", "unknown field"),
+    ("kill:rank=1:rank=2:step=2", "given twice"),
+    ("kill:rank=1:step", "not key=value"),
+    ("kill:rank=1:step=1,exit", "rank is required"),
+])
+def test_parse_errors_name_the_variable_and_show_an_example(value, why):
+    with pytest.raises(InjectSpecError) as e:
+        parse(value)
+    msg = str(e.value)
+    assert msg.startswith(ENV) and why in msg and "e.g." in msg
+    parse(msg.split(f'e.g. {ENV}="')[1].rstrip('"'))  # the example itself parses
+
+
+def test_from_env_keeps_this_ranks_faults(tmp_path):
+    env = {ENV: "kill:rank=1:step=3,exception:rank=0:step=2:phase=backward"}
+    inj = Injector.from_env(0, str(tmp_path), None, env=env)
+    assert inj.pending() == [Fault("exception", 0, 2, "backward")]
+    with pytest.raises(InjectSpecError):  # a bad spec fails on every rank, not only its target
+        Injector.from_env(0, str(tmp_path), None, env={ENV: "kill:rank=1"})
+
+
+def test_fires_once_per_job_across_restarts(tmp_path):
+    env = {ENV: "exception:rank=0:step=2:phase=backward"}
+    events = EventLog.for_rank(str(tmp_path), 0)
+    first = Injector.from_env(0, str(tmp_path), events, env=env)
+    for it in range(2):
+        for phase in ("forward", "backward", "optimizer"):
+            first.fire_point(phase, it)
+    first.fire_point("forward", 2)  # right step, wrong phase
+    with pytest.raises(InjectedError, match="iteration 2, phase backward"):
+        first.fire_point("backward", 2)
+    first.fire_point("backward", 2)  # fired: gone
+    restarted = Injector.from_env(0, str(tmp_path), events, env=env)  # a restarted worker
+    restarted.fire_point("backward", 2)
+    inj = [e for e in read_events(events.path) if e["event"] == "inject"]
+    assert len(inj) == 1
+    assert (inj[0]["kind"], inj[0]["phase"], inj[0]["iteration"], inj[0]["rank"]) == (
+        "exception", "backward", 2, 0)
+    assert len(os.listdir(tmp_path / "inject")) == 1
+
+
+def test_live_add_fires_at_next_matching_point(tmp_path):
+    inj = Injector(1, str(tmp_path), EventLog.for_rank(str(tmp_path), 1))
+    inj.add("exception", rank=0)  # another rank's: ignored here
+    inj.fire_point("forward", 7)
+    t = threading.Thread(target=inj.add, args=("exception", 1, None, "optimizer"))
+    t.start()
+    t.join()
+    inj.fire_point("forward", 8)
+    with pytest.raises(InjectedError):
+        inj.fire_point("optimizer", 8)
+    inj.add("exception", 1, None, "optimizer")  # the same fault again live: fires again
+    with pytest.raises(InjectedError):
+        inj.fire_point("optimizer", 9)
+    inj.add("exception", 1, 11)  # a live fault with a step waits for it
+    inj.fire_point("forward", 10)
+    with pytest.raises(InjectedError):
+        inj.fire_point("forward", 11)
+    with pytest.raises(InjectSpecError):
+        inj.add("kill", 1, None, "sideways")
+    with pytest.raises(ValueError):
+        inj.add("exception", 1, 12)
+        inj.fire_point("sideways", 12)
+
+
+def test_uce_corrupts_then_raises_memory_fault(tmp_path):
+    shard = torch.ones(4)
+    inj = Injector(0, str(tmp_path), None, parse("uce:rank=0:step=1:phase=optimizer"))
+    inj.set_uce_corruptor(lambda: shard.fill_(float("nan")))
+    with pytest.raises(MemoryFault, match="UCE ERROR") as e:
+        inj.fire_point("optimizer", 1)
+    assert torch.isnan(shard).all()
+    assert classify(e.value) == "memory" and not process_fatal(e.value)
+
+
+def test_comm_calls_breaker_then_raises_comm_fault(tmp_path):
+    broken = []
+    inj = Injector(0, str(tmp_path), None, parse("comm:rank=0:step=0:phase=grad-sync"))
+    inj.set_comm_breaker(lambda: broken.append(True))
+    with pytest.raises(CommFault) as e:
+        inj.fire_point("grad-sync", 0)
+    assert broken == [True] and classify(e.value) == "comm"
+
+
+def test_hang_blocks_only_the_calling_thread(tmp_path):
+    inj = Injector(0, str(tmp_path), EventLog.for_rank(str(tmp_path), 0), parse("hang:rank=0:step=0"))
+    t = threading.Thread(target=inj.fire_point, args=("forward", 0), daemon=True)
+    t.start()
+    t.join(0.5)
+    assert t.is_alive()  # hung, and this thread (the "processor") still runs
+    assert [e["kind"] for e in read_events(str(tmp_path / "events" / "rank_0.jsonl"))] == ["hang"]
+
+
+_CHILD = textwrap.dedent("""
+    import sys
+    from mindspeed_ha.events import EventLog
+    from mindspeed_ha.inject import Injector
+    log_dir = sys.argv[1]
+    inj = Injector.from_env(2, log_dir, EventLog.for_rank(log_dir, 2))
+    for it in range(4):
+        for phase in ("forward", "backward", "grad-sync", "optimizer"):
+            inj.fire_point(phase, it)
+    print("finished")
+""")
+
+
+@pytest.mark.parametrize("kind, code", [("kill", -9), ("exit", 1)])
+def test_process_faults_write_event_first_and_not_again_after_restart(tmp_path, kind, code):
+    env = dict(os.environ, **{ENV: f"{kind}:rank=2:step=2:phase=grad-sync"})
+    run = lambda: subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path)], env=env,  # noqa: E731
+                                 capture_output=True, text=True, timeout=60)
+    first = run()
+    assert first.returncode == code, first.stderr
+    assert "finished" not in first.stdout
+    ev = [e for e in read_events(str(tmp_path / "events" / "rank_2.jsonl")) if e["event"] == "inject"]
+    assert len(ev) == 1
+    assert (ev[0]["kind"], ev[0]["phase"], ev[0]["iteration"]) == (kind, "grad-sync", 2)
+    second = run()  # the restarted worker of the same job
+    assert second.returncode == 0 and "finished" in second.stdout, second.stderr
+    assert len([e for e in read_events(str(tmp_path / "events" / "rank_2.jsonl"))
+                if e["event"] == "inject"]) == 1
+
+
+def test_classify():
+    assert classify(MemoryFault("x")) == "memory"
+    assert classify(RuntimeError("ACL stream synchronize failed, error code:507053 UCE ERROR")) == "memory"
+    assert classify(RuntimeError("HBM MULTI BIT ECC ERROR")) == "memory"
+    ecc = RuntimeError("CUDA error: uncorrectable ECC error encountered")
+    assert classify(ecc) == "memory" and process_fatal(ecc)
+    assert classify(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")) == "other"
+    assert classify(CollectiveStopped("stopped")) == "comm"
+    assert classify(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer")) == "comm"
+    assert classify(RuntimeError("Connection reset by peer")) == "comm"
+    assert classify(torch.distributed.DistBackendError("NCCL error in: ..., unhandled system error")) == "comm"
+    assert classify(RuntimeError("HCCL function error: HcclAllReduce")) == "comm"
+    assert classify(ValueError("shape mismatch")) == "other"
+    assert classify(InjectedError("injected")) == "other"
+    try:
+        try:
+            raise CommFault("link down")
+        except CommFault as inner:
+            raise RuntimeError("step failed") from inner
+    except RuntimeError as outer:
+        assert classify(outer) == "comm"
+    assert not process_fatal(RuntimeError("UCE ERROR"))

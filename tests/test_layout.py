@@ -1,0 +1,55 @@
+"""Bad parallel layouts are refused before any model is built, naming flags and proposing a layout."""
+import pytest
+
+from helpers import TINY, torchrun
+from mindspeed_ha.layout import validate
+from mindspeed_ha.options import HAConfigError, from_args
+from mindspeed_ha.trainer.args import build_parser, finalize
+
+
+def check(world, argv):
+    args = finalize(build_parser().parse_args(argv), world)
+    validate(world, args, from_args(args, {}))
+
+
+def test_good_layouts_pass():
+    check(4, ["--enable-high-availability", "--use-distributed-optimizer"])
+    check(8, ["--enable-high-availability", "--use-distributed-optimizer", "--tensor-model-parallel-size", "2"])
+    check(4, ["--enable-high-availability", "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2"])
+    check(2, ["--tensor-model-parallel-size", "2"])  # HA off: anything megatron accepts
+
+
+@pytest.mark.parametrize("world,argv,needles", [
+    (4, ["--tensor-model-parallel-size", "4"],
+     ["data-parallel x context-parallel size must be at least 2", "--tensor-model-parallel-size 4",
+      "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 (DP=2)"]),
+    (6, ["--tensor-model-parallel-size", "2"],
+     ["divisible by --optimizer-replica-num 2", "it is 3", "(DP=2)"]),
+    (12, ["--optimizer-replica-num", "3", "--tensor-model-parallel-size", "3", "--num-attention-heads", "6"], ["--optimizer-replica-num 3", "it is 4", "(DP=3)"]),
+    (8, ["--optimizer-replica-num", "3"], ["no layout of 8 ranks", "multiple of 3"]),
+    (3, [], ["no layout of 3 ranks", "--distributed-optimizer-no-replica"]),
+    (8, ["--num-experts", "4", "--expert-model-parallel-size", "8", "--tensor-model-parallel-size", "1"],
+     ["expert data-parallel size is 1", "--expert-model-parallel-size 4"]),
+])
+def test_bad_layouts(world, argv, needles):
+    with pytest.raises(HAConfigError) as e:
+        check(world, ["--enable-high-availability", "--use-distributed-optimizer", *argv])
+    for n in needles:
+        assert n in str(e.value), str(e.value)
+
+
+def test_replica_needs_distributed_optimizer():
+    with pytest.raises(HAConfigError, match="--use-distributed-optimizer"):
+        args = finalize(build_parser().parse_args(["--enable-high-availability"]), 4)
+        validate(4, args, from_args(args, {}))
+
+
+def test_same_message_on_every_rank_no_traceback(tmp_path):
+    args = [a for a in TINY] + ["--train-iters", "2", "--enable-high-availability", "--tensor-model-parallel-size", "4"]
+    proc = torchrun(4, args, tmp_path, timeout=120)
+    assert proc.returncode != 0
+    lines = [l for l in proc.stderr.splitlines() if "mindspeed-ha: error" in l]
+    assert len(lines) == 4, proc.stderr[-3000:]
+    assert len({l.split("): ", 1)[1] for l in lines}) == 1  # identical text on every rank
+    # torchrun prints its own ChildFailedError; the workers print no traceback of theirs
+    assert 'pretrain_gpt.py", line' not in proc.stderr and "HAConfigError" not in proc.stderr

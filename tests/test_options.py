@@ -1,0 +1,84 @@
+"""Flags, HIGH_AVAILABILITY and MS_ENABLE_TFT map to one options object; bad input gets a clear error."""
+import pytest
+
+from mindspeed_ha.options import HAConfigError, from_args
+from mindspeed_ha.trainer.args import build_parser
+
+
+def opts(argv, env=None):
+    return from_args(build_parser().parse_args(argv), env or {})
+
+
+def test_off_by_default():
+    o = opts([])
+    assert not o.enabled and not o.use_replica_optimizer
+
+
+def test_enable_high_availability_is_dump_with_replicas():
+    o = opts(["--enable-high-availability"])
+    assert o.strategies == {"dump"} and o.use_replica_optimizer and o.replica_num == 2
+
+
+@pytest.mark.parametrize("env", [{"HIGH_AVAILABILITY": "dump"}, {"HIGH_AVAILABILITY": " Dump , "},
+                                 {"MS_ENABLE_TFT": "{TTP:1}"}, {"MS_ENABLE_TFT": "{TTP:1,UCE:0,ARF:0}"}])
+def test_env_and_alias_turn_dump_on(env):
+    o = opts([], env)
+    assert o.strategies == {"dump"}
+
+
+def test_env_wins_over_flags():
+    o = opts(["--enable-high-availability"], {"HIGH_AVAILABILITY": "dump", "MS_ENABLE_TFT": "{TTP:0}"})
+    assert o.source == "HIGH_AVAILABILITY" and o.strategies == {"dump"}
+
+
+def test_high_availability_wins_over_alias():
+    o = opts([], {"HIGH_AVAILABILITY": "dump", "MS_ENABLE_TFT": "{TTP:0}"})
+    assert o.enabled
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"HIGH_AVAILABILITY": "dump,turbo"}, "unknown value(s) 'turbo'"),
+    ({"MS_ENABLE_TFT": "{XYZ:1}"}, "MS_ENABLE_TFT"),
+    ({"MS_ENABLE_TFT": "TTP=1"}, "expected e.g."),
+])
+def test_bad_env_values(env, needle):
+    with pytest.raises(HAConfigError) as e:
+        opts([], env)
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("argv,env,needle", [
+    (["--enable-hbmfault-repair"], {}, "--enable-hbmfault-repair"),
+    (["--enable-worker-reboot"], {}, "--enable-worker-reboot"),
+    (["--enable-elastic-training"], {}, "--enable-elastic-training"),
+    ([], {"HIGH_AVAILABILITY": "retry"}, "HIGH_AVAILABILITY=retry"),
+    ([], {"MS_ENABLE_TFT": "{TTP:1,ARF:1}"}, "HIGH_AVAILABILITY=recover"),
+])
+def test_unbuilt_strategies_are_refused_not_ignored(argv, env, needle):
+    with pytest.raises(HAConfigError) as e:
+        opts(argv, env)
+    assert needle in str(e.value) and "not built" in str(e.value)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--distributed-optimizer-no-replica"], "--distributed-optimizer-no-replica"),
+    (["--enable-high-availability", "--optimizer-replica-num", "1"], "--optimizer-replica-num 1"),
+    (["--ha-verify-replicas-interval", "5"], "--ha-verify-replicas-interval"),
+    (["--enable-high-availability", "--distributed-optimizer-no-replica", "--ha-verify-replicas-interval", "2"],
+     "needs the replica"),
+])
+def test_inconsistent_flags(argv, needle):
+    with pytest.raises(HAConfigError) as e:
+        opts(argv)
+    assert needle in str(e.value)
+
+
+def test_no_replica_keeps_ha_but_not_replicas():
+    o = opts(["--enable-high-availability", "--distributed-optimizer-no-replica"])
+    assert o.enabled and not o.use_replica_optimizer
+
+
+def test_ordered_strategies_preference():
+    from mindspeed_ha.options import HAOptions
+    o = HAOptions(strategies=frozenset({"dump", "recover", "retry"}))
+    assert o.ordered_strategies() == ["retry", "recover", "dump"]
