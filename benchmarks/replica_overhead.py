@@ -60,6 +60,7 @@ def run_once(a, replica: bool, log_dir: str) -> dict:
         env.pop(k, None)  # the env would override the flags that make the two variants differ
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONWARNINGS", "ignore")  # per-rank megatron-core CPU warnings would bury errors
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(a.nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), WORKER,
            *model_args(a), "--ha-log-dir", log_dir] + (["--enable-high-availability"] if replica else [])

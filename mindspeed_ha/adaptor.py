@@ -19,6 +19,8 @@ def apply_patches(device: Device | None = None, megatron_lm: bool | None = None)
     if device.needs_cpu_shim:
         registry.apply("torch_cpu")
         registry.apply("megatron_cpu")
+    if importlib.util.find_spec("transformer_engine") is None:
+        registry.apply("megatron_no_te")
     registry.apply("replica_optimizer")
     if megatron_lm if megatron_lm is not None else megatron_lm_available():
         registry.apply("megatron_training")

@@ -207,6 +207,18 @@ def on_load_checkpoint(original, ddp_model, optimizer, *args, **kwargs):
     return iteration, flops
 
 
+def on_build_data_iterators(original, *args, **kwargs):
+    """CPU only. Under the CPU shim the "CUDA" RNG (dropout) *is* the CPU generator, from which each
+    new DataLoader iterator draws its base seed: a resumed run builds its iterators after loading the
+    RNG state, so without this its dropout stream would be one draw off the uninterrupted run's."""
+    import torch
+    state = torch.get_rng_state()
+    try:
+        return original(*args, **kwargs)
+    finally:
+        torch.set_rng_state(state)
+
+
 # -- the engine's view of Megatron-LM ---------------------------------------------------------------
 class MegatronLMTrainer(TrainerInterface):
     """The narrow trainer interface over Megatron-LM's objects and functions (the built-in trainer

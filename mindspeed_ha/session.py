@@ -55,6 +55,16 @@ class RankSession:
                     f"num_distributed_optimizer_instances={R} (DDP config and initialize_model_parallel), "
                     f"got {got}; with Megatron-LM pass --use-distributed-optimizer")
         self.topology = from_parallel_state(R)
+        self.expert_topology = None
+        if getattr(self.trainer_config(optimizer), "num_moe_experts", None):
+            # megatron-core reduces expert and dense gradients across instances over ONE group, so an
+            # expert shard's twins must be its dense twins; check that instead of assuming it.
+            self.expert_topology = from_parallel_state(R, expert=True)
+            if self.expert_topology.replica_group != self.topology.replica_group:
+                raise RuntimeError(
+                    f"rank {self.rank}: expert replica group {self.expert_topology.replica_group} differs from "
+                    f"the dense one {self.topology.replica_group}; this MoE layout is not supported by the "
+                    "replica optimizer (try another --expert-model-parallel-size)")
         make_replica(optimizer, self.topology)
         optimizer.ha_add_listener(self._on_update)
         self.optimizer = optimizer
@@ -68,8 +78,18 @@ class RankSession:
         self.events.emit("replica_groups", replica_group=self.topology.replica_group,
                          instance=self.topology.instance, shard_index=self.topology.shard_index,
                          dp_ranks=list(self.topology.dp_ranks), replica_num=R,
+                         expert_replica_group=self.expert_topology.replica_group if self.expert_topology else None,
+                         expert_dp_ranks=list(self.expert_topology.dp_ranks) if self.expert_topology else None,
                          shard_tensors=len(optimizer.ha_shard_description()))
         return optimizer
+
+    @staticmethod
+    def trainer_config(optimizer):
+        from mindspeed_ha.replica.optimizer import _inner_optimizers
+        for inner in _inner_optimizers(optimizer):
+            for chunk in getattr(inner, "model_chunks", None) or []:
+                return getattr(chunk, "config", None)
+        return None
 
     def _on_update(self, event: str, iteration: int) -> None:
         if self.processor is not None:

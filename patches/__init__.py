@@ -18,6 +18,7 @@ _groups_applied: set[str] = set()
 GROUPS = {
     "torch_cpu": "mindspeed_ha.patches.torch_cpu",
     "megatron_cpu": "mindspeed_ha.patches.megatron.core.tensor_parallel.random",
+    "megatron_no_te": "mindspeed_ha.patches.megatron.core.transformer.moe.moe_utils",
     "replica_optimizer": "mindspeed_ha.patches.megatron.core.optimizer",
     "megatron_training": "mindspeed_ha.patches.megatron.training",
     "interruptible_collectives": "mindspeed_ha.patches.torch.distributed",

@@ -49,6 +49,10 @@ def patches(ctx=None):
 
 def after_apply(ctx=None):
     global _mode
+    # is_available() now says True, which would send torch.compile (megatron jit-fuses a few MoE and
+    # activation functions) to the CUDA backend: run those functions eagerly instead.
+    import torch._dynamo
+    torch._dynamo.config.disable = True
     _mode = cpu.CpuDeviceMode()
     _mode.__enter__()  # process-wide: device='cuda' literals anywhere become cpu
 

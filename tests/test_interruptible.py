@@ -13,7 +13,6 @@ import threading
 import time
 from datetime import timedelta
 
-import pytest
 
 WORLD = 4
 HERE = os.path.abspath(__file__)

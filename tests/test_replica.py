@@ -82,3 +82,14 @@ def test_save_resume_bit_identical(tmp_path, bf16):
     assert {i: want[i] for i in got} == got
     loads = [e for e in all_rank_events(resumed) if e["event"] == "load"]
     assert len(loads) == 4 and all(e["iteration"] == 3 for e in loads)
+
+
+def test_moe_expert_replicas(tmp_path):
+    """MoE with expert parallelism: expert shards have twins too (checked with the dense ones)."""
+    proc = torchrun(4, TINY + HA + ["--num-experts", "4", "--expert-model-parallel-size", "2", "--train-iters", "3"],
+                    tmp_path)
+    assert_ok(proc)
+    ev = [e for e in all_rank_events(tmp_path) if e["event"] == "replica_groups"]
+    assert {e["rank"]: e["expert_replica_group"] for e in ev} == {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}
+    checks = replica_checks(tmp_path)
+    assert len(checks) == 12 and all(c["ok"] for c in checks)

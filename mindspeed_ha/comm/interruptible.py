@@ -9,6 +9,10 @@ processor thread) makes the blocked thread raise :class:`CollectiveStopped` with
 Stream-ordered backends (NCCL, HCCL) are passed through untouched: their collectives do not block
 the CPU, and a stop there means aborting the communicators (``request_stop`` runs the abort hooks).
 
+After a stop, recovery calls ``clear_stop()`` before the next collective (until then every new
+collective raises at once). The interrupted operation stays pending inside the old group and may
+still write its output tensor later: rebuild the groups and roll back, don't reuse either.
+
 This module only *builds* wrappers; ``mindspeed_ha.patches.torch.distributed`` installs them.
 """
 from __future__ import annotations
@@ -16,8 +20,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 import threading
-import time
 from typing import Callable
 
 import torch
@@ -181,15 +185,20 @@ def _first_tensor(args, kwargs):
     return None
 
 
-def _polls(args, kwargs, group) -> bool:
-    t = _first_tensor(args, kwargs)
-    if t is not None:
-        return t.device.type == "cpu"
-    try:  # barrier: decided by the group's backend
-        backend = str(dist.get_backend(group))
-    except Exception:
+def _group_polls(group) -> bool:
+    """A group whose backend blocks the calling thread (gloo); NCCL/HCCL groups are left alone."""
+    try:
+        backend = str(dist.get_backend(group)).lower()
+    except Exception:  # not a registered group (or not a member): let torch decide what happens
         return True
     return "nccl" not in backend and "hccl" not in backend
+
+
+def _polls(args, kwargs, group) -> bool:
+    t = _first_tensor(args, kwargs)
+    if t is not None and t.device.type == "cpu":
+        return True
+    return _group_polls(group)
 
 
 def make_interruptible(fn: Callable) -> Callable:
@@ -273,11 +282,11 @@ def make_interruptible_coalescing_manager(orig_cm: Callable) -> Callable:
     def wrapper(group=None, device=None, async_ops=False):
         if _stop.is_set():
             _raise_stopped()
-        if device is not None and torch.device(device).type != "cpu":
-            with orig_cm(group, device, async_ops) as cm:  # NCCL-style: stream-ordered, untouched
+        resolved = group or c10d._get_default_group()
+        if (device is not None and torch.device(device).type != "cpu") or not _group_polls(resolved):
+            with orig_cm(group, device, async_ops) as cm:  # stream-ordered backend: untouched
                 yield cm
             return
-        resolved = group or c10d._get_default_group()
         try:
             with orig_cm(group, device, async_ops=True) as cm:
                 cm.wait = functools.partial(_wait_all, cm)  # instance attribute: megatron calls cm.wait()
@@ -318,9 +327,7 @@ def _abort_nccl(reason: str) -> None:
 def _abort_hccl(reason: str) -> None:
     """ASCEND HOOK (untested here, no NPU on the CI machine): stop the device so HCCL kernels exit;
     recovery must call ``torch_npu.npu.restart_device`` before rebuilding HCCL groups."""
-    try:
-        import torch_npu  # noqa: F401
-    except ImportError:
+    if "torch_npu" not in sys.modules:  # an NPU job has imported it long before any stop
         return
     stop_device = getattr(torch.npu, "stop_device", None) if hasattr(torch, "npu") else None
     if stop_device is not None:

@@ -102,7 +102,7 @@ class Controller:
         self.drops = P.DropCounter(log)
         self.machine = Machine(self._on_transition)
         self._ack = b""
-        self._ctx = zmq.Context.instance()
+        self._ctx = zmq.Context()  # its own context: ZAP is per context, and keys are per job
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.linger = 500
         self.sock.rcvhwm = self.sock.sndhwm = 100000
@@ -159,6 +159,8 @@ class Controller:
         finally:
             self.done.set()
             self.sock.close(linger=500)
+            security.stop_authenticator(self._ctx)
+            self._ctx.term()
 
     # ---- input --------------------------------------------------------------------------------
     def _on_frames(self, frames: list) -> None:
@@ -305,8 +307,11 @@ class Controller:
             self._send(ident, P.encode("refused", reason=f"rank {r} is not a live registered rank"))
             return
         args = {k: msg[k] for k in ("kind", "step", "phase") if k in msg}
-        self._do("inject", [r], args, cli=ident)
-        self.events.emit("inject", rank=r, **args)
+        aid = self._do("inject", [r], args)
+        # Answer on delivery: the fault may kill the rank before its handler's result gets out.
+        self._send(ident, P.encode("status", body=json.dumps(
+            {"ok": True, "rank": r, "action": "inject", "id": aid, "detail": "delivered", **args})))
+        self.events.emit("inject", target=r, **args)
 
     # ---- output -------------------------------------------------------------------------------
     def _send(self, ident: bytes, data: bytes) -> None:

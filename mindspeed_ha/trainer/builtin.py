@@ -93,7 +93,7 @@ class BuiltinTrainer(TrainerInterface):
             pipeline_dtype=torch.bfloat16 if a.bf16 else torch.float32,
             bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
             bias_dropout_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
-            moe_token_dispatcher_type="alltoall" if a.num_experts else "allgather",
+            moe_token_dispatcher_type="allgather",
             finalize_model_grads_func=self._finalize_grads)
 
     def _build_model(self, replicas: int):

@@ -7,6 +7,8 @@ micro-batch-sized slices, DP rank r reading slice r of every micro-batch group.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
@@ -33,7 +35,21 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     return ((n + multiple - 1) // multiple) * multiple
 
 
+def data_prefixes(data_path: list[str] | None) -> list[str]:
+    """The dataset prefixes of a --data-path value; a clear error when a .bin/.idx pair is missing."""
+    if not data_path:
+        return []
+    prefixes, _ = get_blend_from_list(data_path)
+    for prefix in prefixes:
+        missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+        if missing:
+            hint = " (give the prefix, without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
+            raise FileNotFoundError(f"--data-path {prefix}: no {' or '.join(prefix + e for e in missing)}{hint}")
+    return prefixes
+
+
 def build_train_dataset(args, train_samples: int):
+    data_prefixes(args.data_path)
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,

@@ -4,7 +4,8 @@ Megatron-LM's modules import what they call by name, so each name is patched whe
 ``initialize.parse_args`` (options, validation, replica count and the HA session, before any model
 is built), ``training.get_megatron_optimizer`` (the replica optimizer), ``training.train_step``
 (step hooks), ``training.save_checkpoint`` / ``training.load_checkpoint`` (events, Adam ``step`` fix).
-On CPU also ``legacy.fused_kernels.load`` (CUDA kernels cannot be built there). And
+On CPU also ``legacy.fused_kernels.load`` (CUDA kernels cannot be built there) and
+``training.build_train_valid_test_data_iterators`` (keeps the RNG out of the DataLoader's seed). And
 ``core.datasets.utils.compile_helpers`` when ``helpers_cpp`` is already importable (the make it runs
 asks the system's ``python3-config``/pybind11, which may not be the training Python).
 """
@@ -42,6 +43,8 @@ def patches(ctx=None):
         table.append(("megatron.core.datasets.utils", "compile_helpers", _noop))
     if "torch_cpu" in registry.applied():
         table.append(("megatron.legacy.fused_kernels", "load", _noop))
+        table.append((TRAINING, "build_train_valid_test_data_iterators",
+                      _route("on_build_data_iterators", training.build_train_valid_test_data_iterators)))
     return table
 
 

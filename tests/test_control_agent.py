@@ -1,0 +1,165 @@
+"""Real 4-rank gloo jobs under ``mindspeed-ha run``: faults end the job cleanly with a diagnosis."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from workers.jobs import alive, events, finish, launch, wait_for, worker_pids
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _fault_time(log_dir, rank):
+    inj = [e for e in events(log_dir, f"rank_{rank}") if e["event"] == "inject"]
+    assert inj, "the fault never fired"
+    return inj[0]
+
+
+def _no_process_left(log_dir, nodes=(0,)):
+    pids = [p for n in nodes for p in worker_pids(log_dir, n)]
+    assert pids
+    assert wait_for(lambda: not any(alive(p) for p in pids), 5), "a worker outlived the job"
+
+
+def _check_clean_end(log_dir, rc, err, t_end, rank, kind, phase=None, limit=10.0):
+    inj = _fault_time(log_dir, rank)
+    assert rc != 0
+    ctl = events(log_dir, "controller")
+    diag = [e for e in ctl if e["event"] == "diagnosis"]
+    assert diag, err[-3000:]
+    text = diag[-1]["text"]
+    assert f"rank {rank} " in text and kind in text and f"iteration {inj['iteration']}" in text
+    if phase:
+        assert f"phase {phase}" in text
+    assert text in err  # the launcher's stderr carries the diagnosis
+    faults = [e for e in ctl if e["event"] == "fault"]
+    assert any(rank in f["ranks"] for f in faults)
+    assert diag[-1]["time"] - inj["time"] < limit
+    assert t_end - inj["time"] < limit, f"ended {t_end - inj['time']:.1f}s after the fault"
+    states = [(e["from"], e["to"]) for e in ctl if e["event"] == "state"]
+    assert ("normal", "pause") in states and ("env-clear", "exit") in states and states[-1][1] == "done"
+    return text
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "grad-sync", "optimizer"])
+def test_kill_nonzero_rank_each_phase(tmp_path, phase):
+    p = launch(tmp_path, "--steps", "400", "--fault", f"kill:rank=2:step=3:phase={phase}")
+    rc, out, err, t_end = finish(p)
+    text = _check_clean_end(tmp_path, rc, err, t_end, 2, "process-exit", phase)
+    assert "signal 9" in text
+    _no_process_left(tmp_path)
+
+
+def test_exception_reported_at_once(tmp_path):
+    p = launch(tmp_path, "--steps", "400", "--fault", "exception:rank=1:step=2:phase=backward")
+    rc, out, err, t_end = finish(p)
+    _check_clean_end(tmp_path, rc, err, t_end, 1, "other", "backward")
+    f = [e for e in events(tmp_path, "controller") if e["event"] == "fault"][0]
+    assert f["ranks"] == [1] and f["kind"] == "other" and f["detect_s"] < 1.0
+    _no_process_left(tmp_path)
+
+
+def test_clean_run_exits_zero(tmp_path):
+    rc, out, err, _ = finish(launch(tmp_path, "--steps", "10"))
+    assert rc == 0, err[-3000:]
+    ctl = events(tmp_path, "controller")
+    assert [e["to"] for e in ctl if e["event"] == "state"] == ["normal", "done"]
+    assert not [e for e in ctl if e["event"] == "fault"]
+
+
+def test_rank0_killed_backup_takes_over(tmp_path):
+    p = launch(tmp_path, "--steps", "400", "--fault", "kill:rank=0:step=25:phase=forward")
+    rc, out, err, t_end = finish(p)
+    ctl = events(tmp_path, "controller")
+    take = [e for e in ctl if e["event"] == "takeover"]
+    assert take, err[-3000:]
+    assert take[0]["rank"] in (1, 2, 3) and take[0]["epoch"] == 2
+    info = json.load(open(tmp_path / "controller.json"))
+    assert info["rank"] == take[0]["rank"] and info["epoch"] == 2
+    _check_clean_end(tmp_path, rc, err, t_end, 0, "process-exit")
+    _no_process_left(tmp_path)
+
+
+def test_hang_detected(tmp_path):
+    p = launch(tmp_path, "--steps", "400", "--ha-hang-timeout", "3", "--fault", "hang:rank=1:step=3:phase=forward")
+    rc, out, err, t_end = finish(p)
+    inj = _fault_time(tmp_path, 1)
+    faults = [e for e in events(tmp_path, "controller") if e["event"] == "fault"]
+    assert faults and faults[0]["kind"] == "hang" and faults[0]["ranks"] == [1], faults
+    assert faults[0]["time"] - inj["time"] < 3 + 2.0
+    _check_clean_end(tmp_path, rc, err, t_end, 1, "hang", "forward", limit=3 + 10)
+    _no_process_left(tmp_path)
+
+
+def test_two_nodes_on_loopback(tmp_path):
+    port = str(_free_port())
+    common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
+    env = {"MINDSPEED_HA_JOB_ID": ""}
+    p0 = launch(tmp_path, "--steps", "400", "--fault", "kill:rank=3:step=3:phase=grad-sync", nproc=2,
+                agent_args=common + ["--node-rank", "0"], env=env)
+    p1 = launch(tmp_path, "--steps", "400", "--fault", "kill:rank=3:step=3:phase=grad-sync", nproc=2,
+                agent_args=common + ["--node-rank", "1"], env=env)
+    rc1, _, err1, t1 = finish(p1)
+    rc0, _, err0, t0 = finish(p0)
+    text = _check_clean_end(tmp_path, rc0, err0, max(t0, t1), 3, "process-exit", "grad-sync")
+    assert rc1 != 0 and text in err1
+    ranks = [e for e in events(tmp_path, "rank_0") if e["event"] == "controller"]
+    assert ranks
+    standby = [e["rank"] for e in events(tmp_path, "controller") if e["event"] == "standby"]
+    assert 2 in standby  # a backup on the other node (ranks 2, 3 live on node 1)
+    _no_process_left(tmp_path, nodes=(0, 1))
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_status_and_inject_on_live_job(tmp_path):
+    p = launch(tmp_path, "--steps", "100000", "--step-time", "0.05")
+    try:
+        cli = [sys.executable, "-m", "mindspeed_ha.cli"]
+
+        def status():
+            r = subprocess.run(cli + ["status", "--log-dir", str(tmp_path), "--json"], capture_output=True,
+                               text=True, timeout=30)
+            if r.returncode:
+                return None
+            st = json.loads(r.stdout)
+            return st if st["state"] == "normal" and all(x["iteration"] >= 1 for x in st["ranks"]) else None
+        st = wait_for(status, 60, 0.5)
+        assert st, "no live status"
+        assert [r["rank"] for r in st["ranks"]] == [0, 1, 2, 3]
+        assert st["controller"]["rank"] == 0 and len(st["backups"]) == 2
+        assert st["ranks"][1]["replica_groups"] == [[1, 3]]
+        human = subprocess.run(cli + ["status", "--log-dir", str(tmp_path)], capture_output=True, text=True,
+                               timeout=30)
+        assert "state normal" in human.stdout
+        # a stranger (no keys) is refused
+        stranger = subprocess.run(cli + ["status", "--log-dir", str(tmp_path), "--ha-insecure", "--timeout", "1"],
+                                  capture_output=True, text=True, timeout=30)
+        assert stranger.returncode != 0
+        r = subprocess.run(cli + ["inject", "--log-dir", str(tmp_path), "--kind", "exit", "--rank", "2"],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        rc, out, err, t_end = finish(p)
+        _check_clean_end(tmp_path, rc, err, t_end, 2, "process-exit", "forward")
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    _no_process_left(tmp_path)
+
+
+def test_sigterm_forwarded(tmp_path):
+    p = launch(tmp_path, "--steps", "100000")
+    assert wait_for(lambda: len([e for e in events(tmp_path, "controller") if e["event"] == "standby"]) == 2, 60)
+    os.kill(p.pid, signal.SIGTERM)
+    rc, out, err, _ = finish(p, 20)
+    assert rc == 128 + signal.SIGTERM
+    _no_process_left(tmp_path)
