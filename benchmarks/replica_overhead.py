@@ -141,7 +141,7 @@ def memory_summary(ranks: list[dict]) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=4, help="ranks (= DP size d; the replica run needs d even)")
-    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--iters", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of timing and comm counts")
     p.add_argument("--repeats", type=int, default=3, help="plain/replica pairs, interleaved")
     p.add_argument("--layers", type=int, default=2)

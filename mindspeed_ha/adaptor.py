@@ -22,6 +22,7 @@ def apply_patches(device: Device | None = None, megatron_lm: bool | None = None)
     if importlib.util.find_spec("transformer_engine") is None:
         registry.apply("megatron_no_te")
     registry.apply("replica_optimizer")
+    registry.apply("step_hooks")
     if megatron_lm if megatron_lm is not None else megatron_lm_available():
         registry.apply("megatron_training")
     return device

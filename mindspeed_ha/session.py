@@ -91,7 +91,16 @@ class RankSession:
                 return getattr(chunk, "config", None)
         return None
 
+    def before_param_sync(self) -> None:
+        """The parameter all-gather is about to start: this rank's shard update is complete."""
+        opt = self.optimizer
+        if opt is not None and opt.ha_updating:
+            opt.ha_mark_update_end()
+            self.fire("param-sync", opt.ha_iteration)
+
     def _on_update(self, event: str, iteration: int) -> None:
+        if event == "update_start":
+            self.fire("optimizer", iteration)  # inside the update window: the shard is mid-update
         if self.processor is not None:
             (self.processor.update_start if event == "update_start" else self.processor.update_end)(iteration)
 

@@ -20,6 +20,7 @@ GROUPS = {
     "megatron_cpu": "mindspeed_ha.patches.megatron.core.tensor_parallel.random",
     "megatron_no_te": "mindspeed_ha.patches.megatron.core.transformer.moe.moe_utils",
     "replica_optimizer": "mindspeed_ha.patches.megatron.core.optimizer",
+    "step_hooks": "mindspeed_ha.patches.megatron.core.distributed.distributed_data_parallel",
     "megatron_training": "mindspeed_ha.patches.megatron.training",
     "interruptible_collectives": "mindspeed_ha.patches.torch.distributed",
 }

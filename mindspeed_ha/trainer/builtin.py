@@ -183,7 +183,8 @@ class BuiltinTrainer(TrainerInterface):
             forward_step_func=self._forward_step, data_iterator=self._data_iter, model=self.model_chunks,
             num_microbatches=get_num_microbatches(), seq_length=a.seq_length,
             micro_batch_size=a.micro_batch_size, decoder_seq_length=a.seq_length, forward_only=False)
-        s.fire("optimizer", it)
+        if s.optimizer is None:
+            s.fire("optimizer", it)  # the replica optimizer fires it inside its update window
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=a.global_batch_size)
         self.iteration = it

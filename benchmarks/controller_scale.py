@@ -1,0 +1,188 @@
+"""Scale of the control plane: one real controller, N simulated processors.
+
+Each simulated processor is a real DEALER socket with its own CurveZMQ handshake, registering and
+heartbeating like a rank; they are multiplexed over a few processes. One rank is silenced; we print
+how long the controller took to notice (detect_s, from the silenced rank's last heartbeat), how long
+from detection until the stop action was sent to every other rank (decide_ms, measured by the
+controller), and until every simulated rank had received it (deliver_ms, measured by the simulators).
+
+    python benchmarks/controller_scale.py --ranks 16384
+Last line: JSON with ranks, detect_s, decide_ms, heartbeat_s (and more).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import zmq
+
+
+def simulate(a) -> None:
+    """A simulator process: ranks [lo, hi) of the world; commands on stdin, reports on stdout."""
+    from mindspeed_ha.control import protocol as P, security
+    keys = security.Keys.load(a.log_dir, insecure=a.insecure, timeout=10)
+    ctx = zmq.Context(io_threads=1)
+    ctx.max_sockets = 65536
+    ranks = list(range(a.lo, a.hi))
+    socks = {}
+    for r in ranks:
+        s = ctx.socket(zmq.DEALER)
+        s.linger = 0
+        s.rcvhwm = s.sndhwm = 10000
+        security.secure_client(s, keys)
+        s.connect(a.endpoint)
+        s.send(P.encode("register", rank=r, world=a.world, node=f"sim{r // 8}", pid=100000 + r,
+                        groups=[[r, (r + a.world // 2) % a.world]]))
+        socks[r] = s
+    print(json.dumps({"ready": len(ranks)}), flush=True)
+    hb = a.heartbeat
+    n = len(ranks)
+    due = {r: time.monotonic() + hb * (i / n) for i, r in enumerate(ranks)}
+    silenced, last_hb = None, {}
+    got_stop: dict[int, float] = {}
+    os.set_blocking(sys.stdin.fileno(), False)
+    buf = ""
+    report_at = None
+    stop_after = None
+    while True:
+        now = time.monotonic()
+        for r in ranks:  # heartbeats, each rank on its own phase of the interval
+            if due[r] <= now and r != silenced:
+                socks[r].send(P.encode("hb", rank=r, it=10, upd=False, health="ok", phase="forward",
+                                       progress=1.0), zmq.NOBLOCK)
+                last_hb[r] = time.time()
+                due[r] += hb
+        for r in ranks:  # drain acks and actions
+            s = socks[r]
+            while True:
+                try:
+                    data = s.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if r not in got_stop and b"stop" in data:
+                    msg = P.decode(data)
+                    if msg["t"] == "do" and msg["action"] == "stop":
+                        got_stop[r] = time.time()
+        try:
+            buf += sys.stdin.read() or ""
+        except (TypeError, OSError):
+            pass
+        while "\n" in buf:
+            line, buf = buf.split("\n", 1)
+            cmd = line.split()
+            if cmd and cmd[0] == "silence":
+                silenced = int(cmd[1])
+                print(json.dumps({"silenced": silenced, "last_hb": last_hb.get(silenced)}), flush=True)
+                report_at = time.monotonic() + 10 * hb + 5
+            elif cmd and cmd[0] == "quit":
+                stop_after = time.monotonic()
+        live = [r for r in ranks if r != silenced]
+        if report_at and (len([r for r in live if r in got_stop]) == len(live) or time.monotonic() > report_at):
+            print(json.dumps({"stop_received": len(got_stop), "of": len(live),
+                              "last_stop": max(got_stop.values()) if got_stop else None}), flush=True)
+            report_at = None
+        if stop_after is not None:
+            break
+        time.sleep(0.005)
+    for s in socks.values():
+        s.close()
+    ctx.term()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=1024)
+    p.add_argument("--procs", type=int, default=4, help="simulator processes")
+    p.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat interval, seconds")
+    p.add_argument("--insecure", action="store_true", help="without CurveZMQ")
+    p.add_argument("--sim", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--lo", type=int), p.add_argument("--hi", type=int), p.add_argument("--world", type=int)
+    p.add_argument("--endpoint"), p.add_argument("--log-dir")
+    a = p.parse_args()
+    if a.sim:
+        return simulate(a)
+
+    from mindspeed_ha.control import security
+    from mindspeed_ha.control.controller import Controller
+    from mindspeed_ha.events import setup_text_log
+    from mindspeed_ha.options import HAOptions
+    log_dir = tempfile.mkdtemp(prefix="ctl-scale-")
+    setup_text_log(log_dir)
+    import logging
+    logging.getLogger("mindspeed_ha").handlers[-1].setLevel(logging.ERROR)  # keep stdout for results
+    opts = HAOptions(strategies=frozenset({"dump"}), log_dir=log_dir, insecure=a.insecure,
+                     heartbeat_s=a.heartbeat, hang_timeout_s=3600)
+    keys = security.Keys.load(log_dir, insecure=a.insecure, create=True)
+    c = Controller(log_dir, a.ranks, opts, keys, host="127.0.0.1").start()
+    t0 = time.time()
+    per = -(-a.ranks // a.procs)
+    sims = []
+    for i in range(a.procs):
+        lo, hi = i * per, min(a.ranks, (i + 1) * per)
+        cmd = [sys.executable, __file__, "--sim", "--lo", str(lo), "--hi", str(hi), "--world", str(a.ranks),
+               "--endpoint", c.endpoint, "--log-dir", log_dir, "--heartbeat", str(a.heartbeat)]
+        if a.insecure:
+            cmd.append("--insecure")
+        sims.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+    for s in sims:
+        json.loads(s.stdout.readline())
+    while c.machine.state.value == "init":
+        time.sleep(0.05)
+        if time.time() - t0 > 600:
+            raise SystemExit("ranks did not all register within 600 s")
+    t_reg = time.time() - t0
+    print(f"{a.ranks} ranks registered in {t_reg:.1f}s ({'insecure' if a.insecure else 'CurveZMQ'}), "
+          f"heartbeat {a.heartbeat}s over {a.procs} simulator processes", flush=True)
+    time.sleep(3 * a.heartbeat)  # steady state
+    victim = a.ranks // 2 + 1
+    owner = sims[victim // per]
+    owner.stdin.write(f"silence {victim}\n")
+    owner.stdin.flush()
+    last_hb = json.loads(owner.stdout.readline())["last_hb"]
+    while not c.faults:
+        time.sleep(0.002)
+    fault = c.faults[0]
+    detect_s = fault["time"] - last_hb
+    t_dec = time.time() + 10
+    decision = None
+    while decision is None and time.time() < t_dec:
+        for line in open(os.path.join(log_dir, "events", "controller.jsonl")):
+            e = json.loads(line)
+            if e["event"] == "decision":
+                decision = e
+                break
+        time.sleep(0.05)
+    stops = [json.loads(s.stdout.readline()) for s in sims]
+    last = max((s["last_stop"] or 0) for s in stops)
+    received = sum(s["stop_received"] for s in stops)
+    deliver_ms = (last - fault["time"]) * 1e3 if last else None
+    for s in sims:
+        try:
+            s.stdin.write("quit\n")
+            s.stdin.flush()
+        except BrokenPipeError:
+            pass
+    for s in sims:
+        try:
+            s.wait(30)
+        except subprocess.TimeoutExpired:
+            s.kill()
+    c.close()
+    res = {"ranks": a.ranks, "heartbeat_s": a.heartbeat, "detect_s": round(detect_s, 3),
+           "detect_heartbeats": round(detect_s / a.heartbeat, 2), "fault_kind": fault["kind"],
+           "decide_ms": decision and decision["decide_ms"], "deliver_ms": deliver_ms and round(deliver_ms, 1),
+           "stop_received": received, "register_s": round(t_reg, 1), "secure": not a.insecure,
+           "dropped": sum(c.drops.counts.values())}
+    print(f"silenced rank {victim}: detected after {detect_s:.3f}s ({detect_s / a.heartbeat:.2f} heartbeats); "
+          f"stop sent to {decision and decision['ranks']} ranks {res['decide_ms']} ms after detection, "
+          f"received by all {res['deliver_ms']} ms after detection")
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""examples/pretrain_gpt.py running Megatron-LM's *own* pretrain loop under mindspeed-ha (4 CPU ranks,
+gloo). Needs a Megatron-LM checkout at tag core_v0.16.1 in MEGATRON_LM_PATH (README shows how)."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from helpers import all_rank_events, assert_ok, losses, torchrun
+
+MLM = os.environ.get("MEGATRON_LM_PATH", "")
+pytestmark = pytest.mark.skipif(
+    not os.path.isdir(os.path.join(MLM, "megatron", "training")),
+    reason="needs Megatron-LM's megatron.training: set MEGATRON_LM_PATH to a checkout of NVIDIA/Megatron-LM "
+           "at tag core_v0.16.1 (see README)")
+
+# Ordinary Megatron-LM flags; the CPU ones (--transformer-impl local, fusions off, gloo, ...) are set
+# by the adaptor. Dropout stays on (Megatron's default 0.1): the resume check covers the RNG too.
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+        "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
+        "--use-distributed-optimizer", "--enable-high-availability", "--ckpt-format", "torch_dist"]
+ENV = {"MEGATRON_LM_PATH": MLM}
+
+
+def run(log_dir: Path, *extra: str):
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return torchrun(4, TINY + list(extra), log_dir, env=ENV, timeout=300)
+
+
+def test_megatron_lm_replicas_steps_and_bit_identical_resume(tmp_path):
+    full = tmp_path / "full"
+    proc = run(full, "--train-iters", "6", "--save", str(full / "ckpt"), "--save-interval", "3",
+               "--ha-verify-replicas-interval", "3")
+    assert_ok(proc)
+    assert "consumed samples:" in proc.stdout  # Megatron-LM's own training_log, not the built-in trainer
+    text = (full / "ttp_log.log").read_text()
+    for r, group in ((0, [0, 2]), (1, [1, 3]), (2, [0, 2]), (3, [1, 3])):
+        assert f"rank:{r}, report group list: {group}" in text
+    events = all_rank_events(full)
+    steps = [e for e in events if e["event"] == "step"]
+    assert sorted(e["iteration"] for e in steps) == [1, 2, 3, 4, 5, 6]
+    assert {e["rank"] for e in steps} == {0}  # the rank holding the DP-reduced loss
+    assert all(float.fromhex(e["loss_hex"]) == e["loss"] for e in steps)
+    checks = [e for e in events if e["event"] == "replica_check"]
+    assert len(checks) == 8 and all(e["ok"] for e in checks)  # iterations 3 and 6 on 4 ranks
+    assert sorted(e["iteration"] for e in events if e["event"] == "checkpoint" and e["rank"] == 0) == [3, 6]
+    assert (full / "ckpt" / "iter_0000003").is_dir()
+
+    # Resume from Megatron-LM's iteration-3 checkpoint: the same loss bits for 4, 5, 6 (5 and 6 check
+    # the Adam step count, 4 the weights, data position and dropout RNG).
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full / "ckpt" / "iter_0000003", resumed / "ckpt" / "iter_0000003")
+    (resumed / "ckpt" / "latest_checkpointed_iteration.txt").write_text("3")
+    proc = run(resumed, "--train-iters", "6", "--load", str(resumed / "ckpt"))
+    assert_ok(proc)
+    assert [e["iteration"] for e in all_rank_events(resumed) if e["event"] == "load"] == [3] * 4
+    want, got = losses(full), losses(resumed)
+    assert sorted(got) == [4, 5, 6]
+    assert {i: want[i] for i in got} == got
+
+
+def test_megatron_lm_bad_layout_is_refused_before_any_model(tmp_path):
+    proc = run(tmp_path, "--train-iters", "2", "--tensor-model-parallel-size", "4")
+    assert proc.returncode != 0
+    err = proc.stdout + proc.stderr
+    lines = [ln for ln in err.splitlines() if ln.startswith("mindspeed-ha: error (rank ")]
+    assert len(lines) == 4, err[-3000:]
+    messages = {ln.split("): ", 1)[1] for ln in lines}
+    assert len(messages) == 1  # the same message on every rank
+    msg = messages.pop()
+    assert "--tensor-model-parallel-size 4" in msg and "--optimizer-replica-num 2" in msg
+    assert "exitcode  : 2" in err  # our exit, not a crash
+    assert "[rank0]: Traceback" not in err
+    assert not any(e["event"] == "start" for e in all_rank_events(tmp_path))
