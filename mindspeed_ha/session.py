@@ -31,7 +31,8 @@ class RankSession:
         self.trainer = None
         self.optimizer = None
         self.topology = None
-        self.injector = None
+        from mindspeed_ha.inject import Injector
+        self.injector = Injector.from_env(rank, options.log_dir, self.events)  # also takes live faults
         self.processor = None
         self._replica_pg = None
         self._writes_loss = False
@@ -67,6 +68,7 @@ class RankSession:
                     "replica optimizer (try another --expert-model-parallel-size)")
         make_replica(optimizer, self.topology)
         optimizer.ha_add_listener(self._on_update)
+        self.injector.set_uce_corruptor(optimizer.ha_corrupt)
         self.optimizer = optimizer
         self._replica_pg = ps.get_inter_distributed_optimizer_instance_group()
         pg_ranks = dist.get_process_group_ranks(self._replica_pg)

@@ -116,6 +116,18 @@ class ReplicaMixin:
                         else:
                             st[k] = tensors[key].detach().clone()
 
+    def ha_corrupt(self, bit_flip: bool = False) -> str:
+        """Fault drills: poison this rank's shard as an uncorrectable memory error would (NaN in the
+        first main-param tensor), or flip one bit silently (what the replica check must catch)."""
+        name, tensor = next(iter(self.ha_export_shard().items()))
+        with torch.no_grad():
+            if bit_flip:
+                raw = tensor.view(-1)[:1].view(torch.uint8)
+                raw[0] ^= 1
+            else:
+                tensor.view(-1)[: max(1, tensor.numel() // 2)] = float("nan")
+        return name
+
     def ha_fingerprint(self) -> "collections.OrderedDict[str, int]":
         """A 63-bit digest of every shard tensor's bytes (bit-exact: any flipped bit changes it)."""
         out = collections.OrderedDict()
