@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import mindspeed_ha.patches as registry
 from mindspeed_ha.device import Device, detect
@@ -17,6 +18,9 @@ def megatron_lm_available() -> bool:
 def apply_patches(device: Device | None = None, megatron_lm: bool | None = None) -> Device:
     device = device or detect()
     if device.needs_cpu_shim:
+        # The shim says CUDA is available; torch.compile must not believe it. The env var also
+        # covers functions megatron decorates at import time, after this point.
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         registry.apply("torch_cpu")
         registry.apply("megatron_cpu")
     if importlib.util.find_spec("transformer_engine") is None:

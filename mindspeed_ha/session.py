@@ -111,7 +111,8 @@ class RankSession:
         from megatron.core import parallel_state as ps
         self.trainer = trainer
         self._writes_loss = (ps.is_pipeline_last_stage(ignore_virtual=True)
-                             and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)
+                             and ps.get_tensor_model_parallel_rank() == 0
+                             and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
         self.events.emit("start", world_size=self.world_size, device=self.device.kind,
                          backend=self.device.backend, strategies=sorted(self.options.strategies),
                          replica=self.options.use_replica_optimizer)

@@ -39,6 +39,8 @@ def patches(ctx=None):
         (c, "memory_allocated", lambda *a, **k: 0),
         (c, "max_memory_allocated", lambda *a, **k: 0),
         (c, "memory_reserved", lambda *a, **k: 0),
+        (c, "get_device_properties", cpu.device_properties),
+        (c, "get_device_capability", lambda *a, **k: (0, 0)),
         (c.nvtx, "range_push", cpu.noop),
         (c.nvtx, "range_pop", cpu.noop),
         (torch.Tensor, "type", cpu.make_tensor_type(torch.Tensor.type)),

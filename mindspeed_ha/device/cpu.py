@@ -9,6 +9,7 @@ megatron's RNG tracker swap CPU generator states exactly as they would swap CUDA
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import torch
@@ -82,6 +83,14 @@ def noop(*args, **kwargs):
 
 def current_device():
     return CPU
+
+
+def device_properties(device=None):
+    """What megatron reads of a device (name, memory, SM count) for a CPU."""
+    import types
+    import psutil
+    return types.SimpleNamespace(name="cpu", total_memory=psutil.virtual_memory().total, major=0, minor=0,
+                                 multi_processor_count=os.cpu_count() or 1)
 
 
 def cuda_manual_seed(seed):

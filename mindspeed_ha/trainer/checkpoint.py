@@ -156,5 +156,7 @@ def load(trainer, root: str, load_optim: bool = True, load_rng: bool = True) -> 
     if load_rng and "rng_state" in loaded:
         _set_rng_state(loaded["rng_state"])
     trainer.iteration = int(loaded["iteration"])
+    if hasattr(trainer.optimizer, "ha_iteration"):
+        trainer.optimizer.ha_iteration = trainer.iteration  # the shard is now at the loaded iteration
     trainer.consumed_samples = int(loaded.get("consumed_samples", trainer.iteration * trainer.args.global_batch_size))
     return trainer.iteration
