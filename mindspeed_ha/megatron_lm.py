@@ -8,6 +8,7 @@ objects. Only this module (and the patches) import ``megatron.training``, and on
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.util
 import os
@@ -56,6 +57,8 @@ def prepare():
     if _device.needs_cpu_shim:
         # torch.compile (megatron.core.jit.jit_fuser) reads this when Megatron's modules are imported.
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+        # Megatron-LM asserts it with TP/CP > 1 on pre-Blackwell GPUs; a CPU has one "stream" anyway.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     path = os.environ.get("MEGATRON_LM_PATH")
     if path and path not in sys.path:
         sys.path.insert(0, path)
@@ -84,7 +87,6 @@ def pretrain_gpt_main() -> int:
     """What Megatron-LM's ``pretrain_gpt.py`` does under ``__main__``, plus mindspeed-ha."""
     prepare()
     from megatron.core.enums import ModelType
-    from mindspeed_ha import session
     from mindspeed_ha.options import add_ha_args
 
     m = _megatron_pretrain_gpt()
@@ -97,16 +99,13 @@ def pretrain_gpt_main() -> int:
             parser = m.add_modelopt_args(parser)
         return add_ha_args(parser)
 
-    _PROVIDERS["train_valid_test"] = m.train_valid_test_datasets_provider
     try:
         pretrain(m.train_valid_test_datasets_provider, functools.partial(m.model_provider, m.gpt_builder),
                  ModelType.encoder_or_decoder, m.forward_step,
                  args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, extra_args_provider=extra_args,
                  store=store, get_embedding_ranks=m.get_embedding_ranks)
     finally:
-        s = session.current()
-        if s is not None:
-            s.close()
+        close_session()
     import torch.distributed as dist
     if dist.is_initialized():
         dist.barrier()
@@ -114,23 +113,40 @@ def pretrain_gpt_main() -> int:
     return 0
 
 
-_PROVIDERS: dict = {}
+_PROVIDERS: dict = {}  # the dataset provider Megatron-LM's loop used (MegatronLMTrainer.data_iterator)
 
 
 # -- hooks (re-routed here by patches/megatron/training) ------------------------------------------
-def on_parse_args(original, *args, **kwargs):
+def _with_ha_args(provider):
+    """Megatron-LM's extra_args_provider plus the HA flags, unless it already adds them (so that an
+    unmodified pretrain script under ``import mindspeed_ha.megatron_adaptor`` takes them too)."""
+    from mindspeed_ha.options import add_ha_args
+
+    def provide(parser):
+        if provider is not None:
+            parser = provider(parser) or parser
+        if "--enable-high-availability" not in parser._option_string_actions:
+            add_ha_args(parser)
+        return parser
+    return provide
+
+
+def on_parse_args(original, extra_args_provider=None, ignore_unknown_args=False):
     """After Megatron-LM parses its flags and before anything is built: CPU recipe, HA options,
     layout validation (same message on every rank, exit 2), replica count, the rank's session."""
     from mindspeed_ha import layout, options as ha_options
-    from mindspeed_ha.device import detect
     from mindspeed_ha.options import HAConfigError
     from mindspeed_ha.session import RankSession
 
-    ns = original(*args, **kwargs)
-    device = _device or detect()
+    ns = original(_with_ha_args(extra_args_provider), ignore_unknown_args)
+    device = _device or _detect()
     if device.needs_cpu_shim:
-        for key, value in CPU_ARGS.items():
+        changed = {k: v for k, v in CPU_ARGS.items() if getattr(ns, k, None) != v}
+        for key, value in changed.items():
             setattr(ns, key, value)
+        if changed and ns.rank == 0:
+            log.info("CPU: set %s (CUDA-only defaults of Megatron-LM)",
+                     ", ".join(f"{k}={v}" for k, v in changed.items()))
     try:
         opts = ha_options.from_args(ns)
         layout.validate(ns.world_size, ns, opts)
@@ -145,7 +161,15 @@ def on_parse_args(original, *args, **kwargs):
     except HAConfigError as e:
         _fail(str(e))
     RankSession(opts, device, ns.rank, ns.world_size, ns.local_rank)
+    atexit.register(close_session)  # an unmodified pretrain script has no place to close it
     return ns
+
+
+def close_session() -> None:
+    from mindspeed_ha import session
+    s = session.current()
+    if s is not None:
+        s.close()
 
 
 def on_train_step(original, forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
@@ -184,9 +208,10 @@ def on_load_checkpoint(original, ddp_model, optimizer, *args, **kwargs):
     from mindspeed_ha import session
     from mindspeed_ha.trainer.checkpoint import _fix_adam_steps
     a = get_args()
+    load_dir = getattr(a, kwargs.get("load_arg", "load"))
     inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     torch_adam = optimizer is not None and not distrib_optimizer.HAVE_APEX_OR_TE
-    if torch_adam and not a.no_load_optim and checkpoint_exists(getattr(a, kwargs.get("load_arg", "load"))):
+    if torch_adam and not a.no_load_optim and not a.finetune and checkpoint_exists(load_dir):
         # Trap 1 (DESIGN.md): on the torch-Adam path DistributedOptimizer.state_dict() needs the
         # per-parameter ``step``, which exists only after a first step: give it dummy state to load into.
         for inner in inners:
@@ -203,45 +228,51 @@ def on_load_checkpoint(original, ddp_model, optimizer, *args, **kwargs):
         optimizer.ha_iteration = iteration  # the replica shard's iteration follows the checkpoint
     s = session.current()
     if s is not None and iteration:
-        s.loaded(iteration, os.path.join(a.load, f"iter_{iteration:07d}"), time.perf_counter() - t0)
+        s.loaded(iteration, os.path.join(load_dir, f"iter_{iteration:07d}"), time.perf_counter() - t0)
     return iteration, flops
 
 
-def on_build_data_iterators(original, *args, **kwargs):
-    """CPU only. Under the CPU shim the "CUDA" RNG (dropout) *is* the CPU generator, from which each
-    new DataLoader iterator draws its base seed: a resumed run builds its iterators after loading the
+def on_build_data_iterators(original, provider, *args, **kwargs):
+    """Remembers the dataset provider (for MegatronLMTrainer.data_iterator). On CPU also keeps the
+    RNG untouched: under the CPU shim the "CUDA" RNG (dropout) *is* the CPU generator, from which each
+    new DataLoader iterator draws its base seed; a resumed run builds its iterators after loading the
     RNG state, so without this its dropout stream would be one draw off the uninterrupted run's."""
     import torch
+    _PROVIDERS["train_valid_test"] = provider
+    if not (_device or _detect()).needs_cpu_shim:
+        return original(provider, *args, **kwargs)
     state = torch.get_rng_state()
     try:
-        return original(*args, **kwargs)
+        return original(provider, *args, **kwargs)
     finally:
         torch.set_rng_state(state)
+
+
+def _detect():
+    from mindspeed_ha.device import detect
+    return detect()
 
 
 # -- the engine's view of Megatron-LM ---------------------------------------------------------------
 class MegatronLMTrainer(TrainerInterface):
     """The narrow trainer interface over Megatron-LM's objects and functions (the built-in trainer
-    implements the same one)."""
+    implements the same one). ``iteration`` and ``consumed_samples`` count completed steps; inside
+    Megatron-LM's loop they run one step ahead of its ``args`` until the loop's own bookkeeping."""
 
     def __init__(self, model, optimizer, scheduler, iteration: int):
+        from megatron.training import get_args
         self.model_chunks, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.iteration = iteration
+        self.consumed_samples = get_args().consumed_train_samples
         self._step = None
-
-    @property
-    def consumed_samples(self) -> int:
-        from megatron.training import get_args
-        return get_args().consumed_train_samples
-
-    @consumed_samples.setter
-    def consumed_samples(self, value: int) -> None:
-        from megatron.training import get_args
-        get_args().consumed_train_samples = value
+        self._running = iteration  # the iteration in flight (phase points)
 
     def bind_step(self, original, forward_step_func, data_iterator, config, forward_backward_func):
+        """Called by Megatron-LM's loop before each of its steps: its objects and position are the truth."""
+        from megatron.training import get_args
         self._step = (original, forward_step_func, config, forward_backward_func)
         self._data_iter = data_iterator
+        self.consumed_samples = get_args().consumed_train_samples
 
     def data_iterator(self, consumed_samples: int):
         from megatron.training import get_args
@@ -257,20 +288,56 @@ class MegatronLMTrainer(TrainerInterface):
     def run_step(self, iteration: int | None = None):
         """Megatron-LM's train_step between the session's step hooks; returns its result tuple."""
         from megatron.core import parallel_state as ps
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.training import get_args
         from mindspeed_ha import session
         original, forward_step_func, config, forward_backward_func = self._step
         it = (self.iteration if iteration is None else iteration) + 1
         s = session.current()
+        self._running = it
+        self._phase_points(config)
         s.step_start(it)
-        out = original(forward_step_func, self._data_iter, self.model_chunks, self.optimizer, self.scheduler,
-                       config, forward_backward_func, iteration=it - 1)
+        out = original(self._forward_with_phases(forward_step_func, s, it), self._data_iter,
+                       self.model_chunks, self.optimizer, self.scheduler, config, forward_backward_func,
+                       iteration=it - 1)
         self.iteration = it
+        # What Megatron-LM's loop adds after train_step returns.
+        self.consumed_samples += (ps.get_data_parallel_world_size() * get_args().micro_batch_size
+                                  * get_num_microbatches())
         loss = None
         if ps.is_pipeline_last_stage(ignore_virtual=True) and "lm loss" in out[0]:
             loss = float(out[0]["lm loss"])  # all-reduced over DP x CP and divided by its tokens
-        grad_norm = out[5]
-        s.step_end(it, loss, grad_norm=grad_norm, lr=self._lr())
+        s.step_end(it, loss, grad_norm=out[5], lr=self._lr())
         return out
+
+    @staticmethod
+    def _forward_with_phases(forward_step_func, s, it):
+        """Megatron-LM's forward_step with the "forward" and "backward" phase points (fault injection)."""
+        def forward_step(data_iterator, model, *args, **kwargs):
+            s.fire("forward", it)
+            output, loss_func = forward_step_func(data_iterator, model, *args, **kwargs)
+
+            def loss_with_hook(*largs, **lkwargs):
+                result = loss_func(*largs, **lkwargs)
+                loss = result[0] if isinstance(result, tuple) else result
+                if getattr(loss, "requires_grad", False):
+                    loss.register_hook(lambda g: (s.fire("backward", it), g)[1])
+                return result
+            return output, loss_with_hook
+        return forward_step
+
+    def _phase_points(self, config) -> None:
+        """The "grad-sync" phase point: Megatron-LM's loop sets config.finalize_model_grads_func."""
+        f = getattr(config, "finalize_model_grads_func", None)
+        if f is None or getattr(f, "ha_phase_point", False):
+            return
+        from mindspeed_ha import session
+
+        def finalize_model_grads(*args, **kwargs):
+            session.current().fire("grad-sync", self._running)
+            return f(*args, **kwargs)
+        finalize_model_grads.ha_phase_point = True
+        config.finalize_model_grads_func = finalize_model_grads
 
     def _lr(self):
         for group in self.optimizer.param_groups:
@@ -279,13 +346,13 @@ class MegatronLMTrainer(TrainerInterface):
         return None
 
     def train_step(self) -> float | None:
+        """One step driven by the engine (outside Megatron-LM's loop, e.g. after a rollback)."""
         from megatron.core import parallel_state as ps
         from megatron.training import get_args
         if self._step is None:
             raise RuntimeError("Megatron-LM's loop has not run a step yet: nothing to drive")
         out = self.run_step()
-        a = get_args()
-        a.consumed_train_samples += a.global_batch_size
+        get_args().consumed_train_samples = self.consumed_samples
         if ps.is_pipeline_last_stage(ignore_virtual=True) and "lm loss" in out[0]:
             return float(out[0]["lm loss"])
         return None
@@ -294,12 +361,13 @@ class MegatronLMTrainer(TrainerInterface):
         import megatron.training.training as training
         from megatron.training import get_args
         a = get_args()
-        saved, a.save = a.save, save_dir
+        saved = a.save, a.consumed_train_samples
+        a.save, a.consumed_train_samples = save_dir, self.consumed_samples  # saved with the args
         try:
             training.save_checkpoint(self.iteration, self.model_chunks, self.optimizer, self.scheduler,
                                      getattr(a, "num_floating_point_operations_so_far", 0))
         finally:
-            a.save = saved
+            a.save, a.consumed_train_samples = saved
         return os.path.join(save_dir, f"iter_{self.iteration:07d}")
 
     def load_checkpoint(self, load_dir: str) -> int:
@@ -307,10 +375,14 @@ class MegatronLMTrainer(TrainerInterface):
         from megatron.training import get_args
         a = get_args()
         saved, a.load = a.load, load_dir
+        # OptimizerParamScheduler.load_state_dict *adds* the checkpoint's step count (it expects a
+        # fresh scheduler): start it from zero, as a new process would.
+        self.scheduler.num_steps = 0
         try:
             self.iteration, a.num_floating_point_operations_so_far = training.load_checkpoint(
                 self.model_chunks, self.optimizer, self.scheduler)
         finally:
             a.load = saved
+        self.consumed_samples = a.consumed_train_samples  # restored from the checkpoint's args
         self._data_iter = self.data_iterator(self.consumed_samples)
         return self.iteration

@@ -27,9 +27,9 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 ENV = {"MEGATRON_LM_PATH": MLM}
 
 
-def run(log_dir: Path, *extra: str):
+def run(log_dir: Path, *extra: str, nproc: int = 4):
     log_dir.mkdir(parents=True, exist_ok=True)
-    return torchrun(4, TINY + list(extra), log_dir, env=ENV, timeout=300)
+    return torchrun(nproc, TINY + list(extra), log_dir, env=ENV, timeout=300)
 
 
 def test_megatron_lm_replicas_steps_and_bit_identical_resume(tmp_path):
@@ -65,15 +65,62 @@ def test_megatron_lm_replicas_steps_and_bit_identical_resume(tmp_path):
 
 
 def test_megatron_lm_bad_layout_is_refused_before_any_model(tmp_path):
-    proc = run(tmp_path, "--train-iters", "2", "--tensor-model-parallel-size", "4")
+    proc = run(tmp_path, "--train-iters", "2", "--tensor-model-parallel-size", "2", nproc=2)  # DP=1
     assert proc.returncode != 0
     err = proc.stdout + proc.stderr
     lines = [ln for ln in err.splitlines() if ln.startswith("mindspeed-ha: error (rank ")]
-    assert len(lines) == 4, err[-3000:]
+    assert len(lines) == 2, err[-3000:]
     messages = {ln.split("): ", 1)[1] for ln in lines}
     assert len(messages) == 1  # the same message on every rank
     msg = messages.pop()
-    assert "--tensor-model-parallel-size 4" in msg and "--optimizer-replica-num 2" in msg
+    assert "--tensor-model-parallel-size 2" in msg and "--optimizer-replica-num 2" in msg
+    assert "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 (DP=2)" in msg  # proposed layout
     assert "exitcode  : 2" in err  # our exit, not a crash
     assert "[rank0]: Traceback" not in err
     assert not any(e["event"] == "start" for e in all_rank_events(tmp_path))
+
+
+# Drives the engine's trainer interface (MegatronLMTrainer) from inside Megatron-LM's loop: save at
+# iteration 3, train on to 6, load iteration 3 in-process and replay 4..6 through train_step().
+DRIVER = '''
+import json, os, sys
+from mindspeed_ha import megatron_lm, session
+
+def hook(original, *a, **kw):
+    out = on_train_step(original, *a, **kw)
+    t = session.current().trainer
+    if t.iteration == 3:
+        t.save_checkpoint(os.environ["DRIVE_CKPT"])
+    if t.iteration == 6:
+        result = {"loaded": t.load_checkpoint(os.environ["DRIVE_CKPT"]), "consumed": t.consumed_samples}
+        result["replay"] = {t.iteration + 1: float.hex(t.train_step()) for _ in range(3)}
+        json.dump(result, open(os.environ["DRIVE_OUT"] + str(os.environ["RANK"]), "w"))
+    return out
+
+if __name__ == "__main__":  # dist_checkpointing's writer spawns processes that import __main__
+    on_train_step, megatron_lm.on_train_step = megatron_lm.on_train_step, hook
+    sys.exit(megatron_lm.pretrain_gpt_main())
+'''
+
+
+def test_trainer_interface_save_load_replay_in_process(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from helpers import clean_env
+    script = tmp_path / "drive.py"
+    script.write_text(DRIVER)
+    env = clean_env({**ENV, "DRIVE_CKPT": str(tmp_path / "ckpt"), "DRIVE_OUT": str(tmp_path / "result_"),
+                     "PYTHONPATH": MLM})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+           *TINY, "--train-iters", "6", "--ha-log-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert_ok(proc)
+    want = {}  # Megatron-LM's own steps 1..6: the first step event of each iteration (the replay's follow)
+    for e in all_rank_events(tmp_path):
+        if e["event"] == "step":
+            want.setdefault(e["iteration"], e["loss_hex"])
+    result = json.loads((tmp_path / "result_0").read_text())
+    assert result["loaded"] == 3 and result["consumed"] == 24
+    assert {int(k): v for k, v in result["replay"].items()} == {i: want[i] for i in (4, 5, 6)}

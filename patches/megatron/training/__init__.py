@@ -3,9 +3,10 @@
 Megatron-LM's modules import what they call by name, so each name is patched where it is looked up:
 ``initialize.parse_args`` (options, validation, replica count and the HA session, before any model
 is built), ``training.get_megatron_optimizer`` (the replica optimizer), ``training.train_step``
-(step hooks), ``training.save_checkpoint`` / ``training.load_checkpoint`` (events, Adam ``step`` fix).
-On CPU also ``legacy.fused_kernels.load`` (CUDA kernels cannot be built there) and
-``training.build_train_valid_test_data_iterators`` (keeps the RNG out of the DataLoader's seed). And
+(step hooks), ``training.save_checkpoint`` / ``training.load_checkpoint`` (events, Adam ``step`` fix),
+``training.build_train_valid_test_data_iterators`` (the provider; on CPU, the RNG kept out of the
+DataLoader's seed draw). On CPU also ``legacy.fused_kernels.load`` (CUDA kernels cannot be built)
+and ``arguments.get_device_arch_version`` (there is no GPU to ask). And
 ``core.datasets.utils.compile_helpers`` when ``helpers_cpp`` is already importable (the make it runs
 asks the system's ``python3-config``/pybind11, which may not be the training Python).
 """
@@ -34,6 +35,8 @@ def patches(ctx=None):
         (TRAINING, "train_step", _route("on_train_step", training.train_step)),
         (TRAINING, "save_checkpoint", _route("on_save_checkpoint", training.save_checkpoint)),
         (TRAINING, "load_checkpoint", _route("on_load_checkpoint", training.load_checkpoint)),
+        (TRAINING, "build_train_valid_test_data_iterators",
+         _route("on_build_data_iterators", training.build_train_valid_test_data_iterators)),
     ]
     # training.py bound get_megatron_optimizer at import: point it at the (possibly already) re-routed
     # megatron.core one, so the session sees every optimizer exactly once.
@@ -43,13 +46,17 @@ def patches(ctx=None):
         table.append(("megatron.core.datasets.utils", "compile_helpers", _noop))
     if "torch_cpu" in registry.applied():
         table.append(("megatron.legacy.fused_kernels", "load", _noop))
-        table.append((TRAINING, "build_train_valid_test_data_iterators",
-                      _route("on_build_data_iterators", training.build_train_valid_test_data_iterators)))
+        # validate_args asks the GPU's architecture (CUDA_DEVICE_MAX_CONNECTIONS rules) with TP/CP > 1.
+        table.append(("megatron.training.arguments", "get_device_arch_version", _no_gpu_arch))
     return table
 
 
 def _noop(*args, **kwargs):
     return None
+
+
+def _no_gpu_arch() -> int:
+    return 0
 
 
 def _helpers_prebuilt() -> bool:
