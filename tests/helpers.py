@@ -26,6 +26,7 @@ def torchrun(nproc: int, args: list[str], log_dir, env: dict | None = None, time
              cwd=None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            PRETRAIN, *args, "--ha-log-dir", str(log_dir)]
+    os.makedirs(log_dir, exist_ok=True)
     return subprocess.run(cmd, env=clean_env(env), capture_output=True, text=True, timeout=timeout,
                           cwd=cwd or str(log_dir))
 

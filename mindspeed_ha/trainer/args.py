@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from mindspeed_ha.options import add_ha_args
 
@@ -42,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--use-distributed-optimizer", action="store_true")
     t.add_argument("--overlap-grad-reduce", action="store_true")
+    t.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="keep and reduce gradients in bf16 (default, as Megatron-LM: fp32 with --bf16)")
     t.add_argument("--overlap-param-gather", action="store_true")
 
     par = p.add_argument_group("parallelism")
@@ -72,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 class ArgError(ValueError):
     pass
+
+
+def _weighted(paths) -> bool:
+    """Megatron-LM's weighted form: w1 prefix1 w2 prefix2 ..."""
+    try:
+        return bool(paths) and len(paths) % 2 == 0 and all(float(w) >= 0 for w in paths[0::2])
+    except ValueError:
+        return False
 
 
 def finalize(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
@@ -105,4 +116,8 @@ def finalize(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         raise ArgError(f"--save-interval {args.save_interval}: use a positive number of iterations")
     if args.data_path and args.mock_data:
         raise ArgError("--mock-data and --data-path are exclusive; pick one")
+    for prefix in (args.data_path or [])[1::2] if _weighted(args.data_path) else (args.data_path or []):
+        if not (os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx")):
+            hint = " (pass the prefix, without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
+            raise ArgError(f"--data-path {prefix}: {prefix}.bin / {prefix}.idx not found{hint}")
     return args

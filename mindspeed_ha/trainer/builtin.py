@@ -109,7 +109,7 @@ class BuiltinTrainer(TrainerInterface):
         if a.bf16:
             model = Float16Module(config, model)  # as Megatron-LM: bf16 weights, casts at the edges
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=a.overlap_grad_reduce,
+            grad_reduce_in_fp32=not a.grad_reduce_in_bf16, overlap_grad_reduce=a.overlap_grad_reduce,
             overlap_param_gather=a.overlap_param_gather,
             use_distributed_optimizer=a.use_distributed_optimizer,
             num_distributed_optimizer_instances=replicas, bucket_size=None)
