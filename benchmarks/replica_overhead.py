@@ -5,8 +5,12 @@ a torchrun job on 127.0.0.1: "plain" is megatron-core's distributed optimizer (n
 "replica" adds --enable-high-availability (two optimizer instances: every shard has a twin).
 Every rank of both runs is ``replica_overhead_worker.py``: the built-in trainer plus counters.
 
-- Step time: median of the per-step ``step_s`` in rank 0's events, warm-up steps skipped, pooled
-  over the repeats; interleaving spreads slow phases of a shared machine over both variants.
+- Step time: per run, the median of the per-step ``step_s`` in rank 0's events (warm-up steps
+  skipped); the ratio is the median over the interleaved pairs of replica/plain, so that a slow
+  phase of a shared machine hits both members of a pair (the pooled ratio is printed too).
+  A job's start (imports, model build) is most of its wall time, so steps per job are cheap.
+  On a shared machine wall time is noisy (other tenants take the cores), so the CPU seconds per
+  step summed over the ranks are compared too (``cpu_time_ratio``).
 - Memory: bytes per parameter per rank measured from the live DDP buffers and optimizer (distinct
   storages), against 4+16/d (distributed) and 4+32/d (replica), d = DP size: bf16 params (2) +
   bf16 grads (2) + a 1/d (resp. 2/d) shard of fp32 main params, fp32 main grads, exp_avg, exp_avg_sq.
@@ -78,7 +82,9 @@ def run_once(a, replica: bool, log_dir: str) -> dict:
             raise SystemExit(f"rank {r} wrote no bench event in {log_dir}")
         ranks.append(bench[-1])
     steps = [e for e in read_events(os.path.join(log_dir, "events", "rank_0.jsonl")) if e["event"] == "step"]
-    return {"step_s": [e["step_s"] for e in steps if e["iteration"] > a.warmup],
+    # CPU seconds per step summed over the ranks: the job's compute+communication cost of a step
+    cpu = [sum(x) for x in zip(*(rb["cpu_s"] for rb in ranks))]
+    return {"step_s": [e["step_s"] for e in steps if e["iteration"] > a.warmup], "cpu_s": cpu,
             "loss_hex": [e["loss_hex"] for e in steps], "ranks": ranks, "wall_s": time.perf_counter() - t0}
 
 
@@ -88,13 +94,17 @@ def wire(op: str, n: int, nbytes: float) -> float:
 
 
 def comm_summary(rank_bench: dict) -> dict:
-    """Per-step bytes of rank 0, checked constant over the measured steps."""
+    """Per-step bytes of rank 0; gradient and parameter traffic checked constant over the steps
+    (other collectives, e.g. a periodic replica check, may come and go)."""
     steps = rank_bench["comm"]
     if not steps:
         raise SystemExit("no communication was recorded after warm-up: raise --iters")
     first = steps[0]
-    if any(s != first for s in steps):
-        raise SystemExit(f"communication differs between steps: {steps}")
+
+    def sync(step):
+        return [c for c in step if c["phase"] == "grad" or (c["phase"] == "optimizer" and "all_gather" in c["op"])]
+    if any(sync(s) != sync(first) for s in steps):
+        raise SystemExit(f"gradient/parameter communication differs between steps: {steps}")
     out = {"grad_msg_bytes": 0, "grad_wire_bytes": 0.0, "param_gather_msg_bytes": 0, "param_gather_wire_bytes": 0.0,
            "other_msg_bytes": 0, "grad_ops": []}
     for c in first:
@@ -141,8 +151,8 @@ def memory_summary(ranks: list[dict]) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=4, help="ranks (= DP size d; the replica run needs d even)")
-    p.add_argument("--iters", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=5, help="first steps left out of timing and comm counts")
+    p.add_argument("--iters", type=int, default=80)
+    p.add_argument("--warmup", type=int, default=10, help="first steps left out of timing and comm counts")
     p.add_argument("--repeats", type=int, default=3, help="plain/replica pairs, interleaved")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
@@ -180,6 +190,8 @@ def main(argv=None) -> int:
     med = {k: statistics.median([s for r in v for s in r["step_s"]]) for k, v in runs.items()}
     pair_ratios = [statistics.median(r["step_s"]) / statistics.median(pl["step_s"])
                    for pl, r in zip(runs["plain"], runs["replica"])]
+    cpu_ratios = [statistics.median(r["cpu_s"]) / statistics.median(pl["cpu_s"])
+                  for pl, r in zip(runs["plain"], runs["replica"])]
     mem = {k: memory_summary(v[-1]["ranks"]) for k, v in runs.items()}
     comm = {k: comm_summary(v[-1]["ranks"][0]) for k, v in runs.items()}
     buckets = {k: v[-1]["ranks"][0]["buckets"] for k, v in runs.items()}
@@ -196,7 +208,15 @@ def main(argv=None) -> int:
     print(f"\nconfig: {a.nproc} ranks (DP d={d}), {a.layers} layers, hidden {a.hidden}, seq {a.seq}, "
           f"mbs {a.mbs}, {a.iters} iters ({a.warmup} warm-up), {a.repeats} interleaved pairs; {assumes}")
     print(f"step time: plain {1000 * med['plain']:.2f} ms, replica {1000 * med['replica']:.2f} ms, "
-          f"ratio {med['replica'] / med['plain']:.4f} (per pair: {', '.join(f'{x:.3f}' for x in pair_ratios)})")
+          f"ratio {statistics.median(pair_ratios):.4f} (median of pairs: {', '.join(f'{x:.3f}' for x in pair_ratios)}; "
+          f"pooled {med['replica'] / med['plain']:.4f})")
+    for k in ("plain", "replica"):
+        ph = runs[k][-1]["ranks"][0]["phases"]
+        print(f"rank 0 {k:7s} per step (last run, median): " + ", ".join(
+            f"{n} {1000 * ph.get(f'{n}_wall', 0):.2f} ms wall / {1000 * ph.get(f'{n}_cpu', 0):.2f} ms cpu"
+            for n in ("grad", "optimizer")))
+    print(f"CPU time per step (all ranks): ratio {statistics.median(cpu_ratios):.4f} "
+          f"(pairs: {', '.join(f'{x:.3f}' for x in cpu_ratios)}); less sensitive to other load than wall time")
     for k, label, f in (("plain", "distributed", f_dist), ("replica", "replica", f_rep)):
         m = mem[k]
         kinds = ", ".join(f"{n} {v:g}" for n, v in m["by_kind"].items())
@@ -213,12 +233,15 @@ def main(argv=None) -> int:
     print(f"total {time.perf_counter() - t0:.1f} s")
 
     result = {
-        "step_time_ratio": round(med["replica"] / med["plain"], 4),
+        "step_time_ratio": round(statistics.median(pair_ratios), 4),
+        "step_time_ratio_pooled": round(med["replica"] / med["plain"], 4),
         "bytes_per_param_replica": mem["replica"]["bytes_per_param"], "formula_replica": f_rep,
         "bytes_per_param_distributed": mem["plain"]["bytes_per_param"], "formula_distributed": f_dist,
         "dp_size": d, "nproc": a.nproc, "iters": a.iters, "warmup": a.warmup, "repeats": a.repeats,
         "step_ms_plain": round(1000 * med["plain"], 3), "step_ms_replica": round(1000 * med["replica"], 3),
         "pair_ratios": [round(x, 4) for x in pair_ratios],
+        "cpu_time_ratio": round(statistics.median(cpu_ratios), 4),
+        "cpu_pair_ratios": [round(x, 4) for x in cpu_ratios],
         "params": mem["plain"]["numel"], "padding_replica": mem["replica"]["padding"],
         "padding_distributed": mem["plain"]["padding"], "grad_dtype": mem["plain"]["grad_dtype"][0],
         "grad_comm_bytes_distributed": comm["plain"]["grad_msg_bytes"],
@@ -232,6 +255,11 @@ def main(argv=None) -> int:
                                          for k in ("plain", "replica")),
         "param_gather_wire_bytes_distributed": round(comm["plain"]["param_gather_wire_bytes"]),
         "param_gather_wire_bytes_replica": round(comm["replica"]["param_gather_wire_bytes"]),
+        # grads + params sent per rank per step: with grads and params of one dtype both are
+        # 2(d-1)/d x the buffer (the replica moves traffic from the param all-gather to the
+        # cross-instance grad all-reduce)
+        "total_wire_bytes_distributed": round(comm["plain"]["grad_wire_bytes"] + comm["plain"]["param_gather_wire_bytes"]),
+        "total_wire_bytes_replica": round(comm["replica"]["grad_wire_bytes"] + comm["replica"]["param_gather_wire_bytes"]),
         "losses_equal": runs["plain"][-1]["loss_hex"] == runs["replica"][-1]["loss_hex"],
     }
     print(json.dumps(result), flush=True)

@@ -1,4 +1,4 @@
-"""One rank of ``benchmarks/replica_overhead.py``: the built-in trainer plus three measurements.
+"""One rank of ``benchmarks/replica_overhead.py``: the built-in trainer plus measurements.
 
 Run under torchrun with the built-in trainer's arguments (Megatron-LM names) and, in addition,
 ``--grad-reduce-in-bf16`` (Megatron-LM's flag; the built-in trainer always reduces in fp32 today).
@@ -10,6 +10,8 @@ After training, every rank writes one ``{"event": "bench", ...}`` line to its ow
   fp32 grad buffer is not counted twice);
 - ``comm``: bytes handed to every collective per step, by phase (``grad``: inside
   finalize_model_grads; ``optimizer``: inside optimizer.step; ``other``), op and group size;
+- ``phases``: median wall and CPU seconds per step inside grad sync and optimizer.step;
+- ``cpu_s``: CPU seconds of the process per step after warm-up;
 - ``buckets``: the live grad buckets (numel, dtype, the DP/instance group sizes) from which the
   MindSpeed full-all-reduce scheme is computed by the driver.
 """
@@ -18,7 +20,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import statistics
 import sys
+import time
 
 # Runnable as a plain script from a checkout: make the repo root importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,14 +42,18 @@ class CommCounter:
         self.phase = "other"
         self.step = 0
         self.calls = collections.defaultdict(lambda: collections.Counter())  # step -> (phase,op,n) -> bytes
+        self.times = collections.defaultdict(lambda: collections.Counter())  # step -> phase.{wall,cpu} -> s
 
     @contextlib.contextmanager
     def in_phase(self, name: str):
         prev, self.phase = self.phase, name
+        w0, c0 = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
             self.phase = prev
+            self.times[self.step][f"{name}_wall"] += time.perf_counter() - w0
+            self.times[self.step][f"{name}_cpu"] += time.process_time() - c0
 
     def _wrap(self, name: str, fn):
         counter = self
@@ -89,6 +97,12 @@ class CommCounter:
         if "all_gather" in name:
             return "all_gather_into_tensor"
         return name
+
+    def phase_times(self, from_step: int) -> dict:
+        """Median seconds per step spent in each phase (wall and CPU)."""
+        steps = [self.times[s] for s in sorted(self.times) if s >= from_step]
+        keys = sorted({k for t in steps for k in t})
+        return {k: statistics.median(t[k] for t in steps) for k in keys} if steps else {}
 
     def per_step(self, from_step: int) -> list[dict]:
         out = []
@@ -164,8 +178,6 @@ def main(argv=None) -> int:
     from mindspeed_ha.trainer.args import build_parser, finalize
 
     parser = build_parser()
-    if "--grad-reduce-in-bf16" not in parser._option_string_actions:  # until the trainer has it
-        parser.add_argument("--grad-reduce-in-bf16", action="store_true")
     parser.add_argument("--bench-warmup", type=int, default=2, help="steps whose comm is not reported")
     args = parser.parse_args(argv)
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -177,49 +189,26 @@ def main(argv=None) -> int:
     apply_patches(device, megatron_lm=False)
     device.set_current(local_rank)
 
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.transformer.module import Float16Module
     from mindspeed_ha.session import RankSession
     from mindspeed_ha.trainer import builtin
 
     counter = CommCounter()
+    cpu_s: list[float] = []
     counter.install()  # after the patches, so we count what megatron finally calls
 
     class BenchTrainer(builtin.BuiltinTrainer):
-        def _build_model(self, replicas):
-            # The built-in trainer's _build_model with two differences a bf16 benchmark needs:
-            # Float16Module (as Megatron-LM's get_model does; without it --bf16 fails in the
-            # layer norms) and the grad buffer dtype from --grad-reduce-in-bf16.
-            from megatron.core.models.gpt import GPTModel
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-            from megatron.core import parallel_state as ps
-            a = self.args
-            config = self.config = self._transformer_config()
-            model = GPTModel(
-                config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=a.num_experts),
-                vocab_size=builtin.data.padded_vocab_size(a.vocab_size, a.tensor_model_parallel_size),
-                max_sequence_length=a.max_position_embeddings,
-                pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute")
-            if a.bf16 and not isinstance(model, Float16Module):
-                model = Float16Module(config, model)
-            ddp_config = DistributedDataParallelConfig(
-                grad_reduce_in_fp32=not (a.bf16 and a.grad_reduce_in_bf16),
-                overlap_grad_reduce=a.overlap_grad_reduce, overlap_param_gather=a.overlap_param_gather,
-                use_distributed_optimizer=a.use_distributed_optimizer,
-                num_distributed_optimizer_instances=replicas, bucket_size=None)
-            config.no_sync_func = None
-            ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-            ddp.broadcast_params()
-            return ddp
-
         def _finalize_grads(self, *fargs, **fkwargs):
             with counter.in_phase("grad"):
                 return super()._finalize_grads(*fargs, **fkwargs)
 
         def train_step(self):
             counter.step = self.iteration + 1
-            return super().train_step()
+            c0 = time.process_time()
+            loss = super().train_step()
+            # CPU seconds of this process (all threads, gloo's included) for the step: unlike wall
+            # time it does not count the time other tenants of the machine hold the cores.
+            cpu_s.append(time.process_time() - c0)
+            return loss
 
     builtin.init_distributed(args.distributed_backend or device.backend, args.distributed_timeout_minutes)
     session = RankSession(opts, device, rank, world, local_rank)
@@ -237,7 +226,8 @@ def main(argv=None) -> int:
         session.events.emit("bench", replica=opts.use_replica_optimizer,
                             dp_size=ps.get_data_parallel_world_size(),
                             memory=memory_report(trainer), buckets=grad_buckets(trainer),
-                            comm=counter.per_step(args.bench_warmup + 1))
+                            comm=counter.per_step(args.bench_warmup + 1), cpu_s=cpu_s[args.bench_warmup:],
+                            phases=counter.phase_times(args.bench_warmup + 1))
     finally:
         session.close()
     dist.barrier()
