@@ -15,7 +15,8 @@ def megatron_lm_available() -> bool:
         return False
 
 
-def apply_patches(device: Device | None = None, megatron_lm: bool | None = None) -> Device:
+def apply_patches(device: Device | None = None, megatron_lm: bool | None = None, ha: bool = True) -> Device:
+    """``ha``: the run may need to stop ranks inside collectives (the processor's stop handler)."""
     device = device or detect()
     if device.needs_cpu_shim:
         # The shim says CUDA is available; torch.compile must not believe it. The env var also
@@ -27,6 +28,8 @@ def apply_patches(device: Device | None = None, megatron_lm: bool | None = None)
         registry.apply("megatron_no_te")
     registry.apply("replica_optimizer")
     registry.apply("step_hooks")
+    if ha:
+        registry.apply("interruptible_collectives")
     if megatron_lm if megatron_lm is not None else megatron_lm_available():
         registry.apply("megatron_training")
     return device

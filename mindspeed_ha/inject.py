@@ -5,6 +5,8 @@
            | uce (corrupt this rank's optimizer shard, raise a "UCE ERROR" MemoryFault)
            | hang (the calling thread sleeps forever; other threads keep running)
            | comm (abort this rank's communicators, raise a CommFault)
+           | bitflip (flip one bit of this rank's optimizer shard, silently: a drill for
+             --ha-verify-replicas-interval)
     PHASE  forward (default) | backward | grad-sync | optimizer | param-sync | checkpoint
 
 The trainer calls ``fire_point(phase, iteration)`` at each phase of each step. Each fault fires once
@@ -28,7 +30,7 @@ from mindspeed_ha.events import EventLog, get_logger
 from mindspeed_ha.faults import CommFault, MemoryFault
 
 ENV = "MINDSPEED_HA_INJECT"
-KINDS = ("kill", "exit", "exception", "uce", "hang", "comm")
+KINDS = ("kill", "exit", "exception", "uce", "hang", "comm", "bitflip")
 PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint")
 DEFAULT_PHASE = "forward"
 EXAMPLE = f'{ENV}="kill:rank=1:step=3:phase=backward,hang:rank=2:step=5"'
@@ -129,7 +131,8 @@ class Injector:
         return cls(rank, log_dir, events, parse(value))  # every rank validates every fault
 
     def set_uce_corruptor(self, fn: Callable[[], None]) -> None:
-        """``fn()`` corrupts this rank's optimizer shard (the trainer knows where it lives)."""
+        """``fn(bit_flip=False)`` corrupts this rank's optimizer shard (the trainer knows where it
+        lives); with ``bit_flip=True`` it flips a single bit instead."""
         self._uce_corruptor = fn
 
     def set_comm_breaker(self, fn: Callable[[], None]) -> None:
@@ -204,6 +207,10 @@ class Injector:
             else:
                 log.warning("uce injected but no corruptor registered: nothing corrupted")
             raise MemoryFault(f"UCE ERROR: injected uncorrectable memory error ({where})")
+        elif f.kind == "bitflip":
+            if self._uce_corruptor is None:
+                raise InjectSpecError("bitflip needs the replica optimizer (--enable-high-availability)")
+            self._uce_corruptor(bit_flip=True)  # silent: training goes on until the replica check
         elif f.kind == "hang":
             while True:  # alive, no progress; only this thread stops
                 time.sleep(3600)

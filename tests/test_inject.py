@@ -181,3 +181,51 @@ def test_classify():
     except RuntimeError as outer:
         assert classify(outer) == "comm"
     assert not process_fatal(RuntimeError("UCE ERROR"))
+
+
+_COMM_CHILD = textwrap.dedent("""
+    import sys, json, datetime
+    import torch, torch.distributed as dist
+    from mindspeed_ha.faults import classify
+    from mindspeed_ha.inject import Injector
+    rank, port, log_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    inj = Injector.from_env(rank, log_dir, None)
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    out = {}
+    for it in range(3):
+        try:
+            inj.fire_point("grad-sync", it)
+            dist.all_reduce(t)
+        except Exception as e:
+            out = {"iteration": it, "class": classify(e), "type": type(e).__name__}
+            break
+    print(json.dumps(out))
+""")
+
+
+def test_comm_default_breaker_fails_the_gloo_peer(tmp_path):
+    """kind=comm with no trainer breaker: this rank raises CommFault, its peer's next collective
+    fails with a gloo connection error; both classify as "comm"."""
+    import json
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{ENV: "comm:rank=1:step=1:phase=grad-sync"})
+    procs = [subprocess.Popen([sys.executable, "-c", _COMM_CHILD, str(r), str(store.port), str(tmp_path)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=90)
+            assert p.returncode == 0, err
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert outs[1] == {"iteration": 1, "class": "comm", "type": "CommFault"}
+    assert outs[0]["iteration"] == 1 and outs[0]["class"] == "comm", outs[0]

@@ -93,3 +93,19 @@ def test_moe_expert_replicas(tmp_path):
     assert {e["rank"]: e["expert_replica_group"] for e in ev} == {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}
     checks = replica_checks(tmp_path)
     assert len(checks) == 12 and all(c["ok"] for c in checks)
+
+
+def test_one_bit_flip_is_caught(tmp_path):
+    """A single flipped bit in rank 2's shard after step 3 stops training at the next check, naming
+    the replica pair, the iteration and the first differing tensor."""
+    proc = torchrun(4, TINY + ["--enable-high-availability", "--ha-verify-replicas-interval", "2",
+                               "--train-iters", "8"], tmp_path,
+                    env={"MINDSPEED_HA_INJECT": "bitflip:rank=2:step=3:phase=param-sync"})
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert "replica mismatch at iteration 4: ranks 0 and 2" in err and "o0.g0.p0.param" in err, err[-3000:]
+    checks = replica_checks(tmp_path)
+    assert {c["iteration"] for c in checks if c["ok"]} == {2}
+    bad = [c for c in checks if not c["ok"]]
+    assert len(bad) == 4 and all(c["iteration"] == 4 for c in bad)
+    assert max(losses(tmp_path)) == 4  # nothing trained past the failed check

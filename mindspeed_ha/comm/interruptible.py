@@ -18,8 +18,10 @@ This module only *builds* wrappers; ``mindspeed_ha.patches.torch.distributed`` i
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import inspect
+import queue
 import sys
 import threading
 from typing import Callable
@@ -31,6 +33,7 @@ from torch.distributed import distributed_c10d as c10d
 # One wait slice: the bound on stop latency. A slice ends at once when the work completes, so its
 # length costs nothing on the fast path.
 WAIT_SLICE_S = 0.02
+_SLICE = datetime.timedelta(seconds=WAIT_SLICE_S)
 
 _stop = threading.Event()
 _reason = ""
@@ -80,32 +83,48 @@ def _raise_stopped():
     raise CollectiveStopped(f"collective stopped by request{': ' + _reason if _reason else ''}")
 
 
-def wait_work(work) -> None:
-    """Wait for a c10d ``Work`` in slices, raising ``CollectiveStopped`` once a stop is requested.
+def wait_work(work, p2p: bool = False) -> None:
+    """Wait for a c10d ``Work``, raising ``CollectiveStopped`` once a stop is requested.
 
-    Collectives: a done-callback on the work's future sets an Event the caller waits on in slices,
-    so completion wakes it at once (no polling lag). Not ``work.wait(timeout)``: for gloo p2p a
-    timed-out wait closes the connection, and ``is_completed()`` of gloo p2p works stays False
-    until ``wait()``. Works without a future (gloo send/recv) are waited for on a helper thread."""
+    Collectives that complete asynchronously (those with a future): ``work.wait(slice)`` in a loop.
+    It is torch's own condition-variable wait, so completion wakes the caller at once, and a slice
+    that times out leaves the work untouched ("Operation timed out!"; torch: "this will not abort
+    the work"). Works without a future (gloo p2p and reduce-scatter) do their last part inside
+    ``wait()``: a timed-out wait there closes gloo's connection, ``is_completed()`` stays False
+    until ``wait()``, and a second ``wait()`` blocks for the next message - so their one
+    ``wait()`` runs on a helper thread while the caller watches an Event and the stop flag."""
     if _stop.is_set():
         _raise_stopped()
-    if work.is_completed():
-        work.wait()  # returns at once, or raises the backend's error
-        return
+    if not p2p:
+        if work.is_completed():
+            work.wait()  # returns at once, or raises the backend's error
+            return
+        try:
+            work.get_future()
+        except RuntimeError:  # "getFuture not implemented": not a plain async collective
+            pass
+        else:
+            while True:
+                try:
+                    work.wait(_SLICE)
+                    return
+                except RuntimeError:
+                    if work.is_completed():  # it failed (or just finished): the real outcome
+                        work.wait()
+                        return
+                    if _stop.is_set():
+                        _raise_stopped()
     done = threading.Event()
-    helper_errors = None
-    try:
-        work.get_future().add_done_callback(lambda _f: done.set())
-    except RuntimeError:  # "getFuture not implemented" (gloo p2p)
-        helper_errors = _wait_on_helper(work, done)
+    errors = _wait_on_helper(work, done)
+    _wait_event(done)
+    if errors:
+        raise errors[0]
+
+
+def _wait_event(done: threading.Event) -> None:
     while not done.wait(WAIT_SLICE_S):
         if _stop.is_set():
             _raise_stopped()
-    if helper_errors is None:
-        work.wait()  # future completed: returns at once, or raises the backend's error
-    elif helper_errors:
-        raise helper_errors[0]
-    # else the helper already waited: a second wait() on a gloo p2p work blocks for the next message
 
 
 def _wait_on_helper(work, done: threading.Event) -> list:
@@ -118,17 +137,46 @@ def _wait_on_helper(work, done: threading.Event) -> list:
             errors.append(e)
         done.set()
 
-    # a daemon thread per wait: one left blocked on a hung peer after a stop must not block exit
-    threading.Thread(target=run, name="mindspeed-ha-p2p-wait", daemon=True).start()
+    _waiters.submit(run)
     return errors
+
+
+class _WaiterPool:
+    """Long-lived daemon threads that run blocking ``wait()``s (a thread start per wait costs a
+    scheduling round trip). One left blocked on a hung peer after a stop is simply not reused;
+    daemon, so it never holds up the process' exit."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            spawn = self._idle == 0
+            if not spawn:
+                self._idle -= 1
+        if spawn:
+            threading.Thread(target=self._loop, name="mindspeed-ha-wait", daemon=True).start()
+        self._jobs.put(job)
+
+    def _loop(self) -> None:
+        while True:
+            self._jobs.get()()
+            with self._lock:
+                self._idle += 1
+
+
+_waiters = _WaiterPool()
 
 
 class PollingWork(dist.Work):
     """What an ``async_op=True`` caller gets back: ``wait()`` is interruptible, the rest delegates."""
 
-    def __init__(self, work):
+    def __init__(self, work, p2p: bool = False):
         super().__init__()
         self._work = work
+        self._p2p = p2p
         self._waited = False
 
     def wait(self, timeout=None):
@@ -136,7 +184,7 @@ class PollingWork(dist.Work):
             return True
         if timeout:  # an explicit timeout keeps torch's meaning
             return self._work.wait(timeout)
-        wait_work(self._work)
+        wait_work(self._work, self._p2p)
         self._waited = True
         return True
 
@@ -252,7 +300,7 @@ def make_interruptible_p2p(fn: Callable) -> Callable:
         if work is None or isinstance(work, (PollingWork, c10d._IllegalWork)) or (
                 t is not None and t.device.type != "cpu"):
             return work
-        return PollingWork(work)
+        return PollingWork(work, p2p=True)
 
     wrapper.__mindspeed_ha_original__ = fn
     return wrapper
@@ -266,7 +314,7 @@ def make_interruptible_batch_p2p(fn: Callable) -> Callable:
         works = fn(p2p_op_list)
         if p2p_op_list and p2p_op_list[0].tensor.device.type != "cpu":
             return works
-        return [w if w is None or isinstance(w, PollingWork) else PollingWork(w) for w in works]
+        return [w if w is None or isinstance(w, PollingWork) else PollingWork(w, p2p=True) for w in works]
 
     wrapper.__mindspeed_ha_original__ = fn
     return wrapper

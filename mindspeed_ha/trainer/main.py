@@ -43,7 +43,7 @@ def run(argv: list[str] | None = None) -> int:
         _fail(str(e))
 
     from mindspeed_ha.adaptor import apply_patches
-    apply_patches(device, megatron_lm=False)
+    apply_patches(device, megatron_lm=False, ha=opts.enabled)
     device.set_current(local_rank)
 
     from mindspeed_ha.replica.verify import ReplicaMismatchError

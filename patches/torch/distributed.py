@@ -8,7 +8,9 @@ helpers that call them by module global - ``send``/``recv``, ``all_gather_object
 _coalescing_manager``, ``dist_all_gather_func = torch.distributed.all_gather_into_tensor``, ...).
 One wrapper object per original, used everywhere: c10d compares ops by identity
 (``op0 is all_reduce``, ``p2p_op.op is isend``).
-Apply after megatron-core is imported; the megatron modules known to bind names are imported here.
+Modules imported after ``apply`` bind the wrappers themselves; the megatron modules known to bind
+names are imported here first (ctx ``{"import_megatron": False}`` skips that). ``remove_all``
+restores every attribute set here, not names bound by modules imported while the patch was on.
 """
 from __future__ import annotations
 
