@@ -1,0 +1,1 @@
+"""Recovery actions run on the ranks: rebuild process groups, write the dying-gasp checkpoint."""

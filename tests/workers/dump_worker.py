@@ -1,0 +1,165 @@
+"""Harness for the rank-side recovery engine, standing in for the controller.
+
+A real job of the built-in trainer (built as ``mindspeed_ha.trainer.main`` builds it) trains
+DUMP_STEPS=K iterations, then, by DUMP_MODE:
+
+* ``dump``: the ranks in DUMP_KILL (comma list) leave with ``os._exit`` — outside any collective, so
+  no stop mechanism is needed here. The survivors form a new default group over a fresh TCPStore
+  hosted by the lowest survivor on 127.0.0.1:DUMP_STORE_PORT, exchange their shard status (the
+  controller would collect it over its own channel), plan, and write the dying-gasp checkpoint into
+  ``--save``. Exit 0 when written, 3 on a refusal.
+* ``rebuild``: every rank rebuilds its groups in place (same world, new store), then trains on to
+  ``--train-iters``; losses must continue as if nothing happened.
+
+Launch one process per rank with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (torchrun would kill
+the survivors when a rank exits). The new rank 0 prints ``DUMP_RESULT {json}``.
+"""
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+
+def build(argv):
+    from mindspeed_ha import layout, options as ha_options
+    from mindspeed_ha.adaptor import apply_patches
+    from mindspeed_ha.device import detect
+    from mindspeed_ha.session import RankSession
+    from mindspeed_ha.trainer.args import build_parser, finalize
+    from mindspeed_ha.trainer.builtin import BuiltinTrainer, init_distributed
+    from mindspeed_ha.trainer.main import _quiet_known_warnings
+
+    _quiet_known_warnings()
+    args = build_parser().parse_args(argv)
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    device = detect()
+    args = finalize(args, world)
+    opts = ha_options.from_args(args)
+    layout.validate(world, args, opts)
+    apply_patches(device, megatron_lm=False)
+    device.set_current(int(os.environ.get("LOCAL_RANK", "0")))
+    init_distributed(args.distributed_backend or device.backend, args.distributed_timeout_minutes)
+    trainer = BuiltinTrainer(args, RankSession(opts, device, rank, world))
+    trainer.setup()
+    return trainer
+
+
+def train_to(trainer, last):
+    a = trainer.args
+    while trainer.iteration < last:
+        trainer.train_step()
+        if a.save and a.save_interval and trainer.iteration % a.save_interval == 0:
+            trainer.save_checkpoint(a.save)
+
+
+def dump(trainer, rank, world):
+    import torch.distributed as dist
+    from mindspeed_ha.recovery import dump as ttp, groups
+
+    kill = {int(r) for r in os.environ.get("DUMP_KILL", "").split(",") if r}
+    bench, reps = {}, int(os.environ.get("DUMP_BENCH", "0"))
+    if reps:
+        # Same state, same warm writer: periodic saves by all ranks, then the survivors' dumps.
+        from mindspeed_ha.trainer import checkpoint
+        if trainer.ha_step_state.prewarm_thread is not None:
+            trainer.ha_step_state.prewarm_thread.join()
+        bench["periodic_s"] = [checkpoint.save(trainer, f"{trainer.args.save}_periodic{i}")[1] for i in range(reps)]
+    if rank in kill:
+        trainer.session.events.emit("harness_exit", iteration=trainer.iteration)
+        trainer.session.events.close()
+        os._exit(17)
+    survivors = [r for r in range(world) if r not in kill]
+    t0 = time.perf_counter()
+    prep = ttp.prepare(trainer)  # local: reads parallel_state while the old groups still exist
+    t1 = time.perf_counter()
+    w = groups.survivor_world(survivors, rank, "127.0.0.1", int(os.environ["DUMP_STORE_PORT"]), generation=1,
+                              host_rank=survivors[0], timeout=timedelta(seconds=30))
+    t_group = time.perf_counter() - t1
+    statuses = [None] * len(survivors)
+    dist.all_gather_object(statuses, prep.status)
+    plan = ttp.plan_dump(ttp.holders_from_status(statuses, world), ttp.newest_checkpoint(trainer.args.save))
+    out = {"plan_ok": plan.ok, "message": plan.message(), "group_s": t_group}
+    if not plan.ok:
+        trainer.session.events.emit("dump_refused", message=plan.message(),
+                                    missing=[list(g) for g in plan.missing])
+        if w.new_rank == 0:
+            print("DUMP_RESULT " + json.dumps(out), flush=True)
+            print(f"mindspeed-ha: {plan.message()}", file=sys.stderr, flush=True)
+        return 3
+    if reps:
+        bench["dump_s"] = [ttp.write_dying_gasp(prep, plan, w, f"{trainer.args.save}_dump{i}").seconds
+                           for i in range(reps)]
+    try:
+        res = ttp.write_dying_gasp(prep, plan, w, trainer.args.save)
+    except Exception as e:
+        cascade = {int(r) for r in os.environ.get("DUMP_CASCADE", "").split(",") if r}
+        if not cascade:
+            raise
+        # Another rank died during the dump (the controller would say which): retry over the rest,
+        # with the next store generation, if a complete holder set is still alive.
+        print(f"rank {rank}: dump failed ({type(e).__name__}: {str(e)[:200]}); retrying without {sorted(cascade)}",
+              file=sys.stderr, flush=True)
+        survivors = [r for r in survivors if r not in cascade]
+        w = groups.survivor_world(survivors, rank, "127.0.0.1", int(os.environ["DUMP_STORE_PORT"]), generation=2,
+                                  host_rank=survivors[0], timeout=timedelta(seconds=30))
+        statuses = [None] * len(survivors)
+        dist.all_gather_object(statuses, prep.status)
+        plan = ttp.plan_dump(ttp.holders_from_status(statuses, world), ttp.newest_checkpoint(trainer.args.save))
+        out.update(retry=True, message=plan.message(), plan_ok=plan.ok)
+        if not plan.ok:
+            if w.new_rank == 0:
+                print("DUMP_RESULT " + json.dumps(out), flush=True)
+            return 3
+        res = ttp.write_dying_gasp(prep, plan, w, trainer.args.save)
+    out.update(bench)
+    out.update(iteration=res.iteration, path=res.path, seconds=res.seconds, writers=res.writers,
+               files=res.files, bytes=res.bytes, total_s=time.perf_counter() - t0)
+    if w.new_rank == 0:
+        print("DUMP_RESULT " + json.dumps(out), flush=True)
+    dist.barrier()
+    return 0
+
+
+def rebuild(trainer, rank, world):
+    from megatron.core import parallel_state as ps
+    from mindspeed_ha.recovery import groups
+
+    a, replicas = trainer.args, trainer.session.options.replica_num
+    t0 = time.perf_counter()
+    n = groups.rebuild_in_place(
+        world, rank, "127.0.0.1", int(os.environ["DUMP_STORE_PORT"]), generation=1,
+        roots=[*trainer.model_chunks, trainer.optimizer, trainer.session],  # every holder of a group
+        init_parallel=lambda: ps.initialize_model_parallel(
+            tensor_model_parallel_size=a.tensor_model_parallel_size,
+            pipeline_model_parallel_size=a.pipeline_model_parallel_size,
+            context_parallel_size=a.context_parallel_size,
+            expert_model_parallel_size=a.expert_model_parallel_size,
+            num_distributed_optimizer_instances=replicas,
+            distributed_timeout_minutes=a.distributed_timeout_minutes))
+    seconds = time.perf_counter() - t0
+    train_to(trainer, a.train_iters)
+    if rank == 0:
+        print("DUMP_RESULT " + json.dumps({"repointed": n, "seconds": seconds}), flush=True)
+    return 0
+
+
+def main():
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    trainer = build(sys.argv[1:])
+    from mindspeed_ha.recovery import dump as ttp
+    ttp.track(trainer, prewarm=not os.environ.get("DUMP_NO_PREWARM"))
+    train_to(trainer, int(os.environ["DUMP_STEPS"]))
+    code = {"dump": dump, "rebuild": rebuild}[os.environ.get("DUMP_MODE", "dump")](trainer, rank, world)
+    trainer.session.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The checkpoint writer leaves a spawned multiprocessing manager behind; os._exit would orphan it.
+    import multiprocessing
+    for child in multiprocessing.active_children():
+        child.terminate()
+    os._exit(code)  # skip interpreter teardown: the old world's groups point at a dead peer
+
+
+if __name__ == "__main__":  # the checkpoint writer spawns processes
+    main()
