@@ -36,6 +36,7 @@ class RankSession:
         self.processor = None
         self._replica_pg = None
         self._writes_loss = False
+        self.phase = "startup"
         _current = self
 
     # -- optimizer -------------------------------------------------------------------------------
@@ -116,8 +117,36 @@ class RankSession:
         self.events.emit("start", world_size=self.world_size, device=self.device.kind,
                          backend=self.device.backend, strategies=sorted(self.options.strategies),
                          replica=self.options.use_replica_optimizer)
+        if self.options.enabled:
+            self.start_processor()
+
+    # -- control plane ---------------------------------------------------------------------------
+    def start_processor(self) -> None:
+        """Report to the controller (hosted by rank 0's processor unless one runs elsewhere)."""
+        from mindspeed_ha.control.processor import Processor
+        groups = [self.topology.replica_group] if self.topology else []
+        self.processor = Processor(self.rank, self.world_size, self.local_rank,
+                                   os.environ.get("MINDSPEED_HA_NODE", ""), self.options, groups)
+        self.processor.register_handler("inject", self._live_inject)
+        self.processor.start()
+
+    def _live_inject(self, args: dict):
+        f = self.injector.add(args["kind"], self.rank, args.get("step"), args.get("phase"))
+        return True, f"armed {f.spec()}"
+
+    def report_fault(self, exc: BaseException, iteration: int) -> str | None:
+        """An exception left the step: classify and report it at once, then wait for the
+        controller's decision (``exit`` ends the process from the processor thread)."""
+        if self.processor is None:
+            return None
+        kind = self.processor.report_exception(exc, iteration, self.phase)
+        log.error("rank %d: %s fault in iteration %d (%s): %s", self.rank, kind, iteration, self.phase, exc)
+        return self.processor.wait_for_orders(timeout=max(30.0, 3 * self.options.hang_timeout_s))
 
     def fire(self, phase: str, iteration: int) -> None:
+        self.phase = phase
+        if self.processor is not None:
+            self.processor.mark_phase(phase)
         if self.injector is not None:
             self.injector.fire_point(phase, iteration)
 

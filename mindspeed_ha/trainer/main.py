@@ -58,8 +58,9 @@ def run(argv: list[str] | None = None) -> int:
         trainer.train()
     except ReplicaMismatchError as e:
         _fail(str(e), code=3)
-    except Exception:
+    except Exception as e:
         traceback.print_exc()
+        session.report_fault(e, trainer.iteration + 1)  # returns only if the controller lets us
         raise
     finally:
         session.close()
