@@ -140,7 +140,11 @@ class RankSession:
         if self.processor is None:
             return None
         kind = self.processor.report_exception(exc, iteration, self.phase)
-        log.error("rank %d: %s fault in iteration %d (%s): %s", self.rank, kind, iteration, self.phase, exc)
+        if kind == "stopped":
+            log.info("rank %d left its collective in iteration %d (%s): stopped by the controller",
+                     self.rank, iteration, self.phase)
+        else:
+            log.error("rank %d: %s fault in iteration %d (%s): %s", self.rank, kind, iteration, self.phase, exc)
         return self.processor.wait_for_orders(timeout=max(30.0, 3 * self.options.hang_timeout_s))
 
     def fire(self, phase: str, iteration: int) -> None:

@@ -46,6 +46,7 @@ def run(argv: list[str] | None = None) -> int:
     apply_patches(device, megatron_lm=False, ha=opts.enabled)
     device.set_current(local_rank)
 
+    from mindspeed_ha.comm.interruptible import CollectiveStopped
     from mindspeed_ha.replica.verify import ReplicaMismatchError
     from mindspeed_ha.session import RankSession
     from mindspeed_ha.trainer.builtin import BuiltinTrainer, init_distributed
@@ -59,7 +60,8 @@ def run(argv: list[str] | None = None) -> int:
     except ReplicaMismatchError as e:
         _fail(str(e), code=3)
     except Exception as e:
-        traceback.print_exc()
+        if not isinstance(e, CollectiveStopped):  # a stopped rank is not a fault of its own
+            traceback.print_exc()
         session.report_fault(e, trainer.iteration + 1)  # returns only if the controller lets us
         raise
     finally:

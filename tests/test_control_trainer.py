@@ -1,0 +1,54 @@
+"""The control plane around the real megatron-core trainer, launched by `mindspeed-ha run`."""
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from helpers import PRETRAIN, TINY, all_rank_events, clean_env, events, losses
+
+MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
+
+
+def run_job(tmp_path, inject=None, extra=(), timeout=180):
+    env = clean_env({"MINDSPEED_HA_INJECT": inject} if inject else {})
+    cmd = MINDSPEED_HA + ["run", "--nproc-per-node", "4", PRETRAIN, *TINY, "--train-iters", "8",
+                          "--enable-high-availability", "--ha-log-dir", str(tmp_path), *extra]
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path))
+    return proc, time.time() - t0
+
+
+def leftover_workers(log_dir) -> list:
+    return [p for p in psutil.process_iter(["cmdline"])
+            if p.info["cmdline"] and PRETRAIN in p.info["cmdline"] and str(log_dir) in p.info["cmdline"]]
+
+
+def test_fault_free_job_under_the_agent(tmp_path):
+    proc, _ = run_job(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(losses(tmp_path)) == list(range(1, 9))
+    states = [(e["from"], e["to"]) for e in events(tmp_path, "controller") if e["event"] == "state"]
+    assert ("init", "normal") in states and ("normal", "done") in states
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "grad-sync", "optimizer", "param-sync"])
+def test_killed_rank_ends_job_cleanly_with_diagnosis(tmp_path, phase):
+    proc, seconds = run_job(tmp_path, inject=f"kill:rank=1:step=4:phase={phase}")
+    assert proc.returncode != 0
+    inject = [e for e in all_rank_events(tmp_path) if e["event"] == "inject"]
+    assert len(inject) == 1 and inject[0]["rank"] == 1 and inject[0]["phase"] == phase
+    ctl = events(tmp_path, "controller")
+    faults = [e for e in ctl if e["event"] == "fault"]
+    killed = [f for f in faults if f["ranks"] == [1]]
+    assert killed and killed[0]["iteration"] == 4 and killed[0]["detect_s"] < 1.0
+    # The end: within 10 s of the fault, with the one-paragraph diagnosis on the launcher's stderr.
+    end = max(e["time"] for e in ctl)
+    assert end - inject[0]["time"] < 10.0
+    assert "mindspeed-ha diagnosis: rank 1" in proc.stderr and "iteration 4" in proc.stderr
+    assert "signal 9" in proc.stderr
+    assert not leftover_workers(tmp_path)
+    # Nothing trained past the fault.
+    assert max(losses(tmp_path)) <= 4
