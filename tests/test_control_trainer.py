@@ -52,3 +52,37 @@ def test_killed_rank_ends_job_cleanly_with_diagnosis(tmp_path, phase):
     assert not leftover_workers(tmp_path)
     # Nothing trained past the fault.
     assert max(losses(tmp_path)) <= 4
+
+
+def test_status_and_live_inject(tmp_path):
+    """`mindspeed-ha status` reads a live job; `mindspeed-ha inject` (authenticated) faults it."""
+    env = clean_env()
+    cmd = MINDSPEED_HA + ["run", "--nproc-per-node", "4", PRETRAIN, *TINY, "--train-iters", "100000",
+                          "--enable-high-availability", "--ha-log-dir", str(tmp_path)]
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not losses(tmp_path):
+            time.sleep(1)
+        assert losses(tmp_path), "the job never trained"
+        st = subprocess.run(MINDSPEED_HA + ["status", "--log-dir", str(tmp_path), "--json"], env=env,
+                            capture_output=True, text=True, timeout=60)
+        assert st.returncode == 0, st.stderr
+        import json
+        status = json.loads(st.stdout)
+        text = json.dumps(status)
+        assert "normal" in text and all(f'"rank": {r}' in text for r in range(4)), text[:2000]
+        inj = subprocess.run(MINDSPEED_HA + ["inject", "--log-dir", str(tmp_path), "--kind", "exception",
+                                             "--rank", "2", "--phase", "backward"],
+                             env=env, capture_output=True, text=True, timeout=60)
+        assert inj.returncode == 0 and '"ok": true' in inj.stdout, inj.stdout + inj.stderr
+        job.wait(timeout=60)
+        assert job.returncode != 0
+    finally:
+        if job.poll() is None:
+            job.kill()
+    injected = [e for e in all_rank_events(tmp_path) if e["event"] == "inject"]
+    assert len(injected) == 1 and injected[0]["rank"] == 2 and injected[0]["kind"] == "exception"
+    faults = [e for e in events(tmp_path, "controller") if e["event"] == "fault"]
+    assert any(f["ranks"] == [2] and f["kind"] == "other" for f in faults)
+    assert not leftover_workers(tmp_path)
