@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -34,6 +35,7 @@ def simulate(a) -> None:
         s = ctx.socket(zmq.DEALER)
         s.linger = 0
         s.rcvhwm = s.sndhwm = 10000
+        s.handshake_ivl = 300_000
         security.secure_client(s, keys)
         s.connect(a.endpoint)
         s.send(P.encode("register", rank=r, world=a.world, node=f"sim{r // 8}", pid=100000 + r,
@@ -42,32 +44,54 @@ def simulate(a) -> None:
     print(json.dumps({"ready": len(ranks)}), flush=True)
     hb = a.heartbeat
     n = len(ranks)
-    due = {r: time.monotonic() + hb * (i / n) for i, r in enumerate(ranks)}
+    # Heartbeats go out in 20 ms batches, each rank on its own phase of the interval.
+    os.set_blocking(sys.stdin.fileno(), True)
+    assert sys.stdin.readline().strip() == "go"  # heartbeats start once every rank is in: a starved
+    start = time.monotonic()                      # controller must first finish the handshakes
+    due = [start + hb * (i / n) for i in range(n)]
+    nxt = 0
     silenced, last_hb = None, {}
     got_stop: dict[int, float] = {}
+    # epoll on each socket's ZMQ_FD costs O(ready sockets) per wake-up; zmq.Poller would rebuild a
+    # 4096-entry poll set every time and steal the CPU the controller is measured on.
+    ep = select.epoll()
+    by_fd = {}
+    for r, s in socks.items():
+        by_fd[s.getsockopt(zmq.FD)] = r
+        ep.register(s.getsockopt(zmq.FD), select.EPOLLIN)
     os.set_blocking(sys.stdin.fileno(), False)
     buf = ""
     report_at = None
     stop_after = None
+
+    def drain(r):
+        s = socks[r]
+        while s.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # also re-arms ZMQ_FD
+            data = s.recv(zmq.NOBLOCK)
+            if r not in got_stop and b"stop" in data:
+                msg = P.decode(data)
+                if msg["t"] == "do" and msg["action"] == "stop":
+                    got_stop[r] = time.time()
+
+    for r in ranks:
+        drain(r)
     while True:
         now = time.monotonic()
-        for r in ranks:  # heartbeats, each rank on its own phase of the interval
-            if due[r] <= now and r != silenced:
+        sent = []
+        while due[nxt] <= now + 0.01 and len(sent) < n:
+            r = ranks[nxt]
+            if r != silenced:
                 socks[r].send(P.encode("hb", rank=r, it=10, upd=False, health="ok", phase="forward",
                                        progress=1.0), zmq.NOBLOCK)
                 last_hb[r] = time.time()
-                due[r] += hb
-        for r in ranks:  # drain acks and actions
-            s = socks[r]
-            while True:
-                try:
-                    data = s.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                if r not in got_stop and b"stop" in data:
-                    msg = P.decode(data)
-                    if msg["t"] == "do" and msg["action"] == "stop":
-                        got_stop[r] = time.time()
+                sent.append(r)
+            due[nxt] += hb
+            nxt = (nxt + 1) % n
+        for r in sent:  # a send can consume the FD's edge: look at those sockets directly
+            drain(r)
+        wait = max(0.0, min(0.02, due[nxt] - time.monotonic()))
+        for fd, _ in ep.poll(wait):
+            drain(by_fd[fd])
         try:
             buf += sys.stdin.read() or ""
         except (TypeError, OSError):
@@ -76,7 +100,7 @@ def simulate(a) -> None:
             line, buf = buf.split("\n", 1)
             cmd = line.split()
             if cmd and cmd[0] == "silence":
-                silenced = int(cmd[1])
+                silenced = int(cmd[1]) if a.lo <= int(cmd[1]) < a.hi else None
                 print(json.dumps({"silenced": silenced, "last_hb": last_hb.get(silenced)}), flush=True)
                 report_at = time.monotonic() + 10 * hb + 5
             elif cmd and cmd[0] == "quit":
@@ -88,17 +112,21 @@ def simulate(a) -> None:
             report_at = None
         if stop_after is not None:
             break
-        time.sleep(0.005)
     for s in socks.values():
         s.close()
     ctx.term()
 
 
 def main() -> None:
+    if os.environ.get("CTL_SCALE_DEBUG"):
+        import faulthandler
+        faulthandler.dump_traceback_later(float(os.environ["CTL_SCALE_DEBUG"]), exit=True)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=1024)
     p.add_argument("--procs", type=int, default=4, help="simulator processes")
-    p.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat interval, seconds")
+    p.add_argument("--heartbeat", type=float, default=2.0,
+                   help="heartbeat interval, seconds (the controller declares a rank lost after "
+                        "max(1.8 heartbeats, 3 s), or MINDSPEED_HA_DEAD_AFTER)")
     p.add_argument("--insecure", action="store_true", help="without CurveZMQ")
     p.add_argument("--sim", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--lo", type=int), p.add_argument("--hi", type=int), p.add_argument("--world", type=int)
@@ -136,14 +164,17 @@ def main() -> None:
         if time.time() - t0 > 600:
             raise SystemExit("ranks did not all register within 600 s")
     t_reg = time.time() - t0
+    for s in sims:
+        s.stdin.write("go\n")
+        s.stdin.flush()
     print(f"{a.ranks} ranks registered in {t_reg:.1f}s ({'insecure' if a.insecure else 'CurveZMQ'}), "
           f"heartbeat {a.heartbeat}s over {a.procs} simulator processes", flush=True)
     time.sleep(3 * a.heartbeat)  # steady state
     victim = a.ranks // 2 + 1
-    owner = sims[victim // per]
-    owner.stdin.write(f"silence {victim}\n")
-    owner.stdin.flush()
-    last_hb = json.loads(owner.stdout.readline())["last_hb"]
+    for s in sims:
+        s.stdin.write(f"silence {victim}\n")
+        s.stdin.flush()
+    last_hb = [json.loads(s.stdout.readline())["last_hb"] for s in sims][victim // per]
     while not c.faults:
         time.sleep(0.002)
     fault = c.faults[0]
@@ -175,7 +206,9 @@ def main() -> None:
     c.close()
     res = {"ranks": a.ranks, "heartbeat_s": a.heartbeat, "detect_s": round(detect_s, 3),
            "detect_heartbeats": round(detect_s / a.heartbeat, 2), "fault_kind": fault["kind"],
-           "decide_ms": decision and decision["decide_ms"], "deliver_ms": deliver_ms and round(deliver_ms, 1),
+           "fault_ranks": fault["ranks"][:4], "victim": victim, "loadavg": [round(x, 1) for x in os.getloadavg()],
+           "decide_ms": decision and decision["decide_ms"],
+           "decide_cpu_ms": decision and decision.get("cpu_ms"), "deliver_ms": deliver_ms and round(deliver_ms, 1),
            "stop_received": received, "register_s": round(t_reg, 1), "secure": not a.insecure,
            "dropped": sum(c.drops.counts.values())}
     print(f"silenced rank {victim}: detected after {detect_s:.3f}s ({detect_s / a.heartbeat:.2f} heartbeats); "

@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="mindspeed-ha", description="mindspeed-ha: training fault tolerance")
     sub = p.add_subparsers(dest="cmd", required=True)
+    from .control.protocol import INJECT_KINDS, INJECT_PHASES
     from .launcher.agent import build_parser
     build_parser(sub.add_parser("run", help="launch workers on this node (torchrun's flags)"))
     c = sub.add_parser("controller", help="run the controller as a standalone process")
@@ -129,11 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--json", action="store_true")
     i = sub.add_parser("inject", help="inject a fault into a live job (through the controller)")
     _add_security(i)
-    i.add_argument("--kind", required=True, choices=("kill", "exit", "exception", "uce", "hang", "comm"))
+    i.add_argument("--kind", required=True, choices=INJECT_KINDS)
     i.add_argument("--rank", type=int, required=True)
     i.add_argument("--step", type=int, default=None)
-    i.add_argument("--phase", default=None,
-                   choices=("forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint"))
+    i.add_argument("--phase", default=None, choices=INJECT_PHASES)
     # "report" (post-mortem of a log dir) is reserved for a later issue.
     args = p.parse_args(argv)
     if args.cmd == "run":

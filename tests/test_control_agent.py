@@ -163,3 +163,80 @@ def test_sigterm_forwarded(tmp_path):
     rc, out, err, _ = finish(p, 20)
     assert rc == 128 + signal.SIGTERM
     _no_process_left(tmp_path)
+
+
+def test_standalone_controller(tmp_path):
+    ctl = subprocess.Popen([sys.executable, "-m", "mindspeed_ha.cli", "controller", "--log-dir", str(tmp_path),
+                            "--world-size", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(lambda: (tmp_path / "controller.json").exists(), 30)
+        p = launch(tmp_path, "--steps", "400", "--fault", "exit:rank=1:step=3:phase=optimizer",
+                   env={"MINDSPEED_HA_CONTROLLER": "external"})
+        rc, out, err, t_end = finish(p)
+        text = _check_clean_end(tmp_path, rc, err, t_end, 1, "process-exit", "optimizer")
+        assert "exit code 1" in text
+        _, cerr = ctl.communicate(timeout=20)
+        assert ctl.returncode == 1 and text in cerr
+        assert json.load(open(tmp_path / "controller.json"))["rank"] is None
+    finally:
+        if ctl.poll() is None:
+            ctl.kill()
+    _no_process_left(tmp_path)
+
+
+def test_agent_reports_exits_and_obeys_restart(tmp_path):
+    """The agent against a controller socket driven by the test: exit reports arrive at once with
+    pid, code and signal; ``restart`` brings one worker back; ``exit`` ends the node."""
+    import zmq
+    from mindspeed_ha.control import protocol as P, security
+    from mindspeed_ha.control.election import write_controller_json
+    keys = security.Keys.load(str(tmp_path), create=True)
+    ctx = zmq.Context()
+    srv = ctx.socket(zmq.ROUTER)
+    srv.linger = 0
+    security.start_authenticator(ctx, keys)
+    security.secure_server(srv, keys)
+    port = srv.bind_to_random_port("tcp://127.0.0.1")
+    write_controller_json(str(tmp_path), {"endpoint": f"tcp://127.0.0.1:{port}", "host": "127.0.0.1",
+                                          "port": port, "epoch": 1, "job_id": "job-x"})
+    sleeper = os.path.join(os.path.dirname(__file__), "workers", "sleeper.py")
+    env = dict(os.environ, MINDSPEED_HA_JOB_ID="job-x", MINDSPEED_HA_LOG_DIR=str(tmp_path),
+               MINDSPEED_HA_CONTROLLER="external")
+    agent = subprocess.Popen([sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone",
+                              "--nproc-per-node", "2", sleeper, "60"], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+
+    def recv(t, timeout=20.0):
+        end = time.time() + timeout
+        while time.time() < end:
+            if srv.poll(100):
+                ident, data = srv.recv_multipart()
+                msg = P.decode(data)
+                if msg["t"] in ("agent", "agent_hb"):
+                    srv.send_multipart([ident, P.encode("ack", epoch=1, state="normal")])
+                if msg["t"] == t:
+                    return ident, msg
+        raise AssertionError(f"no {t}")
+    try:
+        ident, hello = recv("agent")
+        assert hello["ranks"] == [0, 1] and len(hello["pids"]) == 2
+        os.kill(hello["pids"][1], signal.SIGKILL)
+        t0 = time.time()
+        _, ex = recv("exit")
+        assert time.time() - t0 < 1.0
+        assert (ex["rank"], ex["pid"], ex["signal"]) == (1, hello["pids"][1], signal.SIGKILL)
+        srv.send_multipart([ident, P.encode("do", action="restart", id=0, args={"ranks": [1]}, epoch=1)])
+        _, hello2 = recv("agent")
+        assert hello2["pids"][0] == hello["pids"][0] and hello2["pids"][1] != hello["pids"][1]
+        srv.send_multipart([ident, P.encode("do", action="exit", id=0, args={"code": 3, "diagnosis": "bye"},
+                                            epoch=1)])
+        out, err = agent.communicate(timeout=20)
+        assert agent.returncode == 3 and "bye" in err
+        assert "restart 1" in out
+        assert not any(alive(p) for p in hello["pids"] + hello2["pids"])
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        srv.close()
+        security.stop_authenticator(ctx)
+        ctx.term()

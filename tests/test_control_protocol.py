@@ -76,7 +76,7 @@ messages = st.builds(
     st.sets(st.text(max_size=3), max_size=2))
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.one_of(st.binary(max_size=300), messages.map(lambda m: msgpack.packb(m, use_bin_type=True))))
 def test_fuzz_decoder(data):
     try:
@@ -87,7 +87,7 @@ def test_fuzz_decoder(data):
     assert P.decode(P.encode(msg["t"], **{k: v for k, v in msg.items() if k not in ("v", "t")})) == msg
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(messages)
 def test_fuzz_mutated_valid(m):
     data = msgpack.packb(m, use_bin_type=True)
@@ -124,7 +124,7 @@ def _status(s):
             return json.loads(msg["body"])
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.one_of(
     st.binary(max_size=200),
     messages.map(lambda m: msgpack.packb(m, use_bin_type=True)),

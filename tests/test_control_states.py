@@ -77,3 +77,76 @@ def test_overdue():
     assert not m.overdue()
     m.entered -= TIMEOUTS[S.PAUSE] + 0.1
     assert m.overdue()
+
+
+# ---- election: who stands by, and no split brain ------------------------------------------------
+import json as _json
+import os as _os
+import time as _time
+
+import zmq as _zmq
+
+from mindspeed_ha.control import protocol as _P, security as _security
+from mindspeed_ha.control.controller import Controller as _Controller
+from mindspeed_ha.control.election import choose_backups, has_quorum
+from mindspeed_ha.options import HAOptions as _HAOptions
+
+
+def test_backups_prefer_other_nodes():
+    nodes = {0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"}
+    assert choose_backups(nodes, 0) == [2, 4]
+    assert choose_backups({0: "a", 1: "a", 2: "a", 3: "a"}, 0) == [3, 2]
+    assert choose_backups({0: "a", 1: "b"}, 0) == [1]
+    assert choose_backups({0: "a"}, 0) == []
+
+
+def test_quorum_is_strict_majority():
+    assert not has_quorum(2, 4) and has_quorum(3, 4)
+    assert not has_quorum(1, 2) and has_quorum(2, 3) and not has_quorum(0, 0)
+
+
+def test_standby_takes_over_only_with_a_majority(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINDSPEED_HA_DEAD_AFTER", "0.6")
+    d = str(tmp_path)
+    keys = _security.Keys.load(d, create=True)
+    opts = _HAOptions(strategies=frozenset({"dump"}), log_dir=d, heartbeat_s=0.2)
+    sb = _Controller(d, 4, opts, keys, rank=3, standby=True, epoch=1).start()
+    ctx = _zmq.Context()
+    socks = []
+
+    def join(rank):
+        s = ctx.socket(_zmq.DEALER)
+        s.linger = 0
+        _security.secure_client(s, keys)
+        s.connect(sb.endpoint)
+        s.send(_P.encode("register", rank=rank, world=4, node="n", pid=1000 + rank))
+        socks.append((rank, s))
+
+    def beat(seconds):
+        t = _time.time()
+        while _time.time() - t < seconds:
+            for r, s in socks:
+                s.send(_P.encode("hb", rank=r, it=3, upd=False, health="ok"))
+                while s.poll(0):
+                    s.recv()
+            _time.sleep(0.1)
+
+    try:
+        join(3)  # the standby's own rank
+        join(1)
+        beat(1.5)
+        assert sb.standby and not _os.path.exists(_os.path.join(d, "controller.json"))  # 2 of 4: no
+        join(2)
+        beat(1.0)
+        assert not sb.standby and sb.epoch == 2
+        info = _json.load(open(_os.path.join(d, "controller.json")))
+        assert info["rank"] == 3 and info["epoch"] == 2
+        ev = [_json.loads(l) for l in open(_os.path.join(d, "events", "controller.jsonl"))]
+        assert any(e["event"] == "takeover" and e["rank"] == 3 for e in ev)
+        beat(1.5)  # rank 0 never came over: its loss is a fault like any other
+        assert any(0 in f["ranks"] and f["kind"] == "heartbeat-lost" for f in sb.faults)
+    finally:
+        for _, s in socks:
+            s.close()
+        ctx.term()
+        sb.close()

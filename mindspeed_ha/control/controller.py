@@ -24,6 +24,10 @@ from . import election, protocol as P, security
 from .states import TIMEOUTS, Machine, Outcome as O, State as S, choose_strategy
 
 log = get_logger("control.controller")
+# pyzmq's Cython send, without the Python-level wrapper: half the cost per frame, which is most of
+# a decision's time at 16k ranks (fan-out of one action) and of a heartbeat's ack.
+_raw_send = getattr(getattr(zmq, "backend", None), "Socket", zmq.Socket).send
+_MORE_NB = zmq.SNDMORE | zmq.NOBLOCK
 STEP_PHASES = {p: i for i, p in enumerate(("startup", "forward", "backward", "grad-sync", "optimizer",
                                            "param-sync", "checkpoint", "step"))}
 
@@ -77,9 +81,14 @@ class Controller:
         self.local_exit = local_exit          # how the host rank exits (never through the socket)
         self.write_json = write_json
         self.hb = float(self.options.heartbeat_s)
-        self.dead_after = float(os.environ.get("MINDSPEED_HA_DEAD_AFTER", 0) or 0) or 1.8 * self.hb  # <= 2 heartbeats with the scan granularity
+        # Silent for 1.8 heartbeats (<= 2 with the scan granularity) means lost, but never under 3 s:
+        # a rank's processor thread can be starved of the GIL or a CPU for a second, and a dead
+        # process is reported by its agent long before (MINDSPEED_HA_DEAD_AFTER overrides).
+        self.dead_after = (float(os.environ.get("MINDSPEED_HA_DEAD_AFTER", 0) or 0)
+                           or max(1.8 * self.hb, 3.0))
         self.hang_timeout = float(self.options.hang_timeout_s)
         self.settle_s = 0.25
+        self.settle_comm_s = 1.5
         self.ranks: dict[int, Rank] = {}
         self.by_ident: dict[bytes, int] = {}
         self.agents: dict[int, Agent] = {}
@@ -91,6 +100,7 @@ class Controller:
         self.backup_eps: dict[int, str] = {}
         self.exit_code = 0
         self.strategy_note = ""
+        self.last_diagnosis = ""
         self.actions = {S.NORMAL: self._act_normal, S.PAUSE: self._act_pause, S.ENV_CLEAR: self._act_env_clear, S.EXIT: self._act_exit}
         self.built_strategies: set[str] = set()  # later issues add "dump", "retry", ... with their actions
         self._pending: dict[int, dict] = {}     # action id -> {action, ranks waiting, cli ident}
@@ -102,11 +112,16 @@ class Controller:
         self.drops = P.DropCounter(log)
         self.machine = Machine(self._on_transition)
         self._ack = b""
+        self._dispatch = {t: getattr(self, "_on_" + t.replace("?", "_q"), self._on_unexpected) for t in P.SCHEMAS}
         self._ctx = zmq.Context()  # its own context: ZAP is per context, and keys are per job
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.linger = 500
         self.sock.rcvhwm = self.sock.sndhwm = 100000
         self.sock.maxmsgsize = P.MAX_BYTES + 1024  # libzmq drops oversized frames before Python sees them
+        # Thousands of ranks connect at once and every handshake waits its turn at the ZAP handler:
+        # the default 30 s handshake limit would drop them and start a reconnect storm.
+        self.sock.handshake_ivl = 300_000
+        self.sock.backlog = 65535  # (capped by net.core.somaxconn) a full accept queue drops SYNs: 1-7 s retries
         security.start_authenticator(self._ctx, self.keys)
         security.secure_server(self.sock, self.keys)
         bind_host = "127.0.0.1" if self.host.startswith("127.") or self.host == "localhost" else "*"
@@ -174,9 +189,11 @@ class Controller:
             self.drops.drop("malformed", str(e))
             return
         try:
-            getattr(self, "_on_" + msg["t"].replace("?", "_q"), self._on_unexpected)(ident, msg)
+            self._dispatch.get(msg["t"], self._on_unexpected)(ident, msg)
         except (KeyError, ValueError, TypeError, IndexError) as e:  # semantically bad, e.g. rank out of range
             self.drops.drop("invalid", f"{msg.get('t')}: {e}")
+        except Exception:  # a bug in one handler must not take the controller down with it
+            log.exception("error handling %s", msg.get("t"))
 
     def _on_unexpected(self, ident, msg) -> None:
         self.drops.drop("unexpected", msg["t"])
@@ -306,6 +323,9 @@ class Controller:
         if info is None or not info.alive or self.standby:
             self._send(ident, P.encode("refused", reason=f"rank {r} is not a live registered rank"))
             return
+        if msg["kind"] not in P.INJECT_KINDS or msg.get("phase", "forward") not in P.INJECT_PHASES:
+            self._send(ident, P.encode("refused", reason=f"unknown fault {msg['kind']!r}/{msg.get('phase')!r}"))
+            return
         args = {k: msg[k] for k in ("kind", "step", "phase") if k in msg}
         aid = self._do("inject", [r], args)
         # Answer on delivery: the fault may kill the rank before its handler's result gets out.
@@ -316,7 +336,8 @@ class Controller:
     # ---- output -------------------------------------------------------------------------------
     def _send(self, ident: bytes, data: bytes) -> None:
         try:
-            self.sock.send_multipart([ident, data], zmq.NOBLOCK)
+            _raw_send(self.sock, ident, _MORE_NB)
+            _raw_send(self.sock, data, zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # a peer that vanished or is flooded must not stall us
 
@@ -329,17 +350,26 @@ class Controller:
         self._next_id += 1
         data = P.encode("do", action=action, id=aid, args=args or {}, epoch=self.epoch)
         waiting = set()
-        for r in ranks:
-            info = self.ranks.get(r)
-            if info is None or not info.alive:
+        sock, send, more, nb = self.sock, _raw_send, _MORE_NB, zmq.NOBLOCK
+        get, skip = self.ranks.get, (self.rank if action == "exit" else None)  # the host rank exits last, locally
+        for r in ranks:  # the hot loop of a decision at scale: keep it flat
+            info = get(r)
+            if info is None or not info.alive or r == skip:
                 continue
-            if r == self.rank and action == "exit":
-                continue  # the host rank exits last, locally, once everything is sent
             waiting.add(r)
-            self._send(info.ident, data)
+            try:
+                send(sock, info.ident, more)
+                send(sock, data, nb)
+            except zmq.ZMQError:
+                pass
         self._pending[aid] = {"action": action, "waiting": waiting, "results": {}, "cli": cli,
                               "sent": time.monotonic()}
         return aid
+
+    def restart_workers(self, ranks=None) -> None:
+        """Ask the agents to restart these ranks' workers (all when ``None``): the recover (ARF)
+        strategy's tool. Like every action, call it on the controller thread (from a state action)."""
+        self._to_agents("restart", {"ranks": sorted(ranks)} if ranks else {})
 
     def _to_agents(self, action: str, args: dict) -> None:
         data = P.encode("do", action=action, id=0, args=args, epoch=self.epoch)
@@ -355,7 +385,7 @@ class Controller:
         rec = {"ranks": list(ranks), "kind": kind, "iteration": iteration, "phase": phase,
                "detect_s": round(detect_s, 4), "detail": detail, "time": time.time(),
                "nodes": [self.ranks[r].node if r in self.ranks else "?" for r in ranks],
-               "t_detect": time.monotonic()}
+               "t_detect": time.monotonic(), "cpu_detect": time.thread_time()}
         if self.standby:
             self._deferred.append(rec)
             return
@@ -364,7 +394,7 @@ class Controller:
                 self.ranks[r].alive = False
         self.faults.append(rec)
         self.active_faults.append(rec)
-        self.events.emit("fault", **{k: v for k, v in rec.items() if k not in ("time", "t_detect")})
+        self.events.emit("fault", **{k: v for k, v in rec.items() if k not in ("time", "t_detect", "cpu_detect")})
         log.error("fault: rank(s) %s %s at iteration %s, phase %s (%s), detected in %.3fs",
                   ranks, kind, iteration, phase, detail or "-", detect_s)
         if self.machine.state not in (S.DONE,):
@@ -435,8 +465,10 @@ class Controller:
         if st == S.PAUSE and self._stop_id is not None:
             pend = self._pending.get(self._stop_id)
             # Dwell a little: the agent's exit report of a killed rank can trail the survivors'
-            # communication errors by tens of ms, and the strategy must see the real cause.
-            if now - self.machine.entered < self.settle_s:
+            # communication errors, and the strategy must see the real cause. Communication errors
+            # alone are nearly always a consequence, so wait longer for their cause.
+            only_comm = all(f["kind"] == "comm-failure" for f in self.active_faults)
+            if now - self.machine.entered < (self.settle_comm_s if only_comm else self.settle_s):
                 pass
             elif pend is None or not (pend["waiting"] & self._live()):
                 self._feed(O.STOPPED)
@@ -459,10 +491,13 @@ class Controller:
         """Stop every survivor; decision latency is fault detection -> last stop sent."""
         fault = self.active_faults[-1] if self.active_faults else None
         survivors = sorted(self._live())  # every live rank, reporters of comm failures included
-        self._stop_id = self._do("stop", survivors)
+        reason = (f"{fault['kind']} on rank(s) {fault['ranks'][:8]}" if fault else "controller")[:200]
+        self._stop_id = self._do("stop", survivors, {"reason": reason})
         if fault is not None:
             decide_ms = (time.monotonic() - fault["t_detect"]) * 1e3
-            self.events.emit("decision", action="stop", ranks=len(survivors), decide_ms=round(decide_ms, 3))
+            cpu_ms = (time.thread_time() - fault["cpu_detect"]) * 1e3  # wall minus waiting for a CPU
+            self.events.emit("decision", action="stop", ranks=len(survivors), decide_ms=round(decide_ms, 3),
+                             cpu_ms=round(cpu_ms, 3))
         return None
 
     def _act_env_clear(self):
@@ -501,7 +536,7 @@ class Controller:
 
     def _act_exit(self):
         self.exit_code = 1 if self.faults else 0
-        text = self.diagnosis()
+        text = self.last_diagnosis = self.diagnosis()
         self.events.emit("diagnosis", text=text, exit_code=self.exit_code)
         log.error(text)
         args = {"code": self.exit_code, "diagnosis": text}
@@ -519,6 +554,9 @@ class Controller:
 
     # ---- backups ------------------------------------------------------------------------------
     def _act_normal(self):
+        now = time.monotonic()
+        for i in self.ranks.values():  # detection clocks start with training, not at registration
+            i.seen = max(i.seen, now)
         self._maybe_start_backups()  # name the standbys once everyone is in
         return None
 
@@ -568,7 +606,7 @@ class Controller:
                       for i in sorted(self.ranks.values(), key=lambda i: i.rank)],
             "agents": [{"node_rank": a.node_rank, "node": a.node, "ranks": a.ranks, "pids": a.pids}
                        for a in self.agents.values()],
-            "faults": [{k: v for k, v in f.items() if k != "t_detect"} for f in self.faults],
+            "faults": [{k: v for k, v in f.items() if k not in ("t_detect", "cpu_detect")} for f in self.faults],
             "dropped": dict(self.drops.counts),
         }
 
@@ -584,5 +622,5 @@ def run_standalone(log_dir: str, world_size: int, options: HAOptions, host: str 
     except KeyboardInterrupt:
         c.close()
     if c.exit_code:
-        print(c.diagnosis(), file=sys.stderr)
+        print(c.last_diagnosis or c.diagnosis(), file=sys.stderr)
     return c.exit_code

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 
 def choose_backups(nodes: dict[int, str], controller_rank: int | None, n: int = 2) -> list[int]:
@@ -100,7 +99,3 @@ class Candidates:
 
     def connected(self, endpoint: str, epoch: int) -> None:
         self.current, self.epoch, self._tried = endpoint, max(self.epoch, epoch), []
-
-
-def now() -> float:
-    return time.monotonic()

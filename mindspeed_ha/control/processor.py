@@ -35,7 +35,13 @@ _COMM_WORDS = ("nccl", "gloo", "hccl", "connection closed", "connection reset", 
 
 
 def classify(exc: BaseException) -> str:
-    """memory-error / comm-failure / other, from the type first and the message second."""
+    """memory-error / comm-failure / other. The engine's own classifier (mindspeed_ha.faults) decides
+    when present (it knows UCE/ECC markers, and that out-of-memory is not a memory fault)."""
+    try:
+        from mindspeed_ha.faults import classify as engine_classify
+        return {"memory": "memory-error", "comm": "comm-failure"}.get(engine_classify(exc), "other")
+    except ImportError:
+        pass
     names = {c.__name__ for c in type(exc).__mro__}
     text = f"{type(exc).__name__}: {exc}".lower()
     if names & {"MemoryError", "OutOfMemoryError"} or any(w in text for w in _MEMORY_WORDS):
@@ -98,7 +104,7 @@ class ControllerLink:
         self.keys, self.hello, self.name = keys, hello, name
         self.cands = election.Candidates(log_dir, job_id, answer_wait=max(1.0, 2 * heartbeat_s),
                                          standby_wait=max(4.0, 8 * heartbeat_s))
-        self.lost_after = max(3 * heartbeat_s, 1.5)
+        self.lost_after = max(4 * heartbeat_s, 2.5)  # a starved controller is slow, not dead
         self.sock: zmq.Socket | None = None
         self.endpoint: str | None = None
         self.epoch = 0
@@ -116,6 +122,7 @@ class ControllerLink:
         s = self.ctx.socket(zmq.DEALER)
         s.linger = 500
         s.maxmsgsize = P.MAX_BYTES + 1024
+        s.handshake_ivl = 300_000  # a controller busy with a thousand handshakes is slow, not dead
         security.secure_client(s, self.keys)
         s.connect(ep)
         self.sock, self.endpoint = s, ep
@@ -231,6 +238,8 @@ class Processor:
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._sent = threading.Event()
+        self._order = threading.Event()
+        self.last_order: str | None = None
         self._thread = self._worker = None
         self.link: ControllerLink | None = None
         self.events: EventLog | None = None
@@ -326,6 +335,16 @@ class Processor:
         self._sent.wait(1.0)  # handed to ZeroMQ before the caller may let the process die
         return kind
 
+    def wait_for_orders(self, timeout: float = 60.0) -> str | None:
+        """After ``report_exception`` (or a ``CollectiveStopped``), park the main thread until the
+        controller decides. ``exit`` ends the process from the processor thread, so in this build
+        this only returns on timeout (``None``); later strategies return the action's name
+        (e.g. ``"rollback"``) for the trainer to act on."""
+        if self._order.wait(timeout):
+            self._order.clear()  # consumed; an order that came before the call is not lost
+            return self.last_order
+        return None
+
     # ---- processor thread ---------------------------------------------------------------------
     def _hello(self) -> bytes:
         return P.encode("register", rank=self.rank, world=self.world, node=self.node, pid=os.getpid(),
@@ -366,6 +385,9 @@ class Processor:
     def _dispatch(self, msg: dict) -> None:
         action, aid, args = msg["action"], msg["id"], msg.get("args", {})
         self.events.emit("action", action=action, id=aid, args={k: v for k, v in args.items() if k != "diagnosis"})
+        if action not in ("stop", "standby", "inject"):
+            self.last_order = action
+            self._order.set()
         if action == "exit":
             self._result(action, aid, True, "exiting")
             self._exit_now(int(args.get("code", 1)), flush_link=True)
@@ -407,7 +429,7 @@ class Processor:
             from mindspeed_ha.comm.interruptible import request_stop
         except ImportError:
             return True, "no interruptible collectives in this build; nothing to stop"
-        request_stop()
+        request_stop(str(args.get("reason", "controller")))
         return True, "stop requested"
 
     def _builtin_standby(self, args):

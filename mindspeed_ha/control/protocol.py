@@ -22,6 +22,8 @@ FAULT_KINDS = ("memory-error", "comm-failure", "other", "process-exit", "hang", 
                "controller-lost", "node-lost")
 PHASES = ("startup", "forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint",
           "step", "unknown")
+INJECT_KINDS = ("kill", "exit", "exception", "uce", "hang", "comm")
+INJECT_PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint")
 
 
 class ProtocolError(ValueError):
@@ -80,7 +82,7 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "bye": {"rank": (_int, R)},
     # agent -> controller
     "agent": {"node": (_str, R), "node_rank": (_int, R), "nnodes": (_int, R), "pid": (_int, R),
-              "ranks": ("ints", R), "pids": ("ints", R), "exits": ("groups", O)},
+              "ranks": ("ints", R), "pids": ("ints", R)},
     "agent_hb": {"node_rank": (_int, R)},
     "exit": {"node_rank": (_int, R), "rank": (_int, R), "pid": (_int, R), "code": (_int, O),
              "signal": (_int, O), "at": (_float, O), "iteration": (_int, O), "phase": (_str, O)},
@@ -93,9 +95,6 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "status": {"body": (_str, R)},   # JSON text: status is for humans and tools, not for routing
     "refused": {"reason": (_str, R)},
 }
-
-Counters = collections.Counter
-
 
 class DropCounter:
     """Counts dropped input per reason; logs the first of each reason and then every 1000th."""

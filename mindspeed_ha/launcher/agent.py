@@ -193,7 +193,7 @@ class Agent:
         self.board_dir = tempfile.mkdtemp(prefix="mindspeed-ha-", dir=shm)
         keys = security.Keys.load(self.log_dir, self.key_dir if not self.insecure else None, self.insecure,
                                   create=(a.node_rank == 0))
-        if a.node_rank == 0:
+        if a.node_rank == 0 and os.environ.get("MINDSPEED_HA_CONTROLLER", "rank0") == "rank0":
             info = read_controller_json(self.log_dir)
             if info and info.get("job_id") != self.job_id:
                 os.unlink(os.path.join(self.log_dir, "controller.json"))  # a previous job's

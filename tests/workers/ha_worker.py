@@ -95,7 +95,7 @@ def main():
         except Exception as e:
             kind = proc.report_exception(e, it, phase)
             print(f"rank {rank}: {kind}: {e}", file=sys.stderr, flush=True)
-            time.sleep(30)  # wait for the controller's order
+            proc.wait_for_orders(30)  # the controller decides; exit ends us from the processor thread
             sys.exit(3)
         proc.step_end(it, float(x[0]))
     proc.close()
