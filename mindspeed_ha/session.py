@@ -22,8 +22,12 @@ def current() -> "RankSession | None":
 
 
 class RankSession:
-    def __init__(self, options: HAOptions, device, rank: int, world_size: int, local_rank: int = 0):
+    def __init__(self, options: HAOptions, device, rank: int, world_size: int, local_rank: int = 0,
+                 control_plane: bool = True):
+        """``control_plane=False``: no processor (and no controller on rank 0) — for harnesses that
+        play the controller's part themselves."""
         global _current
+        self.control_plane = control_plane
         self.options, self.device = options, device
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         setup_text_log(options.log_dir, rank)
@@ -117,7 +121,7 @@ class RankSession:
         self.events.emit("start", world_size=self.world_size, device=self.device.kind,
                          backend=self.device.backend, strategies=sorted(self.options.strategies),
                          replica=self.options.use_replica_optimizer)
-        if self.options.enabled:
+        if self.options.enabled and self.control_plane:
             self.start_processor()
 
     # -- control plane ---------------------------------------------------------------------------

@@ -22,34 +22,16 @@ import zmq
 
 from ..events import EventLog, get_logger, setup_text_log
 from ..options import HAOptions
+from ..faults import classify as engine_classify
 from . import election, protocol as P, security
 
 log = get_logger("control.processor")
 INLINE_ACTIONS = ("stop", "exit", "standby")
 
-_MEMORY_WORDS = ("out of memory", "outofmemory", "uce", "hbm", "ecc", "memory error", "uncorrectable",
-                 "memory corruption")
-_COMM_WORDS = ("nccl", "gloo", "hccl", "connection closed", "connection reset", "broken pipe",
-               "timed out", "timeout", "processgroup", "distbackenderror", "socket", "peer",
-               "communicator", "collective")
-
-
 def classify(exc: BaseException) -> str:
-    """memory-error / comm-failure / other. The engine's own classifier (mindspeed_ha.faults) decides
-    when present (it knows UCE/ECC markers, and that out-of-memory is not a memory fault)."""
-    try:
-        from mindspeed_ha.faults import classify as engine_classify
-        return {"memory": "memory-error", "comm": "comm-failure"}.get(engine_classify(exc), "other")
-    except ImportError:
-        pass
-    names = {c.__name__ for c in type(exc).__mro__}
-    text = f"{type(exc).__name__}: {exc}".lower()
-    if names & {"MemoryError", "OutOfMemoryError"} or any(w in text for w in _MEMORY_WORDS):
-        return "memory-error"
-    if names & {"DistBackendError", "DistNetworkError", "DistStoreError", "ConnectionError",
-                "CollectiveStopped"} or any(w in text for w in _COMM_WORDS):
-        return "comm-failure"
-    return "other"
+    """memory-error / comm-failure / other, by the engine's classifier (mindspeed_ha.faults: it knows
+    the UCE/ECC markers, and that running out of memory is not a memory fault)."""
+    return {"memory": "memory-error", "comm": "comm-failure"}.get(engine_classify(exc), "other")
 
 
 class ProgressBoard:

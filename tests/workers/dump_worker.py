@@ -40,7 +40,7 @@ def build(argv):
     apply_patches(device, megatron_lm=False)
     device.set_current(int(os.environ.get("LOCAL_RANK", "0")))
     init_distributed(args.distributed_backend or device.backend, args.distributed_timeout_minutes)
-    trainer = BuiltinTrainer(args, RankSession(opts, device, rank, world))
+    trainer = BuiltinTrainer(args, RankSession(opts, device, rank, world, control_plane=False))
     trainer.setup()
     return trainer
 
