@@ -1,4 +1,5 @@
-"""The HA runtime of one rank: options, events, replica optimizer, checks, and (later) the processor.
+"""The HA runtime of one rank: options, events, replica optimizer, checks, fault injection and the
+processor that reports to the controller.
 
 Both trainers report to it through a handful of hooks (step start/end, phase points, saves); it owns
 nothing of the training loop itself.
@@ -35,6 +36,7 @@ class RankSession:
         self.trainer = None
         self.optimizer = None
         self.topology = None
+        self.expert_topology = None
         from mindspeed_ha.inject import Injector
         self.injector = Injector.from_env(rank, options.log_dir, self.events)  # also takes live faults
         self.processor = None
@@ -61,7 +63,6 @@ class RankSession:
                     f"num_distributed_optimizer_instances={R} (DDP config and initialize_model_parallel), "
                     f"got {got}; with Megatron-LM pass --use-distributed-optimizer")
         self.topology = from_parallel_state(R)
-        self.expert_topology = None
         if getattr(self.trainer_config(optimizer), "num_moe_experts", None):
             # megatron-core reduces expert and dense gradients across instances over ONE group, so an
             # expert shard's twins must be its dense twins; check that instead of assuming it.
