@@ -191,6 +191,9 @@ class RankSession:
             raise
         fields["seconds"] = time.perf_counter() - t0
         self.events.emit("replica_check", **fields)
+        if self.rank == 0:  # every rank checked; one line for the console
+            log.info("replica check at iteration %d: every shard equals its twin, bit for bit (%d tensors "
+                     "on rank 0, %.3f s)", iteration, fields["tensors"], fields["seconds"])
         return fields
 
     def saved(self, iteration: int, path: str, seconds: float) -> None:
