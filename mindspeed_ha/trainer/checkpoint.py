@@ -112,18 +112,17 @@ def save(trainer, root: str, group=None) -> tuple[str, float]:
     return final, time.perf_counter() - t0
 
 
-def _fix_adam_steps(optimizer, iteration_steps) -> None:
-    """dist_checkpointing restores one shared ``step`` tensor (or none) for every parameter: torch's
-    Adam would bump it once per parameter per step. Give each parameter its own, correct tensor."""
+def _fix_adam_steps(optimizer) -> None:
+    """Traps 2 and 3 of DESIGN.md: after a load the per-parameter Adam ``step`` is not the
+    checkpoint's (the right value is in the param group), and it is one tensor shared by every
+    parameter, which torch's Adam would bump once per parameter per step. Set each its own, right one."""
     for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         for group in inner.optimizer.param_groups:
-            step = iteration_steps if iteration_steps is not None else group.get("step")
             for p in group["params"]:
-                st = inner.optimizer.state.get(p)
-                if st is None:
-                    continue
-                value = float(step) if step is not None else float(st["step"])
-                st["step"] = torch.tensor(value, dtype=torch.float32)
+                state = inner.optimizer.state.get(p)
+                if state is not None:
+                    step = group.get("step", state.get("step"))
+                    state["step"] = torch.tensor(float(step), dtype=torch.float32)
 
 
 def load(trainer, root: str, load_optim: bool = True, load_rng: bool = True) -> int:
@@ -150,8 +149,7 @@ def load(trainer, root: str, load_optim: bool = True, load_rng: bool = True) -> 
     if load_optim:
         with torch.no_grad():  # fp32 shards are views of leaf parameters
             trainer.optimizer.load_state_dict(loaded["optimizer"])
-        # Traps 2 and 3: per-parameter step from the checkpoint's param_groups, one tensor each.
-        _fix_adam_steps(trainer.optimizer, None)
+        _fix_adam_steps(trainer.optimizer)
     trainer.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if load_rng and "rng_state" in loaded:
         _set_rng_state(loaded["rng_state"])
