@@ -221,9 +221,9 @@ def on_load_checkpoint(original, ddp_model, optimizer, *args, **kwargs):
     with torch.no_grad():  # fp32 runs: the optimizer's main-param shards are views of leaf parameters
         iteration, flops = original(ddp_model, optimizer, *args, **kwargs)
     if torch_adam and iteration and not a.no_load_optim and not a.finetune:
-        # Trap 3: Megatron-LM restores one shared ``step`` tensor for every parameter, which torch's
+        # Traps 2 and 3: Megatron-LM restores one shared ``step`` tensor for every parameter, which torch's
         # Adam would bump once per parameter per step: one tensor each.
-        _fix_adam_steps(optimizer, None)
+        _fix_adam_steps(optimizer)
     if iteration and hasattr(optimizer, "ha_iteration"):
         optimizer.ha_iteration = iteration  # the replica shard's iteration follows the checkpoint
     s = session.current()
