@@ -131,7 +131,8 @@ class RankSession:
         from mindspeed_ha.control.processor import Processor
         groups = [self.topology.replica_group] if self.topology else []
         self.processor = Processor(self.rank, self.world_size, self.local_rank,
-                                   os.environ.get("MINDSPEED_HA_NODE", ""), self.options, groups)
+                                   os.environ.get("MINDSPEED_HA_NODE", ""), self.options, groups,
+                                   events=self.events)
         self.processor.register_handler("inject", self._live_inject)
         self.processor.start()
 

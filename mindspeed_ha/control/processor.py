@@ -202,7 +202,7 @@ class ControllerLink:
 
 class Processor:
     def __init__(self, rank: int, world_size: int, local_rank: int, node: str, options: HAOptions,
-                 replica_groups: list[list[int]]):
+                 replica_groups: list[list[int]], events: EventLog | None = None):
         self.rank, self.world, self.local_rank, self.node = rank, world_size, local_rank, node or _socket.gethostname()
         self.options = options
         self.groups = [list(map(int, g)) for g in (replica_groups or []) if rank in g]
@@ -224,13 +224,13 @@ class Processor:
         self.last_order: str | None = None
         self._thread = self._worker = None
         self.link: ControllerLink | None = None
-        self.events: EventLog | None = None
+        self.events: EventLog | None = events  # the rank's event log, when the caller has one open
         self.board: ProgressBoard | None = None
 
     # ---- life ---------------------------------------------------------------------------------
     def start(self) -> "Processor":
         setup_text_log(self.log_dir, self.rank)
-        self.events = EventLog.for_rank(self.log_dir, self.rank)
+        self.events = self.events or EventLog.for_rank(self.log_dir, self.rank)
         path = board_path(self.rank)
         if path:
             try:
