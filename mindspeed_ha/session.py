@@ -125,6 +125,14 @@ class RankSession:
         if self.options.enabled and self.control_plane:
             self.start_processor()
 
+    def trainer_ready(self) -> None:
+        """After setup and ``--load``, before the first step: start what recovery needs from the
+        live state (RNG at every update's end, the checkpoint writer warmed up when --save is set)."""
+        if self.processor is None or self.optimizer is None:
+            return
+        from mindspeed_ha.recovery import dump
+        dump.track(self.trainer, prewarm=bool(getattr(self.trainer, "save_dir", None)))
+
     # -- control plane ---------------------------------------------------------------------------
     def start_processor(self) -> None:
         """Report to the controller (hosted by rank 0's processor unless one runs elsewhere)."""
@@ -134,24 +142,68 @@ class RankSession:
                                    os.environ.get("MINDSPEED_HA_NODE", ""), self.options, groups,
                                    events=self.events)
         self.processor.register_handler("inject", self._live_inject)
+        self.processor.register_handler("dump-status", self._dump_status, main_thread=True)
+        self.processor.register_handler("dump", self._dump, main_thread=True)
         self.processor.start()
 
     def _live_inject(self, args: dict):
         f = self.injector.add(args["kind"], self.rank, args.get("step"), args.get("phase"))
         return True, f"armed {f.spec()}"
 
-    def report_fault(self, exc: BaseException, iteration: int) -> str | None:
-        """An exception left the step: classify and report it at once, then wait for the
-        controller's decision (``exit`` ends the process from the processor thread)."""
+    def report_fault(self, exc: BaseException, iteration: int) -> None:
+        """An exception left the step: classify and report it at once, then serve the controller's
+        orders on this (training) thread — the dying gasp runs here — until one ends the process
+        (``exit``, from the processor thread). Returns only if the controller goes silent."""
         if self.processor is None:
-            return None
+            return
         kind = self.processor.report_exception(exc, iteration, self.phase)
         if kind == "stopped":
             log.info("rank %d left its collective in iteration %d (%s): stopped by the controller",
                      self.rank, iteration, self.phase)
         else:
             log.error("rank %d: %s fault in iteration %d (%s): %s", self.rank, kind, iteration, self.phase, exc)
-        return self.processor.wait_for_orders(timeout=max(30.0, 3 * self.options.hang_timeout_s))
+        wait = max(30.0, 3 * self.options.hang_timeout_s)
+        while self.processor.serve_order(timeout=wait) is not None:
+            pass  # each order restarts the clock
+        log.error("rank %d: no order from the controller for %.0f s after the fault", self.rank, wait)
+
+    # -- dying gasp (orders served on the training thread) ---------------------------------------
+    def _dump_status(self, args: dict):
+        """Prepare this rank's part of the checkpoint (locally, while the old groups exist) and
+        report the shard's state for the controller's plan."""
+        import json
+        from mindspeed_ha.recovery import dump
+        save = getattr(self.trainer, "save_dir", None)
+        if not save:
+            return False, "no --save directory: the dying-gasp checkpoint has nowhere to go"
+        opt = self.optimizer
+        if opt is None:
+            return False, "the dying-gasp checkpoint needs the replica optimizer (--distributed-optimizer-no-replica is set)"
+        # Stopped in its update window before touching the shard (a collective ahead of the Adam
+        # arithmetic was interrupted): the shard is still at ha_iteration.
+        abandon = bool(opt.ha_updating and not opt.ha_touched)
+        self._dump_prep = dump.prepare(self.trainer, abandon_update=abandon)
+        st = {k: self._dump_prep.status[k] for k in ("iteration", "updating", "touched", "replica_group",
+                                                     "trainer_iteration")}
+        st.update(save=os.path.abspath(save), fallback=dump.newest_checkpoint(save), abandoned=abandon)
+        return True, json.dumps(st)
+
+    def _dump(self, args: dict):
+        import json
+        from datetime import timedelta
+        from mindspeed_ha.comm.interruptible import clear_stop
+        from mindspeed_ha.recovery import dump, groups
+        if getattr(self, "_dump_prep", None) is None:
+            return False, "dump before dump-status"
+        clear_stop()  # the stop that parked us (or a retry's) must not fail the survivors' collectives
+        plan = dump.DumpPlan.from_json(args["plan"])
+        world = groups.survivor_world(list(args["survivors"]), self.rank, args["store_host"],
+                                      int(args["store_port"]), int(args["generation"]),
+                                      timeout=timedelta(seconds=60), backend=self.device.backend)
+        save = self.trainer.save_dir
+        res = dump.write_dying_gasp(self._dump_prep, plan, world, save, self.events)
+        return True, json.dumps({"iteration": res.iteration, "path": res.path, "seconds": round(res.seconds, 4),
+                                 "bytes": res.bytes, "save": os.path.abspath(save)})
 
     def fire(self, phase: str, iteration: int) -> None:
         self.phase = phase

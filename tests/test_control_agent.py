@@ -41,7 +41,8 @@ def _check_clean_end(log_dir, rc, err, t_end, rank, kind, phase=None, limit=10.0
     assert diag[-1]["time"] - inj["time"] < limit
     assert t_end - inj["time"] < limit, f"ended {t_end - inj['time']:.1f}s after the fault"
     states = [(e["from"], e["to"]) for e in ctl if e["event"] == "state"]
-    assert ("normal", "pause") in states and ("env-clear", "exit") in states and states[-1][1] == "done"
+    # This worker has no trainer state: the dying gasp (always on) finds nothing to save and the job ends.
+    assert ("normal", "pause") in states and ("dump", "exit") in states and states[-1][1] == "done"
     return text
 
 

@@ -21,6 +21,7 @@ import zmq
 from ..events import EventLog, get_logger
 from ..options import HAOptions
 from . import election, protocol as P, security
+from .dying_gasp import DumpDriver
 from .states import TIMEOUTS, Machine, Outcome as O, State as S, choose_strategy
 
 log = get_logger("control.controller")
@@ -102,7 +103,9 @@ class Controller:
         self.strategy_note = ""
         self.last_diagnosis = ""
         self.actions = {S.NORMAL: self._act_normal, S.PAUSE: self._act_pause, S.ENV_CLEAR: self._act_env_clear, S.EXIT: self._act_exit}
-        self.built_strategies: set[str] = set()  # later issues add "dump", "retry", ... with their actions
+        self.dumper = DumpDriver(self)
+        self.actions[S.DUMP] = self.dumper.start
+        self.built_strategies: set[str] = {"dump"}  # later issues add "retry", ... with their actions
         self._pending: dict[int, dict] = {}     # action id -> {action, ranks waiting, cli ident}
         self._next_id = 1
         self._stop = threading.Event()
@@ -473,6 +476,11 @@ class Controller:
             elif pend is None or not (pend["waiting"] & self._live()):
                 self._feed(O.STOPPED)
                 return
+        if st == S.DUMP:
+            outcome = self.dumper.progress(now)
+            if outcome is not None:
+                self._feed(outcome)
+                return
         if st == S.EXIT:
             others = [r for r in self._live() if r != self.rank]
             if not others or now - self.machine.entered > TIMEOUTS[S.EXIT] - 1:
@@ -529,9 +537,12 @@ class Controller:
             text += (f" Also rank {', '.join(map(str, f['ranks']))}: {f['kind']} at iteration "
                      f"{f['iteration']}, phase {f['phase']}.")
         live = sorted(self._live())
+        saved = self.dumper.result
+        resume = (f"Resume with --load {saved['save']}: it continues from iteration {saved['iteration']}, "
+                  f"no completed step is lost." if saved else "Resume from the last checkpoint.")
         text += (f" Recovery: {self.strategy_note or 'none'}; so the job ends here: the {len(live)} live "
-                 f"rank(s) were told to exit (exit code {1 if self.faults else 0}). Resume from the last "
-                 f"checkpoint. Events: {os.path.join(self.log_dir, 'events', 'controller.jsonl')}.")
+                 f"rank(s) were told to exit (exit code {1 if self.faults else 0}). {resume} "
+                 f"Events: {os.path.join(self.log_dir, 'events', 'controller.jsonl')}.")
         return text
 
     def _act_exit(self):

@@ -218,10 +218,10 @@ class Processor:
         self._progress = 0.0
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._main: queue.SimpleQueue = queue.SimpleQueue()   # orders for the training thread
+        self._main_actions: set[str] = set()
         self._stop = threading.Event()
         self._sent = threading.Event()
-        self._order = threading.Event()
-        self.last_order: str | None = None
         self._thread = self._worker = None
         self.link: ControllerLink | None = None
         self.events: EventLog | None = events  # the rank's event log, when the caller has one open
@@ -269,9 +269,16 @@ class Processor:
             self.controller.close()
         self._thread = None
 
-    def register_handler(self, action: str, fn) -> None:
-        """``fn(args: dict) -> (ok: bool, detail: str) | None``; a raised exception means not ok."""
+    def register_handler(self, action: str, fn, main_thread: bool = False) -> None:
+        """``fn(args: dict) -> (ok: bool, detail: str) | None``; a raised exception means not ok.
+
+        ``main_thread``: the action needs the training thread (it runs collectives or touches the
+        model): it waits in a queue until that thread, parked after a fault, runs ``serve_order``."""
         self.handlers[action] = fn
+        if main_thread:
+            self._main_actions.add(action)
+        else:
+            self._main_actions.discard(action)
 
     # ---- hooks for the training loop (main thread) -------------------------------------------
     def _mark(self, phase: str) -> None:
@@ -317,15 +324,15 @@ class Processor:
         self._sent.wait(1.0)  # handed to ZeroMQ before the caller may let the process die
         return kind
 
-    def wait_for_orders(self, timeout: float = 60.0) -> str | None:
-        """After ``report_exception`` (or a ``CollectiveStopped``), park the main thread until the
-        controller decides. ``exit`` ends the process from the processor thread, so in this build
-        this only returns on timeout (``None``); later strategies return the action's name
-        (e.g. ``"rollback"``) for the trainer to act on."""
-        if self._order.wait(timeout):
-            self._order.clear()  # consumed; an order that came before the call is not lost
-            return self.last_order
-        return None
+    def serve_order(self, timeout: float) -> str | None:
+        """The training thread, parked after a fault: run the next order meant for it (see
+        ``register_handler``) and send the result. Returns the action's name, None on timeout."""
+        try:
+            action, aid, args = self._main.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        self._run_handler(action, aid, args)
+        return action
 
     # ---- processor thread ---------------------------------------------------------------------
     def _hello(self) -> bytes:
@@ -367,14 +374,13 @@ class Processor:
     def _dispatch(self, msg: dict) -> None:
         action, aid, args = msg["action"], msg["id"], msg.get("args", {})
         self.events.emit("action", action=action, id=aid, args={k: v for k, v in args.items() if k != "diagnosis"})
-        if action not in ("stop", "standby", "inject"):
-            self.last_order = action
-            self._order.set()
         if action == "exit":
             self._result(action, aid, True, "exiting")
             self._exit_now(int(args.get("code", 1)), flush_link=True)
         elif action in INLINE_ACTIONS:
             self._run_handler(action, aid, args)
+        elif action in self._main_actions:
+            self._main.put((action, aid, args))
         else:
             self._work.put((action, aid, args))
 
@@ -430,5 +436,8 @@ class Processor:
                 h.flush()
             if flush_link and self.link is not None:
                 self.link.close()  # linger: the result above leaves before we go
+            import multiprocessing
+            for child in multiprocessing.active_children():  # e.g. the checkpoint writer's manager
+                child.terminate()
         finally:
             os._exit(code)

@@ -74,6 +74,22 @@ class DumpPlan:
               if self.fallback else "no periodic checkpoint exists to fall back on")
         return f"dying-gasp checkpoint refused, nothing written: {self.reason}; {fb}"
 
+    def to_json(self) -> str:
+        """The plan as the controller sends it to the survivors (shard tuples as "r,r" keys)."""
+        d = dataclasses.asdict(self)
+        d["writers"] = {",".join(map(str, g)): r for g, r in self.writers.items()}
+        return json.dumps(d, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "DumpPlan":
+        d = json.loads(text)
+        d["writers"] = {tuple(int(r) for r in g.split(",")): int(w) for g, w in d["writers"].items()}
+        for k in ("at_target", "finishing"):
+            d[k] = tuple(d[k])
+        d["missing"] = tuple(tuple(g) for g in d["missing"])
+        d["fallback"] = tuple(d["fallback"]) if d["fallback"] else None
+        return cls(**d)
+
 
 def _servable(h: dict) -> set:
     """Iterations a holder's shard can be written at.
@@ -221,7 +237,8 @@ def local_status(trainer) -> dict:
     topo = getattr(opt, "ha_topology", None)
     rank = dist.get_rank() if topo is None else topo.rank
     return {"rank": rank, "iteration": int(getattr(opt, "ha_iteration", trainer.iteration)),
-            "updating": bool(getattr(opt, "ha_updating", False)), "alive": True,
+            "updating": bool(getattr(opt, "ha_updating", False)), "touched": bool(getattr(opt, "ha_touched", True)),
+            "alive": True,
             "replica_group": list(topo.replica_group) if topo else [rank],
             "dp_ranks": list(topo.dp_ranks) if topo else [rank], "replica_num": topo.replica_num if topo else 1,
             "trainer_iteration": trainer.iteration}
@@ -231,7 +248,8 @@ def holders_from_status(statuses: list[dict], world_size: int) -> dict:
     """The ``holders`` argument of plan_dump from the survivors' ``local_status``: dead ranks get
     ``alive: False`` and the replica group their DP group's layout gives them."""
     from mindspeed_ha.replica.topology import ReplicaTopology
-    holders = {s["rank"]: {k: s[k] for k in ("iteration", "updating", "replica_group", "alive")} for s in statuses}
+    holders = {s["rank"]: {k: s[k] for k in ("iteration", "updating", "touched", "replica_group", "alive") if k in s}
+               for s in statuses}
     for s in statuses:
         for r in s["dp_ranks"]:
             if r not in holders:
@@ -313,6 +331,7 @@ def _resync_model_weights(prep: Prepared, plan: DumpPlan, world) -> None:
     copy). A fault between the shard updates and the parameter all-gather leaves stale weights for
     other ranks' shards; this is that all-gather, from the chosen holders only."""
     me = world.rank
+    dev = next(iter(prep.params.values()))[0].device  # NCCL/HCCL broadcast device tensors only
     descs = [None] * len(world.ranks)
     dist.all_gather_object(descs, prep.shard if me in plan.writers.values() else None)
     for src, desc in enumerate(descs):
@@ -321,9 +340,9 @@ def _resync_model_weights(prep: Prepared, plan: DumpPlan, world) -> None:
         if world.original(src) == me:
             exported = prep.trainer.optimizer.ha_export_shard()
             blob = torch.cat([exported[f"{d['name']}.param"].reshape(-1).float() for d in desc]) if desc \
-                else torch.empty(0)
+                else torch.empty(0, device=dev)
         else:
-            blob = torch.empty(sum(d["end"] - d["start"] for d in desc), dtype=torch.float32)
+            blob = torch.empty(sum(d["end"] - d["start"] for d in desc), dtype=torch.float32, device=dev)
         dist.broadcast(blob, src=src)
         if world.original(src) == me:
             continue

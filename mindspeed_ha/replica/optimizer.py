@@ -35,6 +35,7 @@ class ReplicaMixin:
         self.ha_topology = topology
         self.ha_iteration = iteration
         self.ha_updating = False
+        self.ha_touched = False  # inside the window: has the shard's arithmetic begun?
         self._ha_listeners: list[Callable[[str, int], None]] = []
 
     def ha_add_listener(self, fn: Callable[[str, int], None]) -> None:
@@ -54,11 +55,18 @@ class ReplicaMixin:
 
     def step(self):
         target = self.ha_iteration + 1
-        self.ha_updating = True
+        self.ha_updating, self.ha_touched = True, False
         self._ha_notify("update_start", target)
         result = self._ha_base.step(self)
         self.ha_mark_update_end()  # no-op if the param-sync hook already marked it
         return result
+
+    def step_with_ready_grads(self):
+        # Past the grad-norm all-reduce: from here to the parameter all-gather the update is local
+        # arithmetic, which a stop cannot interrupt, so a rank stopped in its window either never
+        # touched its shard (still at ha_iteration) or will finish the update (dying gasp, item 2).
+        self.ha_touched = True
+        return self._ha_base.step_with_ready_grads(self)
 
     # -- shard state -----------------------------------------------------------------------------
     def _ha_entries(self) -> Iterator[tuple[str, torch.Tensor, torch.nn.Parameter, object]]:

@@ -77,6 +77,11 @@ class BuiltinTrainer(TrainerInterface):
         elif a.load:
             log.warning("--load %s: no checkpoint there yet, starting from iteration 0", a.load)
         self._data_iter = self.data_iterator(self.consumed_samples)
+        s.trainer_ready()
+
+    @property
+    def save_dir(self) -> str | None:
+        return self.args.save
 
     def _transformer_config(self) -> TransformerConfig:
         a = self.args

@@ -95,7 +95,8 @@ def main():
         except Exception as e:
             kind = proc.report_exception(e, it, phase)
             print(f"rank {rank}: {kind}: {e}", file=sys.stderr, flush=True)
-            proc.wait_for_orders(30)  # the controller decides; exit ends us from the processor thread
+            while proc.serve_order(30) is not None:  # the controller decides; exit ends us
+                pass
             sys.exit(3)
         proc.step_end(it, float(x[0]))
     proc.close()
