@@ -407,10 +407,15 @@ class Controller:
         if self.machine.state in (S.INIT, S.EXIT, S.DONE) or self.standby:
             return
         lost, stuck = [], []
+        # A rank whose agent is heard from is watched by that agent: its death arrives as an exit
+        # report within 20 ms, so a silent processor there is a starved thread (8 ranks on 2 cores,
+        # a long GIL hold), not a lost rank; a real hang is the hang detector's to find.
+        watched = {r for a in self.agents.values() if now - a.seen <= self.dead_after for r in a.ranks}
         for info in self.ranks.values():
             if not info.alive or info.done:
                 continue
-            if now - info.seen > self.dead_after:
+            silent = now - info.seen
+            if silent > self.dead_after and (info.rank not in watched or silent > max(self.dead_after, self.hang_timeout)):
                 lost.append(info)
             elif (self.machine.state == S.NORMAL and info.it >= 0
                   and now - info.progress_at > self.hang_timeout):

@@ -72,7 +72,6 @@ class DumpDriver:
 
     # ---- step 2 -------------------------------------------------------------------------------
     def _plan_and_write(self):
-        c = self.c
         refused = {}
         for r, (ok, detail) in self.pend["results"].items():
             if ok:

@@ -90,28 +90,7 @@ def dump(trainer, rank, world):
     if reps:
         bench["dump_s"] = [ttp.write_dying_gasp(prep, plan, w, f"{trainer.args.save}_dump{i}").seconds
                            for i in range(reps)]
-    try:
-        res = ttp.write_dying_gasp(prep, plan, w, trainer.args.save)
-    except Exception as e:
-        cascade = {int(r) for r in os.environ.get("DUMP_CASCADE", "").split(",") if r}
-        if not cascade:
-            raise
-        # Another rank died during the dump (the controller would say which): retry over the rest,
-        # with the next store generation, if a complete holder set is still alive.
-        print(f"rank {rank}: dump failed ({type(e).__name__}: {str(e)[:200]}); retrying without {sorted(cascade)}",
-              file=sys.stderr, flush=True)
-        survivors = [r for r in survivors if r not in cascade]
-        w = groups.survivor_world(survivors, rank, "127.0.0.1", int(os.environ["DUMP_STORE_PORT"]), generation=2,
-                                  host_rank=survivors[0], timeout=timedelta(seconds=30))
-        statuses = [None] * len(survivors)
-        dist.all_gather_object(statuses, prep.status)
-        plan = ttp.plan_dump(ttp.holders_from_status(statuses, world), ttp.newest_checkpoint(trainer.args.save))
-        out.update(retry=True, message=plan.message(), plan_ok=plan.ok)
-        if not plan.ok:
-            if w.new_rank == 0:
-                print("DUMP_RESULT " + json.dumps(out), flush=True)
-            return 3
-        res = ttp.write_dying_gasp(prep, plan, w, trainer.args.save)
+    res = ttp.write_dying_gasp(prep, plan, w, trainer.args.save)
     out.update(bench)
     out.update(iteration=res.iteration, path=res.path, seconds=res.seconds, writers=res.writers,
                files=res.files, bytes=res.bytes, total_s=time.perf_counter() - t0)

@@ -1,0 +1,172 @@
+"""TTP end to end: `mindspeed-ha run` with the real trainer, a fault, the controller-driven dying-gasp
+checkpoint, then a plain `--load` whose losses must equal the fault-free run's bit for bit."""
+import json
+import math
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from helpers import PRETRAIN, TINY, assert_ok, clean_env, events, losses, torchrun
+
+MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
+ITERS = 9
+TP2 = ["--tensor-model-parallel-size", "2"]
+
+
+def job(log_dir, nproc=4, inject=None, extra=(), ha=True, timeout=240):
+    """A job under `mindspeed-ha run` (HA on) or torchrun (HA off: a plain Megatron-style run)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    args = [*TINY, "--train-iters", str(ITERS), *extra]
+    if not ha:
+        return torchrun(nproc, args, log_dir, timeout=timeout)
+    cmd = MINDSPEED_HA + ["run", "--standalone", "--nproc-per-node", str(nproc), PRETRAIN, *args, "--enable-high-availability",
+                          "--ha-log-dir", str(log_dir)]
+    env = clean_env({"MINDSPEED_HA_INJECT": inject} if inject else {})
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(log_dir))
+
+
+def dying_gasp(log_dir) -> dict:
+    done = [e for e in events(log_dir, "controller") if e["event"] == "checkpoint" and e["kind"] == "dying_gasp"]
+    assert len(done) == 1, [e for e in events(log_dir, "controller") if e["event"] in ("dump_refused", "diagnosis")]
+    return done[0]
+
+
+def check_saved(proc, log_dir, ck) -> dict:
+    """The faulted job ended non-zero, naming the saved iteration and directory; the checkpoint is
+    complete (manifest, tracker, no temporary directory)."""
+    assert proc.returncode != 0
+    saved = dying_gasp(log_dir)
+    it = saved["iteration"]
+    assert f"dying-gasp checkpoint of iteration {it} written to {ck}/iter_{it:07d}" in proc.stderr, proc.stderr[-3000:]
+    assert f"Resume with --load {ck}" in proc.stderr
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == str(it)
+    assert (ck / f"iter_{it:07d}" / "ha_manifest.json").exists()
+    assert not [p for p in ck.iterdir() if p.name.endswith("_tmp")]
+    return saved
+
+
+def check_resume(log_dir, ck, want: dict, nproc=4, extra=()) -> dict:
+    """--load the dying gasp: every later loss equals the fault-free run's, bit for bit (float.hex).
+    (Both with HA on: without replicas the optimizer shards and reduces differently, so the bits
+    differ from the first step; a plain run's resume is checked in test_resume_with_half_the_dp_size.)"""
+    it = int((ck / "latest_checkpointed_iteration.txt").read_text())
+    proc = job(log_dir, nproc, extra=("--load", str(ck), *extra))
+    assert_ok(proc)
+    got = losses(log_dir)
+    assert sorted(got) == list(range(it + 1, ITERS + 1)), got
+    assert got == {i: want[i] for i in got}
+    return got
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """The fault-free runs, DP=4 and TP=2 x DP=4, side by side."""
+    d = tmp_path_factory.mktemp("ref")
+    with ThreadPoolExecutor(2) as pool:
+        dp4 = pool.submit(job, d / "dp4", 4)
+        tp2 = pool.submit(job, d / "tp2", 8, None, TP2)
+        assert_ok(dp4.result())
+        assert_ok(tp2.result())
+    return {"dp4": losses(d / "dp4"), "tp2": losses(d / "tp2")}
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "grad-sync", "optimizer", "param-sync"])
+def test_kill_each_phase_dp4(tmp_path, ref, phase):
+    ck = tmp_path / "ck"
+    proc = job(tmp_path / "run", inject=f"kill:rank=1:step=6:phase={phase}", extra=("--save", str(ck)))
+    saved = check_saved(proc, tmp_path / "run", ck)
+    # Nothing of a completed step is lost: 6 if every shard's update of step 6 finished somewhere, else 5.
+    assert saved["iteration"] in (5, 6) and 1 not in saved["survivors"]
+    if phase in ("forward", "backward", "grad-sync"):
+        assert saved["iteration"] == 5  # the fault came before any update of step 6
+    if phase == "param-sync":
+        assert saved["iteration"] == 6  # every update of step 6 had finished
+    check_resume(tmp_path / "resume", ck, ref["dp4"])
+
+
+# About a minute each on 2 shared cores: three run in CI, all five with MINDSPEED_HA_SLOW_TESTS=1.
+SLOW = pytest.mark.skipif(not os.environ.get("MINDSPEED_HA_SLOW_TESTS"),
+                          reason="8-rank job pair, about a minute on 2 cores; set MINDSPEED_HA_SLOW_TESTS=1")
+
+
+@pytest.mark.parametrize("phase,rank", [("forward", 3), pytest.param("grad-sync", 5, marks=SLOW), ("optimizer", 1),
+                                        pytest.param("backward", 6, marks=SLOW), ("param-sync", 2)])
+def test_kill_each_phase_tp2_dp4(tmp_path, ref, phase, rank):
+    """8 ranks, TP=2 x DP=4: replica groups are per TP rank; the lost rank's TP peer is a survivor
+    that cannot write the lost shard, its DP replica does."""
+    ck = tmp_path / "ck"
+    proc = job(tmp_path / "run", 8, inject=f"kill:rank={rank}:step=5:phase={phase}",
+               extra=("--save", str(ck), *TP2))
+    saved = check_saved(proc, tmp_path / "run", ck)
+    assert rank not in saved["ranks"] and len(saved["ranks"]) == 4
+    check_resume(tmp_path / "resume", ck, ref["tp2"], 8, TP2)
+
+
+def test_resume_with_half_the_dp_size(tmp_path, ref):
+    """The dying gasp is a standard dp-reshardable checkpoint: a plain run (HA off, no replicas)
+    loads it with DP=2 instead of 4 (same global batch) and trains on where the fault-free run did
+    (close, not bit-equal: the reductions run in another order)."""
+    ck = tmp_path / "ck"
+    proc = job(tmp_path / "run", inject="kill:rank=2:step=4:phase=backward", extra=("--save", str(ck)))
+    it = check_saved(proc, tmp_path / "run", ck)["iteration"]
+    proc = job(tmp_path / "half", 2, extra=("--load", str(ck), "--global-batch-size", "8"), ha=False)
+    assert_ok(proc)
+    got = losses(tmp_path / "half")
+    assert sorted(got) == list(range(it + 1, ITERS + 1))
+    for i, v in got.items():
+        assert math.isclose(float.fromhex(v), float.fromhex(ref["dp4"][i]), rel_tol=1e-3), (i, v, ref["dp4"][i])
+
+
+def test_replica_pair_lost_refuses_cleanly(tmp_path):
+    """Ranks 1 and 3 hold the two replicas of one shard: nothing may be written; the message names
+    the lost shard and the newest periodic checkpoint, which stays the one --load picks."""
+    ck = tmp_path / "ck"
+    proc = job(tmp_path / "run", inject="kill:rank=1:step=5:phase=forward,kill:rank=3:step=5:phase=forward",
+               extra=("--save", str(ck), "--save-interval", "2"))
+    assert proc.returncode != 0
+    refused = [e for e in events(tmp_path / "run", "controller") if e["event"] == "dump_refused"]
+    assert refused and refused[0]["missing"] == [[1, 3]], refused
+    assert "dying-gasp checkpoint refused, nothing written" in proc.stderr
+    assert "[1, 3]" in proc.stderr and f"iteration 4 in {ck}/iter_0000004" in proc.stderr
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+
+
+def test_kill_during_periodic_save(tmp_path, ref):
+    """A rank lost at the start of the periodic save of iteration 4: the previous checkpoint (2)
+    is intact, and the survivors' dying gasp writes iteration 4 itself."""
+    ck = tmp_path / "ck"
+    proc = job(tmp_path / "run", inject="kill:rank=1:step=4:phase=checkpoint",
+               extra=("--save", str(ck), "--save-interval", "2"))
+    saved = check_saved(proc, tmp_path / "run", ck)
+    assert saved["iteration"] == 4
+    assert (ck / "iter_0000002").is_dir() and not (ck / "iter_0000002" / "ha_manifest.json").exists()
+    check_resume(tmp_path / "resume", ck, ref["dp4"])
+
+
+def test_kill_rank0_backup_controller_drives_the_dump(tmp_path, ref):
+    ck = tmp_path / "ck"
+    proc = job(tmp_path / "run", inject="kill:rank=0:step=6:phase=backward", extra=("--save", str(ck)))
+    ctl = events(tmp_path / "run", "controller")
+    takeover = [e for e in ctl if e["event"] == "takeover"]
+    assert takeover and takeover[0]["rank"] != 0, proc.stderr[-3000:]
+    saved = check_saved(proc, tmp_path / "run", ck)
+    assert saved["iteration"] == 5 and saved["pid"] == takeover[0]["pid"]  # written under the backup
+    assert 0 not in saved["survivors"] and 2 in saved["ranks"]  # rank 0's shard from its replica, rank 2
+    check_resume(tmp_path / "resume", ck, ref["dp4"])
+
+
+def test_cascading_fault_during_the_dump(tmp_path, ref):
+    """Rank 1 lost in step 6's forward; during the dump of iteration 5 rank 2 dies too. Ranks 0 and 3
+    still hold both shards: the controller stops the rest and retries over them (generation 2)."""
+    ck = tmp_path / "ck"
+    proc = job(tmp_path / "run", inject="kill:rank=1:step=6:phase=forward,kill:rank=2:step=5:phase=checkpoint",
+               extra=("--save", str(ck)))
+    saved = check_saved(proc, tmp_path / "run", ck)
+    assert saved["iteration"] == 5 and saved["generation"] == 2 and saved["survivors"] == [0, 3]
+    manifest = json.loads((ck / "iter_0000005" / "ha_manifest.json").read_text())
+    assert manifest["survivors"] == [0, 3]
+    check_resume(tmp_path / "resume", ck, ref["dp4"])
