@@ -184,7 +184,23 @@ def on_train_step(original, forward_step_func, data_iterator, model, optimizer, 
         trainer = MegatronLMTrainer(model, optimizer, opt_param_scheduler, iteration or 0)
         s.attach_trainer(trainer)
     trainer.bind_step(original, forward_step_func, data_iterator, config, forward_backward_func)
-    return trainer.run_step(iteration)
+    if not first_step_done(trainer):
+        s.trainer_ready()  # after Megatron-LM's --load: the state recovery starts from
+    try:
+        return trainer.run_step(iteration)
+    except Exception as e:  # report at once and serve the controller (the dying gasp runs here)
+        from mindspeed_ha.comm.interruptible import CollectiveStopped
+        if not isinstance(e, CollectiveStopped):
+            import traceback
+            traceback.print_exc()
+        s.report_fault(e, trainer._running)
+        raise
+
+
+def first_step_done(trainer) -> bool:
+    done = getattr(trainer, "_ha_ready", False)
+    trainer._ha_ready = True
+    return done
 
 
 def on_save_checkpoint(original, iteration, *args, **kwargs):
@@ -273,6 +289,25 @@ class MegatronLMTrainer(TrainerInterface):
         self._step = (original, forward_step_func, config, forward_backward_func)
         self._data_iter = data_iterator
         self.consumed_samples = get_args().consumed_train_samples
+
+    @property
+    def save_dir(self) -> str | None:
+        from megatron.training import get_args
+        return get_args().save
+
+    @property
+    def global_batch_size(self) -> int:
+        from megatron.training import get_args
+        return get_args().global_batch_size
+
+    def checkpoint_args(self):
+        """Megatron-LM's own arguments, as its save_checkpoint stores them (the dying gasp writes
+        them into a checkpoint that Megatron-LM's load_checkpoint then checks and reads)."""
+        import copy
+        from megatron.training import get_args
+        ns = copy.copy(get_args())
+        ns.consumed_train_samples = self.consumed_samples
+        return ns
 
     def data_iterator(self, consumed_samples: int):
         from megatron.training import get_args

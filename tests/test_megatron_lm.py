@@ -124,3 +124,31 @@ def test_trainer_interface_save_load_replay_in_process(tmp_path):
     result = json.loads((tmp_path / "result_0").read_text())
     assert result["loaded"] == 3 and result["consumed"] == 24
     assert {int(k): v for k, v in result["replay"].items()} == {i: want[i] for i in (4, 5, 6)}
+
+
+def test_megatron_lm_dying_gasp_then_megatron_lm_resume(tmp_path):
+    """Megatron-LM's own loop under `mindspeed-ha run`: rank 1 killed inside its optimizer update of
+    step 6 -> the survivors write the dying gasp -> Megatron-LM's --load resumes it with the loss
+    bits of a run that never failed."""
+    import subprocess
+    import sys
+
+    from helpers import PRETRAIN, clean_env
+
+    def job(log_dir, *extra, inject=None):
+        cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", "--nproc-per-node", "4", PRETRAIN,
+               *TINY, "--train-iters", "9", "--save-interval", "100", "--ha-log-dir", str(log_dir), *extra]
+        env = clean_env({**ENV, **({"MINDSPEED_HA_INJECT": inject} if inject else {})})
+        log_dir.mkdir(parents=True, exist_ok=True)
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(log_dir))
+
+    ck = tmp_path / "ck"
+    proc = job(tmp_path / "fault", "--save", str(ck), inject="kill:rank=1:step=6:phase=optimizer")
+    assert proc.returncode != 0
+    assert f"written to {ck}/iter_" in proc.stderr, proc.stderr[-3000:]
+    it = int((ck / "latest_checkpointed_iteration.txt").read_text())
+    assert it in (5, 6)
+    assert_ok(job(tmp_path / "resume", "--load", str(ck)))
+    assert_ok(job(tmp_path / "ref"))
+    got, want = losses(tmp_path / "resume"), losses(tmp_path / "ref")
+    assert sorted(got) == list(range(it + 1, 10)) and got == {i: want[i] for i in got}

@@ -366,7 +366,7 @@ def _normalize(prep: Prepared, plan: DumpPlan) -> bool:
         # The trainer's counters move right after optimizer.step(): a survivor is at T or T-1.
         raise DumpError(f"rank {prep.status['rank']}: trainer at iteration {trainer.iteration}, "
                         f"cannot describe iteration {plan.iteration}")
-    gbs = trainer.args.global_batch_size
+    gbs = trainer.global_batch_size
     sd["iteration"] = plan.iteration
     sd["consumed_samples"] = trainer.consumed_samples + behind * gbs
     sd["args"].consumed_train_samples = sd["consumed_samples"]

@@ -83,6 +83,10 @@ class BuiltinTrainer(TrainerInterface):
     def save_dir(self) -> str | None:
         return self.args.save
 
+    @property
+    def global_batch_size(self) -> int:
+        return self.args.global_batch_size
+
     def _transformer_config(self) -> TransformerConfig:
         a = self.args
         return TransformerConfig(

@@ -15,6 +15,8 @@ class TrainerInterface(abc.ABC):
     scheduler: object           # OptimizerParamScheduler
     iteration: int              # completed iterations
     consumed_samples: int       # data position: samples consumed by the whole job
+    save_dir: str | None        # --save (where a dying-gasp checkpoint goes)
+    global_batch_size: int      # samples per iteration (scheduler and data position steps)
 
     @abc.abstractmethod
     def data_iterator(self, consumed_samples: int) -> Iterator:
@@ -27,6 +29,10 @@ class TrainerInterface(abc.ABC):
     @abc.abstractmethod
     def save_checkpoint(self, save_dir: str) -> str:
         """Write a checkpoint of the current iteration; return its directory."""
+
+    @abc.abstractmethod
+    def checkpoint_args(self):
+        """The ``args`` object a checkpoint of this trainer stores (its load checks it)."""
 
     @abc.abstractmethod
     def load_checkpoint(self, load_dir: str) -> int:
