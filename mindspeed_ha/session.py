@@ -130,8 +130,9 @@ class RankSession:
         live state (RNG at every update's end, the checkpoint writer warmed up when --save is set)."""
         if self.processor is None or self.optimizer is None:
             return
-        from mindspeed_ha.recovery import dump
+        from mindspeed_ha.recovery import dump, groups
         dump.track(self.trainer, prewarm=bool(getattr(self.trainer, "save_dir", None)))
+        groups.remember([*self.trainer.model_chunks, self.optimizer])  # a comm fault may destroy them
 
     # -- control plane ---------------------------------------------------------------------------
     def start_processor(self) -> None:
@@ -144,18 +145,21 @@ class RankSession:
         self.processor.register_handler("inject", self._live_inject)
         self.processor.register_handler("dump-status", self._dump_status, main_thread=True)
         self.processor.register_handler("dump", self._dump, main_thread=True)
+        for action in ("ha-status", "rebuild", "repair", "rollback", "resume"):
+            self.processor.register_handler(action, getattr(self, "_" + action.replace("-", "_")), main_thread=True)
         self.processor.start()
 
     def _live_inject(self, args: dict):
         f = self.injector.add(args["kind"], self.rank, args.get("step"), args.get("phase"))
         return True, f"armed {f.spec()}"
 
-    def report_fault(self, exc: BaseException, iteration: int) -> None:
+    def report_fault(self, exc: BaseException, iteration: int) -> bool:
         """An exception left the step: classify and report it at once, then serve the controller's
-        orders on this (training) thread — the dying gasp runs here — until one ends the process
-        (``exit``, from the processor thread). Returns only if the controller goes silent."""
+        orders on this (training) thread — repairs and the dying gasp run here — until one ends the
+        process (``exit``, from the processor thread) or training resumes in place (returns True).
+        Returns False if the controller goes silent."""
         if self.processor is None:
-            return
+            return False
         kind = self.processor.report_exception(exc, iteration, self.phase)
         if kind == "stopped":
             log.info("rank %d left its collective in iteration %d (%s): stopped by the controller",
@@ -163,9 +167,53 @@ class RankSession:
         else:
             log.error("rank %d: %s fault in iteration %d (%s): %s", self.rank, kind, iteration, self.phase, exc)
         wait = max(30.0, 3 * self.options.hang_timeout_s)
-        while self.processor.serve_order(timeout=wait) is not None:
-            pass  # each order restarts the clock
+        while True:
+            action = self.processor.serve_order(timeout=wait)  # each order restarts the clock
+            if action == "resume":
+                return True
+            if action is None:
+                break
         log.error("rank %d: no order from the controller for %.0f s after the fault", self.rank, wait)
+        return False
+
+    # -- in-place recovery (retry): orders served on the training thread -------------------------
+    def _ha_status(self, args: dict):
+        import json
+        from mindspeed_ha.recovery import repair
+        if self.optimizer is None or getattr(self.trainer, "ended", None) is None:
+            return False, "in-place repair needs the replica optimizer and a trainer that can roll back"
+        return True, json.dumps(repair.status(self.trainer))
+
+    def _rebuild(self, args: dict):
+        from mindspeed_ha.recovery import repair
+        t0 = time.perf_counter()
+        n = repair.rebuild(self.trainer, [*self.trainer.model_chunks, self.optimizer, self],
+                           args["store_host"], int(args["store_port"]), int(args["generation"]),
+                           self.world_size, self.rank, self.device.backend)
+        return True, f"{n} group references re-pointed in {time.perf_counter() - t0:.3f}s"
+
+    def _repair(self, args: dict):
+        from mindspeed_ha.recovery import repair
+        flat = list(args.get("pairs", []))
+        pairs = list(zip(flat[0::2], flat[1::2]))
+        got = repair.transfer_shards(self.optimizer, pairs, self.rank, int(args["iteration"]))
+        repair.regather_params(self.trainer)
+        if got:
+            self.events.emit("repaired", iteration=int(args["iteration"]), bytes=got,
+                             sources=[s for s, d in pairs if d == self.rank])
+        return True, f"received {got} bytes"
+
+    def _rollback(self, args: dict):
+        from mindspeed_ha.recovery import repair
+        how = repair.resume_at(self.trainer, int(args["iteration"]))
+        return True, how
+
+    def _resume(self, args: dict):
+        self.phase = "step"
+        if self.processor is not None:
+            self.processor.health = "ok"
+            self.processor.report_next_step()
+        return True, "resumed"
 
     # -- dying gasp (orders served on the training thread) ---------------------------------------
     def _dump_status(self, args: dict):

@@ -31,6 +31,13 @@ def test_env_wins_over_flags():
     assert o.source == "HIGH_AVAILABILITY" and o.strategies == {"dump"}
 
 
+@pytest.mark.parametrize("argv,env", [(["--enable-hbmfault-repair"], {}), ([], {"HIGH_AVAILABILITY": "retry"}),
+                                       ([], {"MS_ENABLE_TFT": "{UCE:1}"})])
+def test_retry_with_dump_under_it(argv, env):
+    o = opts(argv, env)
+    assert o.ordered_strategies() == ["retry", "dump"] and o.use_replica_optimizer
+
+
 def test_high_availability_wins_over_alias():
     o = opts([], {"HIGH_AVAILABILITY": "dump", "MS_ENABLE_TFT": "{TTP:0}"})
     assert o.enabled
@@ -48,10 +55,9 @@ def test_bad_env_values(env, needle):
 
 
 @pytest.mark.parametrize("argv,env,needle", [
-    (["--enable-hbmfault-repair"], {}, "--enable-hbmfault-repair"),
     (["--enable-worker-reboot"], {}, "--enable-worker-reboot"),
     (["--enable-elastic-training"], {}, "--enable-elastic-training"),
-    ([], {"HIGH_AVAILABILITY": "retry"}, "HIGH_AVAILABILITY=retry"),
+    ([], {"HIGH_AVAILABILITY": "recover"}, "HIGH_AVAILABILITY=recover"),
     ([], {"MS_ENABLE_TFT": "{TTP:1,ARF:1}"}, "HIGH_AVAILABILITY=recover"),
 ])
 def test_unbuilt_strategies_are_refused_not_ignored(argv, env, needle):

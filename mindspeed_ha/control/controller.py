@@ -22,6 +22,7 @@ from ..events import EventLog, get_logger
 from ..options import HAOptions
 from . import election, protocol as P, security
 from .dying_gasp import DumpDriver
+from .retry import RetryDriver
 from .states import TIMEOUTS, Machine, Outcome as O, State as S, choose_strategy
 
 log = get_logger("control.controller")
@@ -104,8 +105,10 @@ class Controller:
         self.last_diagnosis = ""
         self.actions = {S.NORMAL: self._act_normal, S.PAUSE: self._act_pause, S.ENV_CLEAR: self._act_env_clear, S.EXIT: self._act_exit}
         self.dumper = DumpDriver(self)
-        self.actions[S.DUMP] = self.dumper.start
-        self.built_strategies: set[str] = {"dump"}  # later issues add "retry", ... with their actions
+        self.retrier = RetryDriver(self)
+        self.actions.update({S.DUMP: self.dumper.start, S.REPAIR: self.retrier.start,
+                             S.ROLLBACK: self.retrier.start_rollback})
+        self.built_strategies: set[str] = {"dump", "retry"}
         self._pending: dict[int, dict] = {}     # action id -> {action, ranks waiting, cli ident}
         self._next_id = 1
         self._stop = threading.Event()
@@ -481,8 +484,10 @@ class Controller:
             elif pend is None or not (pend["waiting"] & self._live()):
                 self._feed(O.STOPPED)
                 return
-        if st == S.DUMP:
-            outcome = self.dumper.progress(now)
+        if st == S.NORMAL:
+            self.retrier.watch(now)
+        if st in (S.DUMP, S.REPAIR, S.ROLLBACK):
+            outcome = (self.dumper if st == S.DUMP else self.retrier).progress(now)
             if outcome is not None:
                 self._feed(outcome)
                 return

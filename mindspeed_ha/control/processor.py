@@ -220,6 +220,7 @@ class Processor:
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._main: queue.SimpleQueue = queue.SimpleQueue()   # orders for the training thread
         self._main_actions: set[str] = set()
+        self._hb_on_step = self._hb_now = False
         self._stop = threading.Event()
         self._sent = threading.Event()
         self._thread = self._worker = None
@@ -290,9 +291,17 @@ class Processor:
         self.iteration = int(iteration)
         self._mark("forward")
 
+    def report_next_step(self) -> None:
+        """After an in-place recovery: heartbeat as soon as the next step ends (the controller's
+        MTTR ends there), not at the next heartbeat tick."""
+        self._hb_on_step = True
+
     def step_end(self, iteration: int, loss=None) -> None:
         self.iteration = int(iteration)
         self._mark("step")
+        if self._hb_on_step:
+            self._hb_on_step = False
+            self._hb_now = True
         if loss is not None:
             self.loss = float(loss)
             if self.loss != self.loss:
@@ -356,8 +365,8 @@ class Processor:
                     self.link.send(data, replay=replay)
                     self._sent.set()
                 now = time.monotonic()
-                if now >= next_hb:
-                    next_hb = now + hb
+                if now >= next_hb or self._hb_now:
+                    next_hb, self._hb_now = now + hb, False
                     self.link.send(P.encode("hb", rank=self.rank, it=self.iteration, upd=self.updating,
                                             health=self.health, phase=self.phase, progress=self._progress))
                 for msg in self.link.receive(20):

@@ -73,8 +73,28 @@ def _new_default_group(ranks: Sequence[int], rank: int, store_host: str, store_p
 def _drop_default_group() -> None:
     # Local for gloo: no message to (possibly dead) peers. ProcessGroup objects still referenced
     # elsewhere (parallel_state, DDP, optimizer) stay valid Python objects for rank()/size().
+    from torch.distributed import distributed_c10d as c10d
+    _retired.extend(c10d._world.pg_map.keys())
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def has_retired_groups() -> bool:
+    return bool(_retired)
+
+
+def exit_now(code: int = 0) -> None:
+    """End the process without running the retired groups' destructors (see ``_retired``)."""
+    import logging
+    import multiprocessing
+    import os
+    import sys
+    for child in multiprocessing.active_children():  # e.g. the checkpoint writer's manager
+        child.terminate()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def survivor_world(survivors: Sequence[int], rank: int, store_host: str, store_port: int, generation: int,
@@ -123,8 +143,37 @@ def _walk(obj, fn, seen: set) -> None:
             _walk(v, fn, seen)
 
 
+_KEYS: dict[int, tuple] = {}  # id(group) -> key, remembered while the group was registered
+# Replaced groups, kept alive on purpose: an operation interrupted by a stop stays pending inside
+# its group, and gloo's ProcessGroup destructor waits for it — forever, when the peer that never
+# joined keeps its own old group alive too. Seen: a rank hung when the exception that had parked it
+# (whose frames held the last reference to the old group) was released. The process ends with
+# ``exit_now`` instead of a finalizer that would run those destructors.
+_retired: list = []
+
+
 def _pg_key(pg) -> tuple:
-    return tuple(dist.get_process_group_ranks(pg)), getattr(pg, "group_desc", "")
+    """(ranks, description): how a group is matched with its new generation. Remembered, because a
+    group destroyed by a communication fault no longer answers ``get_process_group_ranks``."""
+    try:
+        key = tuple(dist.get_process_group_ranks(pg)), getattr(pg, "group_desc", "")
+    except Exception:
+        if id(pg) in _KEYS:
+            return _KEYS[id(pg)]
+        raise
+    _KEYS[id(pg)] = key
+    return key
+
+
+def remember(roots: Sequence[object]) -> int:
+    """Record the key of every group reachable from ``roots`` (call once they exist)."""
+    return len(_collect(roots))
+
+
+def _walk_all(roots, fn) -> None:
+    seen: set = set()
+    for r in roots:
+        _walk(r, lambda pg: fn(pg) and None, seen)
 
 
 def _collect(roots, seen=None) -> dict[int, tuple]:
@@ -150,6 +199,7 @@ def rebuild_in_place(world_size: int, rank: int, store_host: str, store_port: in
     from megatron.core import parallel_state as ps
 
     old = _collect(roots)  # ranks and descriptions, read while the old groups are still registered
+    _walk_all(roots, _retired.append)
     ps.destroy_model_parallel()
     _drop_default_group()
     _new_default_group(range(world_size), rank, store_host, store_port, generation, host_rank, timeout, backend)

@@ -55,13 +55,7 @@ class BuiltinTrainer(TrainerInterface):
     def setup(self) -> None:
         a, s = self.args, self.session
         replicas = s.options.replica_num if s.options.use_replica_optimizer else 1
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=a.tensor_model_parallel_size,
-            pipeline_model_parallel_size=a.pipeline_model_parallel_size,
-            context_parallel_size=a.context_parallel_size,
-            expert_model_parallel_size=a.expert_model_parallel_size,
-            num_distributed_optimizer_instances=replicas,
-            distributed_timeout_minutes=a.distributed_timeout_minutes)
+        self.init_parallel()
         init_num_microbatches_calculator(dist.get_rank(), None, a.global_batch_size, a.micro_batch_size,
                                          ps.get_data_parallel_world_size())
         set_seed(a.seed)
@@ -77,6 +71,7 @@ class BuiltinTrainer(TrainerInterface):
         elif a.load:
             log.warning("--load %s: no checkpoint there yet, starting from iteration 0", a.load)
         self._data_iter = self.data_iterator(self.consumed_samples)
+        self.ended = self.iteration  # the last step whose bookkeeping and loss report finished
         s.trainer_ready()
 
     @property
@@ -86,6 +81,18 @@ class BuiltinTrainer(TrainerInterface):
     @property
     def global_batch_size(self) -> int:
         return self.args.global_batch_size
+
+    def init_parallel(self) -> None:
+        """megatron-core's groups for this layout (again after an in-place rebuild)."""
+        a = self.args
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=a.tensor_model_parallel_size,
+            pipeline_model_parallel_size=a.pipeline_model_parallel_size,
+            context_parallel_size=a.context_parallel_size,
+            expert_model_parallel_size=a.expert_model_parallel_size,
+            num_distributed_optimizer_instances=self.session.options.replica_num
+            if self.session.options.use_replica_optimizer else 1,
+            distributed_timeout_minutes=a.distributed_timeout_minutes)
 
     def _transformer_config(self) -> TransformerConfig:
         a = self.args
@@ -192,19 +199,34 @@ class BuiltinTrainer(TrainerInterface):
             forward_step_func=self._forward_step, data_iterator=self._data_iter, model=self.model_chunks,
             num_microbatches=get_num_microbatches(), seq_length=a.seq_length,
             micro_batch_size=a.micro_batch_size, decoder_seq_length=a.seq_length, forward_only=False)
+        self._step_losses = losses  # kept until the step ends: a roll-forward reports them
         if s.optimizer is None:
             s.fire("optimizer", it)  # the replica optimizer fires it inside its update window
         ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=a.global_batch_size)
-        self.iteration = it
-        self.consumed_samples += a.global_batch_size
+        return self.finish_step(it, grad_norm)
+
+    def finish_step(self, it: int, grad_norm=None) -> float | None:
+        """What follows the optimizer step: scheduler, counters, the DP-reduced loss and its report.
+        Also run by a roll-forward recovery when the fault came after the update of step ``it``."""
+        a, s = self.args, self.session
+        if self.iteration < it:
+            self.scheduler.step(increment=a.global_batch_size)
+            self.iteration = it
+            self.consumed_samples += a.global_batch_size
         loss = None
         if ps.is_pipeline_last_stage(ignore_virtual=True):
-            mean = torch.stack([x["lm loss"] for x in losses]).mean().reshape(1)
+            mean = torch.stack([x["lm loss"] for x in self._step_losses]).mean().reshape(1)
             dist.all_reduce(mean, group=ps.get_data_parallel_group())
             loss = float(mean.item() / ps.get_data_parallel_world_size())
+        self.ended = it
         s.step_end(it, loss, grad_norm=grad_norm, lr=self.scheduler.get_lr(self.optimizer.param_groups[0]))
         return loss
+
+    def restart_from(self, iteration: int) -> None:
+        """Rollback: the next step is ``iteration + 1`` again (the RNG was restored by the caller)."""
+        if self.iteration != iteration:
+            raise RuntimeError(f"trainer at iteration {self.iteration}, asked to restart from {iteration}")
+        self._data_iter = self.data_iterator(self.consumed_samples)
 
     def save_checkpoint(self, save_dir: str) -> str:
         self.session.fire("checkpoint", self.iteration)

@@ -4,11 +4,12 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from typing import NoReturn
 
 from mindspeed_ha.options import HAConfigError
 
 
-def _fail(msg: str, code: int = 2) -> "NoReturn":  # noqa: F821
+def _fail(msg: str, code: int = 2) -> NoReturn:
     rank = os.environ.get("RANK", "0")
     sys.stderr.write(f"mindspeed-ha: error (rank {rank}): {msg}\n")
     sys.stderr.flush()
@@ -56,17 +57,26 @@ def run(argv: list[str] | None = None) -> int:
     trainer = BuiltinTrainer(args, session)
     try:
         trainer.setup()
-        trainer.train()
+        while True:
+            try:
+                trainer.train()
+                break
+            except ReplicaMismatchError:
+                raise
+            except Exception as e:
+                if not isinstance(e, CollectiveStopped):  # a stopped rank is not a fault of its own
+                    traceback.print_exc()
+                # Serves the controller's orders; True: repaired in place, train on.
+                if not session.report_fault(e, trainer.iteration + 1):
+                    raise
     except ReplicaMismatchError as e:
         _fail(str(e), code=3)
-    except Exception as e:
-        if not isinstance(e, CollectiveStopped):  # a stopped rank is not a fault of its own
-            traceback.print_exc()
-        session.report_fault(e, trainer.iteration + 1)  # returns only if the controller lets us
-        raise
     finally:
         session.close()
     import torch.distributed as dist
+    from mindspeed_ha.recovery import groups
     dist.barrier()
     dist.destroy_process_group()
+    if groups.has_retired_groups():  # repaired in place: old communicators must not be destructed
+        groups.exit_now(0)
     return 0

@@ -1,0 +1,161 @@
+"""The controller's side of the retry strategy (UCE / communication faults, every process alive).
+
+States REPAIR then ROLLBACK, each a sequence of rounds of orders to every live rank, run on the
+controller thread and timed (the ``recovered`` event's ``phases``):
+
+  REPAIR:   ha-status -> plan (dump.plan_dump over the healthy holders) -> rebuild (new communicator
+            generation over a TCPStore served here) -> repair (shards copied from twins, weights
+            re-gathered)
+  ROLLBACK: rollback (recompute the failed step, or finish it) -> resume
+
+Then NORMAL; the MTTR ends when every rank has completed the next step (processors heartbeat at
+once after it). A plan that cannot be made (a shard with no healthy holder, holders at different
+iterations) or a failed round feeds FAILED, and the table falls back to the dying gasp.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from ..events import get_logger
+from ..recovery.dump import _servable, plan_dump
+from .states import Outcome as O
+
+log = get_logger("control.retry")
+ROUND_WAIT_S = 30.0
+
+
+class RetryDriver:
+    def __init__(self, controller):
+        self.c = controller
+        self._store = None
+        self.generation = 100  # store key prefixes apart from the dying gasp's
+        self.awaiting = None   # after resume: (iteration to complete, fault record, phases)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.round, self.pend, self.t_round = None, None, 0.0
+        self.phases: dict[str, float] = {}
+        self.plan = None
+        self.pairs: list[int] = []
+
+    # ---- REPAIR ---------------------------------------------------------------------------------
+    def start(self):
+        self._reset()
+        self.t0 = time.monotonic()
+        f = self.c.active_faults[0] if self.c.active_faults else None
+        if f is not None:
+            self.phases["detect"] = f["detect_s"]
+            self.phases["stop"] = round(self.t0 - f["t_detect"], 4)  # detection -> all stopped, strategy chosen
+        self._send("status", "ha-status", {})
+        return None
+
+    def start_rollback(self):
+        self._send("rollback", "rollback", {"iteration": self.plan.iteration})
+        return None
+
+    def _send(self, name: str, action: str, args: dict) -> None:
+        aid = self.c._do(action, sorted(self.c._live()), args)
+        self.round, self.pend, self.t_round = name, self.c._pending[aid], time.monotonic()
+
+    def _round_done(self, now: float):
+        """None while waiting; else (ok, failures)."""
+        live = self.c._live()
+        if self.pend["waiting"] & live and now - self.t_round < ROUND_WAIT_S:
+            return None
+        failed = {r: d for r, (ok, d) in self.pend["results"].items() if not ok}
+        missing = (self.pend["waiting"] & live) | {r for r in self.pend["results"] if r not in live}
+        for r in missing:
+            failed.setdefault(r, "no answer" if r in live else "lost")
+        self.phases[self.round] = round(now - self.t_round, 4)
+        return not failed, failed
+
+    def progress(self, now: float):
+        done = self._round_done(now)
+        if done is None:
+            return None
+        ok, failed = done
+        if not ok:
+            why = "; ".join(f"rank {r}: {d}" for r, d in sorted(failed.items()))[:500]
+            return self._fail(f"{self.round} failed ({why})")
+        if self.round == "status":
+            return self._plan()
+        if self.round == "rebuild":
+            self._send("repair", "repair", {"pairs": self.pairs, "iteration": self.plan.iteration})
+            return None
+        if self.round == "repair":
+            return O.OK  # -> ROLLBACK
+        if self.round == "rollback":
+            how = {d for ok_, d in self.pend["results"].values()}
+            self.how = "/".join(sorted(how))
+            self._send("resume", "resume", {})
+            return None
+        if self.round == "resume":
+            return self._resumed(now)
+        return None
+
+    def _plan(self):
+        c = self.c
+        statuses = {r: json.loads(d) for r, (ok, d) in self.pend["results"].items()}
+        poisoned = {r for f in c.active_faults if f["kind"] == "memory-error" for r in f["ranks"]}
+        holders = {r: {k: s[k] for k in ("iteration", "updating", "touched", "replica_group")}
+                   | {"alive": r not in poisoned} for r, s in statuses.items()}
+        plan = plan_dump(holders)
+        if not plan.ok:
+            return self._fail(plan.message().replace("dying-gasp checkpoint refused, nothing written: ", ""))
+        pairs = []
+        for r, h in sorted(holders.items()):
+            if not h["alive"] or plan.iteration not in _servable(h):
+                pairs += [plan.writers[tuple(sorted(h["replica_group"]))], r]
+        self.plan, self.pairs = plan, pairs
+        store = self._serve_store()
+        self.generation += 1
+        c.events.emit("repair_plan", iteration=plan.iteration, pairs=pairs, generation=self.generation)
+        log.info("retry: resume at iteration %d; shards to copy (src, dst): %s", plan.iteration,
+                 list(zip(pairs[0::2], pairs[1::2])))
+        self._send("rebuild", "rebuild", {"store_host": c.host, "store_port": store.port,
+                                          "generation": self.generation})
+        return None
+
+    def _serve_store(self):
+        if self._store is None:
+            import torch.distributed as dist
+            bind = "127.0.0.1" if self.c.host.startswith("127.") or self.c.host == "localhost" else self.c.host
+            self._store = dist.TCPStore(bind, 0, None, True, wait_for_workers=False)
+        return self._store
+
+    def _fail(self, why: str):
+        self.c.events.emit("repair_failed", reason=why)
+        log.error("retry failed: %s; falling back to the dying gasp", why)
+        self.c.strategy_note = f"retry failed ({why})"
+        return O.FAILED
+
+    # ---- back to NORMAL -------------------------------------------------------------------------
+    def _resumed(self, now: float):
+        c = self.c
+        for i in c.ranks.values():
+            i.health = "ok" if i.alive else i.health
+            i.progress_at = max(i.progress_at, now)
+        faults = list(c.active_faults)
+        c.active_faults.clear()
+        self.awaiting = (self.plan.iteration + 1, faults, dict(self.phases), self.how, now)
+        return O.OK  # -> NORMAL
+
+    def watch(self, now: float) -> None:
+        """In NORMAL after a retry: the recovery ends when every live rank completed a step."""
+        if self.awaiting is None:
+            return
+        target, faults, phases, how, t_resume = self.awaiting
+        live = [i for i in self.c.ranks.values() if i.alive and not i.done]
+        if live and all(i.it >= target and (i.it > target or i.phase == "step") for i in live):
+            self.awaiting = None
+            first = faults[0]
+            phases["first_step"] = round(now - t_resume, 4)
+            mttr = first["detect_s"] + (now - first["t_detect"])
+            plan_it = target - 1
+            lost = 0  # every completed step is kept: the plan resumes at the newest complete iteration
+            self.c.events.emit("recovered", strategy="retry", iteration=plan_it, lost_steps=lost,
+                               mttr_s=round(mttr, 4), phases=phases, how=how,
+                               faults=[{"ranks": f["ranks"], "kind": f["kind"], "iteration": f["iteration"],
+                                        "phase": f["phase"]} for f in faults])
+            log.info("recovered by retry (%s) at iteration %d: MTTR %.3f s, phases %s", how, plan_it, mttr, phases)
