@@ -146,8 +146,9 @@ class RetryDriver:
         if self.awaiting is None:
             return
         target, faults, phases, how, t_resume = self.awaiting
-        live = [i for i in self.c.ranks.values() if i.alive and not i.done]
-        if live and all(i.it >= target and (i.it > target or i.phase == "step") for i in live):
+        def completed(i) -> bool:  # the step ended ("step"), or it saved after it, or moved on
+            return i.done or i.it > target or (i.it == target and i.phase in ("step", "checkpoint"))
+        if all(completed(i) for i in self.c.ranks.values() if i.alive):
             self.awaiting = None
             first = faults[0]
             phases["first_step"] = round(now - t_resume, 4)
