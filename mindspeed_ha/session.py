@@ -128,11 +128,12 @@ class RankSession:
     def trainer_ready(self) -> None:
         """After setup and ``--load``, before the first step: start what recovery needs from the
         live state (RNG at every update's end, the checkpoint writer warmed up when --save is set)."""
-        if self.processor is None or self.optimizer is None:
+        if self.processor is None:
             return
         from mindspeed_ha.recovery import dump, groups
-        dump.track(self.trainer, prewarm=bool(getattr(self.trainer, "save_dir", None)))
-        groups.remember([*self.trainer.model_chunks, self.optimizer])  # a comm fault may destroy them
+        if self.optimizer is not None:
+            dump.track(self.trainer, prewarm=bool(getattr(self.trainer, "save_dir", None)))
+        groups.remember([*self.trainer.model_chunks, self.trainer.optimizer])  # a comm fault may destroy them
 
     # -- control plane ---------------------------------------------------------------------------
     def start_processor(self) -> None:
@@ -145,7 +146,7 @@ class RankSession:
         self.processor.register_handler("inject", self._live_inject)
         self.processor.register_handler("dump-status", self._dump_status, main_thread=True)
         self.processor.register_handler("dump", self._dump, main_thread=True)
-        for action in ("ha-status", "rebuild", "repair", "rollback", "resume"):
+        for action in ("ha-status", "rebuild", "repair", "reload", "rollback", "resume"):
             self.processor.register_handler(action, getattr(self, "_" + action.replace("-", "_")), main_thread=True)
         self.processor.start()
 
@@ -179,15 +180,26 @@ class RankSession:
     # -- in-place recovery (retry): orders served on the training thread -------------------------
     def _ha_status(self, args: dict):
         import json
-        from mindspeed_ha.recovery import repair
-        if self.optimizer is None or getattr(self.trainer, "ended", None) is None:
-            return False, "in-place repair needs the replica optimizer and a trainer that can roll back"
-        return True, json.dumps(repair.status(self.trainer))
+        from mindspeed_ha.recovery import dump, repair
+        if getattr(self.trainer, "ended", None) is None:
+            return False, "in-place repair needs a trainer that can roll back (the built-in trainer)"
+        if self.optimizer is None:  # --distributed-optimizer-no-replica: the fallback reloads a checkpoint
+            save = getattr(self.trainer, "save_dir", None)
+            return True, json.dumps({"replica": False, "ended": self.trainer.ended,
+                                     "checkpoint": dump.newest_checkpoint(save) if save else None})
+        return True, json.dumps({"replica": True, **repair.status(self.trainer)})
+
+    def _reload(self, args: dict):
+        """No replicas: every rank reloads the newest periodic checkpoint in process."""
+        t0 = time.perf_counter()
+        it = self.trainer.load_checkpoint(self.trainer.save_dir)
+        self.loaded(it, self.trainer.save_dir, time.perf_counter() - t0)
+        return True, str(it)
 
     def _rebuild(self, args: dict):
         from mindspeed_ha.recovery import repair
         t0 = time.perf_counter()
-        n = repair.rebuild(self.trainer, [*self.trainer.model_chunks, self.optimizer, self],
+        n = repair.rebuild(self.trainer, [*self.trainer.model_chunks, self.trainer.optimizer, self],
                            args["store_host"], int(args["store_port"]), int(args["generation"]),
                            self.world_size, self.rank, self.device.backend)
         return True, f"{n} group references re-pointed in {time.perf_counter() - t0:.3f}s"

@@ -88,3 +88,21 @@ def test_comm_fault_retry(tmp_path, ref):
     rec = check_recovered(proc, tmp_path, ref["dp4"])
     assert {f["kind"] for f in rec[0]["faults"]} == {"comm-failure"}
     assert not [e for e in all_rank_events(tmp_path) if e["event"] == "repaired"]
+
+
+def test_no_replica_fallback_reloads_in_process(tmp_path):
+    """--distributed-optimizer-no-replica: nothing holds a second copy of a shard, so every rank
+    reloads the newest periodic checkpoint in process (no restart); the event counts the lost steps,
+    and the recomputed steps have the fault-free run's loss bits."""
+    extra = ("--distributed-optimizer-no-replica", "--save", str(tmp_path / "ck"), "--save-interval", "3")
+    with ThreadPoolExecutor(1) as pool:
+        ref = pool.submit(job, tmp_path / "ref", 4, None, ("--distributed-optimizer-no-replica",))
+        proc = job(tmp_path / "run", inject="uce:rank=2:step=5:phase=backward", extra=extra)
+        assert_ok(ref.result())
+    assert_ok(proc)
+    run = tmp_path / "run"
+    assert sorted(e["rank"] for e in all_rank_events(run) if e["event"] == "start") == [0, 1, 2, 3]
+    assert losses(run) == losses(tmp_path / "ref")
+    rec = [e for e in events(run, "controller") if e["event"] == "recovered"]
+    assert len(rec) == 1 and rec[0]["how"] == "reload" and rec[0]["iteration"] == 3 and rec[0]["lost_steps"] == 1
+    assert [e["iteration"] for e in all_rank_events(run) if e["event"] == "load"] == [3] * 4

@@ -38,6 +38,10 @@ class RetryDriver:
         self.phases: dict[str, float] = {}
         self.plan = None
         self.pairs: list[int] = []
+        self.target = None
+        self.reload_from = None   # no replicas: (iteration, path) of the periodic checkpoint to reload
+        self.lost = 0
+        self.how = ""
 
     # ---- REPAIR ---------------------------------------------------------------------------------
     def start(self):
@@ -51,7 +55,10 @@ class RetryDriver:
         return None
 
     def start_rollback(self):
-        self._send("rollback", "rollback", {"iteration": self.plan.iteration})
+        if self.reload_from is not None:  # the reload already put every rank at the checkpoint
+            self._send("resume", "resume", {})
+        else:
+            self._send("rollback", "rollback", {"iteration": self.target})
         return None
 
     def _send(self, name: str, action: str, args: dict) -> None:
@@ -81,9 +88,14 @@ class RetryDriver:
         if self.round == "status":
             return self._plan()
         if self.round == "rebuild":
-            self._send("repair", "repair", {"pairs": self.pairs, "iteration": self.plan.iteration})
+            if self.reload_from is not None:
+                self._send("reload", "reload", {})
+            else:
+                self._send("repair", "repair", {"pairs": self.pairs, "iteration": self.target})
             return None
-        if self.round == "repair":
+        if self.round in ("repair", "reload"):
+            if self.round == "reload":
+                self.how = "reload"
             return O.OK  # -> ROLLBACK
         if self.round == "rollback":
             how = {d for ok_, d in self.pend["results"].values()}
@@ -97,6 +109,8 @@ class RetryDriver:
     def _plan(self):
         c = self.c
         statuses = {r: json.loads(d) for r, (ok, d) in self.pend["results"].items()}
+        if not all(s["replica"] for s in statuses.values()):
+            return self._plan_reload(statuses)
         poisoned = {r for f in c.active_faults if f["kind"] == "memory-error" for r in f["ranks"]}
         holders = {r: {k: s[k] for k in ("iteration", "updating", "touched", "replica_group")}
                    | {"alive": r not in poisoned} for r, s in statuses.items()}
@@ -107,12 +121,32 @@ class RetryDriver:
         for r, h in sorted(holders.items()):
             if not h["alive"] or plan.iteration not in _servable(h):
                 pairs += [plan.writers[tuple(sorted(h["replica_group"]))], r]
-        self.plan, self.pairs = plan, pairs
-        store = self._serve_store()
-        self.generation += 1
-        c.events.emit("repair_plan", iteration=plan.iteration, pairs=pairs, generation=self.generation)
+        self.plan, self.pairs, self.target = plan, pairs, plan.iteration
+        c.events.emit("repair_plan", iteration=plan.iteration, pairs=pairs, generation=self.generation + 1)
         log.info("retry: resume at iteration %d; shards to copy (src, dst): %s", plan.iteration,
                  list(zip(pairs[0::2], pairs[1::2])))
+        return self._rebuild()
+
+    def _plan_reload(self, statuses: dict):
+        """Without replicas nothing holds a second copy: every rank reloads the newest periodic
+        checkpoint in process (no restart); the steps since it are lost and recomputed."""
+        ckpts = {tuple(s["checkpoint"]) if s.get("checkpoint") else None for s in statuses.values()}
+        if None in ckpts or len(ckpts) != 1:
+            return self._fail("no replicas and no periodic checkpoint every rank can reload "
+                              "(--save with --save-interval)")
+        self.reload_from = ckpts.pop()
+        self.target = int(self.reload_from[0])
+        self.lost = max(s["ended"] for s in statuses.values()) - self.target
+        self.c.events.emit("repair_plan", iteration=self.target, reload=self.reload_from[1], lost_steps=self.lost,
+                           generation=self.generation + 1)
+        log.info("retry without replicas: every rank reloads iteration %d from %s (%d step(s) lost)",
+                 self.target, self.reload_from[1], self.lost)
+        return self._rebuild()
+
+    def _rebuild(self):
+        c = self.c
+        store = self._serve_store()
+        self.generation += 1
         self._send("rebuild", "rebuild", {"store_host": c.host, "store_port": store.port,
                                           "generation": self.generation})
         return None
@@ -138,14 +172,14 @@ class RetryDriver:
             i.progress_at = max(i.progress_at, now)
         faults = list(c.active_faults)
         c.active_faults.clear()
-        self.awaiting = (self.plan.iteration + 1, faults, dict(self.phases), self.how, now)
+        self.awaiting = (self.target + 1, faults, dict(self.phases), self.how, self.lost, now)
         return O.OK  # -> NORMAL
 
     def watch(self, now: float) -> None:
         """In NORMAL after a retry: the recovery ends when every live rank completed a step."""
         if self.awaiting is None:
             return
-        target, faults, phases, how, t_resume = self.awaiting
+        target, faults, phases, how, lost, t_resume = self.awaiting
         def completed(i) -> bool:  # the step ended ("step"), or it saved after it, or moved on
             return i.done or i.it > target or (i.it == target and i.phase in ("step", "checkpoint"))
         if all(completed(i) for i in self.c.ranks.values() if i.alive):
@@ -154,7 +188,6 @@ class RetryDriver:
             phases["first_step"] = round(now - t_resume, 4)
             mttr = first["detect_s"] + (now - first["t_detect"])
             plan_it = target - 1
-            lost = 0  # every completed step is kept: the plan resumes at the newest complete iteration
             self.c.events.emit("recovered", strategy="retry", iteration=plan_it, lost_steps=lost,
                                mttr_s=round(mttr, 4), phases=phases, how=how,
                                faults=[{"ranks": f["ranks"], "kind": f["kind"], "iteration": f["iteration"],

@@ -235,7 +235,11 @@ class BuiltinTrainer(TrainerInterface):
         return path
 
     def load_checkpoint(self, load_dir: str) -> int:
-        return checkpoint.load(self, load_dir)
+        """Also in a live trainer (the no-replica fallback reloads in process)."""
+        it = checkpoint.load(self, load_dir)
+        self.ended = it
+        self._data_iter = self.data_iterator(self.consumed_samples)
+        return it
 
     # -- the loop --------------------------------------------------------------------------------
     def train(self) -> None:

@@ -150,6 +150,7 @@ def load(trainer, root: str, load_optim: bool = True, load_rng: bool = True) -> 
         with torch.no_grad():  # fp32 shards are views of leaf parameters
             trainer.optimizer.load_state_dict(loaded["optimizer"])
         _fix_adam_steps(trainer.optimizer)
+    trainer.scheduler.num_steps = 0  # load_state_dict *adds* the saved count (it expects a fresh scheduler)
     trainer.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if load_rng and "rng_state" in loaded:
         _set_rng_state(loaded["rng_state"])
