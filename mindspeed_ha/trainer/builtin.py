@@ -7,7 +7,6 @@ MockGPTDataset or indexed datasets, dist_checkpointing. Megatron-LM's argument n
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import time
 from datetime import timedelta
