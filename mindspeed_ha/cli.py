@@ -1,11 +1,10 @@
-"""``mindspeed-ha``: run | controller | status | inject (``report`` comes later)."""
+"""``mindspeed-ha``: run | controller | status | inject | report."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import sys
-import time
 
 import zmq
 
@@ -134,8 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--rank", type=int, required=True)
     i.add_argument("--step", type=int, default=None)
     i.add_argument("--phase", default=None, choices=INJECT_PHASES)
-    # "report" (post-mortem of a log dir) is reserved for a later issue.
+    r = sub.add_parser("report", help="every fault and recovery of a job, and DIR/recovery_timeline.png")
+    r.add_argument("log_dir")
+    r.add_argument("--json", action="store_true")
+    r.add_argument("--no-picture", action="store_true")
     args = p.parse_args(argv)
+    if args.cmd == "report":
+        from .report import main as report
+        return report(args.log_dir, picture=not args.no_picture, as_json=args.json)
     if args.cmd == "run":
         from .launcher.agent import Agent
         return Agent(args).run()

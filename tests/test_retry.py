@@ -106,3 +106,18 @@ def test_no_replica_fallback_reloads_in_process(tmp_path):
     rec = [e for e in events(run, "controller") if e["event"] == "recovered"]
     assert len(rec) == 1 and rec[0]["how"] == "reload" and rec[0]["iteration"] == 3 and rec[0]["lost_steps"] == 1
     assert [e["iteration"] for e in all_rank_events(run) if e["event"] == "load"] == [3] * 4
+
+
+def test_report_table_and_timeline(tmp_path):
+    """`mindspeed-ha report DIR` on a job with two recoveries: one row each, and the picture."""
+    proc = job(tmp_path, inject="uce:rank=2:step=2:phase=backward,comm:rank=3:step=5:phase=forward")
+    assert_ok(proc)
+    rep = subprocess.run(MINDSPEED_HA + ["report", str(tmp_path)], env=clean_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    rows = [ln for ln in rep.stdout.splitlines() if ln.strip()[:2].strip().isdigit()]
+    assert len(rows) == 2, rep.stdout
+    assert "rank 2 memory-error" in rows[0] and "recovered" in rows[0] and "retry" in rows[0]
+    assert "comm-failure" in rows[1] and "recovered" in rows[1]
+    png = tmp_path / "recovery_timeline.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

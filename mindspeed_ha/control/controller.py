@@ -104,6 +104,7 @@ class Controller:
         self.strategy_note = ""
         self.last_diagnosis = ""
         self.actions = {S.NORMAL: self._act_normal, S.PAUSE: self._act_pause, S.ENV_CLEAR: self._act_env_clear, S.EXIT: self._act_exit}
+        self._tcp_store = None
         self.dumper = DumpDriver(self)
         self.retrier = RetryDriver(self)
         self.actions.update({S.DUMP: self.dumper.start, S.REPAIR: self.retrier.start,
@@ -371,6 +372,16 @@ class Controller:
         self._pending[aid] = {"action": action, "waiting": waiting, "results": {}, "cli": cli,
                               "sent": time.monotonic()}
         return aid
+
+    def store(self):
+        """A TCPStore served by the controller's process, for the ranks' new process groups: a store
+        hosted by a rank would die with that rank. One per controller; callers prefix their keys
+        with a generation."""
+        if self._tcp_store is None:
+            import torch.distributed as dist
+            bind = "127.0.0.1" if self.host.startswith("127.") or self.host == "localhost" else self.host
+            self._tcp_store = dist.TCPStore(bind, 0, None, True, wait_for_workers=False)
+        return self._tcp_store
 
     def restart_workers(self, ranks=None) -> None:
         """Ask the agents to restart these ranks' workers (all when ``None``): the recover (ARF)

@@ -32,7 +32,6 @@ class DumpDriver:
         self.c = controller
         self.result: dict | None = None      # the written checkpoint, for the diagnosis
         self.refusal: str | None = None
-        self._store = None
         self._reset()
 
     def _reset(self) -> None:
@@ -117,7 +116,7 @@ class DumpDriver:
                         "; ".join(sorted(set(refused.values())))[:300])
         self.plan, self.generation = plan, self.generation + 1
         self.writing = sorted(r for r, h in holders.items() if h["alive"])
-        store = self._serve_store()
+        store = c.store()
         c.events.emit("dump_plan", iteration=plan.iteration, writers=sorted(plan.writers.values()),
                       survivors=self.writing, generation=self.generation, finishing=list(plan.finishing))
         log.info("dying gasp: %s; %d survivor(s) write (generation %d)", plan.message(), len(self.writing),
@@ -126,13 +125,6 @@ class DumpDriver:
                    {"survivors": self.writing, "store_host": c.host, "store_port": store.port,
                     "generation": self.generation, "plan": plan.to_json()})
         return None
-
-    def _serve_store(self):
-        if self._store is None:
-            import torch.distributed as dist
-            bind = "127.0.0.1" if self.c.host.startswith("127.") or self.c.host == "localhost" else self.c.host
-            self._store = dist.TCPStore(bind, 0, None, True, wait_for_workers=False)
-        return self._store
 
     # ---- step 3 -------------------------------------------------------------------------------
     def _check_write(self, now: float):
@@ -179,6 +171,3 @@ class DumpDriver:
         c.strategy_note = message
         log.error("dying gasp: %s", message)
         return O.FAILED
-
-    def close(self) -> None:
-        self._store = None

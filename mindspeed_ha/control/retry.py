@@ -28,7 +28,6 @@ ROUND_WAIT_S = 30.0
 class RetryDriver:
     def __init__(self, controller):
         self.c = controller
-        self._store = None
         self.generation = 100  # store key prefixes apart from the dying gasp's
         self.awaiting = None   # after resume: (iteration to complete, fault record, phases)
         self._reset()
@@ -145,18 +144,11 @@ class RetryDriver:
 
     def _rebuild(self):
         c = self.c
-        store = self._serve_store()
+        store = c.store()
         self.generation += 1
         self._send("rebuild", "rebuild", {"store_host": c.host, "store_port": store.port,
                                           "generation": self.generation})
         return None
-
-    def _serve_store(self):
-        if self._store is None:
-            import torch.distributed as dist
-            bind = "127.0.0.1" if self.c.host.startswith("127.") or self.c.host == "localhost" else self.c.host
-            self._store = dist.TCPStore(bind, 0, None, True, wait_for_workers=False)
-        return self._store
 
     def _fail(self, why: str):
         self.c.events.emit("repair_failed", reason=why)

@@ -1,0 +1,120 @@
+"""``mindspeed-ha report DIR``: every fault of a job and what became of it, from its event logs.
+
+One row per episode (a fault and what followed: the strategy, then ``recovered``, a dying-gasp
+``checkpoint``, a refusal or the exit), and a timeline picture, ``DIR/recovery_timeline.png``:
+training progress (iteration over time) with each episode shaded from the fault to its end and its
+recovery phases drawn as bars. The picture needs matplotlib (``pip install mindspeed-ha[report]``).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from mindspeed_ha.events import read_events
+
+END_EVENTS = ("recovered", "diagnosis")
+PHASE_COLORS = {"detect": "tab:gray", "stop": "tab:orange", "status": "tab:olive", "rebuild": "tab:red",
+                "repair": "tab:purple", "reload": "tab:purple", "rollback": "tab:pink", "resume": "tab:cyan",
+                "first_step": "tab:blue"}
+
+
+def episodes(log_dir: str) -> list[dict]:
+    path = os.path.join(log_dir, "events", "controller.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no controller events (was the job run with HA on and --ha-log-dir {log_dir}?)")
+    out, cur = [], None
+    for e in read_events(path):
+        kind = e["event"]
+        if kind == "fault":
+            if cur is None:
+                cur = {"start": e["time"], "faults": [], "strategy": None, "outcome": "open", "end": None}
+                out.append(cur)
+            cur["faults"].append(e)
+        elif cur is None:
+            continue
+        elif kind == "strategy":
+            cur["strategy"] = e["reason"].replace("strategy ", "") if e["outcome"] != "no-strategy" else "none"
+        elif kind == "recovered":
+            cur.update(outcome=f"recovered ({e.get('how', '')})", end=e["time"], mttr_s=e["mttr_s"],
+                       lost_steps=e["lost_steps"], phases=e["phases"], iteration=e["iteration"])
+        elif kind == "checkpoint" and e.get("kind") == "dying_gasp":
+            cur.update(outcome=f"dying gasp of iteration {e['iteration']} in {e['seconds']:.2f}s", dump=e,
+                       iteration=e["iteration"], lost_steps=0)
+        elif kind == "dump_refused":
+            cur["outcome"] = "dump refused"
+        elif kind == "diagnosis":
+            cur["end"] = e["time"]
+            if cur["outcome"] == "open":
+                cur["outcome"] = "job ended"
+            cur["outcome"] += f", exit {e['exit_code']}"
+        if cur is not None and kind in END_EVENTS:
+            cur = None
+    return out
+
+
+def table(eps: list[dict]) -> str:
+    head = f"{'#':>2}  {'fault':34s} {'iter':>5} {'phase':10s} {'strategy':9s} {'MTTR s':>7} {'lost':>4}  outcome"
+    rows = [head, "-" * len(head)]
+    for n, ep in enumerate(eps, 1):
+        f = next((x for x in ep["faults"] if x["kind"] != "comm-failure"), ep["faults"][0])
+        what = f"rank {','.join(map(str, f['ranks']))} {f['kind']}"
+        mttr = f"{ep['mttr_s']:.3f}" if "mttr_s" in ep else "-"
+        lost = str(ep["lost_steps"]) if "lost_steps" in ep else "-"
+        rows.append(f"{n:>2}  {what[:34]:34s} {f['iteration']:>5} {f['phase'][:10]:10s} {str(ep['strategy'])[:9]:9s} "
+                    f"{mttr:>7} {lost:>4}  {ep['outcome']}")
+        if "phases" in ep:
+            rows.append("    phases: " + ", ".join(f"{k} {v:.3f}s" for k, v in ep["phases"].items()))
+    if not eps:
+        rows.append("    no fault recorded")
+    return "\n".join(rows)
+
+
+def timeline(log_dir: str, eps: list[dict], path: str) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    steps = []
+    for name in sorted(os.listdir(os.path.join(log_dir, "events"))):
+        if name.startswith("rank_"):
+            steps += [e for e in read_events(os.path.join(log_dir, "events", name)) if e["event"] == "step"]
+    t0 = min([e["time"] for e in steps] + [ep["start"] for ep in eps] or [0.0])
+    fig, ax = plt.subplots(figsize=(10, 4))
+    steps.sort(key=lambda e: e["time"])
+    ax.plot([e["time"] - t0 for e in steps], [e["iteration"] for e in steps], ".-", lw=1, label="step completed")
+    top = max([e["iteration"] for e in steps] or [1])
+    colors = {"retry": "tab:green", "dump": "tab:orange"}
+    labelled: set = set()
+    for n, ep in enumerate(eps, 1):
+        start, end = ep["start"] - t0, (ep["end"] or ep["start"]) - t0
+        ax.axvspan(start, max(end, start + 0.01), color=colors.get(ep["strategy"], "tab:red"), alpha=0.25)
+        ax.annotate(f"#{n} {ep['faults'][0]['kind']}\n{ep['outcome'][:28]}", (start, top), fontsize=7, va="top")
+        x = start
+        for name, seconds in (ep.get("phases") or {}).items():  # the recovery's phases, in order
+            color = PHASE_COLORS.get(name, "grey")
+            ax.barh(-0.5 - 0.6 * (n % 2), seconds, left=x, height=0.5, color=color,
+                    label=name if name not in labelled else None)
+            labelled.add(name)
+            x += seconds
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    ax.set_xlabel("seconds since the first step")
+    ax.set_ylabel("iteration")
+    ax.set_title(f"mindspeed-ha: {len(eps)} fault episode(s) in {os.path.abspath(log_dir)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(log_dir: str, picture: bool = True, as_json: bool = False) -> int:
+    eps = episodes(log_dir)
+    if as_json:
+        print(json.dumps([{k: v for k, v in ep.items() if k != "dump"} for ep in eps], default=str))
+    else:
+        print(table(eps))
+    if picture:
+        try:
+            path = timeline(log_dir, eps, os.path.join(log_dir, "recovery_timeline.png"))
+            print(f"timeline: {path}")
+        except ImportError:
+            print("timeline picture skipped: matplotlib is not installed (pip install 'mindspeed-ha[report]')")
+    return 0
