@@ -29,7 +29,7 @@ class RetryDriver:
     def __init__(self, controller):
         self.c = controller
         self.generation = 100  # store key prefixes apart from the dying gasp's
-        self.awaiting = None   # after resume: (iteration to complete, fault record, phases)
+        self.awaiting = None   # after resume: (step to complete, faults, phases, how, lost steps, t_resume)
         self._reset()
 
     def _reset(self) -> None:
