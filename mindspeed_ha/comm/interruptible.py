@@ -24,6 +24,7 @@ import inspect
 import queue
 import sys
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -34,6 +35,10 @@ from torch.distributed import distributed_c10d as c10d
 # length costs nothing on the fast path.
 WAIT_SLICE_S = 0.02
 _SLICE = datetime.timedelta(seconds=WAIT_SLICE_S)
+# A collective already in flight gets this long to finish after a stop: its peers may have completed
+# it (the stop reached this rank a moment later), and leaving it then would split them — e.g. TP
+# peers on either side of the grad-norm all-reduce, one updating its shard and one not.
+STOP_GRACE_S = 0.1
 
 _stop = threading.Event()
 _reason = ""
@@ -104,6 +109,7 @@ def wait_work(work, p2p: bool = False) -> None:
         except RuntimeError:  # "getFuture not implemented": not a plain async collective
             pass
         else:
+            stopped_at = None
             while True:
                 try:
                     work.wait(_SLICE)
@@ -113,7 +119,9 @@ def wait_work(work, p2p: bool = False) -> None:
                         work.wait()
                         return
                     if _stop.is_set():
-                        _raise_stopped()
+                        stopped_at = stopped_at or time.monotonic()
+                        if time.monotonic() - stopped_at >= STOP_GRACE_S:
+                            _raise_stopped()
     done = threading.Event()
     errors = _wait_on_helper(work, done)
     _wait_event(done)
@@ -122,9 +130,12 @@ def wait_work(work, p2p: bool = False) -> None:
 
 
 def _wait_event(done: threading.Event) -> None:
+    stopped_at = None
     while not done.wait(WAIT_SLICE_S):
         if _stop.is_set():
-            _raise_stopped()
+            stopped_at = stopped_at or time.monotonic()
+            if time.monotonic() - stopped_at >= STOP_GRACE_S:
+                _raise_stopped()
 
 
 def _wait_on_helper(work, done: threading.Event) -> list:

@@ -227,6 +227,8 @@ class Controller:
         self.ranks[r] = info
         self.by_ident[ident] = r
         self._send(ident, self._ack)
+        if old is not None and old.ident != ident and old.pid == info.pid:
+            self._resend_pending(r)
         if self.machine.state == S.INIT and not self.standby and len(self.ranks) == self.world:
             self._feed(O.REGISTERED)
 
@@ -239,6 +241,7 @@ class Controller:
                 return
             info.ident = ident  # the rank reconnected (new socket) without re-registering
             self.by_ident[ident] = r
+            self._resend_pending(r)
         now = time.monotonic()
         info.seen = now
         phase = msg.get("phase", info.phase)
@@ -370,7 +373,7 @@ class Controller:
             except zmq.ZMQError:
                 pass
         self._pending[aid] = {"action": action, "waiting": waiting, "results": {}, "cli": cli,
-                              "sent": time.monotonic()}
+                              "sent": time.monotonic(), "data": data}
         return aid
 
     def store(self):
@@ -382,6 +385,13 @@ class Controller:
             bind = "127.0.0.1" if self.host.startswith("127.") or self.host == "localhost" else self.host
             self._tcp_store = dist.TCPStore(bind, 0, None, True, wait_for_workers=False)
         return self._tcp_store
+
+    def _resend_pending(self, r: int) -> None:
+        """A rank came back on a new connection: orders sent to the old one may be lost (it
+        de-duplicates by id what it did receive)."""
+        for pend in list(self._pending.values()):
+            if r in pend["waiting"] and pend.get("data"):
+                self._send(self.ranks[r].ident, pend["data"])
 
     def restart_workers(self, ranks=None) -> None:
         """Ask the agents to restart these ranks' workers (all when ``None``): the recover (ARF)
@@ -490,7 +500,10 @@ class Controller:
             # communication errors, and the strategy must see the real cause. Communication errors
             # alone are nearly always a consequence, so wait longer for their cause.
             only_comm = all(f["kind"] == "comm-failure" for f in self.active_faults)
-            if now - self.machine.entered < (self.settle_comm_s if only_comm else self.settle_s):
+            # A rank that reported its own memory error or exception is the cause: nothing to wait for.
+            self_reported = self.active_faults and self.active_faults[0]["kind"] in ("memory-error", "other")
+            settle = self.settle_comm_s if only_comm else (0.05 if self_reported else self.settle_s)
+            if now - self.machine.entered < settle:
                 pass
             elif pend is None or not (pend["waiting"] & self._live()):
                 self._feed(O.STOPPED)

@@ -86,7 +86,9 @@ class ControllerLink:
         self.keys, self.hello, self.name = keys, hello, name
         self.cands = election.Candidates(log_dir, job_id, answer_wait=max(1.0, 2 * heartbeat_s),
                                          standby_wait=max(4.0, 8 * heartbeat_s))
-        self.lost_after = max(4 * heartbeat_s, 2.5)  # a starved controller is slow, not dead
+        # A starved controller is slow, not dead, and so is a starved processor thread that did not
+        # read its acks (8 ranks on 2 cores: > 3 s seen); switching then loses orders in flight.
+        self.lost_after = max(6 * heartbeat_s, 6.0)
         self.sock: zmq.Socket | None = None
         self.endpoint: str | None = None
         self.epoch = 0
@@ -221,6 +223,7 @@ class Processor:
         self._main: queue.SimpleQueue = queue.SimpleQueue()   # orders for the training thread
         self._main_actions: set[str] = set()
         self._hb_on_step = self._hb_now = False
+        self._done_ids: collections.deque = collections.deque(maxlen=256)
         self._stop = threading.Event()
         self._sent = threading.Event()
         self._thread = self._worker = None
@@ -382,6 +385,10 @@ class Processor:
 
     def _dispatch(self, msg: dict) -> None:
         action, aid, args = msg["action"], msg["id"], msg.get("args", {})
+        key = (msg["epoch"], aid)
+        if aid and key in self._done_ids:
+            return  # re-sent after a reconnection, already taken
+        self._done_ids.append(key)
         self.events.emit("action", action=action, id=aid, args={k: v for k, v in args.items() if k != "diagnosis"})
         if action == "exit":
             self._result(action, aid, True, "exiting")

@@ -263,8 +263,12 @@ class Agent:
             # A worker failed and no order came (yet): act alone when there is no controller to wait for.
             all_gone_at = all_gone_at or (now if not alive else 0.0)
             waited = now - self.first_failure
-            if (not self.link.ever_active or waited > self.a.decision_timeout
-                    or (all_gone_at and now - all_gone_at > 3.0)):
+            # Wait for the controller while it is reachable and busy with a recovery (a dying gasp or
+            # a repair can outlast the decision timeout); act alone when it is gone, ignores the
+            # failure, or takes longer than any of its states may.
+            busy = self.link.active and self.link.state not in ("normal", "init", "done")
+            if (not self.link.ever_active or (waited > self.a.decision_timeout and not busy)
+                    or waited > self.a.decision_timeout + 150.0 or (all_gone_at and now - all_gone_at > 3.0)):
                 return self._act_alone(failed, alive)
 
     def _act_alone(self, failed, alive) -> int:
