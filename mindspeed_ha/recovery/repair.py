@@ -14,8 +14,6 @@ update of the failed step had finished somewhere, so only its bookkeeping is fin
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
@@ -29,12 +27,9 @@ class RepairError(RuntimeError):
 
 
 def status(trainer) -> dict:
-    opt = trainer.optimizer
-    topo = getattr(opt, "ha_topology", None)
-    return {"iteration": int(getattr(opt, "ha_iteration", trainer.iteration)),
-            "updating": bool(getattr(opt, "ha_updating", False)), "touched": bool(getattr(opt, "ha_touched", True)),
-            "replica_group": list(topo.replica_group) if topo else [], "trainer_iteration": trainer.iteration,
-            "ended": trainer.ended}
+    """The dying gasp's shard status (the same planner reads it) plus the last step that ended."""
+    from mindspeed_ha.recovery.dump import local_status
+    return {**local_status(trainer), "ended": trainer.ended}
 
 
 def clean(trainer) -> None:
@@ -116,9 +111,3 @@ def resume_at(trainer, iteration: int) -> str:
         return "roll-forward"
     raise RepairError(f"trainer at iteration {trainer.iteration} (last step ended {trainer.ended}) "
                       f"cannot resume at {iteration}")
-
-
-def timed(fn, *args, **kwargs):
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0
