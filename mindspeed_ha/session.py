@@ -321,6 +321,8 @@ class RankSession:
         global _current
         if self.processor is not None:
             self.processor.close()
+            from mindspeed_ha.recovery import dump
+            dump.release_writer()
         self.events.emit("end", iteration=getattr(self.trainer, "iteration", None))
         self.events.close()
         if _current is self:

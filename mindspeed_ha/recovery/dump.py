@@ -208,14 +208,33 @@ def _warm_writer() -> None:
         manager.shutdown()
 
 
+_prewarm_thread = None
+
+
 def prewarm_writer():
     """Start the checkpoint writer's helper process in the background (see ``_warm_writer``), so
     that a rank whose first write is the dying gasp does not pay for it then. (The script must guard
     ``if __name__ == "__main__"``, as any script that saves must.)"""
     import threading
-    t = threading.Thread(target=_warm_writer, name="ha-writer-prewarm", daemon=True)
-    t.start()
-    return t
+    global _prewarm_thread
+    _prewarm_thread = threading.Thread(target=_warm_writer, name="ha-writer-prewarm", daemon=True)
+    _prewarm_thread.start()
+    return _prewarm_thread
+
+
+def release_writer(timeout: float = 300.0) -> None:
+    """At the end of a job: wait for a pre-warm still starting the manager and shut that manager
+    down. Otherwise a short job on a busy host exits while ``start()`` is under way: the manager's
+    finalizer is registered only when ``start()`` returns, too late for the exit handlers, and
+    multiprocessing's exit then joins the (non-daemonic) manager process forever."""
+    global _writer_manager
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    if _prewarm_thread is not None:
+        _prewarm_thread.join(timeout)
+    if _writer_manager is not None:  # then fa's queue is this manager's (set together)
+        fa._results_queue = None
+        _writer_manager.shutdown()
+        _writer_manager = None
 
 
 def track(trainer, prewarm: bool = True) -> StepState:
