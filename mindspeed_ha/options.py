@@ -16,8 +16,6 @@ PREFERENCE = ("retry", "recover", "dump")  # the controller tries them in this o
 # What each strategy needs before this build can honour it. A strategy listed here is refused with
 # this message instead of being silently ignored.
 NOT_BUILT: dict[str, str] = {
-    "recover": "process restart (--enable-worker-reboot, HIGH_AVAILABILITY=recover) "
-               "is not built in this version of mindspeed-ha",
     "elastic-training": "elastic scale-in/out (--enable-elastic-training, "
                         "HIGH_AVAILABILITY=elastic-training) is not built in this version of mindspeed-ha",
 }
@@ -125,7 +123,8 @@ def from_args(args: argparse.Namespace, env: dict | None = None) -> HAOptions:
         if s in NOT_BUILT:
             raise HAConfigError(
                 f"{NOT_BUILT[s]}. Today mindspeed-ha supports --enable-high-availability "
-                "(HIGH_AVAILABILITY=dump) and --enable-hbmfault-repair (retry); drop the other switch.")
+                "(HIGH_AVAILABILITY=dump), --enable-hbmfault-repair (retry) and --enable-worker-reboot "
+                "(recover); drop the other switch.")
     no_replica = bool(getattr(args, "distributed_optimizer_no_replica", False))
     replica_num = int(getattr(args, "optimizer_replica_num", 2))
     interval = int(getattr(args, "ha_verify_replicas_interval", 0))

@@ -43,6 +43,7 @@ class RankSession:
         self._replica_pg = None
         self._writes_loss = False
         self.phase = "startup"
+        self.joining = False  # a restarted worker until it has resumed (recover)
         _current = self
 
     # -- optimizer -------------------------------------------------------------------------------
@@ -122,7 +123,7 @@ class RankSession:
         self.events.emit("start", world_size=self.world_size, device=self.device.kind,
                          backend=self.device.backend, strategies=sorted(self.options.strategies),
                          replica=self.options.use_replica_optimizer)
-        if self.options.enabled and self.control_plane:
+        if self.options.enabled and self.control_plane and self.processor is None:
             self.start_processor()
 
     def trainer_ready(self) -> None:
@@ -153,6 +154,27 @@ class RankSession:
     def _live_inject(self, args: dict):
         f = self.injector.add(args["kind"], self.rank, args.get("step"), args.get("phase"))
         return True, f"armed {f.spec()}"
+
+    @staticmethod
+    def restarted_worker() -> bool:
+        """Started by the agent in place of a failed worker (``mindspeed-ha run`` counts restarts)."""
+        return int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0) > 0
+
+    def join_running_job(self, trainer) -> None:
+        """A restarted worker under recover: register (no env:// rendezvous — that world is gone),
+        then serve the controller's orders on this thread: ``rebuild`` builds the groups and the
+        trainer, ``repair`` brings the state from the peers, ``rollback``/``resume`` as everywhere."""
+        self.trainer, self.joining = trainer, True
+        self.start_processor()
+        log.info("rank %d: restarted worker, waiting for the controller to bring it into the job", self.rank)
+        wait = max(120.0, 3 * self.options.hang_timeout_s)
+        while True:
+            action = self.processor.serve_order(timeout=wait)
+            if action == "resume":
+                self.joining = False
+                return
+            if action is None:
+                raise RuntimeError(f"rank {self.rank}: restarted, but no order from the controller for {wait:.0f} s")
 
     def report_fault(self, exc: BaseException, iteration: int) -> bool:
         """An exception left the step: classify and report it at once, then serve the controller's
@@ -199,6 +221,10 @@ class RankSession:
     def _rebuild(self, args: dict):
         from mindspeed_ha.recovery import repair
         t0 = time.perf_counter()
+        if self.joining:
+            repair.join(self.trainer, args["store_host"], int(args["store_port"]), int(args["generation"]),
+                        self.world_size, self.rank, self.device.backend)
+            return True, f"joined and set up in {time.perf_counter() - t0:.3f}s"
         n = repair.rebuild(self.trainer, [*self.trainer.model_chunks, self.trainer.optimizer, self],
                            args["store_host"], int(args["store_port"]), int(args["generation"]),
                            self.world_size, self.rank, self.device.backend)
@@ -209,6 +235,10 @@ class RankSession:
         flat = list(args.get("pairs", []))
         pairs = list(zip(flat[0::2], flat[1::2]))
         got = repair.transfer_shards(self.optimizer, pairs, self.rank, int(args["iteration"]))
+        flat = list(args.get("joiners", []))  # restarted rank, its twin, ...
+        joiners = dict(zip(flat[0::2], flat[1::2]))
+        if joiners:
+            repair.transfer_bookkeeping(self.trainer, joiners, self.rank)
         repair.regather_params(self.trainer)
         if got:
             self.events.emit("repaired", iteration=int(args["iteration"]), bytes=got,

@@ -55,10 +55,8 @@ def test_bad_env_values(env, needle):
 
 
 @pytest.mark.parametrize("argv,env,needle", [
-    (["--enable-worker-reboot"], {}, "--enable-worker-reboot"),
     (["--enable-elastic-training"], {}, "--enable-elastic-training"),
-    ([], {"HIGH_AVAILABILITY": "recover"}, "HIGH_AVAILABILITY=recover"),
-    ([], {"MS_ENABLE_TFT": "{TTP:1,ARF:1}"}, "HIGH_AVAILABILITY=recover"),
+    ([], {"HIGH_AVAILABILITY": "elastic-training"}, "HIGH_AVAILABILITY=elastic-training"),
 ])
 def test_unbuilt_strategies_are_refused_not_ignored(argv, env, needle):
     with pytest.raises(HAConfigError) as e:
@@ -88,3 +86,12 @@ def test_ordered_strategies_preference():
     from mindspeed_ha.options import HAOptions
     o = HAOptions(strategies=frozenset({"dump", "recover", "retry"}))
     assert o.ordered_strategies() == ["retry", "recover", "dump"]
+
+
+@pytest.mark.parametrize("argv,env", [
+    (["--enable-worker-reboot"], {}),
+    ([], {"HIGH_AVAILABILITY": "recover"}),
+    ([], {"MS_ENABLE_TFT": "{TTP:1,ARF:1}"}),
+])
+def test_recover_is_accepted_with_the_dump_as_last_resort(argv, env):
+    assert opts(argv, env).ordered_strategies() == ["recover", "dump"]

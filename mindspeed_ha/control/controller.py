@@ -109,7 +109,8 @@ class Controller:
         self.retrier = RetryDriver(self)
         self.actions.update({S.DUMP: self.dumper.start, S.REPAIR: self.retrier.start,
                              S.ROLLBACK: self.retrier.start_rollback})
-        self.built_strategies: set[str] = {"dump", "retry"}
+        self.built_strategies: set[str] = {"dump", "retry", "recover"}
+        self.chosen: O | None = None            # the strategy picked for the current episode
         self._pending: dict[int, dict] = {}     # action id -> {action, ranks waiting, cli ident}
         self._next_id = 1
         self._stop = threading.Event()
@@ -220,10 +221,17 @@ class Controller:
                     groups=msg.get("groups", []), it=msg.get("iteration", -1), seen=now, progress_at=now)
         if old is not None and old.pid == info.pid:
             info.it, info.phase, info.progress, info.progress_at = old.it, old.phase, old.progress, old.progress_at
+        if old is not None and not info.groups:
+            info.groups = old.groups  # a restarted worker learns its groups only when it joins
         if old is not None and old.pid != info.pid and old.alive and self.machine.state not in (S.INIT,):
             log.warning("rank %d re-registered with a new pid %d (was %d)", r, info.pid, old.pid)
         if old is not None and not old.alive:
-            info.alive = old.alive  # a dead rank stays dead until a recovery action revives it
+            # A dead rank stays dead, unless it is the worker the recover strategy restarted.
+            info.alive = old.pid != info.pid and r in self.retrier.restarting
+            if info.alive:
+                self.retrier.restarting.discard(r)
+                self.events.emit("rejoined", rank=r, pid=info.pid, old_pid=old.pid)
+                log.info("rank %d rejoined with pid %d (was %d)", r, info.pid, old.pid)
         self.ranks[r] = info
         self.by_ident[ident] = r
         self._send(ident, self._ack)
@@ -545,7 +553,7 @@ class Controller:
     def _act_env_clear(self):
         kinds = {f["kind"] for f in self.active_faults}
         outcome, why = choose_strategy(self.options.ordered_strategies(), kinds, self.built_strategies)
-        self.strategy_note = why
+        self.strategy_note, self.chosen = why, outcome
         self.events.emit("strategy", outcome=outcome.value, reason=why)
         log.info("strategy for %s: %s (%s)", sorted(kinds), outcome.value, why)
         return outcome

@@ -244,7 +244,9 @@ class Processor:
         mode = os.environ.get("MINDSPEED_HA_CONTROLLER", "rank0")
         self.keys = security.Keys.load(self.log_dir, self.options.key_dir, self.options.insecure,
                                        create=(self.rank == 0 and mode == "rank0"))
-        if self.rank == 0 and mode == "rank0":
+        # A restarted rank 0 (recover) finds the controller that took over from its predecessor.
+        restarted = int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0) > 0
+        if self.rank == 0 and mode == "rank0" and not restarted:
             from .controller import Controller
             self.controller = Controller(self.log_dir, self.world, self.options, self.keys, rank=0,
                                          job_id=self.job_id, local_exit=self._exit_now).start()

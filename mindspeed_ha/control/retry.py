@@ -1,9 +1,10 @@
-"""The controller's side of the retry strategy (UCE / communication faults, every process alive).
+"""The controller's side of the retry strategy (UCE / communication faults, every process alive)
+and of recover (ARF: a lost worker is restarted by its agent and joins the running job).
 
 States REPAIR then ROLLBACK, each a sequence of rounds of orders to every live rank, run on the
 controller thread and timed (the ``recovered`` event's ``phases``):
 
-  REPAIR:   ha-status -> plan (dump.plan_dump over the healthy holders) -> rebuild (new communicator
+  REPAIR:   ha-status -> [recover: restart the lost workers, wait until they register] -> plan (dump.plan_dump over the healthy holders) -> rebuild (new communicator
             generation over a TCPStore served here) -> repair (shards copied from twins, weights
             re-gathered)
   ROLLBACK: rollback (recompute the failed step, or finish it) -> resume
@@ -23,6 +24,7 @@ from .states import Outcome as O
 
 log = get_logger("control.retry")
 ROUND_WAIT_S = 30.0
+RESTART_WAIT_S = 120.0  # a restarted worker imports torch and megatron before it registers
 
 
 class RetryDriver:
@@ -30,6 +32,7 @@ class RetryDriver:
         self.c = controller
         self.generation = 100  # store key prefixes apart from the dying gasp's
         self.awaiting = None   # after resume: (step to complete, faults, phases, how, lost steps, t_resume)
+        self.restarting: set[int] = set()  # ranks restarted by their agent, not registered again yet
         self._reset()
 
     def _reset(self) -> None:
@@ -41,6 +44,8 @@ class RetryDriver:
         self.reload_from = None   # no replicas: (iteration, path) of the periodic checkpoint to reload
         self.lost = 0
         self.how = ""
+        self.joiners: list[int] = []   # restarted ranks that join in this episode (recover)
+        self.statuses: dict = {}
 
     # ---- REPAIR ---------------------------------------------------------------------------------
     def start(self):
@@ -64,9 +69,36 @@ class RetryDriver:
         aid = self.c._do(action, sorted(self.c._live()), args)
         self.round, self.pend, self.t_round = name, self.c._pending[aid], time.monotonic()
 
+    @property
+    def strategy(self) -> str:
+        return "recover" if self.c.chosen == O.RECOVER else "retry"
+
+    def _restart_lost(self, now: float):
+        """recover: have the agents restart every lost worker; they join at the rebuild."""
+        c = self.c
+        lost = sorted(r for r, i in c.ranks.items() if not i.alive and not i.done)
+        watched = {r for a in c.agents.values() for r in a.ranks}
+        if set(lost) - watched:
+            return self._fail(f"rank(s) {sorted(set(lost) - watched)} have no launcher agent to restart them "
+                              "(start the job with mindspeed-ha run)")
+        if any(not c.ranks[r].groups for r in lost):
+            return self._fail(f"the replica group of rank(s) {lost} is unknown")
+        self.joiners = lost
+        self.restarting = set(lost)
+        c.restart_workers(lost)
+        c.events.emit("restart", ranks=lost)
+        log.info("recover: restarting rank(s) %s", lost)
+        self.round, self.pend, self.t_round = "restart", None, now
+        return None
+
     def _round_done(self, now: float):
         """None while waiting; else (ok, failures)."""
         live = self.c._live()
+        if self.round == "restart":
+            if self.restarting and now - self.t_round < RESTART_WAIT_S:
+                return None
+            self.phases["restart"] = round(now - self.t_round, 4)
+            return not self.restarting, {r: "did not come back" for r in self.restarting}
         if self.pend["waiting"] & live and now - self.t_round < ROUND_WAIT_S:
             return None
         failed = {r: d for r, (ok, d) in self.pend["results"].items() if not ok}
@@ -85,12 +117,18 @@ class RetryDriver:
             why = "; ".join(f"rank {r}: {d}" for r, d in sorted(failed.items()))[:500]
             return self._fail(f"{self.round} failed ({why})")
         if self.round == "status":
+            self.statuses = {r: json.loads(d) for r, (ok, d) in self.pend["results"].items()}
+            if self.c.chosen == O.RECOVER and any(not i.alive and not i.done for i in self.c.ranks.values()):
+                return self._restart_lost(now)
+            return self._plan()
+        if self.round == "restart":
             return self._plan()
         if self.round == "rebuild":
             if self.reload_from is not None:
                 self._send("reload", "reload", {})
             else:
-                self._send("repair", "repair", {"pairs": self.pairs, "iteration": self.target})
+                self._send("repair", "repair", {"pairs": self.pairs, "iteration": self.target,
+                                                "joiners": self.joiner_src})
             return None
         if self.round in ("repair", "reload"):
             if self.round == "reload":
@@ -107,12 +145,15 @@ class RetryDriver:
 
     def _plan(self):
         c = self.c
-        statuses = {r: json.loads(d) for r, (ok, d) in self.pend["results"].items()}
+        statuses = self.statuses
         if not all(s["replica"] for s in statuses.values()):
             return self._plan_reload(statuses)
         poisoned = {r for f in c.active_faults if f["kind"] == "memory-error" for r in f["ranks"]}
         holders = {r: {k: s[k] for k in ("iteration", "updating", "touched", "replica_group")}
                    | {"alive": r not in poisoned} for r, s in statuses.items()}
+        for r in self.joiners:  # restarted: holds nothing yet
+            holders[r] = {"iteration": -1, "updating": False, "touched": False,
+                          "replica_group": c.ranks[r].groups[0], "alive": False}
         plan = plan_dump(holders)
         if not plan.ok:
             return self._fail(plan.message().replace("dying-gasp checkpoint refused, nothing written: ", ""))
@@ -121,7 +162,11 @@ class RetryDriver:
             if not h["alive"] or plan.iteration not in _servable(h):
                 pairs += [plan.writers[tuple(sorted(h["replica_group"]))], r]
         self.plan, self.pairs, self.target = plan, pairs, plan.iteration
-        c.events.emit("repair_plan", iteration=plan.iteration, pairs=pairs, generation=self.generation + 1)
+        self.joiner_src = []  # restarted rank, the twin that also sends it counters, scheduler and RNG
+        for r in self.joiners:
+            self.joiner_src += [r, plan.writers[tuple(sorted(holders[r]["replica_group"]))]]
+        c.events.emit("repair_plan", iteration=plan.iteration, pairs=pairs, joiners=self.joiner_src,
+                      generation=self.generation + 1)
         log.info("retry: resume at iteration %d; shards to copy (src, dst): %s", plan.iteration,
                  list(zip(pairs[0::2], pairs[1::2])))
         return self._rebuild()
@@ -151,9 +196,9 @@ class RetryDriver:
         return None
 
     def _fail(self, why: str):
-        self.c.events.emit("repair_failed", reason=why)
-        log.error("retry failed: %s; falling back to the dying gasp", why)
-        self.c.strategy_note = f"retry failed ({why})"
+        self.c.events.emit("repair_failed", reason=why, strategy=self.strategy)
+        log.error("%s failed: %s; falling back to the dying gasp", self.strategy, why)
+        self.c.strategy_note = f"{self.strategy} failed ({why})"
         return O.FAILED
 
     # ---- back to NORMAL -------------------------------------------------------------------------
@@ -164,14 +209,14 @@ class RetryDriver:
             i.progress_at = max(i.progress_at, now)
         faults = list(c.active_faults)
         c.active_faults.clear()
-        self.awaiting = (self.target + 1, faults, dict(self.phases), self.how, self.lost, now)
+        self.awaiting = (self.target + 1, faults, dict(self.phases), self.how, self.lost, now, self.strategy)
         return O.OK  # -> NORMAL
 
     def watch(self, now: float) -> None:
         """In NORMAL after a retry: the recovery ends when every live rank completed a step."""
         if self.awaiting is None:
             return
-        target, faults, phases, how, lost, t_resume = self.awaiting
+        target, faults, phases, how, lost, t_resume, strategy = self.awaiting
         def completed(i) -> bool:  # the step ended ("step"), or it saved after it, or moved on
             return i.done or i.it > target or (i.it == target and i.phase in ("step", "checkpoint"))
         if all(completed(i) for i in self.c.ranks.values() if i.alive):
@@ -180,8 +225,9 @@ class RetryDriver:
             phases["first_step"] = round(now - t_resume, 4)
             mttr = first["detect_s"] + (now - first["t_detect"])
             plan_it = target - 1
-            self.c.events.emit("recovered", strategy="retry", iteration=plan_it, lost_steps=lost,
+            self.c.events.emit("recovered", strategy=strategy, iteration=plan_it, lost_steps=lost,
                                mttr_s=round(mttr, 4), phases=phases, how=how,
                                faults=[{"ranks": f["ranks"], "kind": f["kind"], "iteration": f["iteration"],
                                         "phase": f["phase"]} for f in faults])
-            log.info("recovered by retry (%s) at iteration %d: MTTR %.3f s, phases %s", how, plan_it, mttr, phases)
+            log.info("recovered by %s (%s) at iteration %d: MTTR %.3f s, phases %s", strategy, how, plan_it,
+                     mttr, phases)

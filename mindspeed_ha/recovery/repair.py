@@ -5,6 +5,11 @@ Each function is one step the controller orders on every rank's training thread,
 + ``regather_params`` (repair), ``resume_at`` (rollback, or roll forward). They use the trainer
 interface only.
 
+The recover strategy adds a restarted worker (a "joiner"): it enters with ``join`` (the default
+group of the survivors' rebuild, then the trainer's set-up without collectives of its own), receives
+its shard like a poisoned rank and, with ``transfer_bookkeeping``, the counters, scheduler and RNG of
+its shard's twin — a DP peer at the same TP/PP position, whose RNG streams are the same.
+
 Which iteration: the controller plans it like the dying gasp (``dump.plan_dump``): the newest
 iteration every optimizer shard has a healthy holder for. Shards that are behind it (a rank stopped
 before touching its shard while its twin finished the update) or poisoned (the memory error) are
@@ -13,6 +18,8 @@ failed step is recomputed (RNG and data position back to its start); if it is on
 update of the failed step had finished somewhere, so only its bookkeeping is finished.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -56,6 +63,55 @@ def rebuild(trainer, roots, store_host: str, store_port: int, generation: int, w
     return groups.rebuild_in_place(world_size, rank, store_host, store_port, generation, roots=roots,
                                    init_parallel=trainer.init_parallel, host_rank=None,
                                    timeout=timedelta(seconds=60), backend=backend)
+
+
+def join(trainer, store_host: str, store_port: int, generation: int, world_size: int, rank: int,
+         backend: str) -> None:
+    """A restarted worker: the default group of this generation (formed with the survivors'
+    ``rebuild``), then the trainer's set-up without any collective of its own."""
+    from datetime import timedelta
+    from mindspeed_ha.recovery import groups
+    groups._new_default_group(range(world_size), rank, store_host, store_port, generation, None,
+                              timedelta(seconds=60), backend)
+    with _gather_objects_locally():
+        trainer.setup(joining=True)
+
+
+@contextlib.contextmanager
+def _gather_objects_locally():
+    """megatron-core's optimizer set-up all-gathers every rank's param-group keys over the world
+    (to align the groups); the survivors are not in that collective. Every rank of a layout where
+    each rank holds the same kinds of parameters has the same keys, so a restarted worker gathers
+    its own; ``install_bookkeeping`` then checks the group count against its twin's."""
+    original = dist.all_gather_object
+
+    def local(out, obj, group=None):
+        out[:] = [obj] * len(out)
+    dist.all_gather_object = local
+    try:
+        yield
+    finally:
+        dist.all_gather_object = original
+
+
+def transfer_bookkeeping(trainer, joiners: dict[int, int], rank: int) -> None:
+    """``joiners``: restarted rank -> the twin that sends it what is not in the optimizer shard:
+    the trainer's counters, scheduler and pending loss, the RNG now and the snapshots of recent
+    iterations (so that ``resume_at`` rolls back or forward exactly as on the twin)."""
+    from mindspeed_ha.recovery.dump import _rng_snapshot
+    from mindspeed_ha.trainer.checkpoint import _set_rng_state
+    for dst, src in sorted(joiners.items()):
+        if rank == src:
+            state = getattr(trainer, "ha_step_state", None)
+            box = [{"trainer": trainer.bookkeeping(), "rng_now": _rng_snapshot(),
+                    "rng": dict(state.rng) if state is not None else {}}]
+            dist.send_object_list(box, dst)
+        elif rank == dst:
+            box = [None]
+            dist.recv_object_list(box, src)
+            trainer.install_bookkeeping(box[0]["trainer"])
+            _set_rng_state(box[0]["rng_now"])
+            trainer.ha_step_state.rng = dict(box[0]["rng"])
 
 
 def transfer_shards(optimizer, pairs: list[tuple[int, int]], rank: int, iteration: int) -> int:

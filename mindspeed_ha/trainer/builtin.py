@@ -51,18 +51,28 @@ class BuiltinTrainer(TrainerInterface):
         self.consumed_samples = 0
 
     # -- set-up ----------------------------------------------------------------------------------
-    def setup(self) -> None:
+    def setup(self, joining: bool = False) -> None:
+        """``joining``: a restarted worker entering a running job (recover) — the default group was
+        just built with the survivors' rebuild, which runs ``init_parallel`` in step with this; no
+        collective of its own here (the survivors are not in it) and no ``--load``: the state comes
+        from the replica peers next."""
         a, s = self.args, self.session
         replicas = s.options.replica_num if s.options.use_replica_optimizer else 1
         self.init_parallel()
         init_num_microbatches_calculator(dist.get_rank(), None, a.global_batch_size, a.micro_batch_size,
                                          ps.get_data_parallel_world_size())
         set_seed(a.seed)
-        self.model_chunks = [self._build_model(replicas)]
+        self.model_chunks = [self._build_model(replicas, broadcast=not joining)]
         self.optimizer = megatron_optimizer.get_megatron_optimizer(self._optimizer_config(), self.model_chunks)
         self.scheduler = self._build_scheduler()
-        self.dataset = data.build_train_dataset(a, a.train_iters * a.global_batch_size)
+        if not joining:
+            self.dataset = data.build_train_dataset(a, a.train_iters * a.global_batch_size)
         s.attach_trainer(self)
+        if joining:
+            self.ended = self.iteration
+            self._data_iter = None  # set with the bookkeeping received from a peer
+            s.trainer_ready()
+            return
         if a.load and checkpoint.read_tracker(a.load) is not None:
             t0 = time.perf_counter()
             checkpoint.load(self, a.load, load_optim=not a.no_load_optim, load_rng=not a.no_load_rng)
@@ -111,7 +121,13 @@ class BuiltinTrainer(TrainerInterface):
             moe_token_dispatcher_type="allgather",
             finalize_model_grads_func=self._finalize_grads)
 
-    def _build_model(self, replicas: int):
+    def prepare_join(self) -> None:
+        """Before a restarted worker has any group: build the dataset now, because its builder
+        ends with a barrier over the default group."""
+        a = self.args
+        self.dataset = data.build_train_dataset(a, a.train_iters * a.global_batch_size)
+
+    def _build_model(self, replicas: int, broadcast: bool = True):
         a = self.args
         config = self._transformer_config()
         self.config = config
@@ -130,7 +146,8 @@ class BuiltinTrainer(TrainerInterface):
             num_distributed_optimizer_instances=replicas, bucket_size=None)
         config.no_sync_func = None
         ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-        ddp.broadcast_params()
+        if broadcast:
+            ddp.broadcast_params()
         return ddp
 
     def _optimizer_config(self) -> OptimizerConfig:
@@ -190,6 +207,7 @@ class BuiltinTrainer(TrainerInterface):
     def train_step(self) -> float | None:
         a, s = self.args, self.session
         it = self.iteration + 1
+        self._t_step = time.perf_counter()
         s.step_start(it)
         for m in self.model_chunks:
             m.zero_grad_buffer()
@@ -198,7 +216,13 @@ class BuiltinTrainer(TrainerInterface):
             forward_step_func=self._forward_step, data_iterator=self._data_iter, model=self.model_chunks,
             num_microbatches=get_num_microbatches(), seq_length=a.seq_length,
             micro_batch_size=a.micro_batch_size, decoder_seq_length=a.seq_length, forward_only=False)
-        self._step_losses = losses  # kept until the step ends: a roll-forward reports them
+        # The DP-reduced loss, before the update: a roll-forward then needs no collective, and a
+        # restarted worker can be handed it by its peer. (Same arithmetic as after the update.)
+        self._step_loss = None
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            mean = torch.stack([x["lm loss"] for x in losses]).mean().reshape(1)
+            dist.all_reduce(mean, group=ps.get_data_parallel_group())
+            self._step_loss = float(mean.item() / ps.get_data_parallel_world_size())
         if s.optimizer is None:
             s.fire("optimizer", it)  # the replica optimizer fires it inside its update window
         ok, grad_norm, _ = self.optimizer.step()
@@ -212,12 +236,13 @@ class BuiltinTrainer(TrainerInterface):
             self.scheduler.step(increment=a.global_batch_size)
             self.iteration = it
             self.consumed_samples += a.global_batch_size
-        loss = None
-        if ps.is_pipeline_last_stage(ignore_virtual=True):
-            mean = torch.stack([x["lm loss"] for x in self._step_losses]).mean().reshape(1)
-            dist.all_reduce(mean, group=ps.get_data_parallel_group())
-            loss = float(mean.item() / ps.get_data_parallel_world_size())
+        loss = self._step_loss
         self.ended = it
+        if loss is not None and it % a.log_interval == 0 and ps.get_tensor_model_parallel_rank() == 0 \
+                and ps.get_data_parallel_rank() == 0:
+            dt = time.perf_counter() - self._t_step
+            print(f" iteration {it:8d}/{a.train_iters:8d} | lm loss: {loss:.6E} | step time: {dt * 1000:.1f} ms",
+                  flush=True)
         s.step_end(it, loss, grad_norm=grad_norm, lr=self.scheduler.get_lr(self.optimizer.param_groups[0]))
         return loss
 
@@ -225,6 +250,23 @@ class BuiltinTrainer(TrainerInterface):
         """Rollback: the next step is ``iteration + 1`` again (the RNG was restored by the caller)."""
         if self.iteration != iteration:
             raise RuntimeError(f"trainer at iteration {self.iteration}, asked to restart from {iteration}")
+        self._data_iter = self.data_iterator(self.consumed_samples)
+
+    def bookkeeping(self) -> dict:
+        """What a restarted worker takes from a peer at the same TP/PP position (besides the
+        optimizer shard): counters, scheduler, the loss of a step whose update finished."""
+        return {"iteration": self.iteration, "ended": self.ended, "consumed_samples": self.consumed_samples,
+                "scheduler": self.scheduler.state_dict(), "step_loss": getattr(self, "_step_loss", None),
+                "param_groups": len(self.optimizer.param_groups)}
+
+    def install_bookkeeping(self, state: dict) -> None:
+        if state["param_groups"] != len(self.optimizer.param_groups):
+            raise RuntimeError(f"restarted rank has {len(self.optimizer.param_groups)} optimizer param groups, "
+                               f"its replica peer {state['param_groups']}: this layout cannot be rejoined")
+        self.iteration, self.ended = state["iteration"], state["ended"]
+        self.consumed_samples = state["consumed_samples"]
+        self.scheduler.load_state_dict(state["scheduler"])
+        self._step_loss = state["step_loss"]
         self._data_iter = self.data_iterator(self.consumed_samples)
 
     def save_checkpoint(self, save_dir: str) -> str:
@@ -244,13 +286,7 @@ class BuiltinTrainer(TrainerInterface):
     def train(self) -> None:
         a = self.args
         while self.iteration < a.train_iters:
-            t0 = time.perf_counter()
-            loss = self.train_step()
-            dt = time.perf_counter() - t0
-            if loss is not None and self.iteration % a.log_interval == 0 and ps.get_tensor_model_parallel_rank() == 0 \
-                    and ps.get_data_parallel_rank() == 0:
-                print(f" iteration {self.iteration:8d}/{a.train_iters:8d} | lm loss: {loss:.6E} | "
-                      f"step time: {dt * 1000:.1f} ms", flush=True)
+            self.train_step()
             if a.save and a.save_interval and self.iteration % a.save_interval == 0:
                 self.save_checkpoint(a.save)
         if a.save and (not a.save_interval or self.iteration % a.save_interval):

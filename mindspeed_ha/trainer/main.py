@@ -52,11 +52,17 @@ def run(argv: list[str] | None = None) -> int:
     from mindspeed_ha.session import RankSession
     from mindspeed_ha.trainer.builtin import BuiltinTrainer, init_distributed
 
-    init_distributed(args.distributed_backend or device.backend, args.distributed_timeout_minutes)
     session = RankSession(opts, device, rank, world, local_rank)
     trainer = BuiltinTrainer(args, session)
+    joining = "recover" in opts.strategies and session.restarted_worker()
+    if not joining:
+        init_distributed(args.distributed_backend or device.backend, args.distributed_timeout_minutes)
     try:
-        trainer.setup()
+        if joining:  # recover: the job runs on; the controller brings this worker in
+            trainer.prepare_join()
+            session.join_running_job(trainer)
+        else:
+            trainer.setup()
         while True:
             try:
                 trainer.train()
