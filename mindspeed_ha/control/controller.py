@@ -153,13 +153,16 @@ class Controller:
         if self._thread and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
-    def _announce(self) -> None:
+    def _announce(self, quiet: bool = False) -> None:
         info = {"host": self.host, "port": self.port, "endpoint": self.endpoint,
                 "server_public_key": self.keys.server_public_text(), "secure": self.keys.secure,
                 "epoch": self.epoch, "rank": self.rank, "pid": os.getpid(), "job_id": self.job_id,
-                "world_size": self.world, "hostname": _socket.gethostname(), "started": time.time()}
+                "world_size": self.world, "hostname": _socket.gethostname(), "started": time.time(),
+                "backups": [self.backup_eps[r] for r in self.backups if r in self.backup_eps]}
         if self.write_json:
             election.write_controller_json(self.log_dir, info)
+        if quiet:
+            return
         log.info("controller (epoch %d) listening on %s, world %d, %s", self.epoch, self.endpoint,
                  self.world, "CurveZMQ" if self.keys.secure else "INSECURE")
 
@@ -235,7 +238,7 @@ class Controller:
         self.ranks[r] = info
         self.by_ident[ident] = r
         self._send(ident, self._ack)
-        if old is not None and old.ident != ident and old.pid == info.pid:
+        if old is not None and old.ident != ident and old.pid in (info.pid, 0):  # 0: placeholder of a takeover
             self._resend_pending(r)
         if self.machine.state == S.INIT and not self.standby and len(self.ranks) == self.world:
             self._feed(O.REGISTERED)
@@ -283,6 +286,7 @@ class Controller:
         if msg["action"] == "standby" and msg["ok"]:
             self.backup_eps[r] = msg.get("detail", "")
             self._refresh_ack()
+            self._announce(quiet=True)  # a client that never got an ack naming it finds it there
             self.events.emit("standby", rank=r, endpoint=self.backup_eps[r])
         if pend.get("cli") is not None:
             self._send(pend["cli"], P.encode("status", body=json.dumps(
@@ -427,6 +431,8 @@ class Controller:
         for r in ranks:
             if r in self.ranks and kind in ("process-exit", "heartbeat-lost", "controller-lost", "node-lost"):
                 self.ranks[r].alive = False
+                for pend in self._pending.values():  # a dead rank owes no answers (nor its successor)
+                    pend["waiting"].discard(r)
         self.faults.append(rec)
         self.active_faults.append(rec)
         self.events.emit("fault", **{k: v for k, v in rec.items() if k not in ("time", "t_detect", "cpu_detect")})
@@ -497,6 +503,8 @@ class Controller:
     def _progress(self, now: float) -> None:
         """Conditions a state waits on, and per-action timeouts."""
         st = self.machine.state
+        if st == S.NORMAL:
+            self.retrier.watch(now)  # first: the last step after a recovery may also end the job
         if st in (S.NORMAL, S.INIT):
             if self.ranks and len(self.ranks) == self.world and all(
                     i.done or not i.alive for i in self.ranks.values()) and not self.active_faults:
@@ -516,8 +524,6 @@ class Controller:
             elif pend is None or not (pend["waiting"] & self._live()):
                 self._feed(O.STOPPED)
                 return
-        if st == S.NORMAL:
-            self.retrier.watch(now)
         if st in (S.DUMP, S.REPAIR, S.ROLLBACK):
             outcome = (self.dumper if st == S.DUMP else self.retrier).progress(now)
             if outcome is not None:

@@ -72,10 +72,10 @@ class Candidates:
         self.epoch = 0
         self._tried: list[str] = []
 
-    def from_file(self) -> tuple[str, int] | None:
+    def from_file(self) -> tuple[str, int, list] | None:
         info = read_controller_json(self.log_dir, self.job_id)
         if info:
-            return info["endpoint"], int(info.get("epoch", 1))
+            return info["endpoint"], int(info.get("epoch", 1)), list(info.get("backups") or [])
         return None
 
     def next(self, lost: str | None) -> str | None:
@@ -83,7 +83,7 @@ class Candidates:
         f = self.from_file()
         if f and f[1] > self.epoch and f[0] != lost:
             return f[0]
-        order = [e for e in self.backups if e != lost]
+        order = [e for e in (self.backups or (f[2] if f else [])) if e != lost]
         if f and f[0] not in order:
             order.append(f[0])
         if lost and lost not in order:

@@ -81,8 +81,9 @@ class RetryDriver:
         if set(lost) - watched:
             return self._fail(f"rank(s) {sorted(set(lost) - watched)} have no launcher agent to restart them "
                               "(start the job with mindspeed-ha run)")
-        if any(not c.ranks[r].groups for r in lost):
-            return self._fail(f"the replica group of rank(s) {lost} is unknown")
+        unknown = [r for r in lost if self._group_of(r) is None]
+        if unknown:
+            return self._fail(f"the replica group of rank(s) {unknown} is unknown")
         self.joiners = lost
         self.restarting = set(lost)
         c.restart_workers(lost)
@@ -90,6 +91,15 @@ class RetryDriver:
         log.info("recover: restarting rank(s) %s", lost)
         self.round, self.pend, self.t_round = "restart", None, now
         return None
+
+    def _group_of(self, r: int):
+        """A lost rank's replica group: as it registered, or (a backup controller it never
+        registered with) from a survivor's group that contains it."""
+        info = self.c.ranks.get(r)
+        if info is not None and info.groups:
+            return list(info.groups[0])
+        return next((list(s["replica_group"]) for s in self.statuses.values()
+                     if r in s.get("replica_group", ())), None)
 
     def _round_done(self, now: float):
         """None while waiting; else (ok, failures)."""
@@ -153,7 +163,7 @@ class RetryDriver:
                    | {"alive": r not in poisoned} for r, s in statuses.items()}
         for r in self.joiners:  # restarted: holds nothing yet
             holders[r] = {"iteration": -1, "updating": False, "touched": False,
-                          "replica_group": c.ranks[r].groups[0], "alive": False}
+                          "replica_group": self._group_of(r), "alive": False}
         plan = plan_dump(holders)
         if not plan.ok:
             return self._fail(plan.message().replace("dying-gasp checkpoint refused, nothing written: ", ""))

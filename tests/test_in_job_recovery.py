@@ -1,8 +1,10 @@
-"""Retry (UCE / communication fault) end to end under `mindspeed-ha run`: no process restarts, the
-broken rank's shard comes back from its twin, the failed step is recomputed (or finished), and every
-iteration's loss equals the fault-free run's bit for bit."""
+"""In-job recovery end to end under `mindspeed-ha run`. Retry (UCE / communication fault): no
+process restarts, the broken rank's shard comes back from its twin. Recover (a killed worker): only
+that worker is restarted and joins the running job. Either way the failed step is recomputed (or
+finished) and every iteration's loss equals the fault-free run's bit for bit."""
 import subprocess
 import sys
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -121,3 +123,58 @@ def test_report_table_and_timeline(tmp_path):
     assert "comm-failure" in rows[1] and "recovered" in rows[1]
     png = tmp_path / "recovery_timeline.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- recover (ARF): kill a worker, only it restarts -------------------------------------------------
+ARF = ("--enable-worker-reboot",)
+KILL_JOBS = {
+    "forward+grad-sync+param-sync": [(1, 2, "forward"), (2, 4, "grad-sync"), (1, 6, "param-sync")],
+    "backward+optimizer": [(2, 3, "backward"), (3, 5, "optimizer")],
+}
+
+
+def check_rejoined(proc, log_dir, want, killed: list[int], n: int, nproc=4) -> list:
+    """Exit 0, exactly one new pid per kill (on the killed rank), every loss bit-identical, one
+    `recovered` event per recovery, 0 lost steps."""
+    assert_ok(proc)
+    evs = all_rank_events(log_dir)
+    pids = Counter(r for r, _ in {(e["rank"], e["pid"]) for e in evs if e["event"] == "start"})
+    assert pids == Counter(range(nproc)) + Counter(killed), pids
+    assert losses(log_dir) == want
+    rec = [e for e in events(log_dir, "controller") if e["event"] == "recovered"]
+    assert len(rec) == n, [e for e in events(log_dir, "controller") if e["event"] in ("fault", "strategy", "repair_failed")]
+    for r in rec:
+        assert r["lost_steps"] == 0 and r["mttr_s"] > 0
+        if r["strategy"] == "recover":
+            assert {"restart", "rebuild", "repair", "rollback", "first_step"} <= set(r["phases"])
+    return rec
+
+
+@pytest.mark.parametrize("name", list(KILL_JOBS))
+def test_kill_each_phase_dp4_restarts_only_that_worker(tmp_path, ref, name):
+    faults = KILL_JOBS[name]
+    proc = job(tmp_path, inject=",".join(f"kill:rank={r}:step={s}:phase={p}" for r, s, p in faults), extra=ARF)
+    rec = check_rejoined(proc, tmp_path, ref["dp4"], [r for r, _, _ in faults], n=len(faults))
+    assert [e["strategy"] for e in rec] == ["recover"] * len(faults)
+    # The newcomer's shard came from its twin.
+    repaired = [(e["rank"], e["sources"]) for e in all_rank_events(tmp_path) if e["event"] == "repaired"]
+    for r, _, _ in faults:
+        assert (r, [TWIN[r]]) in repaired, repaired
+
+
+def test_uce_then_kill_retry_and_recover_in_one_job(tmp_path, ref):
+    """The issue's acceptance run: a memory error repaired in place, then a killed worker restarted."""
+    proc = job(tmp_path, inject="uce:rank=2:step=4:phase=backward,kill:rank=1:step=7:phase=optimizer", extra=ARF)
+    rec = check_rejoined(proc, tmp_path, ref["dp4"], [1], n=2)
+    assert [e["strategy"] for e in rec] == ["retry", "recover"]
+
+
+def test_kill_rank0_backup_controller_restarts_it(tmp_path, ref):
+    """Rank 0 hosts the controller: the backup takes over, has rank 0 restarted, and the restarted
+    rank 0 joins without starting a controller of its own."""
+    proc = job(tmp_path, inject="kill:rank=0:step=6:phase=backward", extra=ARF)
+    rec = check_rejoined(proc, tmp_path, ref["dp4"], [0], n=1)
+    assert rec[0]["strategy"] == "recover"
+    takeovers = [e for e in all_rank_events(tmp_path) if e["event"] == "takeover"] + \
+        [e for e in events(tmp_path, "controller") if e["event"] == "takeover"]
+    assert takeovers, "no backup controller took over"
