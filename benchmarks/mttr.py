@@ -1,4 +1,4 @@
-"""Mean time to recover: in-job retry against a torchrun whole-job restart, same job, same fault.
+"""Mean time to recover: in-job retry and recover against a torchrun whole-job restart, same job.
 
 Both jobs: the same 4-rank GPT, `--save CK --save-interval K`, and a fault on rank 1 in the backward
 of step F (the worst case for periodic checkpoints is F = K*n + K, the best F = K*n + 1).
@@ -7,6 +7,9 @@ of step F (the worst case for periodic checkpoints is F = K*n + K, the best F = 
   (an uncorrectable memory error: the rank's optimizer shard is poisoned). No process restarts. From
   the controller's `recovered` event: `mttr_s` (fault -> every rank completed the failed step again),
   `lost_steps`, and the phases.
+- **recover** (ours): `... --enable-worker-reboot` with `kill:rank=1:step=F:phase=backward` (the
+  process dies). Its agent restarts only that worker, which joins the running job and gets its
+  state from its twin; the three others keep their processes. Same event, same definitions.
 - **torchrun** (baseline): `torchrun ... --load CK` with HA off (megatron-core's plain distributed
   optimizer) and `exit:rank=1:step=F:phase=backward` (the process dies; a memory error without
   repair ends the same way), then the same command again: every worker restarts and reloads the
@@ -64,20 +67,24 @@ def median_step(events: list[dict], skip_below: int = 2) -> float:
     return statistics.median(e["step_s"] for e in events if e["event"] == "step" and e["iteration"] >= skip_below)
 
 
-def run_retry(a, work: str) -> dict:
+OURS = {"retry": ("--enable-hbmfault-repair", "uce"), "recover": ("--enable-worker-reboot", "kill")}
+
+
+def run_ours(a, work: str, name: str) -> dict:
     from mindspeed_ha.events import read_events
-    log = os.path.join(work, "retry")
+    flag, fault = OURS[name]
+    log = os.path.join(work, name)
     os.makedirs(log)
     cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", "--nproc-per-node", str(WORLD), PRETRAIN,
-           *model_args(a), "--save", os.path.join(log, "ck"), "--enable-hbmfault-repair", "--ha-log-dir", log]
+           *model_args(a), "--save", os.path.join(log, "ck"), flag, "--ha-log-dir", log]
     e = env()
-    e["MINDSPEED_HA_INJECT"] = f"uce:rank=1:step={a.fault_step}:phase=backward"
+    e["MINDSPEED_HA_INJECT"] = f"{fault}:rank=1:step={a.fault_step}:phase=backward"
     t0 = time.time()
     proc = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=1200, cwd=log)
     wall = time.time() - t0
     rec = [x for x in read_events(os.path.join(log, "events", "controller.jsonl")) if x["event"] == "recovered"]
     if proc.returncode != 0 or not rec:
-        raise SystemExit("retry job failed:\n" + proc.stderr[-3000:])
+        raise SystemExit(f"{name} job failed:\n" + proc.stderr[-3000:])
     ev = rank_events(log)
     pids = {x["pid"] for x in ev if x["event"] == "start"}
     return {"mttr_s": rec[0]["mttr_s"], "regain_s": rec[0]["mttr_s"], "lost_steps": rec[0]["lost_steps"],
@@ -131,10 +138,10 @@ def main() -> None:
     a = p.parse_args()
     work = a.keep or tempfile.mkdtemp(prefix="mttr_bench_")
     os.makedirs(work, exist_ok=True)
-    ours = run_retry(a, work)
+    ours = {name: run_ours(a, work, name) for name in OURS}
     base = run_torchrun(a, work)
     out = {"fault_step": a.fault_step, "interval_k": a.interval, "world": WORLD}
-    for name, r in (("retry", ours), ("torchrun", base)):
+    for name, r in (*ours.items(), ("torchrun", base)):
         wasted = WORLD * r["regain_s"]
         r["wasted_rank_s"] = wasted
         r["ettr_at_meta_mttf"] = MTTF_S / (MTTF_S + r["regain_s"])
@@ -143,11 +150,13 @@ def main() -> None:
               f"{r['processes']} processes | ETTR at 7.9 h MTTF {r['ettr_at_meta_mttf']:.6f}", flush=True)
         for k in ("mttr_s", "regain_s", "lost_steps", "wasted_rank_s", "step_s", "ettr_at_meta_mttf", "processes"):
             out[f"{name}_{k}"] = round(r[k], 6) if isinstance(r[k], float) else r[k]
-    out["retry_phases"] = ours["phases"]
-    out["torchrun_mttr_ratio"] = round(base["mttr_s"] / ours["mttr_s"], 2)
-    out["torchrun_regain_ratio"] = round(base["regain_s"] / ours["regain_s"], 2)
-    out["torchrun_wasted_rank_s_ratio"] = round(base["wasted_rank_s"] / ours["wasted_rank_s"], 2)
-    out["torchrun_step_time_ratio"] = round(base["step_s"] / ours["step_s"], 3)
+    for name, r in ours.items():  # torchrun_* (retry) keep their names; recover's are prefixed
+        pre = "torchrun" if name == "retry" else f"torchrun_vs_{name}"
+        out[f"{name}_phases"] = r["phases"]
+        out[f"{pre}_mttr_ratio"] = round(base["mttr_s"] / r["mttr_s"], 2)
+        out[f"{pre}_regain_ratio"] = round(base["regain_s"] / r["regain_s"], 2)
+        out[f"{pre}_wasted_rank_s_ratio"] = round(base["wasted_rank_s"] / r["wasted_rank_s"], 2)
+        out[f"{pre}_step_time_ratio"] = round(base["step_s"] / r["step_s"], 3)
     print(json.dumps(out))
 
 
