@@ -8,6 +8,8 @@
            | bitflip (flip one bit of this rank's optimizer shard, silently: a drill for
              --ha-verify-replicas-interval)
     PHASE  forward (default) | backward | grad-sync | optimizer | param-sync | checkpoint
+           | recovery (when the rank starts serving an in-job recovery of a fault in step S:
+             a fault during recovery)
 
 The trainer calls ``fire_point(phase, iteration)`` at each phase of each step. Each fault fires once
 per *job*: before firing, the rank claims ``DIR/inject/<hash>.fired`` with an exclusive create, so a
@@ -31,7 +33,7 @@ from mindspeed_ha.faults import CommFault, MemoryFault
 
 ENV = "MINDSPEED_HA_INJECT"
 KINDS = ("kill", "exit", "exception", "uce", "hang", "comm", "bitflip")
-PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint")
+PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint", "recovery")
 DEFAULT_PHASE = "forward"
 EXAMPLE = f'{ENV}="kill:rank=1:step=3:phase=backward,hang:rank=2:step=5"'
 

@@ -203,6 +203,9 @@ class RankSession:
     def _ha_status(self, args: dict):
         import json
         from mindspeed_ha.recovery import dump, repair
+        if self.joining:  # restarted, not resumed yet (a fault came during its recovery): holds nothing
+            return True, json.dumps({"replica": True, "joining": True})
+        self.fire("recovery", self.trainer.iteration + 1)
         if getattr(self.trainer, "ended", None) is None:
             return False, "in-place repair needs a trainer that can roll back (the built-in trainer)"
         if self.optimizer is None:  # --distributed-optimizer-no-replica: the fallback reloads a checkpoint
@@ -221,7 +224,7 @@ class RankSession:
     def _rebuild(self, args: dict):
         from mindspeed_ha.recovery import repair
         t0 = time.perf_counter()
-        if self.joining:
+        if self.joining and getattr(self.trainer, "optimizer", None) is None:
             repair.join(self.trainer, args["store_host"], int(args["store_port"]), int(args["generation"]),
                         self.world_size, self.rank, self.device.backend)
             return True, f"joined and set up in {time.perf_counter() - t0:.3f}s"

@@ -178,3 +178,67 @@ def test_kill_rank0_backup_controller_restarts_it(tmp_path, ref):
     takeovers = [e for e in all_rank_events(tmp_path) if e["event"] == "takeover"] + \
         [e for e in events(tmp_path, "controller") if e["event"] == "takeover"]
     assert takeovers, "no backup controller took over"
+
+
+def test_node_lost_replacement_agent_joins(tmp_path, ref):
+    """Two agents as two nodes (2 workers each). Node 1 (its agent and both workers) is killed while
+    its rank 3 hangs in step 4; nobody reports an exit, so the controller finds the ranks lost by
+    their silence and waits for a replacement node: `mindspeed-ha run` started again with
+    --node-rank 1 sees the job running and starts its workers as joiners. Losses bit-identical."""
+    import os
+    import signal
+    import socket
+    import time
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = clean_env({"MINDSPEED_HA_INJECT": "hang:rank=3:step=4:phase=forward"})
+
+    def agent(node_rank: int, tag: str) -> subprocess.Popen:
+        out = open(tmp_path / f"agent{tag}.out", "w")
+        cmd = MINDSPEED_HA + ["run", "--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "2",
+                              "--master-addr", "127.0.0.1", "--master-port", str(port), PRETRAIN, *TINY,
+                              "--train-iters", str(ITERS), "--enable-hbmfault-repair", *ARF, "--ha-log-dir", str(tmp_path)]
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(tmp_path))
+
+    def wait_for(pred, what: str, timeout: float = 120.0):
+        t = time.monotonic()
+        while not pred():
+            assert time.monotonic() - t < timeout, f"timed out waiting for {what}; see {tmp_path}/agent*.out"
+            time.sleep(0.2)
+
+    node0 = agent(0, "0")
+    wait_for(lambda: (tmp_path / "keys").exists(), "node 0's keys")
+    node1 = agent(1, "1")
+    try:
+        wait_for(lambda: any(e["event"] == "inject" for e in events(tmp_path, "rank_3")), "rank 3 to hang")
+        workers = [e["worker_pid"] for e in events(tmp_path, "agent_1") if e["event"] == "worker_start"]
+        node1.kill()
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        node1.wait(30)
+        wait_for(lambda: any(e["event"] == "restart" for e in events(tmp_path, "controller")), "the recovery")
+        restart = next(e for e in events(tmp_path, "controller") if e["event"] == "restart")
+        assert restart["awaiting_node"] == [2, 3] and restart["ranks"] == []
+        replacement = agent(1, "1b")
+        assert replacement.wait(240) == 0, (tmp_path / "agent1b.out").read_text()[-3000:]
+        assert node0.wait(60) == 0, (tmp_path / "agent0.out").read_text()[-3000:]
+    finally:
+        for p in (node0, node1):
+            if p.poll() is None:
+                p.kill()
+    rec = check_rejoined(subprocess.CompletedProcess([], 0, "", ""), tmp_path, ref["dp4"], [2, 3], n=1)
+    assert rec[0]["strategy"] == "recover"
+    assert {f["kind"] for f in rec[0]["faults"]} >= {"heartbeat-lost"}
+
+
+def test_fault_during_recovery_restarts_it_with_both_faults(tmp_path, ref):
+    """A memory error on rank 1 in step 5; rank 2 dies as it starts serving that recovery. The
+    recovery starts over with both faults: retry cannot bring back a process, so recover restarts
+    rank 2, and both shards come from their twins."""
+    proc = job(tmp_path, inject="uce:rank=1:step=5:phase=backward,kill:rank=2:step=5:phase=recovery", extra=ARF)
+    rec = check_rejoined(proc, tmp_path, ref["dp4"], [2], n=1)
+    assert rec[0]["strategy"] == "recover"
+    assert {(tuple(f["ranks"]), f["kind"]) for f in rec[0]["faults"]} >= {((1,), "memory-error"), ((2,), "process-exit")}
+    repaired = {e["rank"]: e["sources"] for e in all_rank_events(tmp_path) if e["event"] == "repaired"}
+    assert repaired == {1: [3], 2: [0]}

@@ -519,6 +519,10 @@ class Controller:
             # A rank that reported its own memory error or exception is the cause: nothing to wait for.
             self_reported = self.active_faults and self.active_faults[0]["kind"] in ("memory-error", "other")
             settle = self.settle_comm_s if only_comm else (0.05 if self_reported else self.settle_s)
+            if only_comm and any(now - i.seen > 2 * self.hb for r, i in self.ranks.items() if r in self._live()):
+                # A rank is silent too (a node whose agent died with it reports no exit): wait until
+                # it is declared lost, so that the strategy sees the cause.
+                settle = self.dead_after + 0.5
             if now - self.machine.entered < settle:
                 pass
             elif pend is None or not (pend["waiting"] & self._live()):

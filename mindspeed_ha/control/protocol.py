@@ -21,9 +21,9 @@ MAX_INT = 2 ** 62
 FAULT_KINDS = ("memory-error", "comm-failure", "other", "process-exit", "hang", "heartbeat-lost",
                "controller-lost", "node-lost")
 PHASES = ("startup", "forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint",
-          "step", "unknown")
+          "step", "unknown", "recovery")
 INJECT_KINDS = ("kill", "exit", "exception", "uce", "hang", "comm")
-INJECT_PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint")
+INJECT_PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint", "recovery")
 
 
 class ProtocolError(ValueError):

@@ -77,18 +77,24 @@ class RetryDriver:
         """recover: have the agents restart every lost worker; they join at the rebuild."""
         c = self.c
         lost = sorted(r for r, i in c.ranks.items() if not i.alive and not i.done)
-        watched = {r for a in c.agents.values() for r in a.ranks}
-        if set(lost) - watched:
-            return self._fail(f"rank(s) {sorted(set(lost) - watched)} have no launcher agent to restart them "
-                              "(start the job with mindspeed-ha run)")
+        if set(lost) - {r for a in c.agents.values() for r in a.ranks}:
+            return self._fail(f"rank(s) {sorted(set(lost) - {r for a in c.agents.values() for r in a.ranks})} "
+                              "have no launcher agent to restart them (start the job with mindspeed-ha run)")
+        # A node lost with its agent: its replacement (mindspeed-ha run with the same --node-rank)
+        # starts its workers as joiners by itself; the others are restarted by their agents.
+        live_agents = [a for a in c.agents.values() if now - a.seen <= c.dead_after]
+        by_agent = sorted(r for a in live_agents for r in a.ranks if r in lost)
         unknown = [r for r in lost if self._group_of(r) is None]
         if unknown:
             return self._fail(f"the replica group of rank(s) {unknown} is unknown")
-        self.joiners = lost
+        self.joiners = sorted(set(self.joiners) | set(lost))
         self.restarting = set(lost)
-        c.restart_workers(lost)
-        c.events.emit("restart", ranks=lost)
-        log.info("recover: restarting rank(s) %s", lost)
+        if by_agent:
+            c.restart_workers(by_agent)
+        waiting = sorted(set(lost) - set(by_agent))
+        c.events.emit("restart", ranks=by_agent, awaiting_node=waiting)
+        log.info("recover: restarting rank(s) %s%s", by_agent, f"; waiting for a replacement node for rank(s) "
+                 f"{waiting} (mindspeed-ha run with its --node-rank)" if waiting else "")
         self.round, self.pend, self.t_round = "restart", None, now
         return None
 
@@ -128,6 +134,10 @@ class RetryDriver:
             return self._fail(f"{self.round} failed ({why})")
         if self.round == "status":
             self.statuses = {r: json.loads(d) for r, (ok, d) in self.pend["results"].items()}
+            # Restarted ranks still joining (this recovery restarted after a new fault) hold nothing.
+            self.joiners = sorted(r for r, st in self.statuses.items() if st.get("joining"))
+            for r in self.joiners:
+                del self.statuses[r]
             if self.c.chosen == O.RECOVER and any(not i.alive and not i.done for i in self.c.ranks.values()):
                 return self._restart_lost(now)
             return self._plan()

@@ -90,7 +90,7 @@ TABLE: dict[tuple[State, Outcome], State] = {
 
 # Seconds an action bound to a state may take before the controller feeds TIMEOUT.
 TIMEOUTS: dict[State, float] = {
-    S.INIT: 600.0, S.PAUSE: 2.0, S.ENV_CLEAR: 10.0, S.REPAIR: 180.0, S.ROLLBACK: 30.0,
+    S.INIT: 600.0, S.PAUSE: 5.0, S.ENV_CLEAR: 10.0, S.REPAIR: 180.0, S.ROLLBACK: 30.0,
     S.DUMP: 120.0, S.DOWNGRADE: 60.0, S.UPGRADE: 120.0, S.EXIT: 5.0,
 }
 

@@ -202,8 +202,11 @@ class Agent:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         log.info("agent %d/%d: %d workers of %d, master %s:%d, job %s, log dir %s", a.node_rank, a.nnodes,
                  a.nproc_per_node, self.world, a.master_addr, a.master_port, self.job_id, self.log_dir)
+        restarts = 1 if self._job_running() else 0
         for lr in range(a.nproc_per_node):
-            self._spawn(lr)
+            self._spawn(lr, restarts)
+        if restarts:
+            self.link.send(self._hello())
         try:
             return self._loop()
         finally:
@@ -217,6 +220,21 @@ class Agent:
             shutil.rmtree(self.board_dir, ignore_errors=True)
             for s, h in old.items():
                 signal.signal(s, h)
+
+    def _job_running(self, wait_s: float = 5.0) -> bool:
+        """A replacement for a lost node: this job's controller is up and past its start. Then the
+        workers start as restarted ones (they join the running job instead of its rendezvous)."""
+        if read_controller_json(self.log_dir, self.job_id) is None:
+            return False
+        t = time.monotonic()
+        while time.monotonic() - t < wait_s and not self.link.active:
+            self.link.maintain()
+            self.link.receive(50)
+        running = self.link.active and self.link.state not in ("", "init", "done", "exit")
+        if running:
+            log.warning("agent %d: job %s is running (controller state %s): starting the workers as "
+                        "replacements that join it", self.a.node_rank, self.job_id, self.link.state)
+        return running
 
     def _loop(self) -> int:
         next_hb = 0.0
