@@ -85,6 +85,9 @@ def _megatron_pretrain_gpt():
 
 def pretrain_gpt_main() -> int:
     """What Megatron-LM's ``pretrain_gpt.py`` does under ``__main__``, plus mindspeed-ha."""
+    from mindspeed_ha.launcher import spare
+    if spare.is_spare():
+        return 0  # no restarted worker joins Megatron-LM's loop (yet): the agent stops keeping spares
     prepare()
     from megatron.core.enums import ModelType
     from mindspeed_ha.options import add_ha_args

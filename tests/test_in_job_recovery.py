@@ -167,6 +167,9 @@ def test_uce_then_kill_retry_and_recover_in_one_job(tmp_path, ref):
     proc = job(tmp_path, inject="uce:rank=2:step=4:phase=backward,kill:rank=1:step=7:phase=optimizer", extra=ARF)
     rec = check_rejoined(proc, tmp_path, ref["dp4"], [1], n=2)
     assert [e["strategy"] for e in rec] == ["retry", "recover"]
+    # Rank 1's new process was the agent's pre-started spare.
+    starts = [e for e in events(tmp_path, "agent_0") if e["event"] == "worker_start" and e.get("restarts")]
+    assert [(e["worker_rank"], e.get("spare")) for e in starts] == [(1, True)]
 
 
 def test_kill_rank0_backup_controller_restarts_it(tmp_path, ref):

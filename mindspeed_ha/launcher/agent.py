@@ -24,6 +24,7 @@ from ..control import protocol as P, security
 from ..control.election import read_controller_json
 from ..control.processor import ControllerLink, ProgressBoard
 from ..events import EventLog, get_logger, log_dir_from_env, setup_text_log
+from . import spare
 
 log = get_logger("launcher.agent")
 
@@ -98,6 +99,11 @@ class Agent:
         self.exit_deadline = 0.0
         self.first_failure = 0.0
         self._signal = 0
+        # recover: a worker started ahead of time that a restart hands the lost rank to (spare.py)
+        self.keep_spare = (os.environ.get("MINDSPEED_HA_SPARE_WORKER", "1") != "0"
+                           and spare.recover_requested(self.script_args))
+        self.spare: subprocess.Popen | None = None
+        self.spare_due = 0.0
 
     # ---- workers ------------------------------------------------------------------------------
     def _env(self, rank: int, local_rank: int, restarts: int) -> dict:
@@ -126,6 +132,46 @@ class Agent:
         self.workers[rank] = w
         self.events.emit("worker_start", worker_rank=rank, worker_pid=p.pid, restarts=restarts)
         return w
+
+    def _spawn_spare(self) -> None:
+        cmd = [sys.executable, "-u"] + (["-m"] if self.a.module else []) + [self.a.script] + self.script_args
+        env = self._env(-1, -1, 0)
+        env[spare.ENV] = "1"
+        self.spare = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, start_new_session=True)
+        self.events.emit("spare_start", worker_pid=self.spare.pid)
+
+    def _maintain_spare(self, now: float) -> None:
+        if not self.keep_spare:
+            return
+        if self.spare is not None and self.spare.poll() is not None:
+            code = self.spare.returncode
+            log.warning("agent %d: spare worker (pid %d) ended with %s%s", self.a.node_rank, self.spare.pid, code,
+                        "; restarts will start new workers" if code == 0 else "")
+            self.keep_spare = code != 0  # 0: the script cannot use a spare (e.g. Megatron-LM's loop)
+            self.spare, self.spare_due = None, now + 5.0
+        if self.spare is None and self.keep_spare and now >= self.spare_due:
+            self._spawn_spare()
+
+    def _restart(self, w: Worker) -> None:
+        """A new worker for ``w``'s rank: the spare when one is ready, else a fresh process."""
+        sp, self.spare = self.spare, None
+        if sp is not None and sp.poll() is None:
+            try:
+                sp.stdin.write(spare.assignment(w.rank, w.local_rank, w.restarts + 1))
+                sp.stdin.close()
+            except OSError:
+                sp = None
+        else:
+            sp = None
+        if sp is None:
+            self._spawn(w.local_rank, w.restarts + 1)
+            return
+        nw = Worker(w.rank, w.local_rank, sp)
+        nw.restarts = w.restarts + 1
+        self.workers[w.rank] = nw
+        # The next spare later: its start-up would compete with the recovery for the CPU.
+        self.spare_due = time.monotonic() + 10.0
+        self.events.emit("worker_start", worker_rank=w.rank, worker_pid=sp.pid, restarts=nw.restarts, spare=True)
 
     def _killpg(self, w: Worker, sig: int) -> None:
         try:
@@ -175,7 +221,7 @@ class Agent:
                     continue
                 self._killpg(w, signal.SIGKILL)
                 w.popen.wait()
-                self._spawn(w.local_rank, w.restarts + 1)
+                self._restart(w)
             self.first_failure = 0.0
             self.link.send(self._hello())
 
@@ -202,7 +248,8 @@ class Agent:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         log.info("agent %d/%d: %d workers of %d, master %s:%d, job %s, log dir %s", a.node_rank, a.nnodes,
                  a.nproc_per_node, self.world, a.master_addr, a.master_port, self.job_id, self.log_dir)
-        restarts = 1 if self._job_running() else 0
+        # Node 0 starts the job (its rank 0 hosts the controller): only another node can be a replacement.
+        restarts = 1 if a.node_rank != 0 and self._job_running() else 0
         for lr in range(a.nproc_per_node):
             self._spawn(lr, restarts)
         if restarts:
@@ -216,6 +263,9 @@ class Agent:
                     w.popen.wait(5)
                 except subprocess.TimeoutExpired:
                     pass
+            if self.spare is not None:
+                self._killpg(Worker(-1, -1, self.spare), signal.SIGKILL)
+                self.spare.wait(5)
             self.link.close()
             shutil.rmtree(self.board_dir, ignore_errors=True)
             for s, h in old.items():
@@ -251,6 +301,8 @@ class Agent:
                 next_hb = now + self.hb
                 self.link.send(P.encode("agent_hb", node_rank=self.a.node_rank))
             self._poll_workers()
+            if self.exit_order is None and not self._signal:
+                self._maintain_spare(now)
             alive = [w for w in self.workers.values() if not w.reported]
             if self._signal:
                 if not alive:

@@ -121,11 +121,11 @@ class BuiltinTrainer(TrainerInterface):
             moe_token_dispatcher_type="allgather",
             finalize_model_grads_func=self._finalize_grads)
 
-    def prepare_join(self) -> None:
-        """Before a restarted worker has any group: build the dataset now, because its builder
-        ends with a barrier over the default group."""
+    def prepare_join(self, dataset=None) -> None:
+        """Before a restarted worker has any group: build the dataset now (unless a spare built it
+        already), because its builder ends with a barrier over the default group."""
         a = self.args
-        self.dataset = data.build_train_dataset(a, a.train_iters * a.global_batch_size)
+        self.dataset = dataset or data.build_train_dataset(a, a.train_iters * a.global_batch_size)
 
     def _build_model(self, replicas: int, broadcast: bool = True):
         a = self.args

@@ -45,13 +45,20 @@ def run(argv: list[str] | None = None) -> int:
 
     from mindspeed_ha.adaptor import apply_patches
     apply_patches(device, megatron_lm=False, ha=opts.enabled)
-    device.set_current(local_rank)
 
     from mindspeed_ha.comm.interruptible import CollectiveStopped
+    from mindspeed_ha.launcher import spare
     from mindspeed_ha.replica.verify import ReplicaMismatchError
     from mindspeed_ha.session import RankSession
+    from mindspeed_ha.trainer import data
     from mindspeed_ha.trainer.builtin import BuiltinTrainer, init_distributed
 
+    dataset = None
+    if spare.is_spare():  # everything above is done ahead of a fault; now wait to be a rank
+        dataset = data.build_train_dataset(args, args.train_iters * args.global_batch_size)
+        spare.wait_for_assignment()
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    device.set_current(local_rank)
     session = RankSession(opts, device, rank, world, local_rank)
     trainer = BuiltinTrainer(args, session)
     joining = "recover" in opts.strategies and session.restarted_worker()
@@ -59,7 +66,7 @@ def run(argv: list[str] | None = None) -> int:
         init_distributed(args.distributed_backend or device.backend, args.distributed_timeout_minutes)
     try:
         if joining:  # recover: the job runs on; the controller brings this worker in
-            trainer.prepare_join()
+            trainer.prepare_join(dataset)
             session.join_running_job(trainer)
         else:
             trainer.setup()
