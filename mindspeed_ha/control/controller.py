@@ -453,7 +453,9 @@ class Controller:
             if not info.alive or info.done:
                 continue
             silent = now - info.seen
-            if silent > self.dead_after and (info.rank not in watched or silent > max(self.dead_after, self.hang_timeout)):
+            # The same for a rank on this host whose process still runs (e.g. under plain torchrun).
+            if silent > self.dead_after and ((info.rank not in watched and not self._runs_here(info))
+                                             or silent > max(self.dead_after, self.hang_timeout)):
                 lost.append(info)
             elif (self.machine.state == S.NORMAL and info.it >= 0
                   and now - info.progress_at > self.hang_timeout):
@@ -472,6 +474,16 @@ class Controller:
                         detect_s=now - min(i.progress_at for i in hung),
                         detail=f"no progress for {now - first.progress_at:.1f}s "
                                f"(hang timeout {self.hang_timeout:g}s)", key=("hang", first.it))
+
+    @staticmethod
+    def _runs_here(info: Rank) -> bool:
+        if not info.pid or info.host != _socket.gethostname():
+            return False
+        import psutil
+        try:
+            return psutil.Process(info.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
 
     def _tick(self) -> None:
         now = time.monotonic()
@@ -516,9 +528,10 @@ class Controller:
             # communication errors, and the strategy must see the real cause. Communication errors
             # alone are nearly always a consequence, so wait longer for their cause.
             only_comm = all(f["kind"] == "comm-failure" for f in self.active_faults)
-            # A rank that reported its own memory error or exception is the cause: nothing to wait for.
-            self_reported = self.active_faults and self.active_faults[0]["kind"] in ("memory-error", "other")
-            settle = self.settle_comm_s if only_comm else (0.05 if self_reported else self.settle_s)
+            # A rank that reported its own memory error or exception, or an agent's exit report, is
+            # the cause: nothing more to wait for (an agent reports all its dead workers at once).
+            known = any(f["kind"] in ("memory-error", "other", "process-exit") for f in self.active_faults)
+            settle = self.settle_comm_s if only_comm else (0.05 if known else self.settle_s)
             if only_comm and any(now - i.seen > 2 * self.hb for r, i in self.ranks.items() if r in self._live()):
                 # A rank is silent too (a node whose agent died with it reports no exit): wait until
                 # it is declared lost, so that the strategy sees the cause.
