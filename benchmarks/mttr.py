@@ -17,10 +17,19 @@ of step F (the worst case for periodic checkpoints is F = K*n + K, the best F = 
   incarnation (MTTR, the same definition), fault -> step F completed again (back where it was), lost
   steps = (F - 1) - loaded iteration.
 
+- **torchft** (the closest open peer; `pip install 'mindspeed-ha[peers]'`, else skipped): the same
+  GPT, one torchft replica group per rank (4), torchft's Manager, DDP and optimizer wrapper and its
+  own lighthouse (benchmarks/torchft_replica.py). Replica 1 is SIGKILLed after step F and started
+  again at once (what a scheduler or torchelastic would do); it heals from a peer over torchft's
+  HTTP checkpoint transport while the others go on with one replica less. MTTR: fault -> the
+  restarted replica's first completed step. The survivors lose no step but train on 3/4 of the
+  batch meanwhile (`missed_steps`: steps the group completed without replica 1); wasted
+  rank-seconds = the dead replica's MTTR plus the survivors' steps beyond their steady step time.
+
 Also: steady-state step time of each job, the rank-seconds each fault wastes (world x time until
 step F is completed again) and the effective training time ratio (ETTR) those imply at a published
 failure rate (Meta, 1,024-GPU jobs: one failure every 7.9 h), counting recovery only.
-Ratios are baseline / ours (bigger is better). Not compared here: torchft (see README).
+Ratios are baseline / ours (bigger is better).
 
 Last line: one JSON object.
 """
@@ -126,6 +135,67 @@ def run_torchrun(a, work: str) -> dict:
             "processes": len({x["pid"] for x in ev if x["event"] == "start"})}
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchft(a, work: str) -> dict | None:
+    import shutil
+    lighthouse = shutil.which("torchft_lighthouse")
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        lighthouse = None
+    if lighthouse is None:
+        print("torchft not installed (pip install 'mindspeed-ha[peers]'): its baseline is skipped", flush=True)
+        return None
+    log = os.path.join(work, "torchft")
+    os.makedirs(log)
+    events = os.path.join(log, "events.jsonl")
+    lport = _free_port()
+    lh = subprocess.Popen([lighthouse, "--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "1000",
+                           "--bind", f"127.0.0.1:{lport}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args = [a2 for a2 in model_args(a) if a2 != "--use-distributed-optimizer"]
+    script = os.path.join(HERE, "torchft_replica.py")
+
+    def start(rid: int, restarted: bool) -> subprocess.Popen:
+        e = env()
+        e.update(FT_REPLICA_ID=str(rid), FT_REPLICAS=str(WORLD), FT_EVENTS=events,
+                 FT_FAULT_STEP=str(a.fault_step - 1 if rid == 1 else -1),
+                 FT_RESTARTED="1" if restarted else "0", TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{lport}",
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        out = open(os.path.join(log, f"replica{rid}{'b' if restarted else ''}.out"), "w")
+        return subprocess.Popen([sys.executable, script, *args], env=e, stdout=out, stderr=subprocess.STDOUT, cwd=log)
+    t0 = time.time()
+    try:
+        procs = {r: start(r, False) for r in range(WORLD)}
+        procs[1].wait(600)  # it kills itself after step F-1
+        procs[1] = start(1, True)
+        codes = {r: p.wait(600) for r, p in procs.items()}
+    finally:
+        for p in list(procs.values()) + [lh]:
+            if p.poll() is None:
+                p.kill()
+    wall = time.time() - t0
+    from mindspeed_ha.events import read_events
+    ev = read_events(events)
+    if any(codes.values()) or not any(x["event"] == "inject" for x in ev):
+        raise SystemExit(f"torchft jobs: exit codes {codes}; see {log}/replica*.out")
+    fault = next(x["time"] for x in ev if x["event"] == "inject")
+    back = next(x for x in ev if x["event"] == "step" and x["replica"] == 1 and x["time"] > fault)
+    steady = median_step([dict(x, iteration=x["step"]) for x in ev if x["event"] == "step" and x["time"] < fault])
+    during = [x for x in ev if x["event"] == "step" and x["replica"] != 1 and fault < x["time"] <= back["time"]]
+    stall = sum(max(0.0, x["step_s"] - steady) for x in during)
+    missed = len({x["step"] for x in during})
+    mttr = back["time"] - fault
+    return {"mttr_s": mttr, "regain_s": mttr, "lost_steps": 0, "missed_steps": missed, "step_s": steady,
+            "wasted_rank_s": mttr + stall, "wall_s": wall,
+            "processes": len({x["pid"] for x in ev if x["event"] == "start"})}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=2)
@@ -135,14 +205,17 @@ def main() -> None:
     p.add_argument("--fault-step", type=int, default=10, help="F: the step the fault lands in")
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--keep", default=None)
+    p.add_argument("--no-torchft", action="store_true", help="skip the torchft baseline")
     a = p.parse_args()
     work = a.keep or tempfile.mkdtemp(prefix="mttr_bench_")
     os.makedirs(work, exist_ok=True)
     ours = {name: run_ours(a, work, name) for name in OURS}
     base = run_torchrun(a, work)
+    peer = None if a.no_torchft else run_torchft(a, work)
     out = {"fault_step": a.fault_step, "interval_k": a.interval, "world": WORLD}
-    for name, r in (*ours.items(), ("torchrun", base)):
-        wasted = WORLD * r["regain_s"]
+    rows = (*ours.items(), ("torchrun", base)) + ((("torchft", peer),) if peer else ())
+    for name, r in rows:
+        wasted = r.setdefault("wasted_rank_s", WORLD * r["regain_s"])
         r["wasted_rank_s"] = wasted
         r["ettr_at_meta_mttf"] = MTTF_S / (MTTF_S + r["regain_s"])
         print(f"{name:9s} MTTR {r['mttr_s']:7.3f} s | back at step {a.fault_step} after {r['regain_s']:7.3f} s | "
@@ -150,13 +223,18 @@ def main() -> None:
               f"{r['processes']} processes | ETTR at 7.9 h MTTF {r['ettr_at_meta_mttf']:.6f}", flush=True)
         for k in ("mttr_s", "regain_s", "lost_steps", "wasted_rank_s", "step_s", "ettr_at_meta_mttf", "processes"):
             out[f"{name}_{k}"] = round(r[k], 6) if isinstance(r[k], float) else r[k]
-    for name, r in ours.items():  # torchrun_* (retry) keep their names; recover's are prefixed
-        pre = "torchrun" if name == "retry" else f"torchrun_vs_{name}"
+    if peer:
+        out["torchft_missed_steps"] = peer["missed_steps"]
+    for name, r in ours.items():  # torchrun_* (retry) keep their names; the others are prefixed
         out[f"{name}_phases"] = r["phases"]
-        out[f"{pre}_mttr_ratio"] = round(base["mttr_s"] / r["mttr_s"], 2)
-        out[f"{pre}_regain_ratio"] = round(base["regain_s"] / r["regain_s"], 2)
-        out[f"{pre}_wasted_rank_s_ratio"] = round(base["wasted_rank_s"] / r["wasted_rank_s"], 2)
-        out[f"{pre}_step_time_ratio"] = round(base["step_s"] / r["step_s"], 3)
+        for bname, b in (("torchrun", base), ("torchft", peer)):
+            if b is None:
+                continue
+            pre = bname if name == "retry" else f"{bname}_vs_{name}"
+            out[f"{pre}_mttr_ratio"] = round(b["mttr_s"] / r["mttr_s"], 2)
+            out[f"{pre}_regain_ratio"] = round(b["regain_s"] / r["regain_s"], 2)
+            out[f"{pre}_wasted_rank_s_ratio"] = round(b["wasted_rank_s"] / r["wasted_rank_s"], 2)
+            out[f"{pre}_step_time_ratio"] = round(b["step_s"] / r["step_s"], 3)
     print(json.dumps(out))
 
 
