@@ -70,10 +70,14 @@ def test_uce_each_phase_dp4(tmp_path, ref, name):
         assert (r, [TWIN[r]]) in repaired, repaired
 
 
-def test_uce_tp2_dp4(tmp_path, ref):
-    """8 ranks, TP=2 x DP=4: replica groups [0, 4], [2, 6] (TP rank 0) and [1, 5], [3, 7]."""
-    proc = job(tmp_path, 8, inject="uce:rank=3:step=3:phase=backward,uce:rank=6:step=5:phase=optimizer", extra=TP2)
-    check_recovered(proc, tmp_path, ref["tp2"], nproc=8, n=2)
+def test_uce_then_kill_tp2_dp4(tmp_path, ref):
+    """8 ranks, TP=2 x DP=4: replica groups [0, 4], [2, 6] (TP rank 0) and [1, 5], [3, 7]. A memory
+    error on rank 3 (retry), then rank 6 killed in its update (recover: it joins with its TP peer's
+    groups rebuilt around it)."""
+    proc = job(tmp_path, 8, inject="uce:rank=3:step=3:phase=backward,kill:rank=6:step=5:phase=optimizer",
+               extra=TP2 + ["--enable-worker-reboot"])
+    rec = check_rejoined(proc, tmp_path, ref["tp2"], [6], n=2, nproc=8)
+    assert [e["strategy"] for e in rec] == ["retry", "recover"]
 
 
 def test_two_uces_in_different_replica_pairs_at_once(tmp_path, ref):
