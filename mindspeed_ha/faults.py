@@ -73,6 +73,11 @@ def classify(exc: BaseException) -> str:
     return "other"
 
 
+# The exit code of a rank that ends itself because its device context is poisoned: its agent
+# reports the exit, and recover replaces the process (its twin holds its shard).
+PROCESS_FATAL_EXIT = 75
+
+
 def process_fatal(exc: BaseException) -> bool:
     """True when the device context is poisoned (CUDA sticky error, e.g. uncorrectable ECC)."""
     text = _text(exc)

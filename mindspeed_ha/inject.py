@@ -7,6 +7,7 @@
            | comm (abort this rank's communicators, raise a CommFault)
            | bitflip (flip one bit of this rank's optimizer shard, silently: a drill for
              --ha-verify-replicas-interval)
+           | ecc (raise CUDA's sticky "uncorrectable ECC error encountered": process-fatal)
     PHASE  forward (default) | backward | grad-sync | optimizer | param-sync | checkpoint
            | recovery (when the rank starts serving an in-job recovery of a fault in step S:
              a fault during recovery)
@@ -32,7 +33,7 @@ from mindspeed_ha.events import EventLog, get_logger
 from mindspeed_ha.faults import CommFault, MemoryFault
 
 ENV = "MINDSPEED_HA_INJECT"
-KINDS = ("kill", "exit", "exception", "uce", "hang", "comm", "bitflip")
+KINDS = ("kill", "exit", "exception", "uce", "hang", "comm", "bitflip", "ecc")
 PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint", "recovery")
 DEFAULT_PHASE = "forward"
 EXAMPLE = f'{ENV}="kill:rank=1:step=3:phase=backward,hang:rank=2:step=5"'
@@ -203,6 +204,8 @@ class Injector:
             os._exit(1)
         elif f.kind == "exception":
             raise InjectedError(f"injected exception ({where})")
+        elif f.kind == "ecc":
+            raise InjectedError(f"CUDA error: uncorrectable ECC error encountered (injected, {where})")
         elif f.kind == "uce":
             if self._uce_corruptor is not None:
                 self._uce_corruptor()

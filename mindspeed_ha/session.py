@@ -183,6 +183,16 @@ class RankSession:
         Returns False if the controller goes silent."""
         if self.processor is None:
             return False
+        from mindspeed_ha.faults import PROCESS_FATAL_EXIT, process_fatal
+        if process_fatal(exc):
+            # A poisoned device context (CUDA sticky error, e.g. uncorrectable ECC): nothing here can
+            # be repaired in place or even freed. End the process; its agent reports the exit and
+            # recover restarts it from its twin (without recover: the dying gasp of the survivors).
+            log.error("rank %d: process-fatal device error in iteration %d (%s): %s; exiting with %d so "
+                      "that the process is replaced", self.rank, iteration, self.phase, exc, PROCESS_FATAL_EXIT)
+            self.events.emit("process_fatal", iteration=int(iteration), phase=self.phase, detail=str(exc)[:500])
+            from mindspeed_ha.recovery import groups
+            groups.exit_now(PROCESS_FATAL_EXIT)
         kind = self.processor.report_exception(exc, iteration, self.phase)
         if kind == "stopped":
             log.info("rank %d left its collective in iteration %d (%s): stopped by the controller",

@@ -131,9 +131,9 @@ def test_report_table_and_timeline(tmp_path):
 
 # -- recover (ARF): kill a worker, only it restarts -------------------------------------------------
 ARF = ("--enable-worker-reboot",)
-KILL_JOBS = {
-    "forward+grad-sync+param-sync": [(1, 2, "forward"), (2, 4, "grad-sync"), (1, 6, "param-sync")],
-    "backward+optimizer": [(2, 3, "backward"), (3, 5, "optimizer")],
+KILL_JOBS = {  # (kind, rank, step, phase); ecc: CUDA's process-fatal error, the rank exits and is replaced
+    "forward+grad-sync+param-sync": [("kill", 1, 2, "forward"), ("kill", 2, 4, "grad-sync"), ("kill", 1, 6, "param-sync")],
+    "backward+optimizer+ecc": [("kill", 2, 3, "backward"), ("kill", 3, 5, "optimizer"), ("ecc", 0, 7, "backward")],
 }
 
 
@@ -157,13 +157,15 @@ def check_rejoined(proc, log_dir, want, killed: list[int], n: int, nproc=4) -> l
 @pytest.mark.parametrize("name", list(KILL_JOBS))
 def test_kill_each_phase_dp4_restarts_only_that_worker(tmp_path, ref, name):
     faults = KILL_JOBS[name]
-    proc = job(tmp_path, inject=",".join(f"kill:rank={r}:step={s}:phase={p}" for r, s, p in faults), extra=ARF)
-    rec = check_rejoined(proc, tmp_path, ref["dp4"], [r for r, _, _ in faults], n=len(faults))
+    proc = job(tmp_path, inject=",".join(f"{k}:rank={r}:step={s}:phase={p}" for k, r, s, p in faults), extra=ARF)
+    rec = check_rejoined(proc, tmp_path, ref["dp4"], [r for _, r, _, _ in faults], n=len(faults))
     assert [e["strategy"] for e in rec] == ["recover"] * len(faults)
     # The newcomer's shard came from its twin.
     repaired = [(e["rank"], e["sources"]) for e in all_rank_events(tmp_path) if e["event"] == "repaired"]
-    for r, _, _ in faults:
+    for _, r, _, _ in faults:
         assert (r, [TWIN[r]]) in repaired, repaired
+    fatal = [e for e in events(tmp_path, "controller") if e["event"] == "fault" and "process-fatal" in e["detail"]]
+    assert [f["ranks"] for f in fatal] == [[r] for k, r, _, _ in faults if k == "ecc"]
 
 
 def test_uce_then_kill_retry_and_recover_in_one_job(tmp_path, ref):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from ..events import EventLog, get_logger
+from ..faults import PROCESS_FATAL_EXIT
 from ..options import HAOptions
 from . import election, protocol as P, security
 from .dying_gasp import DumpDriver
@@ -100,6 +101,7 @@ class Controller:
         self._deferred: list[dict] = []       # faults reported to a standby, handled on promotion
         self.backups: list[int] = []
         self.backup_eps: dict[int, str] = {}
+        self.backup_pids: dict[int, int] = {}  # the process each standby runs in
         self.exit_code = 0
         self.strategy_note = ""
         self.last_diagnosis = ""
@@ -319,6 +321,9 @@ class Controller:
         info = self.ranks.get(r)
         if info is not None and info.pid and info.pid != msg["pid"]:
             return  # an older incarnation of this rank
+        agent = self.agents.get(msg.get("node_rank", -1))
+        if agent is not None and r in agent.ranks and agent.pids[agent.ranks.index(r)] != msg["pid"]:
+            return  # the same, told by the agent's current worker list (a report replayed to a new controller)
         if info is not None and not info.alive:
             return
         if info is not None:
@@ -330,6 +335,8 @@ class Controller:
         if self.machine.state in (S.EXIT, S.DONE):
             return  # survivors we told to exit
         how = f"killed by signal {sig}" if sig else f"exit code {code}"
+        if code == PROCESS_FATAL_EXIT and not sig:
+            how += " (process-fatal device error: the process must be replaced)"
         it = msg.get("iteration", info.it if info else -1)
         phase = msg.get("phase", info.phase if info else "unknown")
         at = msg.get("at")
@@ -637,11 +644,26 @@ class Controller:
         return None
 
     def _maybe_start_backups(self) -> None:
-        if self.backups or self.machine.state != S.NORMAL or self.world < 2:
+        """Name the standbys; after a recovery, replace those whose process was lost (a restarted
+        rank runs no standby), so that the controller's own loss stays survivable."""
+        if self.machine.state != S.NORMAL or self.world < 2:
             return
-        nodes = {r: i.node for r, i in self.ranks.items() if i.alive}
-        self.backups = election.choose_backups(nodes, self.rank)
-        self._do("standby", self.backups, {"world": self.world, "epoch": self.epoch})
+        lost = [r for r in self.backups if not self.ranks[r].alive or self.ranks[r].pid != self.backup_pids.get(r)]
+        for r in lost:
+            self.backups.remove(r)
+            self.backup_eps.pop(r, None)
+        if len(self.backups) >= 2 or (self.backups and not lost):
+            return
+        nodes = {r: i.node for r, i in self.ranks.items() if i.alive and r not in self.backups}
+        new = election.choose_backups(nodes, self.rank, n=2 - len(self.backups))
+        self.backups += new
+        for r in new:
+            self.backup_pids[r] = self.ranks[r].pid
+        self._do("standby", new, {"world": self.world, "epoch": self.epoch})
+        if lost:
+            self._refresh_ack()
+            self._announce(quiet=True)
+            log.info("standby controller(s) on rank(s) %s lost; new standby on %s", lost, new)
 
     def _maybe_promote(self, now: float) -> None:
         window = 3.0 * max(self.hb, 0.5)

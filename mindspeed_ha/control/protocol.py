@@ -22,7 +22,7 @@ FAULT_KINDS = ("memory-error", "comm-failure", "other", "process-exit", "hang", 
                "controller-lost", "node-lost")
 PHASES = ("startup", "forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint",
           "step", "unknown", "recovery")
-INJECT_KINDS = ("kill", "exit", "exception", "uce", "hang", "comm")
+INJECT_KINDS = ("kill", "exit", "exception", "uce", "hang", "comm", "ecc")
 INJECT_PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint", "recovery")
 
 
