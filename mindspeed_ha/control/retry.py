@@ -4,9 +4,11 @@ and of recover (ARF: a lost worker is restarted by its agent and joins the runni
 States REPAIR then ROLLBACK, each a sequence of rounds of orders to every live rank, run on the
 controller thread and timed (the ``recovered`` event's ``phases``):
 
-  REPAIR:   ha-status -> [recover: restart the lost workers, wait until they register] -> plan (dump.plan_dump over the healthy holders) -> rebuild (new communicator
-            generation over a TCPStore served here) -> repair (shards copied from twins, weights
-            re-gathered)
+  REPAIR:   ha-status -> [recover: the agents restart the lost workers; wait until they register]
+            -> plan (dump.plan_dump over the healthy holders; a restarted rank holds nothing)
+            -> rebuild (new communicator generation over a TCPStore served here; a restarted rank
+            joins it) -> repair (shards copied from twins, weights re-gathered; a restarted rank
+            also gets counters, scheduler and RNG)
   ROLLBACK: rollback (recompute the failed step, or finish it) -> resume
 
 Then NORMAL; the MTTR ends when every rank has completed the next step (processors heartbeat at
@@ -77,9 +79,10 @@ class RetryDriver:
         """recover: have the agents restart every lost worker; they join at the rebuild."""
         c = self.c
         lost = sorted(r for r, i in c.ranks.items() if not i.alive and not i.done)
-        if set(lost) - {r for a in c.agents.values() for r in a.ranks}:
-            return self._fail(f"rank(s) {sorted(set(lost) - {r for a in c.agents.values() for r in a.ranks})} "
-                              "have no launcher agent to restart them (start the job with mindspeed-ha run)")
+        orphans = set(lost) - {r for a in c.agents.values() for r in a.ranks}
+        if orphans:
+            return self._fail(f"rank(s) {sorted(orphans)} have no launcher agent to restart them "
+                              "(start the job with mindspeed-ha run)")
         # A node lost with its agent: its replacement (mindspeed-ha run with the same --node-rank)
         # starts its workers as joiners by itself; the others are restarted by their agents.
         live_agents = [a for a in c.agents.values() if now - a.seen <= c.dead_after]
@@ -187,7 +190,7 @@ class RetryDriver:
             self.joiner_src += [r, plan.writers[tuple(sorted(holders[r]["replica_group"]))]]
         c.events.emit("repair_plan", iteration=plan.iteration, pairs=pairs, joiners=self.joiner_src,
                       generation=self.generation + 1)
-        log.info("retry: resume at iteration %d; shards to copy (src, dst): %s", plan.iteration,
+        log.info("%s: resume at iteration %d; shards to copy (src, dst): %s", self.strategy, plan.iteration,
                  list(zip(pairs[0::2], pairs[1::2])))
         return self._rebuild()
 
