@@ -19,8 +19,6 @@ update of the failed step had finished somewhere, so only its bookkeeping is fin
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
@@ -73,25 +71,7 @@ def join(trainer, store_host: str, store_port: int, generation: int, world_size:
     from mindspeed_ha.recovery import groups
     groups._new_default_group(range(world_size), rank, store_host, store_port, generation, None,
                               timedelta(seconds=60), backend)
-    with _gather_objects_locally():
-        trainer.setup(joining=True)
-
-
-@contextlib.contextmanager
-def _gather_objects_locally():
-    """megatron-core's optimizer set-up all-gathers every rank's param-group keys over the world
-    (to align the groups); the survivors are not in that collective. Every rank of a layout where
-    each rank holds the same kinds of parameters has the same keys, so a restarted worker gathers
-    its own; ``install_bookkeeping`` then checks the group count against its twin's."""
-    original = dist.all_gather_object
-
-    def local(out, obj, group=None):
-        out[:] = [obj] * len(out)
-    dist.all_gather_object = local
-    try:
-        yield
-    finally:
-        dist.all_gather_object = original
+    trainer.setup(joining=True)  # (megatron-core's world gather is answered locally: patches/)
 
 
 def transfer_bookkeeping(trainer, joiners: dict[int, int], rank: int) -> None:
