@@ -133,7 +133,7 @@ def test_report_table_and_timeline(tmp_path):
 ARF = ("--enable-worker-reboot",)
 KILL_JOBS = {  # (kind, rank, step, phase); ecc: CUDA's process-fatal error, the rank exits and is replaced
     "forward+grad-sync+param-sync": [("kill", 1, 2, "forward"), ("kill", 2, 4, "grad-sync"), ("kill", 1, 6, "param-sync")],
-    "backward+optimizer+ecc": [("kill", 2, 3, "backward"), ("kill", 3, 5, "optimizer"), ("ecc", 0, 7, "backward")],
+    "backward+optimizer+ecc": [("kill", 2, 3, "backward"), ("kill", 3, 5, "optimizer"), ("ecc", 1, 7, "backward")],
 }
 
 
