@@ -17,6 +17,7 @@ import time
 
 from mindspeed_ha.events import get_logger
 from mindspeed_ha.trainer.interface import TrainerInterface
+from mindspeed_ha.trainer.replay import Replayable
 
 log = get_logger("megatron_lm")
 
@@ -110,9 +111,12 @@ def pretrain_gpt_main() -> int:
     finally:
         close_session()
     import torch.distributed as dist
+    from mindspeed_ha.recovery import groups
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    if groups.has_retired_groups():  # repaired in place: old communicators must not be destructed
+        groups.exit_now(0)
     return 0
 
 
@@ -168,6 +172,13 @@ def on_parse_args(original, extra_args_provider=None, ignore_unknown_args=False)
     return ns
 
 
+def on_initialize_distributed(original, get_embedding_ranks, get_position_embedding_ranks, store):
+    """Remembers how Megatron-LM built its groups: a recovery's rebuild runs the same again (the
+    default group exists then, so only megatron-core's groups are made)."""
+    _PROVIDERS["init_parallel"] = functools.partial(original, get_embedding_ranks, get_position_embedding_ranks, None)
+    return original(get_embedding_ranks, get_position_embedding_ranks, store)
+
+
 def close_session() -> None:
     from mindspeed_ha import session
     s = session.current()
@@ -189,15 +200,21 @@ def on_train_step(original, forward_step_func, data_iterator, model, optimizer, 
     trainer.bind_step(original, forward_step_func, data_iterator, config, forward_backward_func)
     if not first_step_done(trainer):
         s.trainer_ready()  # after Megatron-LM's --load: the state recovery starts from
-    try:
-        return trainer.run_step(iteration)
-    except Exception as e:  # report at once and serve the controller (the dying gasp runs here)
-        from mindspeed_ha.comm.interruptible import CollectiveStopped
-        if not isinstance(e, CollectiveStopped):
-            import traceback
-            traceback.print_exc()
-        s.report_fault(e, trainer._running)
-        raise
+    while True:
+        try:
+            return trainer.run_step(iteration)
+        except Exception as e:  # report at once and serve the controller (recovery runs here)
+            from mindspeed_ha.comm.interruptible import CollectiveStopped
+            if not isinstance(e, CollectiveStopped):
+                import traceback
+                traceback.print_exc()
+            if not s.report_fault(e, trainer._running):
+                raise
+        # Repaired in place (retry): the loop gets the step's result as if nothing had happened.
+        out, trainer.rolled_forward = trainer.rolled_forward, None
+        if out is not None:  # its update had completed: only the rest of train_step ran
+            return out
+        # rolled back: the step runs again, with the same microbatches and RNG
 
 
 def first_step_done(trainer) -> bool:
@@ -282,16 +299,43 @@ class MegatronLMTrainer(TrainerInterface):
         from megatron.training import get_args
         self.model_chunks, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.iteration = iteration
+        self.ended = iteration  # the last step whose train_step returned
         self.consumed_samples = get_args().consumed_train_samples
         self._step = None
         self._running = iteration  # the iteration in flight (phase points)
+        self._loop_iter = self._data_iter = None
+        self._replays: list[Replayable] = []
+        self._fb_out = None         # the step's forward-backward result (a roll-forward reuses it)
+        self._at_start: dict = {}   # what the step's partial tail may have advanced (undone on recovery)
+        self.rolled_forward = None  # train_step's result, when a recovery finished the failed step
 
     def bind_step(self, original, forward_step_func, data_iterator, config, forward_backward_func):
         """Called by Megatron-LM's loop before each of its steps: its objects and position are the truth."""
         from megatron.training import get_args
         self._step = (original, forward_step_func, config, forward_backward_func)
-        self._data_iter = data_iterator
+        if data_iterator is not self._loop_iter:  # the loop hands the same object every step
+            self._loop_iter = data_iterator
+            self._data_iter = self._replayable(data_iterator)
         self.consumed_samples = get_args().consumed_train_samples
+
+    def _replayable(self, data_iterator):
+        """Reads go through Replayable, so that a rollback can hand the failed step its microbatches
+        again (Megatron-LM's loop keeps its iterator object). Megatron's RerunDataIterator stays the
+        outer object: its rerun state machine checks the type."""
+        from megatron.core.rerun_state_machine import RerunDataIterator
+        self._replays = []
+
+        def wrap(d):
+            if d is None:  # ranks that receive their batch from TP rank 0
+                return None
+            if isinstance(d, RerunDataIterator):
+                if not isinstance(d.iterable, Replayable):
+                    d.iterable = Replayable(d.iterable)
+                self._replays.append(d.iterable)
+                return d
+            self._replays.append(Replayable(d))
+            return self._replays[-1]
+        return [wrap(d) for d in data_iterator] if isinstance(data_iterator, list) else wrap(data_iterator)
 
     @property
     def save_dir(self) -> str | None:
@@ -325,28 +369,93 @@ class MegatronLMTrainer(TrainerInterface):
 
     def run_step(self, iteration: int | None = None):
         """Megatron-LM's train_step between the session's step hooks; returns its result tuple."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.num_microbatches_calculator import get_num_microbatches
-        from megatron.training import get_args
         from mindspeed_ha import session
         original, forward_step_func, config, forward_backward_func = self._step
         it = (self.iteration if iteration is None else iteration) + 1
         s = session.current()
         self._running = it
         self._phase_points(config)
+        self._mark_step_start()
         s.step_start(it)
         out = original(self._forward_with_phases(forward_step_func, s, it), self._data_iter,
-                       self.model_chunks, self.optimizer, self.scheduler, config, forward_backward_func,
-                       iteration=it - 1)
-        self.iteration = it
+                       self.model_chunks, self.optimizer, self.scheduler, config,
+                       self._recording(forward_backward_func), iteration=it - 1)
+        return self._step_done(it, out)
+
+    def _step_done(self, it: int, out):
+        from megatron.core import parallel_state as ps
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.training import get_args
+        from mindspeed_ha import session
+        self.iteration = self.ended = it
         # What Megatron-LM's loop adds after train_step returns.
         self.consumed_samples += (ps.get_data_parallel_world_size() * get_args().micro_batch_size
                                   * get_num_microbatches())
         loss = None
         if ps.is_pipeline_last_stage(ignore_virtual=True) and "lm loss" in out[0]:
             loss = float(out[0]["lm loss"])  # all-reduced over DP x CP and divided by its tokens
-        s.step_end(it, loss, grad_norm=out[5], lr=self._lr())
+        session.current().step_end(it, loss, grad_norm=out[5], lr=self._lr())
         return out
+
+    def _recording(self, forward_backward_func):
+        def forward_backward(*args, **kwargs):
+            self._fb_out = forward_backward_func(*args, **kwargs)
+            return self._fb_out
+        return forward_backward
+
+    # -- recovery (the engine's rollback and roll-forward) ----------------------------------------
+    def _mark_step_start(self) -> None:
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+        from megatron.training import get_timers
+        for r in self._replays:
+            r.begin_step()
+        rsm = get_rerun_state_machine()
+        self._fb_out = None
+        self._at_start = {"scheduler": self.scheduler.num_steps, "rerun": (rsm.state, rsm.current_iteration),
+                          "timers": {n for n, t in _timers(get_timers()) if getattr(t, "_started", False)}}
+
+    def _undo_partial_step(self) -> None:
+        """Back to how the interrupted train_step found things: the scheduler (its tail may have
+        stepped it here before a later collective failed; lr and wd set again for that count), the
+        rerun state machine (else the next call skips its forward-backward) and the timers it
+        started (Megatron's timers refuse a second start)."""
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+        from megatron.training import get_timers
+        at = self._at_start
+        if self.scheduler.num_steps != at["scheduler"]:
+            self.scheduler.num_steps = at["scheduler"]
+            self.scheduler.step(increment=0)
+        rsm = get_rerun_state_machine()
+        rsm.state, rsm.current_iteration = at["rerun"]
+        for name, t in _timers(get_timers()):
+            if getattr(t, "_started", False) and name not in at["timers"]:
+                t.stop()
+
+    def restart_from(self, iteration: int) -> None:
+        """Rollback: the failed step runs again from its start (the caller restored the RNG)."""
+        if self.iteration != iteration:
+            raise RuntimeError(f"trainer at iteration {self.iteration}, asked to restart from {iteration}")
+        self._undo_partial_step()
+        for r in self._replays:
+            r.rewind()
+
+    def finish_step(self, it: int) -> None:
+        """Roll forward: the update of step ``it`` is complete on every shard (repaired from the
+        twins). The rest of Megatron-LM's own train_step — scheduler, the loss's DP all-reduce, its
+        result — runs by calling it with the step's recorded forward-backward output and update
+        result in place of redoing them; the failing train_step call returns that result."""
+        if self.iteration >= it:
+            return
+        if self._fb_out is None:
+            raise RuntimeError(f"step {it}'s update is complete elsewhere, but its forward-backward did not "
+                               "finish on this rank: cannot roll forward")
+        self._undo_partial_step()
+        original, _, config, _ = self._step
+        norm, zeros = getattr(self.optimizer, "ha_grad_stats", (None, None))
+        recorded = self._fb_out
+        out = original(None, None, self.model_chunks, _UpdateDone(self.optimizer, (True, norm, zeros)),
+                       self.scheduler, config, lambda **kwargs: recorded, iteration=it - 1)
+        self.rolled_forward = self._step_done(it, out)
 
     @staticmethod
     def _forward_with_phases(forward_step_func, s, it):
@@ -376,6 +485,10 @@ class MegatronLMTrainer(TrainerInterface):
             return f(*args, **kwargs)
         finalize_model_grads.ha_phase_point = True
         config.finalize_model_grads_func = finalize_model_grads
+
+    def init_parallel(self) -> None:
+        """megatron-core's groups as Megatron-LM made them (again after an in-place rebuild)."""
+        _PROVIDERS["init_parallel"]()
 
     def _lr(self):
         for group in self.optimizer.param_groups:
@@ -422,5 +535,23 @@ class MegatronLMTrainer(TrainerInterface):
         finally:
             a.load = saved
         self.consumed_samples = a.consumed_train_samples  # restored from the checkpoint's args
-        self._data_iter = self.data_iterator(self.consumed_samples)
+        self.ended = self.iteration
+        self._data_iter = self._replayable(self.data_iterator(self.consumed_samples))
         return self.iteration
+
+
+class _UpdateDone:
+    """The optimizer, except that ``step()`` reports the update a recovery already completed."""
+
+    def __init__(self, optimizer, result):
+        self._optimizer, self._result = optimizer, result
+
+    def step(self):
+        return self._result
+
+    def __getattr__(self, name):
+        return getattr(self._optimizer, name)
+
+
+def _timers(timers) -> list:
+    return list(getattr(timers, "_timers", {}).items())

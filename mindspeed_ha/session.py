@@ -217,7 +217,7 @@ class RankSession:
             return True, json.dumps({"replica": True, "joining": True})
         self.fire("recovery", self.trainer.iteration + 1)
         if getattr(self.trainer, "ended", None) is None:
-            return False, "in-place repair needs a trainer that can roll back (the built-in trainer)"
+            return False, "in-place repair needs a trainer that can roll back (ended, restart_from, finish_step)"
         if self.optimizer is None:  # --distributed-optimizer-no-replica: the fallback reloads a checkpoint
             save = getattr(self.trainer, "save_dir", None)
             return True, json.dumps({"replica": False, "ended": self.trainer.ended,

@@ -74,7 +74,8 @@ def _drop_default_group() -> None:
     # Local for gloo: no message to (possibly dead) peers. ProcessGroup objects still referenced
     # elsewhere (parallel_state, DDP, optimizer) stay valid Python objects for rank()/size().
     from torch.distributed import distributed_c10d as c10d
-    _retired.extend(c10d._world.pg_map.keys())
+    for pg in list(c10d._world.pg_map.keys()):
+        _retire(pg)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -148,8 +149,16 @@ _KEYS: dict[int, tuple] = {}  # id(group) -> key, remembered while the group was
 # its group, and gloo's ProcessGroup destructor waits for it — forever, when the peer that never
 # joined keeps its own old group alive too. Seen: a rank hung when the exception that had parked it
 # (whose frames held the last reference to the old group) was released. The process ends with
-# ``exit_now`` instead of a finalizer that would run those destructors.
+# ``exit_now`` instead of a finalizer that would run those destructors; and each one holds an extra
+# reference that nothing releases, so that an exit we don't control (a user's script under
+# ``import mindspeed_ha.megatron_adaptor``) does not run them either.
 _retired: list = []
+
+
+def _retire(pg) -> None:
+    import ctypes
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
+    _retired.append(pg)
 
 
 def _pg_key(pg) -> tuple:
@@ -199,7 +208,7 @@ def rebuild_in_place(world_size: int, rank: int, store_host: str, store_port: in
     from megatron.core import parallel_state as ps
 
     old = _collect(roots)  # ranks and descriptions, read while the old groups are still registered
-    _walk_all(roots, _retired.append)
+    _walk_all(roots, _retire)
     ps.destroy_model_parallel()
     _drop_default_group()
     _new_default_group(range(world_size), rank, store_host, store_port, generation, host_rank, timeout, backend)

@@ -36,6 +36,7 @@ class ReplicaMixin:
         self.ha_iteration = iteration
         self.ha_updating = False
         self.ha_touched = False  # inside the window: has the shard's arithmetic begun?
+        self.ha_grad_stats = [None, None]
         self._ha_listeners: list[Callable[[str, int], None]] = []
 
     def ha_add_listener(self, fn: Callable[[str, int], None]) -> None:
@@ -56,10 +57,28 @@ class ReplicaMixin:
     def step(self):
         target = self.ha_iteration + 1
         self.ha_updating, self.ha_touched = True, False
+        self.ha_grad_stats = [None, None]  # (grad norm, zeros in grad) of this update, once computed
         self._ha_notify("update_start", target)
         result = self._ha_base.step(self)
         self.ha_mark_update_end()  # no-op if the param-sync hook already marked it
         return result
+
+    # What step() returns, kept as it is computed: a roll-forward recovery reports the update a
+    # fault interrupted after these (e.g. in the parameter all-gather) without redoing it.
+    def get_grad_norm(self):
+        norm = self._ha_base.get_grad_norm(self)
+        self.ha_grad_stats[0] = norm
+        return norm
+
+    def clip_grad_norm(self, clip_grad):
+        norm = self._ha_base.clip_grad_norm(self, clip_grad)
+        self.ha_grad_stats[0] = norm
+        return norm
+
+    def count_zeros(self):
+        zeros = self._ha_base.count_zeros(self)
+        self.ha_grad_stats[1] = zeros
+        return zeros
 
     def step_with_ready_grads(self):
         # Past the grad-norm all-reduce: from here to the parameter all-gather the update is local
