@@ -435,6 +435,8 @@ class Controller:
         if self.standby:
             self._deferred.append(rec)
             return
+        if self.machine.state == S.NORMAL:  # close the last recovery first, if this fault is past it
+            self.retrier.watch(time.monotonic(), fault_at=max([iteration] + [self.ranks[r].it for r in self.ranks]))
         for r in ranks:
             if r in self.ranks and kind in ("process-exit", "heartbeat-lost", "controller-lost", "node-lost"):
                 self.ranks[r].alive = False

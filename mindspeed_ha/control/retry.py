@@ -235,14 +235,16 @@ class RetryDriver:
         self.awaiting = (self.target + 1, faults, dict(self.phases), self.how, self.lost, now, self.strategy)
         return O.OK  # -> NORMAL
 
-    def watch(self, now: float) -> None:
-        """In NORMAL after a retry: the recovery ends when every live rank completed a step."""
+    def watch(self, now: float, fault_at: int = -1) -> None:
+        """In NORMAL after a retry: the recovery ends when every live rank completed a step.
+        ``fault_at``: a new fault's iteration; one past the awaited step proves that step done on
+        every rank (its collectives needed them all), even if a rank's report has not come yet."""
         if self.awaiting is None:
             return
         target, faults, phases, how, lost, t_resume, strategy = self.awaiting
         def completed(i) -> bool:  # the step ended ("step"), or it saved after it, or moved on
             return i.done or i.it > target or (i.it == target and i.phase in ("step", "checkpoint"))
-        if all(completed(i) for i in self.c.ranks.values() if i.alive):
+        if fault_at > target or all(completed(i) for i in self.c.ranks.values() if i.alive):
             self.awaiting = None
             first = faults[0]
             phases["first_step"] = round(now - t_resume, 4)
