@@ -14,6 +14,7 @@ import importlib.util
 import os
 import sys
 import time
+from typing import NoReturn
 
 from mindspeed_ha.events import get_logger
 from mindspeed_ha.trainer.interface import TrainerInterface
@@ -40,7 +41,7 @@ CPU_ARGS = {
 _device = None  # set by pretrain_gpt_main / prepare
 
 
-def _fail(msg: str, code: int = 2) -> "NoReturn":  # noqa: F821
+def _fail(msg: str, code: int = 2) -> NoReturn:
     sys.stderr.write(f"mindspeed-ha: error (rank {os.environ.get('RANK', '0')}): {msg}\n")
     sys.stderr.flush()
     sys.exit(code)
@@ -87,13 +88,13 @@ def _megatron_pretrain_gpt():
 def pretrain_gpt_main() -> int:
     """What Megatron-LM's ``pretrain_gpt.py`` does under ``__main__``, plus mindspeed-ha."""
     from mindspeed_ha.launcher import spare
-    if spare.is_spare():
-        return 0  # no restarted worker joins Megatron-LM's loop (yet): the agent stops keeping spares
     prepare()
     from megatron.core.enums import ModelType
     from mindspeed_ha.options import add_ha_args
 
     m = _megatron_pretrain_gpt()
+    if spare.is_spare():  # recover: imports and patches are done ahead of a fault; now wait for a rank
+        spare.wait_for_assignment()
     m.set_startup_timestamps(program_start=m._PROGRAM_START_TIME, main_entry=time.time())
     m.train_valid_test_datasets_provider.is_distributed = True
     pretrain, store = m.inprocess_restart.maybe_wrap_for_inprocess_restart(m.pretrain)
@@ -167,16 +168,69 @@ def on_parse_args(original, extra_args_provider=None, ignore_unknown_args=False)
             ns.num_distributed_optimizer_instances = opts.replica_num
     except HAConfigError as e:
         _fail(str(e))
-    RankSession(opts, device, ns.rank, ns.world_size, ns.local_rank)
+    s = RankSession(opts, device, ns.rank, ns.world_size, ns.local_rank)
+    if _joining(s):
+        ns.load = None  # a restarted worker takes the job's state from its peers, not from --load
     atexit.register(close_session)  # an unmodified pretrain script has no place to close it
     return ns
+
+
+def _joining(s) -> bool:
+    """A worker restarted by its agent into a job that runs on (recover)."""
+    return s is not None and "recover" in s.options.strategies and s.restarted_worker()
 
 
 def on_initialize_distributed(original, get_embedding_ranks, get_position_embedding_ranks, store):
     """Remembers how Megatron-LM built its groups: a recovery's rebuild runs the same again (the
     default group exists then, so only megatron-core's groups are made)."""
+    from mindspeed_ha import session
+    from mindspeed_ha.comm import interruptible
     _PROVIDERS["init_parallel"] = functools.partial(original, get_embedding_ranks, get_position_embedding_ranks, None)
-    return original(get_embedding_ranks, get_position_embedding_ranks, store)
+    s = session.current()
+    if not _joining(s):
+        return original(get_embedding_ranks, get_position_embedding_ranks, store)
+    # Recover: no env:// rendezvous (that world is gone). Register and wait for the controller's
+    # rebuild: the default group of the survivors' new generation, then these groups made again.
+    s.device.set_current(s.local_rank)  # what Megatron-LM's skipped init would have done
+    s.join_running_job(_GroupsOnly(), until="rebuild")
+    interruptible.set_alone(True)  # Megatron-LM's set-up runs on while the survivors wait
+    return None
+
+
+def on_setup_model_and_optimizer(original, *args, **kwargs):
+    """A joiner, once its model and optimizer exist (built alone, no --load): the shard and the
+    twin's counters, scheduler and RNG come over the rebuilt groups; then Megatron-LM goes on with
+    the job's iteration and data position (its loop reads them from ``args``)."""
+    from megatron.training import get_args
+    from mindspeed_ha import session
+    from mindspeed_ha.comm import interruptible
+    out = original(*args, **kwargs)
+    s = session.current()
+    if s is None or not s.joining:
+        return out
+    model, optimizer, scheduler = out
+    trainer = MegatronLMTrainer(model, optimizer, scheduler, 0)
+    trainer._ha_ready = True
+    s.attach_trainer(trainer)
+    s.trainer_ready()
+    interruptible.set_alone(False)
+    s.join_running_job(trainer, until="resume")  # repair, rollback, resume: with the survivors
+    # The loop starts where the survivors' loops are. After a roll-forward, that is before the
+    # failed step's own bookkeeping (its logging has collectives): the first train_step call here
+    # returns the step's result, as the survivors' failing call did. The data loaders are built
+    # at the position of the next step that draws data.
+    a = get_args()
+    a.iteration, a.consumed_train_samples = trainer.loop_iteration(), trainer.consumed_samples
+    interruptible.set_alone(True)  # data loaders and the loop's preamble, until the first step
+    return out
+
+
+class _GroupsOnly:
+    """What a joiner has when the rebuild comes: no model yet, so its set-up is only the groups."""
+    optimizer = None
+
+    def setup(self, joining: bool = True) -> None:
+        _PROVIDERS["init_parallel"]()
 
 
 def close_session() -> None:
@@ -198,6 +252,11 @@ def on_train_step(original, forward_step_func, data_iterator, model, optimizer, 
         trainer = MegatronLMTrainer(model, optimizer, opt_param_scheduler, iteration or 0)
         s.attach_trainer(trainer)
     trainer.bind_step(original, forward_step_func, data_iterator, config, forward_backward_func)
+    from mindspeed_ha.comm import interruptible
+    interruptible.set_alone(False)  # a joiner's set-up is over: from here on it trains with the job
+    out = trainer.hand_rolled_forward()
+    if out is not None:  # a joiner: its recovery finished this step (see on_setup_model_and_optimizer)
+        return out
     if not first_step_done(trainer):
         s.trainer_ready()  # after Megatron-LM's --load: the state recovery starts from
     while True:
@@ -211,7 +270,7 @@ def on_train_step(original, forward_step_func, data_iterator, model, optimizer, 
             if not s.report_fault(e, trainer._running):
                 raise
         # Repaired in place (retry): the loop gets the step's result as if nothing had happened.
-        out, trainer.rolled_forward = trainer.rolled_forward, None
+        out = trainer.hand_rolled_forward()
         if out is not None:  # its update had completed: only the rest of train_step ran
             return out
         # rolled back: the step runs again, with the same microbatches and RNG
@@ -306,6 +365,7 @@ class MegatronLMTrainer(TrainerInterface):
         self._loop_iter = self._data_iter = None
         self._replays: list[Replayable] = []
         self._fb_out = None         # the step's forward-backward result (a roll-forward reuses it)
+        self._reduced = None        # its losses reduced over DP (under recover, see _reduce_losses)
         self._at_start: dict = {}   # what the step's partial tail may have advanced (undone on recovery)
         self.rolled_forward = None  # train_step's result, when a recovery finished the failed step
 
@@ -316,7 +376,22 @@ class MegatronLMTrainer(TrainerInterface):
         if data_iterator is not self._loop_iter:  # the loop hands the same object every step
             self._loop_iter = data_iterator
             self._data_iter = self._replayable(data_iterator)
-        self.consumed_samples = get_args().consumed_train_samples
+        if self.rolled_forward is None:  # (else the loop is one step behind: loop_iteration)
+            self.consumed_samples = get_args().consumed_train_samples
+
+    def loop_iteration(self) -> int:
+        """Where Megatron-LM's loop stands: one step behind while a rolled-forward step's result
+        waits for the loop's train_step call."""
+        return self.iteration - (self.rolled_forward is not None)
+
+    def hand_rolled_forward(self):
+        """The result a recovery finished, for the loop's pending train_step call (None if none);
+        ``args`` back to that step's start, since the loop adds the step's samples itself."""
+        from megatron.training import get_args
+        out, self.rolled_forward = self.rolled_forward, None
+        if out is not None:
+            get_args().consumed_train_samples = self._rolled_from[1]
+        return out
 
     def _replayable(self, data_iterator):
         """Reads go through Replayable, so that a rollback can hand the failed step its microbatches
@@ -400,8 +475,49 @@ class MegatronLMTrainer(TrainerInterface):
     def _recording(self, forward_backward_func):
         def forward_backward(*args, **kwargs):
             self._fb_out = forward_backward_func(*args, **kwargs)
+            self._reduced = self._reduce_losses(self._fb_out) if self._joiners_possible() else None
             return self._fb_out
         return forward_backward
+
+    @staticmethod
+    def _joiners_possible() -> bool:
+        from mindspeed_ha import session
+        s = session.current()
+        return s is not None and "recover" in s.options.strategies
+
+    @staticmethod
+    def _reduce_losses(losses) -> dict | None:
+        """The step's [loss sum, tokens] reduced over DP, before the update — the same arithmetic as
+        the end of Megatron-LM's train_step. Under recover a roll-forward may include a restarted
+        rank, whose own share died with its predecessor; the twin hands it these totals instead."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        if not losses or not ps.is_pipeline_last_stage(ignore_virtual=True):
+            return None
+        out = {}
+        for key in losses[0]:
+            val = [x[key].view(-1) for x in losses]
+            if val[0].numel() != 2:
+                return None  # Megatron's legacy per-microbatch mean: nothing reduced over DP
+            val = torch.vstack(val).sum(dim=0)
+            dist.all_reduce(val, group=ps.get_data_parallel_group(with_context_parallel=True))
+            out[key] = val
+        return out
+
+    def _losses_for_tail(self):
+        """What the roll-forward's train_step tail gets as its forward-backward output. With DP
+        totals: the totals on DP rank 0 and zeros elsewhere, so that its all-reduce gives the same
+        bits (x + 0 == x) whatever each rank held; else this rank's own recorded microbatch losses."""
+        import torch
+        from megatron.core import parallel_state as ps
+        if self._reduced is not None:
+            first = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+            return [{k: (v if first else torch.zeros_like(v)) for k, v in self._reduced.items()}]
+        if self._fb_out is None and ps.is_pipeline_last_stage(ignore_virtual=True):
+            raise RuntimeError("the failed step's update completed on the twins, but its forward-backward did "
+                               "not finish on this rank: cannot roll forward")
+        return self._fb_out or []
 
     # -- recovery (the engine's rollback and roll-forward) ----------------------------------------
     def _mark_step_start(self) -> None:
@@ -410,7 +526,7 @@ class MegatronLMTrainer(TrainerInterface):
         for r in self._replays:
             r.begin_step()
         rsm = get_rerun_state_machine()
-        self._fb_out = None
+        self._fb_out = self._reduced = None
         self._at_start = {"scheduler": self.scheduler.num_steps, "rerun": (rsm.state, rsm.current_iteration),
                           "timers": {n for n, t in _timers(get_timers()) if getattr(t, "_started", False)}}
 
@@ -422,6 +538,8 @@ class MegatronLMTrainer(TrainerInterface):
         from megatron.core.rerun_state_machine import get_rerun_state_machine
         from megatron.training import get_timers
         at = self._at_start
+        if not at:  # a restarted rank: no step begun here
+            return
         if self.scheduler.num_steps != at["scheduler"]:
             self.scheduler.num_steps = at["scheduler"]
             self.scheduler.step(increment=0)
@@ -446,16 +564,46 @@ class MegatronLMTrainer(TrainerInterface):
         result in place of redoing them; the failing train_step call returns that result."""
         if self.iteration >= it:
             return
-        if self._fb_out is None:
-            raise RuntimeError(f"step {it}'s update is complete elsewhere, but its forward-backward did not "
-                               "finish on this rank: cannot roll forward")
         self._undo_partial_step()
-        original, _, config, _ = self._step
+        original, config = self._train_step_and_config()
         norm, zeros = getattr(self.optimizer, "ha_grad_stats", (None, None))
-        recorded = self._fb_out
+        losses = self._losses_for_tail()
+        self._rolled_from = (self.iteration, self.consumed_samples)
         out = original(None, None, self.model_chunks, _UpdateDone(self.optimizer, (True, norm, zeros)),
-                       self.scheduler, config, lambda **kwargs: recorded, iteration=it - 1)
+                       self.scheduler, config, lambda **kwargs: losses, iteration=it - 1)
         self.rolled_forward = self._step_done(it, out)
+
+    def _train_step_and_config(self):
+        """Megatron-LM's own train_step and the model config (a restarted rank rolling forward has
+        not been called by the loop yet: the unpatched function and its model's config)."""
+        if self._step is not None:
+            return self._step[0], self._step[2]
+        import megatron.training.training as training
+        from megatron.core.utils import get_model_config
+        return getattr(training.train_step, "__wrapped__", training.train_step), get_model_config(self.model_chunks[0])
+
+    def bookkeeping(self) -> dict:
+        """What a restarted rank takes from its twin besides the optimizer shard."""
+        from megatron.training import get_args
+        a = get_args()
+        self._undo_partial_step()  # the scheduler as of the failed step's start (its tail may have run here)
+        norm, zeros = getattr(self.optimizer, "ha_grad_stats", (None, None))
+        return {**super().bookkeeping(), "reduced": self._reduced, "grad_stats": [norm, zeros],
+                "flops": getattr(a, "num_floating_point_operations_so_far", 0),
+                "do": [bool(getattr(a, k, False)) for k in ("do_train", "do_valid", "do_test")]}
+
+    def install_bookkeeping(self, state: dict) -> None:
+        """Into the trainer and into ``args``, where Megatron-LM's loop and data loaders read them."""
+        from megatron.training import get_args
+        super().install_bookkeeping(state)
+        self._reduced = state["reduced"]
+        if hasattr(self.optimizer, "ha_grad_stats"):
+            self.optimizer.ha_grad_stats = list(state["grad_stats"])
+        a = get_args()  # (iteration and data position: on_setup_model_and_optimizer)
+        a.num_floating_point_operations_so_far = state["flops"]
+        # Megatron-LM broadcasts these from rank 0 when it builds the data loaders; alone, the
+        # broadcast keeps the local value, and `args.do_train or flag` then keeps the twin's.
+        a.do_train, a.do_valid, a.do_test = state["do"]
 
     @staticmethod
     def _forward_with_phases(forward_step_func, s, it):

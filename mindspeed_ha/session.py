@@ -44,6 +44,7 @@ class RankSession:
         self._writes_loss = False
         self.phase = "startup"
         self.joining = False  # a restarted worker until it has resumed (recover)
+        self._t_step = time.perf_counter()  # start of the step in flight
         _current = self
 
     # -- optimizer -------------------------------------------------------------------------------
@@ -160,18 +161,22 @@ class RankSession:
         """Started by the agent in place of a failed worker (``mindspeed-ha run`` counts restarts)."""
         return int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0) > 0
 
-    def join_running_job(self, trainer) -> None:
+    def join_running_job(self, trainer, until: str = "resume") -> None:
         """A restarted worker under recover: register (no env:// rendezvous — that world is gone),
         then serve the controller's orders on this thread: ``rebuild`` builds the groups and the
-        trainer, ``repair`` brings the state from the peers, ``rollback``/``resume`` as everywhere."""
+        trainer, ``repair`` brings the state from the peers, ``rollback``/``resume`` as everywhere.
+        ``until="rebuild"``: return once the groups exist (a loop that builds its own trainer, then
+        calls this again to serve the rest)."""
         self.trainer, self.joining = trainer, True
-        self.start_processor()
-        log.info("rank %d: restarted worker, waiting for the controller to bring it into the job", self.rank)
+        if self.processor is None:
+            self.start_processor()
+            log.info("rank %d: restarted worker, waiting for the controller to bring it into the job", self.rank)
         wait = max(120.0, 3 * self.options.hang_timeout_s)
         while True:
             action = self.processor.serve_order(timeout=wait)
             if action == "resume":
                 self.joining = False
+            if action == until:
                 return
             if action is None:
                 raise RuntimeError(f"rank {self.rank}: restarted, but no order from the controller for {wait:.0f} s")

@@ -260,6 +260,44 @@ def _polls(args, kwargs, group) -> bool:
     return _group_polls(group)
 
 
+# A restarted worker that enters a running job through a training loop's own set-up (Megatron-LM's
+# initialize, model, optimizer and data loaders) runs that set-up's collectives while the survivors
+# wait in the controller's recovery, so they have no peers. While ``alone`` is on they are answered
+# by this rank by itself: barriers pass, reductions and broadcasts keep the local value (start-time
+# minimums, flags the adaptor has already set from the twin), gathers repeat the local input (the
+# param-group keys every rank of the layout shares, timer readings). Other kinds are refused.
+# Only the trainer adaptor turns it on, and off at the worker's first step.
+_alone = False
+
+
+def set_alone(on: bool) -> None:
+    global _alone
+    _alone = on
+
+
+class _DoneWork:
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _answer_alone(fn: Callable, args, kwargs):
+    name = fn.__name__
+    a = inspect.signature(fn).bind(*args, **kwargs).arguments
+    if name in ("all_gather_into_tensor", "_all_gather_base"):
+        out, inp = a.get("output_tensor"), a.get("input_tensor")
+        out.view(-1).copy_(inp.reshape(-1).repeat(out.numel() // max(1, inp.numel())))
+    elif name == "all_gather":
+        for t in a["tensor_list"]:
+            t.copy_(a["tensor"])
+    elif name not in ("barrier", "all_reduce", "broadcast", "reduce"):
+        raise RuntimeError(f"{name} during a restarted worker's set-up: it has no peers until it has joined; "
+                           "only barriers, reductions, broadcasts and all-gathers can be answered alone")
+    return _DoneWork() if a.get("async_op") else None
+
+
 def make_interruptible(fn: Callable) -> Callable:
     """Wrap a c10d collective that takes ``async_op``: issue async, wait interruptibly."""
     params = list(inspect.signature(fn).parameters)
@@ -270,6 +308,8 @@ def make_interruptible(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         if _stop.is_set():
             _raise_stopped()
+        if _alone:
+            return _answer_alone(fn, args, kwargs)
         if idx < len(args):
             want_async = bool(args[idx])
             args = args[:idx] + (True,) + args[idx + 1:]

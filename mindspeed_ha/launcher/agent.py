@@ -147,7 +147,7 @@ class Agent:
             code = self.spare.returncode
             log.warning("agent %d: spare worker (pid %d) ended with %s%s", self.a.node_rank, self.spare.pid, code,
                         "; restarts will start new workers" if code == 0 else "")
-            self.keep_spare = code != 0  # 0: the script cannot use a spare (e.g. Megatron-LM's loop)
+            self.keep_spare = code != 0  # 0: the script cannot use a spare (it ended without a rank)
             self.spare, self.spare_due = None, now + 5.0
         if self.spare is None and self.keep_spare and now >= self.spare_due:
             self._spawn_spare()

@@ -253,19 +253,11 @@ class BuiltinTrainer(TrainerInterface):
         self._data_iter = self.data_iterator(self.consumed_samples)
 
     def bookkeeping(self) -> dict:
-        """What a restarted worker takes from a peer at the same TP/PP position (besides the
-        optimizer shard): counters, scheduler, the loss of a step whose update finished."""
-        return {"iteration": self.iteration, "ended": self.ended, "consumed_samples": self.consumed_samples,
-                "scheduler": self.scheduler.state_dict(), "step_loss": getattr(self, "_step_loss", None),
-                "param_groups": len(self.optimizer.param_groups)}
+        """Counters and scheduler (the interface's), and the loss of a step whose update finished."""
+        return {**super().bookkeeping(), "step_loss": getattr(self, "_step_loss", None)}
 
     def install_bookkeeping(self, state: dict) -> None:
-        if state["param_groups"] != len(self.optimizer.param_groups):
-            raise RuntimeError(f"restarted rank has {len(self.optimizer.param_groups)} optimizer param groups, "
-                               f"its replica peer {state['param_groups']}: this layout cannot be rejoined")
-        self.iteration, self.ended = state["iteration"], state["ended"]
-        self.consumed_samples = state["consumed_samples"]
-        self.scheduler.load_state_dict(state["scheduler"])
+        super().install_bookkeeping(state)
         self._step_loss = state["step_loss"]
         self._data_iter = self.data_iterator(self.consumed_samples)
 

@@ -14,6 +14,7 @@ class TrainerInterface(abc.ABC):
     optimizer: object           # megatron optimizer (a ReplicaOptimizer when replicas are on)
     scheduler: object           # OptimizerParamScheduler
     iteration: int              # completed iterations
+    ended: int                  # the last iteration whose bookkeeping (loss report) also finished
     consumed_samples: int       # data position: samples consumed by the whole job
     save_dir: str | None        # --save (where a dying-gasp checkpoint goes)
     global_batch_size: int      # samples per iteration (scheduler and data position steps)
@@ -37,3 +38,18 @@ class TrainerInterface(abc.ABC):
     @abc.abstractmethod
     def load_checkpoint(self, load_dir: str) -> int:
         """Restore model, optimizer, scheduler, RNG and data position; return the iteration."""
+
+    # -- what a restarted worker takes from its replica peer besides the optimizer shard ----------
+    # Each trainer extends these two with what its own loop keeps (a loss, flags in args, ...).
+    def bookkeeping(self) -> dict:
+        return {"iteration": self.iteration, "ended": self.ended,
+                "consumed_samples": self.consumed_samples, "scheduler": self.scheduler.state_dict(),
+                "param_groups": len(self.optimizer.param_groups)}
+
+    def install_bookkeeping(self, state: dict) -> None:
+        if state["param_groups"] != len(self.optimizer.param_groups):
+            raise RuntimeError(f"restarted rank has {len(self.optimizer.param_groups)} optimizer param groups, "
+                               f"its replica peer {state['param_groups']}: this layout cannot be rejoined")
+        self.iteration, self.ended = state["iteration"], state["ended"]
+        self.consumed_samples = state["consumed_samples"]
+        self.scheduler.load_state_dict(state["scheduler"])  # a fresh scheduler: its count is the peer's

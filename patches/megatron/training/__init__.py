@@ -2,7 +2,8 @@
 
 Megatron-LM's modules import what they call by name, so each name is patched where it is looked up:
 ``initialize.parse_args`` (options, validation, replica count and the HA session, before any model
-is built), ``initialize._initialize_distributed`` (kept for a recovery's group rebuild),
+is built), ``initialize._initialize_distributed`` (kept for a recovery's group rebuild; a restarted
+worker joins there), ``training.setup_model_and_optimizer`` (a restarted worker takes its state),
 ``training.get_megatron_optimizer`` (the replica optimizer), ``training.train_step``
 (step hooks), ``training.save_checkpoint`` / ``training.load_checkpoint`` (events, Adam ``step`` fix),
 ``training.build_train_valid_test_data_iterators`` (the provider; on CPU, the RNG kept out of the
@@ -35,6 +36,8 @@ def patches(ctx=None):
         (INIT, "parse_args", _route("on_parse_args", init.parse_args)),
         (INIT, "_initialize_distributed", _route("on_initialize_distributed", init._initialize_distributed)),
         (TRAINING, "train_step", _route("on_train_step", training.train_step)),
+        (TRAINING, "setup_model_and_optimizer",
+         _route("on_setup_model_and_optimizer", training.setup_model_and_optimizer)),
         (TRAINING, "save_checkpoint", _route("on_save_checkpoint", training.save_checkpoint)),
         (TRAINING, "load_checkpoint", _route("on_load_checkpoint", training.load_checkpoint)),
         (TRAINING, "build_train_valid_test_data_iterators",
