@@ -121,7 +121,7 @@ def pretrain_gpt_main() -> int:
     return 0
 
 
-_PROVIDERS: dict = {}  # the dataset provider Megatron-LM's loop used (MegatronLMTrainer.data_iterator)
+_PROVIDERS: dict = {}  # what Megatron-LM's set-up used and the trainer needs again (data provider, groups, ...)
 
 
 # -- hooks (re-routed here by patches/megatron/training) ------------------------------------------
@@ -205,6 +205,9 @@ def on_setup_model_and_optimizer(original, *args, **kwargs):
     from mindspeed_ha import session
     from mindspeed_ha.comm import interruptible
     out = original(*args, **kwargs)
+    # Megatron-LM caches its checkpoint strategies (holding the DP group) in this dict: a rebuild
+    # re-points them with the rest (MegatronLMTrainer.group_holders).
+    _PROVIDERS["checkpointing_context"] = kwargs.get("checkpointing_context")
     s = session.current()
     if s is None or not s.joining:
         return out
@@ -322,7 +325,7 @@ def on_load_checkpoint(original, ddp_model, optimizer, *args, **kwargs):
     if iteration and hasattr(optimizer, "ha_iteration"):
         optimizer.ha_iteration = iteration  # the replica shard's iteration follows the checkpoint
     s = session.current()
-    if s is not None and iteration:
+    if s is not None and iteration and s.trainer is None:  # (an in-process reload: the session reports it)
         s.loaded(iteration, os.path.join(load_dir, f"iter_{iteration:07d}"), time.perf_counter() - t0)
     return iteration, flops
 
@@ -368,6 +371,7 @@ class MegatronLMTrainer(TrainerInterface):
         self._reduced = None        # its losses reduced over DP (under recover, see _reduce_losses)
         self._at_start: dict = {}   # what the step's partial tail may have advanced (undone on recovery)
         self.rolled_forward = None  # train_step's result, when a recovery finished the failed step
+        self._catch_up = None       # after an in-loop reload: data from the checkpoint's position
 
     def bind_step(self, original, forward_step_func, data_iterator, config, forward_backward_func):
         """Called by Megatron-LM's loop before each of its steps: its objects and position are the truth."""
@@ -413,6 +417,11 @@ class MegatronLMTrainer(TrainerInterface):
         return [wrap(d) for d in data_iterator] if isinstance(data_iterator, list) else wrap(data_iterator)
 
     @property
+    def group_holders(self) -> list:
+        ctx = _PROVIDERS.get("checkpointing_context")
+        return [ctx] if ctx is not None else []
+
+    @property
     def save_dir(self) -> str | None:
         from megatron.training import get_args
         return get_args().save
@@ -443,19 +452,56 @@ class MegatronLMTrainer(TrainerInterface):
             a.consumed_train_samples, a.iteration = saved
 
     def run_step(self, iteration: int | None = None):
-        """Megatron-LM's train_step between the session's step hooks; returns its result tuple."""
+        """Megatron-LM's train_step between the session's step hooks; returns its result tuple.
+        ``iteration``: the loop's (its iterator); None: a step the engine drives (after a reload, from
+        the reloaded position)."""
         from mindspeed_ha import session
         original, forward_step_func, config, forward_backward_func = self._step
+        if iteration is not None and self.iteration < iteration:
+            self._run_catch_up(iteration)
         it = (self.iteration if iteration is None else iteration) + 1
         s = session.current()
         self._running = it
         self._phase_points(config)
         self._mark_step_start()
         s.step_start(it)
-        out = original(self._forward_with_phases(forward_step_func, s, it), self._data_iter,
+        data = self._data_iter if iteration is not None or self._catch_up is None else self._catch_up
+        out = original(self._forward_with_phases(forward_step_func, s, it), data,
                        self.model_chunks, self.optimizer, self.scheduler, config,
                        self._recording(forward_backward_func), iteration=it - 1)
         return self._step_done(it, out)
+
+    def _run_catch_up(self, loop_iteration: int) -> None:
+        """After an in-loop reload (no replicas) the trainer is at the checkpoint, the loop at
+        ``loop_iteration``: the steps in between run here first, with data read from the
+        checkpoint's position. The loop does not see them: it counted them (samples, FLOPs, logs)
+        the first time; their losses are reported again, with the same bits."""
+        from megatron.core.num_microbatches_calculator import update_num_microbatches
+        from megatron.training import get_args
+        from mindspeed_ha import session
+        original, forward_step_func, config, forward_backward_func = self._step
+        data, self._catch_up = self._catch_up, None  # (a fault in here reloads and sets it again)
+        if data is None:
+            raise RuntimeError(f"trainer at iteration {self.iteration}, Megatron-LM's loop at {loop_iteration}, "
+                               "and no reloaded data position to catch up from")
+        s, t0, first = session.current(), time.perf_counter(), self.iteration
+        try:
+            while self.iteration < loop_iteration:
+                it = self.iteration + 1
+                update_num_microbatches(self.consumed_samples, consistency_check=False)
+                self._running = it
+                self._mark_step_start()
+                s.step_start(it)
+                out = original(self._forward_with_phases(forward_step_func, s, it), data, self.model_chunks,
+                               self.optimizer, self.scheduler, config, forward_backward_func, iteration=it - 1)
+                self._step_done(it, out)
+        except BaseException:
+            self._catch_up = self._catch_up or data  # not reloaded (the fault was fatal): keep the position
+            raise
+        finally:
+            update_num_microbatches(get_args().consumed_train_samples, consistency_check=False)
+        log.info("rank %d: recomputed iterations %d-%d after the reload in %.2fs", s.rank, first + 1,
+                 loop_iteration, time.perf_counter() - t0)
 
     def _step_done(self, it: int, out):
         from megatron.core import parallel_state as ps
@@ -673,19 +719,35 @@ class MegatronLMTrainer(TrainerInterface):
         import megatron.training.training as training
         from megatron.training import get_args
         a = get_args()
-        saved, a.load = a.load, load_dir
+        in_loop = self._step is not None  # an in-process reload (no replicas) inside Megatron-LM's loop
+        if in_loop:
+            self._undo_partial_step()
+        loop_args = {k: getattr(a, k, None) for k in _LOOP_ARGS}
+        a.load = load_dir
         # OptimizerParamScheduler.load_state_dict *adds* the checkpoint's step count (it expects a
         # fresh scheduler): start it from zero, as a new process would.
         self.scheduler.num_steps = 0
         try:
-            self.iteration, a.num_floating_point_operations_so_far = training.load_checkpoint(
-                self.model_chunks, self.optimizer, self.scheduler)
+            self.iteration, flops = training.load_checkpoint(self.model_chunks, self.optimizer, self.scheduler)
+            self.consumed_samples = a.consumed_train_samples  # restored from the checkpoint's args
         finally:
-            a.load = saved
-        self.consumed_samples = a.consumed_train_samples  # restored from the checkpoint's args
+            for k, v in loop_args.items():
+                setattr(a, k, v)
         self.ended = self.iteration
-        self._data_iter = self._replayable(self.data_iterator(self.consumed_samples))
+        if in_loop:  # the loop's iterator back to the failed step's start; the steps before it: _run_catch_up
+            for r in self._replays:
+                r.rewind()
+            self._catch_up = self.data_iterator(self.consumed_samples)
+        else:
+            a.consumed_train_samples, a.num_floating_point_operations_so_far = self.consumed_samples, flops
+            self._data_iter = self._replayable(self.data_iterator(self.consumed_samples))
         return self.iteration
+
+
+# What Megatron-LM's load_checkpoint writes into args but the running loop owns (an in-loop reload
+# keeps the loop's values; the loop has counted the steps the catch-up recomputes).
+_LOOP_ARGS = ("load", "iteration", "consumed_train_samples", "skipped_train_samples", "consumed_valid_samples",
+              "num_floating_point_operations_so_far")
 
 
 class _UpdateDone:

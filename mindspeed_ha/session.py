@@ -243,7 +243,8 @@ class RankSession:
             repair.join(self.trainer, args["store_host"], int(args["store_port"]), int(args["generation"]),
                         self.world_size, self.rank, self.device.backend)
             return True, f"joined and set up in {time.perf_counter() - t0:.3f}s"
-        n = repair.rebuild(self.trainer, [*self.trainer.model_chunks, self.trainer.optimizer, self],
+        roots = [*self.trainer.model_chunks, self.trainer.optimizer, *self.trainer.group_holders, self]
+        n = repair.rebuild(self.trainer, roots,
                            args["store_host"], int(args["store_port"]), int(args["generation"]),
                            self.world_size, self.rank, self.device.backend)
         return True, f"{n} group references re-pointed in {time.perf_counter() - t0:.3f}s"

@@ -1,5 +1,4 @@
 """The control plane around the real megatron-core trainer, launched by `mindspeed-ha run`."""
-import os
 import subprocess
 import sys
 import time

@@ -201,10 +201,12 @@ def test_megatron_lm_recover_restarts_only_the_killed_workers(tmp_path, fault_fr
     finished it: roll forward, the newcomer takes the DP-reduced loss from its twin) and rank 2 in the
     backward of step 5 (roll back). Each newcomer runs Megatron-LM's set-up without --load, joins the
     rebuilt groups, takes shard, counters, scheduler and RNG from its twin and enters the loop where
-    the survivors are. Then a uce on rank 3 (retry). Every loss equals the fault-free run's bits."""
+    the survivors are. Then a uce on rank 3 (retry). Every loss equals the fault-free run's bits, and
+    Megatron-LM's periodic saves work after the recoveries (its cached strategy's group re-pointed)."""
     faults = ("kill:rank=1:step=3:phase=optimizer,kill:rank=2:step=5:phase=backward,"
               "uce:rank=3:step=8:phase=backward")
-    proc = _mindspeed_ha_run(tmp_path, "--enable-worker-reboot", "--enable-hbmfault-repair", inject=faults)
+    proc = _mindspeed_ha_run(tmp_path, "--enable-worker-reboot", "--enable-hbmfault-repair",
+                             "--save", str(tmp_path / "ck"), "--save-interval", "4", inject=faults)
     assert_ok(proc)
     got = losses(tmp_path)
     assert sorted(got) == list(range(1, 11)) and got == fault_free
@@ -218,3 +220,32 @@ def test_megatron_lm_recover_restarts_only_the_killed_workers(tmp_path, fault_fr
         if e["event"] == "start":
             pids.setdefault(e["rank"], []).append(e["pid"])
     assert {r: len(p) for r, p in pids.items()} == {0: 1, 1: 2, 2: 2, 3: 1}  # one new process per kill
+    assert {p.name for p in (tmp_path / "ck").glob("iter_*")} == {"iter_0000004", "iter_0000008", "iter_0000010"}
+
+
+def test_megatron_lm_no_replica_reload_in_process(tmp_path):
+    """--distributed-optimizer-no-replica with retry through Megatron-LM's loop: a uce in step 6 →
+    every rank reloads Megatron-LM's iteration-3 checkpoint in process (no restart), recomputes 4 and
+    5 inside the failing train_step call and then step 6; the event counts 2 lost steps. Every loss,
+    recomputed ones included, equals a fault-free no-replica run's bits."""
+    nr = ("--distributed-optimizer-no-replica", "--enable-hbmfault-repair")
+    ref = tmp_path / "ref"
+    assert_ok(_mindspeed_ha_run(ref, *nr, iters=8))
+    run_dir = tmp_path / "run"
+    proc = _mindspeed_ha_run(run_dir, *nr, "--save", str(run_dir / "ck"), "--save-interval", "3",
+                             inject="uce:rank=2:step=6:phase=backward", iters=8)
+    assert_ok(proc)
+    evs = all_rank_events(run_dir)
+    assert sorted(e["rank"] for e in evs if e["event"] == "start") == [0, 1, 2, 3]  # nobody restarted
+    recomputed = [e["iteration"] for e in evs if e["event"] == "step"]
+    assert sorted(recomputed) == [1, 2, 3, 4, 4, 5, 5, 6, 7, 8]
+    steps: dict = {}
+    for e in evs:
+        if e["event"] == "step":
+            steps.setdefault(e["iteration"], set()).add(e["loss_hex"])
+    assert steps == {i: {h} for i, h in losses(ref).items()}  # both runs of 4 and 5 too
+    from helpers import events as read_events
+    rec = [e for e in read_events(run_dir, "controller") if e["event"] == "recovered"]
+    assert [(e["strategy"], e["how"], e["iteration"], e["lost_steps"]) for e in rec] == [("retry", "reload", 3, 2)]
+    assert [e["iteration"] for e in evs if e["event"] == "load"] == [3] * 4
+    assert "consumed samples:           64" in proc.stdout  # Megatron-LM's own log counted each step once

@@ -18,6 +18,7 @@ class TrainerInterface(abc.ABC):
     consumed_samples: int       # data position: samples consumed by the whole job
     save_dir: str | None        # --save (where a dying-gasp checkpoint goes)
     global_batch_size: int      # samples per iteration (scheduler and data position steps)
+    group_holders: tuple = ()   # objects besides model and optimizer that keep process groups (a rebuild re-points them)
 
     @abc.abstractmethod
     def data_iterator(self, consumed_samples: int) -> Iterator:
