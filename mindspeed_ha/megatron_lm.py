@@ -223,7 +223,7 @@ def on_setup_model_and_optimizer(original, *args, **kwargs):
     # returns the step's result, as the survivors' failing call did. The data loaders are built
     # at the position of the next step that draws data.
     a = get_args()
-    a.iteration, a.consumed_train_samples = trainer.loop_iteration(), trainer.consumed_samples
+    a.iteration, a.consumed_train_samples = trainer.loop_position()
     interruptible.set_alone(True)  # data loaders and the loop's preamble, until the first step
     return out
 
@@ -371,7 +371,8 @@ class MegatronLMTrainer(TrainerInterface):
         self._reduced = None        # its losses reduced over DP (under recover, see _reduce_losses)
         self._at_start: dict = {}   # what the step's partial tail may have advanced (undone on recovery)
         self.rolled_forward = None  # train_step's result, when a recovery finished the failed step
-        self._catch_up = None       # after an in-loop reload: data from the checkpoint's position
+        self._catch_up = None       # after a reload: the checkpoint's data position (_reloaded_data)
+        self._loop_at = None        # a joiner after a reload: where its loop enters (loop_position)
 
     def bind_step(self, original, forward_step_func, data_iterator, config, forward_backward_func):
         """Called by Megatron-LM's loop before each of its steps: its objects and position are the truth."""
@@ -380,13 +381,23 @@ class MegatronLMTrainer(TrainerInterface):
         if data_iterator is not self._loop_iter:  # the loop hands the same object every step
             self._loop_iter = data_iterator
             self._data_iter = self._replayable(data_iterator)
-        if self.rolled_forward is None:  # (else the loop is one step behind: loop_iteration)
+        if self.rolled_forward is None and self._catch_up is None:  # (else the loop is elsewhere: loop_position)
             self.consumed_samples = get_args().consumed_train_samples
 
-    def loop_iteration(self) -> int:
-        """Where Megatron-LM's loop stands: one step behind while a rolled-forward step's result
-        waits for the loop's train_step call."""
-        return self.iteration - (self.rolled_forward is not None)
+    def loop_position(self) -> tuple[int, int]:
+        """Where a joiner's Megatron-LM loop starts (iteration, consumed samples): one step behind
+        while a rolled-forward step's result waits for the loop's train_step call (that call gives
+        the samples back, hand_rolled_forward); at the survivors' loops after a reload, the steps
+        in between caught up in its first call (a constant global batch size assumed)."""
+        if self._loop_at is not None:
+            return self._loop_at, self.consumed_samples + (self._loop_at - self.iteration) * self.global_batch_size
+        return self.iteration - (self.rolled_forward is not None), self.consumed_samples
+
+    def after_reload(self, job_ended: int) -> None:
+        """A joiner that reloaded with the job (no replicas) is not in the loop yet: it will enter
+        where the survivors' loops are (``job_ended``) and catch up from the checkpoint first."""
+        if self._step is None and job_ended > self.iteration:
+            self._loop_at = job_ended
 
     def hand_rolled_forward(self):
         """The result a recovery finished, for the loop's pending train_step call (None if none);
@@ -444,12 +455,27 @@ class MegatronLMTrainer(TrainerInterface):
         from megatron.training import get_args
         from megatron.training.training import build_train_valid_test_data_iterators
         a = get_args()
-        saved = a.consumed_train_samples, a.iteration
+        keep = ("consumed_train_samples", "iteration", "do_train", "do_valid", "do_test")
+        saved = {k: getattr(a, k, None) for k in keep}
         a.consumed_train_samples, a.iteration = consumed_samples, consumed_samples // a.global_batch_size
         try:
             return build_train_valid_test_data_iterators(_PROVIDERS["train_valid_test"])[0]
         finally:
-            a.consumed_train_samples, a.iteration = saved
+            for k, v in saved.items():
+                setattr(a, k, v)
+
+    def _reloaded_data(self):
+        """The data iterator at the reloaded checkpoint's position, built on first use. Its set-up's
+        collectives (barriers, the do-train flags' broadcast) are answered alone: a restarted rank
+        builds it when its loop starts, the survivors when they catch up, not at the same moment."""
+        from mindspeed_ha.comm import interruptible
+        if isinstance(self._catch_up, int):
+            interruptible.set_alone(True)
+            try:
+                self._catch_up = self.data_iterator(self._catch_up)
+            finally:
+                interruptible.set_alone(False)
+        return self._catch_up
 
     def run_step(self, iteration: int | None = None):
         """Megatron-LM's train_step between the session's step hooks; returns its result tuple.
@@ -459,13 +485,15 @@ class MegatronLMTrainer(TrainerInterface):
         original, forward_step_func, config, forward_backward_func = self._step
         if iteration is not None and self.iteration < iteration:
             self._run_catch_up(iteration)
+        elif iteration is not None:
+            self._catch_up = None  # (reloaded at the loop's own position: nothing to catch up)
         it = (self.iteration if iteration is None else iteration) + 1
         s = session.current()
         self._running = it
         self._phase_points(config)
         self._mark_step_start()
         s.step_start(it)
-        data = self._data_iter if iteration is not None or self._catch_up is None else self._catch_up
+        data = self._data_iter if iteration is not None or self._catch_up is None else self._reloaded_data()
         out = original(self._forward_with_phases(forward_step_func, s, it), data,
                        self.model_chunks, self.optimizer, self.scheduler, config,
                        self._recording(forward_backward_func), iteration=it - 1)
@@ -480,10 +508,10 @@ class MegatronLMTrainer(TrainerInterface):
         from megatron.training import get_args
         from mindspeed_ha import session
         original, forward_step_func, config, forward_backward_func = self._step
-        data, self._catch_up = self._catch_up, None  # (a fault in here reloads and sets it again)
-        if data is None:
+        if self._catch_up is None:
             raise RuntimeError(f"trainer at iteration {self.iteration}, Megatron-LM's loop at {loop_iteration}, "
                                "and no reloaded data position to catch up from")
+        data, self._catch_up = self._reloaded_data(), None  # (a fault in here reloads and sets it again)
         s, t0, first = session.current(), time.perf_counter(), self.iteration
         try:
             while self.iteration < loop_iteration:
@@ -496,7 +524,7 @@ class MegatronLMTrainer(TrainerInterface):
                                self.optimizer, self.scheduler, config, forward_backward_func, iteration=it - 1)
                 self._step_done(it, out)
         except BaseException:
-            self._catch_up = self._catch_up or data  # not reloaded (the fault was fatal): keep the position
+            self._catch_up = data  # (the recovery that follows may reload and replace it)
             raise
         finally:
             update_num_microbatches(get_args().consumed_train_samples, consistency_check=False)
@@ -734,13 +762,12 @@ class MegatronLMTrainer(TrainerInterface):
             for k, v in loop_args.items():
                 setattr(a, k, v)
         self.ended = self.iteration
-        if in_loop:  # the loop's iterator back to the failed step's start; the steps before it: _run_catch_up
+        self._catch_up = self.consumed_samples  # the steps up to the loop's position: _run_catch_up
+        if in_loop:  # the loop's iterator back to the failed step's start
             for r in self._replays:
                 r.rewind()
-            self._catch_up = self.data_iterator(self.consumed_samples)
-        else:
+        else:  # a restarted rank's set-up: its loop starts from these (or from loop_position)
             a.consumed_train_samples, a.num_floating_point_operations_so_far = self.consumed_samples, flops
-            self._data_iter = self._replayable(self.data_iterator(self.consumed_samples))
         return self.iteration
 
 

@@ -233,6 +233,7 @@ class RankSession:
         """No replicas: every rank reloads the newest periodic checkpoint in process."""
         t0 = time.perf_counter()
         it = self.trainer.load_checkpoint(self.trainer.save_dir)
+        self.trainer.after_reload(int(args.get("ended", it)))
         self.loaded(it, self.trainer.save_dir, time.perf_counter() - t0)
         return True, str(it)
 

@@ -224,28 +224,30 @@ def test_megatron_lm_recover_restarts_only_the_killed_workers(tmp_path, fault_fr
 
 
 def test_megatron_lm_no_replica_reload_in_process(tmp_path):
-    """--distributed-optimizer-no-replica with retry through Megatron-LM's loop: a uce in step 6 →
-    every rank reloads Megatron-LM's iteration-3 checkpoint in process (no restart), recomputes 4 and
-    5 inside the failing train_step call and then step 6; the event counts 2 lost steps. Every loss,
-    recomputed ones included, equals a fault-free no-replica run's bits."""
-    nr = ("--distributed-optimizer-no-replica", "--enable-hbmfault-repair")
+    """--distributed-optimizer-no-replica through Megatron-LM's loop. A uce in step 6 (retry): every
+    rank reloads Megatron-LM's iteration-3 checkpoint in process, recomputes 4 and 5 inside the
+    failing train_step call, then step 6 (2 steps lost). Rank 1 killed in step 8 (recover): only it
+    restarts; it reloads iteration 6 with the survivors and enters the loop where they are,
+    recomputing 7 in its first call as they do. Every loss, recomputed ones included, equals a
+    fault-free no-replica run's bits; the loop counts each step once."""
+    nr = ("--distributed-optimizer-no-replica", "--enable-hbmfault-repair", "--enable-worker-reboot")
     ref = tmp_path / "ref"
-    assert_ok(_mindspeed_ha_run(ref, *nr, iters=8))
+    assert_ok(_mindspeed_ha_run(ref, *nr, iters=9))
     run_dir = tmp_path / "run"
     proc = _mindspeed_ha_run(run_dir, *nr, "--save", str(run_dir / "ck"), "--save-interval", "3",
-                             inject="uce:rank=2:step=6:phase=backward", iters=8)
+                             inject="uce:rank=2:step=6:phase=backward,kill:rank=1:step=8:phase=forward", iters=9)
     assert_ok(proc)
     evs = all_rank_events(run_dir)
-    assert sorted(e["rank"] for e in evs if e["event"] == "start") == [0, 1, 2, 3]  # nobody restarted
-    recomputed = [e["iteration"] for e in evs if e["event"] == "step"]
-    assert sorted(recomputed) == [1, 2, 3, 4, 4, 5, 5, 6, 7, 8]
+    assert sorted(e["rank"] for e in evs if e["event"] == "start") == [0, 1, 1, 2, 3]  # one restart
+    assert sorted(e["iteration"] for e in evs if e["event"] == "step") == [1, 2, 3, 4, 4, 5, 5, 6, 7, 7, 8, 9]
     steps: dict = {}
     for e in evs:
         if e["event"] == "step":
             steps.setdefault(e["iteration"], set()).add(e["loss_hex"])
-    assert steps == {i: {h} for i, h in losses(ref).items()}  # both runs of 4 and 5 too
+    assert steps == {i: {h} for i, h in losses(ref).items()}  # both runs of 4, 5 and 7 too
     from helpers import events as read_events
     rec = [e for e in read_events(run_dir, "controller") if e["event"] == "recovered"]
-    assert [(e["strategy"], e["how"], e["iteration"], e["lost_steps"]) for e in rec] == [("retry", "reload", 3, 2)]
-    assert [e["iteration"] for e in evs if e["event"] == "load"] == [3] * 4
-    assert "consumed samples:           64" in proc.stdout  # Megatron-LM's own log counted each step once
+    assert [(e["strategy"], e["how"], e["iteration"], e["lost_steps"]) for e in rec] == [
+        ("retry", "reload", 3, 2), ("recover", "reload", 6, 1)]
+    assert sorted(e["iteration"] for e in evs if e["event"] == "load") == [3] * 4 + [6] * 4
+    assert "consumed samples:           72" in proc.stdout  # Megatron-LM's own log counted each step once

@@ -87,7 +87,8 @@ class RetryDriver:
         # starts its workers as joiners by itself; the others are restarted by their agents.
         live_agents = [a for a in c.agents.values() if now - a.seen <= c.dead_after]
         by_agent = sorted(r for a in live_agents for r in a.ranks if r in lost)
-        unknown = [r for r in lost if self._group_of(r) is None]
+        replicas = all(st["replica"] for st in self.statuses.values())  # (without: all reload, no twin needed)
+        unknown = [r for r in lost if replicas and self._group_of(r) is None]
         if unknown:
             return self._fail(f"the replica group of rank(s) {unknown} is unknown")
         self.joiners = sorted(set(self.joiners) | set(lost))
@@ -148,7 +149,7 @@ class RetryDriver:
             return self._plan()
         if self.round == "rebuild":
             if self.reload_from is not None:
-                self._send("reload", "reload", {})
+                self._send("reload", "reload", {"ended": self.target + self.lost})
             else:
                 self._send("repair", "repair", {"pairs": self.pairs, "iteration": self.target,
                                                 "joiners": self.joiner_src})

@@ -54,3 +54,7 @@ class TrainerInterface(abc.ABC):
         self.iteration, self.ended = state["iteration"], state["ended"]
         self.consumed_samples = state["consumed_samples"]
         self.scheduler.load_state_dict(state["scheduler"])  # a fresh scheduler: its count is the peer's
+
+    def after_reload(self, job_ended: int) -> None:
+        """After an in-job reload (no replicas) on every rank: ``job_ended`` is the newest iteration
+        any rank had completed. A trainer whose loop cannot go back catches up to it."""
