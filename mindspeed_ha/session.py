@@ -327,6 +327,16 @@ class RankSession:
         if self.processor is not None:
             self.processor.step_start(iteration)
 
+    def report_unlogged_step(self, iteration: int, loss) -> None:
+        """A restarted worker that writes the losses: its predecessor may have died after step
+        ``iteration`` completed job-wide but before reporting it (its update or the parameter
+        all-gather); the twin's loss of that step (reduced over DP: the same bits) goes out then."""
+        from mindspeed_ha.events import read_events
+        if loss is None or not self._writes_loss:
+            return
+        if not any(e["event"] == "step" and e.get("iteration") == iteration for e in read_events(self.events.path)):
+            self.events.emit("step", iteration=iteration, loss=loss, loss_hex=float.hex(loss), late=True)
+
     def step_end(self, iteration: int, loss, **extra) -> None:
         seconds = time.perf_counter() - self._t_step
         if loss is not None and self._writes_loss:

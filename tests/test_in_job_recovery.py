@@ -99,19 +99,23 @@ def test_comm_fault_retry(tmp_path, ref):
 def test_no_replica_fallback_reloads_in_process(tmp_path):
     """--distributed-optimizer-no-replica: nothing holds a second copy of a shard, so every rank
     reloads the newest periodic checkpoint in process (no restart); the event counts the lost steps,
-    and the recomputed steps have the fault-free run's loss bits."""
-    extra = ("--distributed-optimizer-no-replica", "--save", str(tmp_path / "ck"), "--save-interval", "3")
+    and the recomputed steps have the fault-free run's loss bits. Then, under recover, rank 1 is
+    killed: only it restarts, and it reloads the checkpoint together with the survivors."""
+    extra = ("--distributed-optimizer-no-replica", "--save", str(tmp_path / "ck"), "--save-interval", "3",
+             *ARF)
     with ThreadPoolExecutor(1) as pool:
         ref = pool.submit(job, tmp_path / "ref", 4, None, ("--distributed-optimizer-no-replica",))
-        proc = job(tmp_path / "run", inject="uce:rank=2:step=5:phase=backward", extra=extra)
+        proc = job(tmp_path / "run", inject="uce:rank=2:step=5:phase=backward,kill:rank=1:step=8:phase=forward",
+                   extra=extra)
         assert_ok(ref.result())
     assert_ok(proc)
     run = tmp_path / "run"
-    assert sorted(e["rank"] for e in all_rank_events(run) if e["event"] == "start") == [0, 1, 2, 3]
+    assert sorted(e["rank"] for e in all_rank_events(run) if e["event"] == "start") == [0, 1, 1, 2, 3]
     assert losses(run) == losses(tmp_path / "ref")
     rec = [e for e in events(run, "controller") if e["event"] == "recovered"]
-    assert len(rec) == 1 and rec[0]["how"] == "reload" and rec[0]["iteration"] == 3 and rec[0]["lost_steps"] == 1
-    assert [e["iteration"] for e in all_rank_events(run) if e["event"] == "load"] == [3] * 4
+    assert [(e["strategy"], e["how"], e["iteration"], e["lost_steps"]) for e in rec] == [
+        ("retry", "reload", 3, 1), ("recover", "reload", 6, 1)]
+    assert sorted(e["iteration"] for e in all_rank_events(run) if e["event"] == "load") == [3] * 4 + [6] * 4
 
 
 def test_report_table_and_timeline(tmp_path):
@@ -178,12 +182,16 @@ def test_uce_then_kill_retry_and_recover_in_one_job(tmp_path, ref):
     assert [(e["worker_rank"], e.get("spare")) for e in starts] == [(1, True)]
 
 
-def test_kill_rank0_backup_controller_restarts_it(tmp_path, ref):
-    """Rank 0 hosts the controller: the backup takes over, has rank 0 restarted, and the restarted
-    rank 0 joins without starting a controller of its own."""
-    proc = job(tmp_path, inject="kill:rank=0:step=6:phase=backward", extra=ARF)
-    rec = check_rejoined(proc, tmp_path, ref["dp4"], [0], n=1)
-    assert rec[0]["strategy"] == "recover"
+RANK0_KILLS = [(2, "forward"), (3, "backward"), (5, "grad-sync"), (6, "optimizer"), (7, "param-sync")]
+
+
+def test_kill_rank0_each_phase_backup_controller_restarts_it(tmp_path, ref):
+    """Rank 0 hosts the controller: killed in step 2, the backup takes over, has rank 0 restarted,
+    and the restarted rank 0 joins without starting a controller of its own. Then rank 0 is killed
+    again in each other phase: one new pid per kill, losses bit-identical, 0 lost steps."""
+    proc = job(tmp_path, inject=",".join(f"kill:rank=0:step={s}:phase={p}" for s, p in RANK0_KILLS), extra=ARF)
+    rec = check_rejoined(proc, tmp_path, ref["dp4"], [0] * len(RANK0_KILLS), n=len(RANK0_KILLS))
+    assert [e["strategy"] for e in rec] == ["recover"] * len(RANK0_KILLS)
     takeovers = [e for e in all_rank_events(tmp_path) if e["event"] == "takeover"] + \
         [e for e in events(tmp_path, "controller") if e["event"] == "takeover"]
     assert takeovers, "no backup controller took over"

@@ -90,6 +90,8 @@ def transfer_bookkeeping(trainer, joiners: dict[int, int], rank: int) -> None:
             box = [None]
             dist.recv_object_list(box, src)
             trainer.install_bookkeeping(box[0]["trainer"])
+            from mindspeed_ha import session
+            session.current().report_unlogged_step(trainer.ended, box[0]["trainer"].get("step_loss"))
             _set_rng_state(box[0]["rng_now"])
             trainer.ha_step_state.rng = dict(box[0]["rng"])
 
