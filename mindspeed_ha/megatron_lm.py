@@ -523,9 +523,6 @@ class MegatronLMTrainer(TrainerInterface):
                 out = original(self._forward_with_phases(forward_step_func, s, it), data, self.model_chunks,
                                self.optimizer, self.scheduler, config, forward_backward_func, iteration=it - 1)
                 self._step_done(it, out)
-        except BaseException:
-            self._catch_up = data  # (the recovery that follows may reload and replace it)
-            raise
         finally:
             update_num_microbatches(get_args().consumed_train_samples, consistency_check=False)
         log.info("rank %d: recomputed iterations %d-%d after the reload in %.2fs", s.rank, first + 1,

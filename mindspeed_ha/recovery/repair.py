@@ -78,6 +78,7 @@ def transfer_bookkeeping(trainer, joiners: dict[int, int], rank: int) -> None:
     """``joiners``: restarted rank -> the twin that sends it what is not in the optimizer shard:
     the trainer's counters, scheduler and pending loss, the RNG now and the snapshots of recent
     iterations (so that ``resume_at`` rolls back or forward exactly as on the twin)."""
+    from mindspeed_ha import session
     from mindspeed_ha.recovery.dump import _rng_snapshot
     from mindspeed_ha.trainer.checkpoint import _set_rng_state
     for dst, src in sorted(joiners.items()):
@@ -90,7 +91,6 @@ def transfer_bookkeeping(trainer, joiners: dict[int, int], rank: int) -> None:
             box = [None]
             dist.recv_object_list(box, src)
             trainer.install_bookkeeping(box[0]["trainer"])
-            from mindspeed_ha import session
             session.current().report_unlogged_step(trainer.ended, box[0]["trainer"].get("step_loss"))
             _set_rng_state(box[0]["rng_now"])
             trainer.ha_step_state.rng = dict(box[0]["rng"])
