@@ -2,7 +2,6 @@
 checkpoint, then a plain `--load` whose losses must equal the fault-free run's bit for bit."""
 import json
 import math
-import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -87,15 +86,8 @@ def test_kill_each_phase_dp4(tmp_path, ref, phase):
     check_resume(tmp_path / "resume", ck, ref["dp4"])
 
 
-# About a minute each on 2 shared cores: one runs in CI, all five with MINDSPEED_HA_SLOW_TESTS=1
-# (all five pass on this machine; the DP=4 test covers every phase in CI).
-SLOW = pytest.mark.skipif(not os.environ.get("MINDSPEED_HA_SLOW_TESTS"),
-                          reason="8-rank job pair, about a minute on 2 cores; set MINDSPEED_HA_SLOW_TESTS=1")
-
-
-@pytest.mark.parametrize("phase,rank", [pytest.param("forward", 3, marks=SLOW), pytest.param("grad-sync", 5, marks=SLOW),
-                                        ("optimizer", 1), pytest.param("backward", 6, marks=SLOW),
-                                        pytest.param("param-sync", 2, marks=SLOW)])
+@pytest.mark.parametrize("phase,rank", [("forward", 3), ("grad-sync", 5), ("optimizer", 1), ("backward", 6),
+                                        ("param-sync", 2)])
 def test_kill_each_phase_tp2_dp4(tmp_path, ref, phase, rank):
     """8 ranks, TP=2 x DP=4: replica groups are per TP rank; the lost rank's TP peer is a survivor
     that cannot write the lost shard, its DP replica does."""
