@@ -30,6 +30,7 @@ def apply_patches(device: Device | None = None, megatron_lm: bool | None = None,
     registry.apply("step_hooks")
     if ha:
         registry.apply("interruptible_collectives")
+        registry.apply("stable_groups")
     if megatron_lm if megatron_lm is not None else megatron_lm_available():
         registry.apply("megatron_training")
     return device

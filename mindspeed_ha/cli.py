@@ -58,7 +58,7 @@ def cmd_status(args) -> int:
         st = {"state": "unreachable", "faults": faults,
               "note": f"no controller answered (see {log_dir}/controller.json); faults from the event log"}
     else:
-        st = json.loads(msg["body"])
+        st = msg["body"]
     if args.json:
         print(json.dumps(st, indent=1))
         return 0 if st["state"] != "unreachable" else 1
@@ -93,7 +93,7 @@ def cmd_inject(args) -> int:
     if msg["t"] == "refused":
         print(f"refused: {msg['reason']}", file=sys.stderr)
         return 1
-    body = json.loads(msg["body"])
+    body = msg["body"]
     print(json.dumps(body))
     return 0 if body.get("ok") else 1
 

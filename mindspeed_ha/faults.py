@@ -73,6 +73,11 @@ def classify(exc: BaseException) -> str:
     return "other"
 
 
+def fault_kind(exc: BaseException) -> str:
+    """The fault's kind as the controller names it: memory-error, comm-failure or other."""
+    return {"memory": "memory-error", "comm": "comm-failure"}.get(classify(exc), "other")
+
+
 # The exit code of a rank that ends itself because its device context is poisoned: its agent
 # reports the exit, and recover replaces the process (its twin holds its shard).
 PROCESS_FATAL_EXIT = 75

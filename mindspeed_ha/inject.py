@@ -225,14 +225,18 @@ class Injector:
 
 
 def default_comm_breaker() -> None:
-    """Abort every process group we can see. NCCL/HCCL: ``abort()`` kills the communicators. gloo:
-    ``abort()`` is a no-op, so the default group is also destroyed (peers then see "Connection
-    closed by peer"); subgroups still referenced elsewhere stay up - register a trainer breaker
-    that knows them."""
+    """Tear down this rank's communicators. Stable groups (HA on): every communicator is dropped
+    (peers see "Connection closed by peer") and the groups fail until the recovery reconnects them.
+    Otherwise every process group is aborted (NCCL/HCCL: the communicators die; gloo's abort is a
+    no-op, so the default group is destroyed too)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
+    from mindspeed_ha.comm import groups
 
     if not (dist.is_available() and dist.is_initialized()):
+        return
+    if isinstance(c10d._world.default_pg, groups.StableGroup):
+        groups.break_communicators()
         return
     for pg in list(c10d._world.pg_map.keys()):
         try:

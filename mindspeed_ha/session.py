@@ -2,11 +2,13 @@
 processor that reports to the controller.
 
 Both trainers report to it through a handful of hooks (step start/end, phase points, saves); it owns
-nothing of the training loop itself.
+nothing of the training loop itself. After a fault the training thread parks here (``report_fault``)
+and serves the controller's recovery orders (recovery/handlers.py) until the job trains on or ends.
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import torch.distributed as dist
@@ -44,6 +46,7 @@ class RankSession:
         self._writes_loss = False
         self.phase = "startup"
         self.joining = False  # a restarted worker until it has resumed (recover)
+        self._tracking = False
         self._t_step = time.perf_counter()  # start of the step in flight
         _current = self
 
@@ -128,33 +131,33 @@ class RankSession:
             self.start_processor()
 
     def trainer_ready(self) -> None:
-        """After setup and ``--load``, before the first step: start what recovery needs from the
-        live state (RNG at every update's end, the checkpoint writer warmed up when --save is set)."""
-        if self.processor is None:
+        """After setup and ``--load``, before the first step: start what recovery needs from the live
+        state (the RNG as of every update's end; the checkpoint writer warmed up when --save is set)."""
+        if self.optimizer is None or self._tracking:
             return
-        from mindspeed_ha.recovery import dump, groups
-        if self.optimizer is not None:
-            dump.track(self.trainer, prewarm=bool(getattr(self.trainer, "save_dir", None)))
-        groups.remember([*self.trainer.model_chunks, self.trainer.optimizer])  # a comm fault may destroy them
+        self._tracking = True
+        history = self.trainer.rng
+        history.record(self.trainer.iteration)  # after setup/--load, before any forward: the current RNG
+        self.optimizer.ha_add_listener(lambda event, it: history.record(it) if event == "update_end" else None)
+        if self.processor is not None and self.trainer.save_dir:
+            from mindspeed_ha.recovery import dump
+            dump.prewarm_writer()
 
     # -- control plane ---------------------------------------------------------------------------
     def start_processor(self) -> None:
         """Report to the controller (hosted by rank 0's processor unless one runs elsewhere)."""
         from mindspeed_ha.control.processor import Processor
         groups = [self.topology.replica_group] if self.topology else []
+        from mindspeed_ha.recovery.handlers import RankRecovery
         self.processor = Processor(self.rank, self.world_size, self.local_rank,
                                    os.environ.get("MINDSPEED_HA_NODE", ""), self.options, groups,
                                    events=self.events)
-        self.processor.register_handler("inject", self._live_inject)
-        self.processor.register_handler("dump-status", self._dump_status, main_thread=True)
-        self.processor.register_handler("dump", self._dump, main_thread=True)
-        for action in ("ha-status", "rebuild", "repair", "reload", "rollback", "resume"):
-            self.processor.register_handler(action, getattr(self, "_" + action.replace("-", "_")), main_thread=True)
+        self.processor.serve({"inject": self._live_inject}, training_thread=False)
+        self.processor.serve(RankRecovery(self).handlers(), training_thread=True)
         self.processor.start()
 
-    def _live_inject(self, args: dict):
-        f = self.injector.add(args["kind"], self.rank, args.get("step"), args.get("phase"))
-        return True, f"armed {f.spec()}"
+    def _live_inject(self, args: dict) -> str:
+        return f"armed {self.injector.add(args['kind'], self.rank, args.get('step'), args.get('phase')).spec()}"
 
     @staticmethod
     def restarted_worker() -> bool:
@@ -188,7 +191,9 @@ class RankSession:
         Returns False if the controller goes silent."""
         if self.processor is None:
             return False
-        from mindspeed_ha.faults import PROCESS_FATAL_EXIT, process_fatal
+        from mindspeed_ha.comm.interruptible import CollectiveStopped
+        from mindspeed_ha.faults import PROCESS_FATAL_EXIT, fault_kind, process_fatal
+        from mindspeed_ha.process import exit_now
         if process_fatal(exc):
             # A poisoned device context (CUDA sticky error, e.g. uncorrectable ECC): nothing here can
             # be repaired in place or even freed. End the process; its agent reports the exit and
@@ -196,13 +201,13 @@ class RankSession:
             log.error("rank %d: process-fatal device error in iteration %d (%s): %s; exiting with %d so "
                       "that the process is replaced", self.rank, iteration, self.phase, exc, PROCESS_FATAL_EXIT)
             self.events.emit("process_fatal", iteration=int(iteration), phase=self.phase, detail=str(exc)[:500])
-            from mindspeed_ha.recovery import groups
-            groups.exit_now(PROCESS_FATAL_EXIT)
-        kind = self.processor.report_exception(exc, iteration, self.phase)
-        if kind == "stopped":
+            exit_now(PROCESS_FATAL_EXIT)
+        if isinstance(exc, CollectiveStopped):  # we stopped it ourselves: not a new fault
             log.info("rank %d left its collective in iteration %d (%s): stopped by the controller",
                      self.rank, iteration, self.phase)
         else:
+            kind = fault_kind(exc)
+            self.processor.report_fault(kind, f"{type(exc).__name__}: {exc}", iteration, self.phase)
             log.error("rank %d: %s fault in iteration %d (%s): %s", self.rank, kind, iteration, self.phase, exc)
         wait = max(30.0, 3 * self.options.hang_timeout_s)
         while True:
@@ -214,106 +219,56 @@ class RankSession:
         log.error("rank %d: no order from the controller for %.0f s after the fault", self.rank, wait)
         return False
 
-    # -- in-place recovery (retry): orders served on the training thread -------------------------
-    def _ha_status(self, args: dict):
-        import json
-        from mindspeed_ha.recovery import dump, repair
-        if self.joining:  # restarted, not resumed yet (a fault came during its recovery): holds nothing
-            return True, json.dumps({"replica": True, "joining": True})
-        self.fire("recovery", self.trainer.iteration + 1)
-        if getattr(self.trainer, "ended", None) is None:
-            return False, "in-place repair needs a trainer that can roll back (ended, restart_from, finish_step)"
-        if self.optimizer is None:  # --distributed-optimizer-no-replica: the fallback reloads a checkpoint
-            save = getattr(self.trainer, "save_dir", None)
-            return True, json.dumps({"replica": False, "ended": self.trainer.ended,
-                                     "checkpoint": dump.newest_checkpoint(save) if save else None})
-        return True, json.dumps({"replica": True, **repair.status(self.trainer)})
+    def survive(self, attempt, iteration_of, after_recovery=None):
+        """Run ``attempt()`` until it returns. An exception is a fault of this rank: it is reported
+        and the controller's recovery served here (``report_fault``); once repaired in place,
+        ``after_recovery()`` may give the result (a step the recovery finished), else ``attempt``
+        runs again. ``iteration_of()``: the iteration in flight. What cannot be recovered in place
+        (a replica mismatch, a controller gone silent) is raised."""
+        import traceback
+        from mindspeed_ha.comm.interruptible import CollectiveStopped
+        from mindspeed_ha.replica.verify import ReplicaMismatchError
+        while True:
+            try:
+                return attempt()
+            except ReplicaMismatchError:
+                raise
+            except Exception as e:
+                if not isinstance(e, CollectiveStopped):  # a stopped rank is not a fault of its own
+                    traceback.print_exc()
+                if not self.report_fault(e, iteration_of()):
+                    raise
+            out = after_recovery() if after_recovery is not None else None
+            if out is not None:
+                return out
 
-    def _reload(self, args: dict):
-        """No replicas: every rank reloads the newest periodic checkpoint in process."""
-        t0 = time.perf_counter()
-        it = self.trainer.load_checkpoint(self.trainer.save_dir)
-        self.trainer.after_reload(int(args.get("ended", it)))
-        self.loaded(it, self.trainer.save_dir, time.perf_counter() - t0)
-        return True, str(it)
-
-    def _rebuild(self, args: dict):
-        from mindspeed_ha.recovery import repair
-        t0 = time.perf_counter()
-        if self.joining and getattr(self.trainer, "optimizer", None) is None:
-            repair.join(self.trainer, args["store_host"], int(args["store_port"]), int(args["generation"]),
-                        self.world_size, self.rank, self.device.backend)
-            return True, f"joined and set up in {time.perf_counter() - t0:.3f}s"
-        roots = [*self.trainer.model_chunks, self.trainer.optimizer, *self.trainer.group_holders, self]
-        n = repair.rebuild(self.trainer, roots,
-                           args["store_host"], int(args["store_port"]), int(args["generation"]),
-                           self.world_size, self.rank, self.device.backend)
-        return True, f"{n} group references re-pointed in {time.perf_counter() - t0:.3f}s"
-
-    def _repair(self, args: dict):
-        from mindspeed_ha.recovery import repair
-        flat = list(args.get("pairs", []))
-        pairs = list(zip(flat[0::2], flat[1::2]))
-        got = repair.transfer_shards(self.optimizer, pairs, self.rank, int(args["iteration"]))
-        flat = list(args.get("joiners", []))  # restarted rank, its twin, ...
-        joiners = dict(zip(flat[0::2], flat[1::2]))
-        if joiners:
-            repair.transfer_bookkeeping(self.trainer, joiners, self.rank)
-        repair.regather_params(self.trainer)
-        if got:
-            self.events.emit("repaired", iteration=int(args["iteration"]), bytes=got,
-                             sources=[s for s, d in pairs if d == self.rank])
-        return True, f"received {got} bytes"
-
-    def _rollback(self, args: dict):
-        from mindspeed_ha.recovery import repair
-        how = repair.resume_at(self.trainer, int(args["iteration"]))
-        return True, how
-
-    def _resume(self, args: dict):
+    def resumed(self) -> None:
+        """Training goes on after an in-place recovery: heartbeat as soon as the next step ends (the
+        controller's MTTR ends there), and say then what the process holds."""
         self.phase = "step"
         if self.processor is not None:
             self.processor.health = "ok"
             self.processor.report_next_step()
-        return True, "resumed"
+        threading.Thread(target=self._settled, name="mindspeed-ha-settled", daemon=True).start()
 
-    # -- dying gasp (orders served on the training thread) ---------------------------------------
-    def _dump_status(self, args: dict):
-        """Prepare this rank's part of the checkpoint (locally, while the old groups exist) and
-        report the shard's state for the controller's plan."""
-        import json
-        from mindspeed_ha.recovery import dump
-        save = getattr(self.trainer, "save_dir", None)
-        if not save:
-            return False, "no --save directory: the dying-gasp checkpoint has nowhere to go"
-        opt = self.optimizer
-        if opt is None:
-            return False, "the dying-gasp checkpoint needs the replica optimizer (--distributed-optimizer-no-replica is set)"
-        # Stopped in its update window before touching the shard (a collective ahead of the Adam
-        # arithmetic was interrupted): the shard is still at ha_iteration.
-        abandon = bool(opt.ha_updating and not opt.ha_touched)
-        self._dump_prep = dump.prepare(self.trainer, abandon_update=abandon)
-        st = {k: self._dump_prep.status[k] for k in ("iteration", "updating", "touched", "replica_group",
-                                                     "trainer_iteration")}
-        st.update(save=os.path.abspath(save), fallback=dump.newest_checkpoint(save), abandoned=abandon)
-        return True, json.dumps(st)
+    def _settled(self) -> None:
+        """Once the communicators this recovery replaced are released: what the process holds."""
+        self.events.emit("resources", after="recovery", **self.resources(extra_threads=1))
 
-    def _dump(self, args: dict):
-        import json
-        from datetime import timedelta
-        from mindspeed_ha.comm.interruptible import clear_stop
-        from mindspeed_ha.recovery import dump, groups
-        if getattr(self, "_dump_prep", None) is None:
-            return False, "dump before dump-status"
-        clear_stop()  # the stop that parked us (or a retry's) must not fail the survivors' collectives
-        plan = dump.DumpPlan.from_json(args["plan"])
-        world = groups.survivor_world(list(args["survivors"]), self.rank, args["store_host"],
-                                      int(args["store_port"]), int(args["generation"]),
-                                      timeout=timedelta(seconds=60), backend=self.device.backend)
-        save = self.trainer.save_dir
-        res = dump.write_dying_gasp(self._dump_prep, plan, world, save, self.events)
-        return True, json.dumps({"iteration": res.iteration, "path": res.path, "seconds": round(res.seconds, 4),
-                                 "bytes": res.bytes, "save": os.path.abspath(save)})
+    def resources(self, extra_threads: int = 0) -> dict:
+        """Open file descriptors and OS threads of this process, once replaced communicators are
+        released: a recovery must leave them as it found them. (``extra_threads``: the caller's own.)"""
+        from mindspeed_ha.comm import groups
+        groups.released(timeout=30.0)
+        out = {}
+        for key, path in (("fds", "/proc/self/fd"), ("threads", "/proc/self/task")):
+            try:
+                out[key] = len(os.listdir(path))
+            except OSError:
+                pass
+        if "threads" in out:
+            out["threads"] -= extra_threads
+        return out
 
     def fire(self, phase: str, iteration: int) -> None:
         self.phase = phase
@@ -383,7 +338,7 @@ class RankSession:
             self.processor.close()
             from mindspeed_ha.recovery import dump
             dump.release_writer()
-        self.events.emit("end", iteration=getattr(self.trainer, "iteration", None))
+        self.events.emit("end", iteration=getattr(self.trainer, "iteration", None), **self.resources())
         self.events.close()
         if _current is self:
             _current = None

@@ -23,6 +23,7 @@ GROUPS = {
     "step_hooks": "mindspeed_ha.patches.megatron.core.distributed.distributed_data_parallel",
     "megatron_training": "mindspeed_ha.patches.megatron.training",
     "interruptible_collectives": "mindspeed_ha.patches.torch.distributed",
+    "stable_groups": "mindspeed_ha.patches.torch.distributed_c10d",
 }
 
 

@@ -166,8 +166,14 @@ def test_sigterm_forwarded(tmp_path):
     _no_process_left(tmp_path)
 
 
+# The controller on a head node: torch is not importable in its process (the control plane needs none).
+NO_TORCH = ("import sys; sys.modules['torch'] = None\n"
+            "from mindspeed_ha.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))")
+
+
 def test_standalone_controller(tmp_path):
-    ctl = subprocess.Popen([sys.executable, "-m", "mindspeed_ha.cli", "controller", "--log-dir", str(tmp_path),
+    ctl = subprocess.Popen([sys.executable, "-c", NO_TORCH, "controller", "--log-dir", str(tmp_path),
                             "--world-size", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert wait_for(lambda: (tmp_path / "controller.json").exists(), 30)

@@ -11,7 +11,7 @@ import zmq.auth
 from mindspeed_ha.control import protocol as P, security
 from mindspeed_ha.control.controller import Controller
 from mindspeed_ha.control.election import write_controller_json
-from mindspeed_ha.control.processor import ControllerLink
+from mindspeed_ha.control.link import ControllerLink
 from mindspeed_ha.options import HAOptions
 
 
@@ -39,7 +39,7 @@ def _ask_status(s, timeout=2.0):
     s.send(P.encode("status?"))
     if not s.poll(int(timeout * 1000)):
         return None
-    return json.loads(P.decode(s.recv())["body"])
+    return P.decode(s.recv())["body"]
 
 
 REG = dict(rank=1, world=4, node="evil", pid=666)

@@ -41,7 +41,7 @@ def test_every_state_reachable_and_done_terminal():
 
 
 def test_every_busy_state_has_timeout_and_failure_exit():
-    for s in (S.PAUSE, S.ENV_CLEAR, S.REPAIR, S.ROLLBACK, S.DUMP, S.DOWNGRADE, S.UPGRADE, S.EXIT):
+    for s in (S.PAUSE, S.DECIDE, S.REPAIR, S.ROLLBACK, S.DUMP, S.DOWNGRADE, S.UPGRADE, S.EXIT):
         assert s in TIMEOUTS and (s, O.TIMEOUT) in TABLE
 
 
@@ -49,7 +49,7 @@ def test_fault_life_reads_as_one_sequence():
     m = Machine()
     for o in (O.REGISTERED, O.FAULT, O.STOPPED, O.RETRY, O.OK, O.OK):
         m.feed(o)
-    assert [h[2] for h in m.history] == [S.NORMAL, S.PAUSE, S.ENV_CLEAR, S.REPAIR, S.ROLLBACK, S.NORMAL]
+    assert [h[2] for h in m.history] == [S.NORMAL, S.PAUSE, S.DECIDE, S.REPAIR, S.ROLLBACK, S.NORMAL]
 
 
 def test_strategy_order_and_fault_class():
@@ -67,7 +67,7 @@ def test_strategy_order_and_fault_class():
 def test_this_build_ends_the_job():
     out, why = choose_strategy(["dump"], {"process-exit"}, set())
     assert out == O.NO_STRATEGY and "not available" in why
-    assert next_state(S.ENV_CLEAR, out) == S.EXIT
+    assert next_state(S.DECIDE, out) == S.EXIT
     assert choose_strategy([], {"other"}, set())[0] == O.NO_STRATEGY
     assert all(k in HANDLES["dump"] for k in ("process-exit", "hang", "memory-error", "other"))
 

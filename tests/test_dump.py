@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers import TINY, assert_ok, clean_env, losses, torchrun
-from mindspeed_ha.recovery.dump import plan_dump
+from mindspeed_ha.plan import plan_dump
 
 WORKER = str(Path(__file__).resolve().parent / "workers" / "dump_worker.py")
 K, LAST = 3, 5  # the fault lands after iteration K; the resumed runs go on to LAST
@@ -190,8 +190,8 @@ def job_args(save_dir, *extra):
 
 
 def test_rebuild_in_place_continues_bit_identically(tmp_path):
-    """All 4 ranks get fresh communicators over a new store after iteration 2 (every group the model
-    and the optimizer hold is re-pointed), then train on: the same losses as the reference."""
+    """All 4 ranks get fresh communicators over a new store after iteration 2 (every group keeps its
+    object, its communicator is replaced), then train on: the same losses as the reference."""
     from concurrent.futures import ThreadPoolExecutor
     (tmp_path / "ref").mkdir()
     with ThreadPoolExecutor(1) as pool:
@@ -200,7 +200,7 @@ def test_rebuild_in_place_continues_bit_identically(tmp_path):
                             {"DUMP_STEPS": "2", "DUMP_MODE": "rebuild"})
         assert_ok(ref.result())
     assert [c for c, _, _ in outs] == [0, 0, 0, 0], "\n".join(e[-3000:] for _, _, e in outs)
-    assert result_of(outs)["repointed"] > 0
+    assert result_of(outs)["reconnected"] > 0
     got = losses(tmp_path / "log")
     assert sorted(got) == list(range(1, LAST + 1))
     assert got == losses(tmp_path / "ref")

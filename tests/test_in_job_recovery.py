@@ -259,3 +259,30 @@ def test_fault_during_recovery_restarts_it_with_both_faults(tmp_path, ref):
     assert {(tuple(f["ranks"]), f["kind"]) for f in rec[0]["faults"]} >= {((1,), "memory-error"), ((2,), "process-exit")}
     repaired = {e["rank"]: e["sources"] for e in all_rank_events(tmp_path) if e["event"] == "repaired"}
     assert repaired == {1: [3], 2: [0]}
+
+
+def test_twelve_repairs_leave_fds_and_threads_flat(tmp_path):
+    """Twelve in-place repairs in one job (memory errors on every rank at every phase, and broken
+    communicators): each replaces every communicator, and the replaced ones are released, so each
+    rank ends with the open files and threads it had after its first repair. Losses stay the
+    fault-free run's."""
+    phases = ["forward", "backward", "grad-sync", "optimizer", "param-sync"]
+    steps = range(2, 26, 2)  # each fault two steps after the last: twelve recoveries, not merged ones
+    faults = [f"comm:rank={i % 4}:step={s}:phase=backward" if i % 4 == 3 else
+              f"uce:rank={i % 4}:step={s}:phase={phases[i % 5]}" for i, s in enumerate(steps)]
+    extra = ("--train-iters", "26")
+    with ThreadPoolExecutor(1) as pool:
+        ref = pool.submit(job, tmp_path / "ref", 4, None, extra)
+        proc = job(tmp_path / "run", inject=",".join(faults), extra=extra, timeout=400)
+        assert_ok(ref.result())
+    run = tmp_path / "run"
+    rec = check_recovered(proc, run, losses(tmp_path / "ref"), n=12)
+    assert sorted({f["kind"] for e in rec for f in e["faults"]}) == ["comm-failure", "memory-error"]
+    for r in range(4):
+        evs = events(run, f"rank_{r}")
+        after = [e for e in evs if e["event"] == "resources"]
+        end = [e for e in evs if e["event"] == "end"][-1]
+        assert len(after) == 12, after
+        first = after[0]  # (in between they swing by a few dozen while communicators are torn down)
+        assert end["fds"] <= first["fds"] + 4, (r, [(e["fds"], e["threads"]) for e in after], end)
+        assert end["threads"] <= first["threads"] + 2, (r, [(e["fds"], e["threads"]) for e in after], end)

@@ -260,19 +260,23 @@ def _polls(args, kwargs, group) -> bool:
     return _group_polls(group)
 
 
-# A restarted worker that enters a running job through a training loop's own set-up (Megatron-LM's
-# initialize, model, optimizer and data loaders) runs that set-up's collectives while the survivors
-# wait in the controller's recovery, so they have no peers. While ``alone`` is on they are answered
-# by this rank by itself: barriers pass, reductions and broadcasts keep the local value (start-time
-# minimums, flags the adaptor has already set from the twin), gathers repeat the local input (the
-# param-group keys every rank of the layout shares, timer readings). Other kinds are refused.
-# Only the trainer adaptor turns it on, and off at the worker's first step.
+# A restarted worker sets up (groups, model, optimizer; in Megatron-LM also its data loaders) while
+# the survivors wait in the controller's recovery, so its set-up's collectives have no peers. Inside
+# ``alone()`` they are answered by this rank by itself: barriers pass, reductions and broadcasts keep
+# the local value (start-time minimums, flags already set from the twin), gathers repeat the local
+# input (megatron-core's param-group keys, which every rank of the layout shares; timer readings).
+# Other kinds are refused.
 _alone = False
 
 
-def set_alone(on: bool) -> None:
+@contextlib.contextmanager
+def alone():
     global _alone
-    _alone = on
+    before, _alone = _alone, True
+    try:
+        yield
+    finally:
+        _alone = before
 
 
 class _DoneWork:

@@ -1,72 +1,84 @@
 """The controller: sees every rank, detects faults, runs the recovery state machine.
 
-One ROUTER socket; processors, agents and the CLI are DEALER clients. A thread on rank 0 by default
-(``Controller(...).start()``), a standalone process with ``mindspeed-ha controller``, or a standby
-(``standby=True``) on a backup rank that promotes itself when it holds a quorum (see election.py).
-Everything runs on the one controller thread: no locks on the rank table, and a decision is never
-late because a lock was held.
+A thread on rank 0 by default (``Controller(...).start()``), a standalone process with
+``mindspeed-ha controller``, or a standby (``standby=True``) on a backup rank that promotes itself
+when it holds a quorum (election.py). Everything runs on the one controller thread: no locks on the
+rank table, and a decision is never late because a lock was held.
+
+A fault's life: ``_fault`` records it and feeds FAULT; PAUSE stops every survivor; DECIDE picks the
+strategy (states.py, one table); REPAIR / ROLLBACK / DUMP play that strategy's rounds
+(playbooks.py, through rounds.Runner and the narrow ``_Port``); EXIT tells everyone to go with the
+diagnosis. An exception inside a state's work is that state's FAILED outcome, never the end of the
+controller.
 """
 from __future__ import annotations
 
-import json
 import os
-import socket as _socket
+import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
-
-import zmq
 
 from ..events import EventLog, get_logger
 from ..faults import PROCESS_FATAL_EXIT
 from ..options import HAOptions
-from . import election, protocol as P, security
-from .dying_gasp import DumpDriver
-from .retry import RetryDriver
-from .states import TIMEOUTS, Machine, Outcome as O, State as S, choose_strategy
+from . import election, playbooks, protocol as P, security
+from .diagnosis import diagnosis
+from .playbooks import Episode, FirstStep
+from .ranks import Agent, Rank, RankTable
+from .router import Router
+from .rounds import Runner
+from .states import TABLE, TIMEOUTS, Machine, Outcome as O, State as S, choose_strategy
 
 log = get_logger("control.controller")
-# pyzmq's Cython send, without the Python-level wrapper: half the cost per frame, which is most of
-# a decision's time at 16k ranks (fan-out of one action) and of a heartbeat's ack.
-_raw_send = getattr(getattr(zmq, "backend", None), "Socket", zmq.Socket).send
-_MORE_NB = zmq.SNDMORE | zmq.NOBLOCK
-STEP_PHASES = {p: i for i, p in enumerate(("startup", "forward", "backward", "grad-sync", "optimizer",
-                                           "param-sync", "checkpoint", "step"))}
-
-
-@dataclass
-class Rank:
-    rank: int
-    ident: bytes
-    node: str = "?"
-    pid: int = 0
-    host: str = ""
-    groups: list = field(default_factory=list)
-    it: int = -1
-    upd: bool = False
-    health: str = "ok"
-    phase: str = "startup"
-    progress: float = 0.0
-    seen: float = 0.0            # monotonic time of the last message
-    progress_at: float = 0.0     # monotonic time the rank last moved (iteration/phase/progress changed)
-    alive: bool = True
-    done: bool = False           # said bye / exited 0
-    stopped: bool = False
-
-
-@dataclass
-class Agent:
-    node_rank: int
-    ident: bytes
-    node: str
-    ranks: list
-    pids: list
-    seen: float = 0.0
+BUILT = {"dump", "retry", "recover"}
+# Settle times in PAUSE before deciding: an agent's exit report of a killed rank can trail the
+# survivors' communication errors, and the strategy must see the real cause.
+SETTLE_S, SETTLE_COMM_S, SETTLE_KNOWN_S = 0.25, 1.5, 0.05
 
 
 def _host_addr() -> str:
     return os.environ.get("MINDSPEED_HA_NODE_HOST") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+
+
+class _Port:
+    """What a playbook may ask of the controller (rounds.Port): orders, answers, who is live, the
+    launcher agents, the rebuild store, events — nothing else of its state."""
+
+    def __init__(self, c: "Controller"):
+        self._c = c
+
+    def order(self, action, ranks, args):
+        return self._c.order(action, ranks, args)
+
+    def answers(self, order_id):
+        pend = self._c.pending.get(order_id)
+        return dict(pend["results"]) if pend else self._c.answered.get(order_id, {})
+
+    def live(self):
+        return self._c.table.live()
+
+    def lost(self):
+        return self._c.table.lost()
+
+    def restart(self, ranks):
+        return self._c.restart_ranks(ranks)
+
+    def restarting(self):
+        return set(self._c.restarting)
+
+    def store(self):
+        return self._c.host, self._c.store().port
+
+    def new_generation(self):
+        self._c.generation += 1
+        return self._c.generation
+
+    def emit(self, event, **fields):
+        self._c.events.emit(event, **fields)
+
+    def set_note(self, text):
+        self._c.strategy_note = text
 
 
 class Controller:
@@ -84,63 +96,53 @@ class Controller:
         self.local_exit = local_exit          # how the host rank exits (never through the socket)
         self.write_json = write_json
         self.hb = float(self.options.heartbeat_s)
-        # Silent for 1.8 heartbeats (<= 2 with the scan granularity) means lost, but never under 3 s:
-        # a rank's processor thread can be starved of the GIL or a CPU for a second, and a dead
-        # process is reported by its agent long before (MINDSPEED_HA_DEAD_AFTER overrides).
-        self.dead_after = (float(os.environ.get("MINDSPEED_HA_DEAD_AFTER", 0) or 0)
-                           or max(1.8 * self.hb, 3.0))
-        self.hang_timeout = float(self.options.hang_timeout_s)
-        self.settle_s = 0.25
-        self.settle_comm_s = 1.5
-        self.ranks: dict[int, Rank] = {}
-        self.by_ident: dict[bytes, int] = {}
-        self.agents: dict[int, Agent] = {}
+        dead_after = float(os.environ.get("MINDSPEED_HA_DEAD_AFTER", 0) or 0) or None
+        self.table = RankTable(self.world, self.hb, self.options.hang_timeout_s, dead_after)
         self.faults: list[dict] = []          # every fault, for status and the diagnosis
         self.active_faults: list[dict] = []   # faults of the episode being handled
         self._fault_keys: set = set()
         self._deferred: list[dict] = []       # faults reported to a standby, handled on promotion
-        self.backups: list[int] = []
-        self.backup_eps: dict[int, str] = {}
-        self.backup_pids: dict[int, int] = {}  # the process each standby runs in
+        self.standbys = election.Standbys()
         self.exit_code = 0
         self.strategy_note = ""
         self.last_diagnosis = ""
-        self.actions = {S.NORMAL: self._act_normal, S.PAUSE: self._act_pause, S.ENV_CLEAR: self._act_env_clear, S.EXIT: self._act_exit}
-        self._tcp_store = None
-        self.dumper = DumpDriver(self)
-        self.retrier = RetryDriver(self)
-        self.actions.update({S.DUMP: self.dumper.start, S.REPAIR: self.retrier.start,
-                             S.ROLLBACK: self.retrier.start_rollback})
-        self.built_strategies: set[str] = {"dump", "retry", "recover"}
-        self.chosen: O | None = None            # the strategy picked for the current episode
-        self._pending: dict[int, dict] = {}     # action id -> {action, ranks waiting, cli ident}
+        self.restarting: set[int] = set()     # ranks restarted by their agent, not registered again yet
+        self.generation = 0                   # of the rebuild store's key space; one per rebuild or dump
+        self.pending: dict[int, dict] = {}    # order id -> {action, ranks waiting, results, cli ident, frame}
+        self.answered: dict[int, dict] = {}   # order id -> results, once no one is waiting any more
         self._next_id = 1
+        self.chosen: O | None = None          # the strategy DECIDE picked for the episode
+        self.playbook = None
+        self.episode: Episode | None = None
+        self.runner: Runner | None = None
+        self.first_step: FirstStep | None = None
+        self.dump_result: dict | None = None
+        self._stop_id = None
+        self._tcp_store = None
         self._stop = threading.Event()
         self.done = threading.Event()
         self._thread: threading.Thread | None = None
         self.events = EventLog(log_dir, "controller")
-        self.drops = P.DropCounter(log)
         self.machine = Machine(self._on_transition)
-        self._ack = b""
-        self._dispatch = {t: getattr(self, "_on_" + t.replace("?", "_q"), self._on_unexpected) for t in P.SCHEMAS}
-        self._ctx = zmq.Context()  # its own context: ZAP is per context, and keys are per job
-        self.sock = self._ctx.socket(zmq.ROUTER)
-        self.sock.linger = 500
-        self.sock.rcvhwm = self.sock.sndhwm = 100000
-        self.sock.maxmsgsize = P.MAX_BYTES + 1024  # libzmq drops oversized frames before Python sees them
-        # Thousands of ranks connect at once and every handshake waits its turn at the ZAP handler:
-        # the default 30 s handshake limit would drop them and start a reconnect storm.
-        self.sock.handshake_ivl = 300_000
-        self.sock.backlog = 65535  # (capped by net.core.somaxconn) a full accept queue drops SYNs: 1-7 s retries
-        security.start_authenticator(self._ctx, self.keys)
-        security.secure_server(self.sock, self.keys)
-        bind_host = "127.0.0.1" if self.host.startswith("127.") or self.host == "localhost" else "*"
-        self.sock.bind(f"tcp://{bind_host}:{port or '*'}")
-        self.port = int(self.sock.last_endpoint.decode().rsplit(":", 1)[1])
-        self.endpoint = f"tcp://{self.host}:{self.port}"
-        self._started = time.monotonic()
+        self.playbook_port = _Port(self)  # what the playbooks see of this controller
+        self.router = Router(self.keys, self.host, port)
+        self.port_number, self.endpoint = self.router.port, self.router.endpoint
+        self.handlers = {"register": self._on_register, "hb": self._on_hb, "fault": self._on_fault,
+                         "result": self._on_result, "bye": self._on_bye, "agent": self._on_agent,
+                         "agent_hb": self._on_agent_hb, "exit": self._on_exit, "status?": self._on_status,
+                         "inject": self._on_inject}
+        self.actions = {S.NORMAL: self._training, S.PAUSE: self._stop_survivors, S.DECIDE: self._decide,
+                        S.REPAIR: self._play, S.ROLLBACK: self._play, S.DUMP: self._play, S.EXIT: self._tell_exit}
         self._last_scan = 0.0
         self._refresh_ack()
+
+    @property
+    def ranks(self) -> dict[int, Rank]:
+        return self.table.ranks
+
+    @property
+    def agents(self) -> dict[int, Agent]:
+        return self.table.agents
 
     # ---- life ---------------------------------------------------------------------------------
     def start(self) -> "Controller":
@@ -156,68 +158,55 @@ class Controller:
             self._thread.join(timeout)
 
     def _announce(self, quiet: bool = False) -> None:
-        info = {"host": self.host, "port": self.port, "endpoint": self.endpoint,
+        info = {"host": self.host, "port": self.port_number, "endpoint": self.endpoint,
                 "server_public_key": self.keys.server_public_text(), "secure": self.keys.secure,
                 "epoch": self.epoch, "rank": self.rank, "pid": os.getpid(), "job_id": self.job_id,
-                "world_size": self.world, "hostname": _socket.gethostname(), "started": time.time(),
-                "backups": [self.backup_eps[r] for r in self.backups if r in self.backup_eps]}
+                "world_size": self.world, "hostname": socket.gethostname(), "started": time.time(),
+                "backups": self.standbys.endpoints()}
         if self.write_json:
             election.write_controller_json(self.log_dir, info)
-        if quiet:
-            return
-        log.info("controller (epoch %d) listening on %s, world %d, %s", self.epoch, self.endpoint,
-                 self.world, "CurveZMQ" if self.keys.secure else "INSECURE")
+        if not quiet:
+            log.info("controller (epoch %d) listening on %s, world %d, %s", self.epoch, self.endpoint,
+                     self.world, "CurveZMQ" if self.keys.secure else "INSECURE")
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
         try:
             while not self._stop.is_set() and self.machine.state != S.DONE:
-                if poller.poll(10):
-                    for _ in range(5000):  # drain, but keep timers alive under a flood
-                        try:
-                            frames = self.sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._on_frames(frames)
+                for ident, msg in self.router.receive(10):
+                    self._dispatch(ident, msg)
                 self._tick()
-        except Exception:  # the controller must say why it died
-            log.exception("controller thread failed")
-            raise
         finally:
             self.done.set()
-            self.sock.close(linger=500)
-            security.stop_authenticator(self._ctx)
-            self._ctx.term()
+            self.router.close()
 
-    # ---- input --------------------------------------------------------------------------------
-    def _on_frames(self, frames: list) -> None:
-        if len(frames) != 2:
-            self.drops.drop("frames", f"{len(frames)} frames")
-            return
-        ident, data = frames
+    def _dispatch(self, ident: bytes, msg: dict) -> None:
         try:
-            msg = P.decode(data)
-        except P.ProtocolError as e:
-            self.drops.drop("malformed", str(e))
-            return
-        try:
-            self._dispatch.get(msg["t"], self._on_unexpected)(ident, msg)
+            self.handlers.get(msg["t"], self._on_unexpected)(ident, msg)
         except (KeyError, ValueError, TypeError, IndexError) as e:  # semantically bad, e.g. rank out of range
-            self.drops.drop("invalid", f"{msg.get('t')}: {e}")
+            self.router.drops.drop("invalid", f"{msg.get('t')}: {e}")
         except Exception:  # a bug in one handler must not take the controller down with it
             log.exception("error handling %s", msg.get("t"))
 
-    def _on_unexpected(self, ident, msg) -> None:
-        self.drops.drop("unexpected", msg["t"])
+    def _tick(self) -> None:
+        now = time.monotonic()
+        try:
+            if self.standby:
+                self._maybe_promote(now)
+                return
+            if now - self._last_scan >= self.hb / 10:
+                self._last_scan = now
+                self._scan(now)
+            self._progress(now)
+        except Exception:
+            log.exception("controller: the work of state %s failed", self.machine.state.value)
+            self._failed()
 
-    def _check_rank(self, r: int) -> int:
-        if not 0 <= r < self.world:
-            raise ValueError(f"rank {r} outside world {self.world}")
-        return r
+    # ---- input --------------------------------------------------------------------------------
+    def _on_unexpected(self, ident, msg) -> None:
+        self.router.drops.drop("unexpected", msg["t"])
 
     def _on_register(self, ident, msg) -> None:
-        r = self._check_rank(msg["rank"])
+        r = self.table.check(msg["rank"])
         if msg["world"] != self.world:
             raise ValueError(f"rank {r} says world {msg['world']}, controller has {self.world}")
         now = time.monotonic()
@@ -228,44 +217,35 @@ class Controller:
             info.it, info.phase, info.progress, info.progress_at = old.it, old.phase, old.progress, old.progress_at
         if old is not None and not info.groups:
             info.groups = old.groups  # a restarted worker learns its groups only when it joins
-        if old is not None and old.pid != info.pid and old.alive and self.machine.state not in (S.INIT,):
+        if old is not None and old.pid != info.pid and old.alive and self.machine.state != S.INIT:
             log.warning("rank %d re-registered with a new pid %d (was %d)", r, info.pid, old.pid)
         if old is not None and not old.alive:
             # A dead rank stays dead, unless it is the worker the recover strategy restarted.
-            info.alive = old.pid != info.pid and r in self.retrier.restarting
+            info.alive = old.pid != info.pid and r in self.restarting
             if info.alive:
-                self.retrier.restarting.discard(r)
+                self.restarting.discard(r)
                 self.events.emit("rejoined", rank=r, pid=info.pid, old_pid=old.pid)
                 log.info("rank %d rejoined with pid %d (was %d)", r, info.pid, old.pid)
         self.ranks[r] = info
-        self.by_ident[ident] = r
-        self._send(ident, self._ack)
+        self.table.by_ident[ident] = r
+        self.router.send(ident, self._ack)
         if old is not None and old.ident != ident and old.pid in (info.pid, 0):  # 0: placeholder of a takeover
             self._resend_pending(r)
-        if self.machine.state == S.INIT and not self.standby and len(self.ranks) == self.world:
+        if self.machine.state == S.INIT and not self.standby and self.table.all_in():
             self._feed(O.REGISTERED)
 
     def _on_hb(self, ident, msg) -> None:
-        r = msg["rank"]
-        info = self.ranks.get(r)
-        if info is None or info.ident != ident:
-            if info is None:
-                self._send(ident, P.encode("refused", reason="register first"))
-                return
-            info.ident = ident  # the rank reconnected (new socket) without re-registering
-            self.by_ident[ident] = r
-            self._resend_pending(r)
-        now = time.monotonic()
-        info.seen = now
-        phase = msg.get("phase", info.phase)
-        prog = msg.get("progress", info.progress)
-        if msg["it"] != info.it or phase != info.phase or prog != info.progress or msg["upd"] != info.upd:
-            info.progress_at = now
-        info.it, info.upd, info.health, info.phase, info.progress = msg["it"], msg["upd"], msg["health"], phase, prog
-        self._send(ident, self._ack)
+        known = self.ranks.get(msg["rank"])
+        reconnected = known is not None and known.ident != ident
+        if self.table.heard(ident, msg, time.monotonic()) is None:
+            self.router.send(ident, P.encode("refused", reason="register first"))
+            return
+        if reconnected:
+            self._resend_pending(msg["rank"])
+        self.router.send(ident, self._ack)
 
     def _on_fault(self, ident, msg) -> None:
-        r = self._check_rank(msg["rank"])
+        r = self.table.check(msg["rank"])
         info = self.ranks.get(r)
         if info:
             info.health = "faulty"
@@ -277,27 +257,28 @@ class Controller:
                     key=("fault", r, msg["kind"], at))
 
     def _on_result(self, ident, msg) -> None:
-        r = self._check_rank(msg["rank"])
-        pend = self._pending.get(msg["id"])
+        r = self.table.check(msg["rank"])
+        pend = self.pending.get(msg["id"])
         if pend is None:
             return
         pend["waiting"].discard(r)
-        pend["results"][r] = (msg["ok"], msg.get("detail", ""))
+        pend["results"][r] = (msg["ok"], msg.get("data") if msg["ok"] else msg.get("error", ""))
         if msg["action"] == "stop" and r in self.ranks:
             self.ranks[r].stopped = True
         if msg["action"] == "standby" and msg["ok"]:
-            self.backup_eps[r] = msg.get("detail", "")
+            self.standbys.up(r, msg.get("data") or "")
             self._refresh_ack()
             self._announce(quiet=True)  # a client that never got an ack naming it finds it there
-            self.events.emit("standby", rank=r, endpoint=self.backup_eps[r])
+            self.events.emit("standby", rank=r, endpoint=msg.get("data") or "")
         if pend.get("cli") is not None:
-            self._send(pend["cli"], P.encode("status", body=json.dumps(
-                {"ok": msg["ok"], "rank": r, "action": msg["action"], "detail": msg.get("detail", "")})))
+            self.router.send(pend["cli"], P.encode("status", body={
+                "ok": msg["ok"], "rank": r, "action": msg["action"], "data": msg.get("data"),
+                "error": msg.get("error", "")}))
         if not pend["waiting"]:
-            self._pending.pop(msg["id"], None)
+            self.answered[msg["id"]] = self.pending.pop(msg["id"])["results"]
 
     def _on_bye(self, ident, msg) -> None:
-        r = self._check_rank(msg["rank"])
+        r = self.table.check(msg["rank"])
         if r in self.ranks:
             self.ranks[r].done = True
             self.ranks[r].seen = time.monotonic()
@@ -305,18 +286,18 @@ class Controller:
     def _on_agent(self, ident, msg) -> None:
         self.agents[msg["node_rank"]] = Agent(msg["node_rank"], ident, msg["node"], list(msg["ranks"]),
                                               list(msg["pids"]), seen=time.monotonic())
-        self._send(ident, self._ack)
+        self.router.send(ident, self._ack)
 
     def _on_agent_hb(self, ident, msg) -> None:
         a = self.agents.get(msg["node_rank"])
         if a is None:
-            self._send(ident, P.encode("refused", reason="register first"))
+            self.router.send(ident, P.encode("refused", reason="register first"))
             return
         a.ident, a.seen = ident, time.monotonic()
-        self._send(ident, self._ack)
+        self.router.send(ident, self._ack)
 
     def _on_exit(self, ident, msg) -> None:
-        r = self._check_rank(msg["rank"])
+        r = self.table.check(msg["rank"])
         code, sig = msg.get("code", 0), msg.get("signal", 0)
         info = self.ranks.get(r)
         if info is not None and info.pid and info.pid != msg["pid"]:
@@ -343,64 +324,55 @@ class Controller:
         self._fault([r], "process-exit", it, phase, detect_s=max(0.0, time.time() - at) if at else 0.0,
                     detail=f"pid {msg['pid']} {how}", key=("exit", r, msg["pid"]))
 
-    def _on_status_q(self, ident, msg) -> None:
-        self._send(ident, P.encode("status", body=json.dumps(self.status())))
+    def _on_status(self, ident, msg) -> None:
+        self.router.send(ident, P.encode("status", body=self.status()))
 
     def _on_inject(self, ident, msg) -> None:
-        r = self._check_rank(msg["rank"])
+        r = self.table.check(msg["rank"])
         info = self.ranks.get(r)
         if info is None or not info.alive or self.standby:
-            self._send(ident, P.encode("refused", reason=f"rank {r} is not a live registered rank"))
+            self.router.send(ident, P.encode("refused", reason=f"rank {r} is not a live registered rank"))
             return
         if msg["kind"] not in P.INJECT_KINDS or msg.get("phase", "forward") not in P.INJECT_PHASES:
-            self._send(ident, P.encode("refused", reason=f"unknown fault {msg['kind']!r}/{msg.get('phase')!r}"))
+            self.router.send(ident, P.encode("refused", reason=f"unknown fault {msg['kind']!r}/{msg.get('phase')!r}"))
             return
         args = {k: msg[k] for k in ("kind", "step", "phase") if k in msg}
-        aid = self._do("inject", [r], args)
+        oid = self.order("inject", [r], args)
         # Answer on delivery: the fault may kill the rank before its handler's result gets out.
-        self._send(ident, P.encode("status", body=json.dumps(
-            {"ok": True, "rank": r, "action": "inject", "id": aid, "detail": "delivered", **args})))
+        self.router.send(ident, P.encode("status", body={"ok": True, "rank": r, "action": "inject", "id": oid,
+                                                         "detail": "delivered", **args}))
         self.events.emit("inject", target=r, **args)
 
     # ---- output -------------------------------------------------------------------------------
-    def _send(self, ident: bytes, data: bytes) -> None:
-        try:
-            _raw_send(self.sock, ident, _MORE_NB)
-            _raw_send(self.sock, data, zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # a peer that vanished or is flooded must not stall us
-
     def _refresh_ack(self) -> None:
         self._ack = P.encode("ack", epoch=self.epoch, state=self.machine.state.value, standby=self.standby,
-                             backups=[self.backup_eps[r] for r in self.backups if r in self.backup_eps])
+                             backups=self.standbys.endpoints())
 
-    def _do(self, action: str, ranks, args=None, cli=None) -> int:
-        aid = self._next_id
+    def order(self, action: str, ranks, args=None, cli=None) -> int:
+        """Send ``action`` to the live ones of ``ranks``; their answers collect under the returned id.
+        The host rank's ``exit`` is left out: it exits last, locally."""
+        oid = self._next_id
         self._next_id += 1
-        data = P.encode("do", action=action, id=aid, args=args or {}, epoch=self.epoch)
-        waiting = set()
-        sock, send, more, nb = self.sock, _raw_send, _MORE_NB, zmq.NOBLOCK
-        get, skip = self.ranks.get, (self.rank if action == "exit" else None)  # the host rank exits last, locally
-        for r in ranks:  # the hot loop of a decision at scale: keep it flat
-            info = get(r)
-            if info is None or not info.alive or r == skip:
-                continue
-            waiting.add(r)
-            try:
-                send(sock, info.ident, more)
-                send(sock, data, nb)
-            except zmq.ZMQError:
-                pass
-        self._pending[aid] = {"action": action, "waiting": waiting, "results": {}, "cli": cli,
-                              "sent": time.monotonic(), "data": data}
-        return aid
+        data = P.encode("do", action=action, id=oid, args=args or {}, epoch=self.epoch)
+        skip = self.rank if action == "exit" else None
+        targets = [self.ranks[r] for r in ranks if r in self.ranks and self.ranks[r].alive and r != skip]
+        self.router.fan_out((i.ident for i in targets), data)
+        self.pending[oid] = {"action": action, "waiting": {i.rank for i in targets}, "results": {}, "cli": cli,
+                             "sent": time.monotonic(), "data": data}
+        if not targets:
+            self.answered[oid] = self.pending.pop(oid)["results"]
+        return oid
 
     def store(self):
-        """A TCPStore served by the controller's process, for the ranks' new process groups: a store
-        hosted by a rank would die with that rank. One per controller; callers prefix their keys
-        with a generation."""
+        """A TCPStore served by the controller's process, where the ranks' new communicators meet:
+        a store hosted by a rank would die with that rank. One per controller; every rebuild and
+        dump keys its own generation. (torch is needed here only, when the first recovery needs it.)"""
         if self._tcp_store is None:
-            import torch.distributed as dist
+            try:
+                import torch.distributed as dist
+            except ImportError:
+                raise RuntimeError("this controller runs without torch, so it cannot serve the store that "
+                                   "rebuilt process groups meet at; run it where torch is installed") from None
             bind = "127.0.0.1" if self.host.startswith("127.") or self.host == "localhost" else self.host
             self._tcp_store = dist.TCPStore(bind, 0, None, True, wait_for_workers=False)
         return self._tcp_store
@@ -408,19 +380,28 @@ class Controller:
     def _resend_pending(self, r: int) -> None:
         """A rank came back on a new connection: orders sent to the old one may be lost (it
         de-duplicates by id what it did receive)."""
-        for pend in list(self._pending.values()):
+        for pend in list(self.pending.values()):
             if r in pend["waiting"] and pend.get("data"):
-                self._send(self.ranks[r].ident, pend["data"])
+                self.router.send(self.ranks[r].ident, pend["data"])
 
-    def restart_workers(self, ranks=None) -> None:
-        """Ask the agents to restart these ranks' workers (all when ``None``): the recover (ARF)
-        strategy's tool. Like every action, call it on the controller thread (from a state action)."""
-        self._to_agents("restart", {"ranks": sorted(ranks)} if ranks else {})
+    def restart_ranks(self, ranks) -> tuple[list, list, list]:
+        """recover: the agents restart these ranks' workers. Returns (restarted by an agent, awaiting
+        a replacement node, without any agent — nothing restarted then)."""
+        ranks = sorted(ranks)
+        orphans = sorted(set(ranks) - {r for a in self.agents.values() for r in a.ranks})
+        if orphans:
+            return [], [], orphans
+        # A node lost with its agent: its replacement (mindspeed-ha run with the same --node-rank)
+        # starts its workers as joiners by itself.
+        by_agent = sorted(r for a in self.table.live_agents(time.monotonic()) for r in a.ranks if r in ranks)
+        self.restarting = set(ranks)
+        if by_agent:
+            self._to_agents("restart", {"ranks": by_agent})
+        return by_agent, sorted(set(ranks) - set(by_agent)), []
 
     def _to_agents(self, action: str, args: dict) -> None:
         data = P.encode("do", action=action, id=0, args=args, epoch=self.epoch)
-        for a in self.agents.values():
-            self._send(a.ident, data)
+        self.router.fan_out((a.ident for a in self.agents.values()), data)
 
     # ---- detection ----------------------------------------------------------------------------
     def _fault(self, ranks, kind, iteration, phase, detect_s=0.0, detail="", key=None) -> None:
@@ -435,74 +416,29 @@ class Controller:
         if self.standby:
             self._deferred.append(rec)
             return
-        if self.machine.state == S.NORMAL:  # close the last recovery first, if this fault is past it
-            self.retrier.watch(time.monotonic(), fault_at=max([iteration] + [self.ranks[r].it for r in self.ranks]))
-        for r in ranks:
-            if r in self.ranks and kind in ("process-exit", "heartbeat-lost", "controller-lost", "node-lost"):
-                self.ranks[r].alive = False
-                for pend in self._pending.values():  # a dead rank owes no answers (nor its successor)
-                    pend["waiting"].discard(r)
+        if self.machine.state == S.NORMAL and self.first_step is not None:
+            # A fault past the awaited step proves that step done on every rank (its collectives needed
+            # them all), even if a rank's report of it has not come: close the last recovery first.
+            if max(iteration, self.table.newest_iteration()) > self.first_step.target:
+                self.first_step.check(time.monotonic(), True)
+                self.first_step = None
+        if kind in ("process-exit", "heartbeat-lost", "controller-lost", "node-lost"):
+            self.table.mark_dead(ranks)
+            for pend in self.pending.values():  # a dead rank owes no answers (nor its successor)
+                pend["waiting"].difference_update(ranks)
         self.faults.append(rec)
         self.active_faults.append(rec)
         self.events.emit("fault", **{k: v for k, v in rec.items() if k not in ("time", "t_detect", "cpu_detect")})
         log.error("fault: rank(s) %s %s at iteration %s, phase %s (%s), detected in %.3fs",
                   ranks, kind, iteration, phase, detail or "-", detect_s)
-        if self.machine.state not in (S.DONE,):
+        if self.machine.state != S.DONE:
             self._feed(O.FAULT)
 
     def _scan(self, now: float) -> None:
-        if self.machine.state in (S.INIT, S.EXIT, S.DONE) or self.standby:
+        if self.machine.state in (S.INIT, S.EXIT, S.DONE):
             return
-        lost, stuck = [], []
-        # A rank whose agent is heard from is watched by that agent: its death arrives as an exit
-        # report within 20 ms, so a silent processor there is a starved thread (8 ranks on 2 cores,
-        # a long GIL hold), not a lost rank; a real hang is the hang detector's to find.
-        watched = {r for a in self.agents.values() if now - a.seen <= self.dead_after for r in a.ranks}
-        for info in self.ranks.values():
-            if not info.alive or info.done:
-                continue
-            silent = now - info.seen
-            # The same for a rank on this host whose process still runs (e.g. under plain torchrun).
-            if silent > self.dead_after and ((info.rank not in watched and not self._runs_here(info))
-                                             or silent > max(self.dead_after, self.hang_timeout)):
-                lost.append(info)
-            elif (self.machine.state == S.NORMAL and info.it >= 0
-                  and now - info.progress_at > self.hang_timeout):
-                stuck.append(info)
-        for info in lost:
-            self._fault([info.rank], "heartbeat-lost", info.it, info.phase, detect_s=now - info.seen,
-                        detail=f"no heartbeat for {now - info.seen:.2f}s", key=("hb", info.rank, info.pid))
-        if stuck:
-            # Everyone blocks behind a hung rank; blame those that got least far (iteration, phase).
-            cands = [i for i in self.ranks.values() if i.alive and not i.done and i.it >= 0
-                     and now - i.progress_at > self.hang_timeout / 2]
-            low = min((i.it, STEP_PHASES.get(i.phase, 99)) for i in cands)
-            hung = [i for i in cands if (i.it, STEP_PHASES.get(i.phase, 99)) == low]
-            first = hung[0]
-            self._fault([i.rank for i in hung], "hang", first.it, first.phase,
-                        detect_s=now - min(i.progress_at for i in hung),
-                        detail=f"no progress for {now - first.progress_at:.1f}s "
-                               f"(hang timeout {self.hang_timeout:g}s)", key=("hang", first.it))
-
-    @staticmethod
-    def _runs_here(info: Rank) -> bool:
-        if not info.pid or info.host != _socket.gethostname():
-            return False
-        import psutil
-        try:
-            return psutil.Process(info.pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
-
-    def _tick(self) -> None:
-        now = time.monotonic()
-        if self.standby:
-            self._maybe_promote(now)
-            return
-        if now - self._last_scan >= self.hb / 10:
-            self._last_scan = now
-            self._scan(now)
-        self._progress(now)
+        for d in self.table.scan(now, training=self.machine.state == S.NORMAL):
+            self._fault(d.ranks, d.kind, d.iteration, d.phase, detect_s=d.detect_s, detail=d.detail, key=d.key)
 
     # ---- state machine ------------------------------------------------------------------------
     def _on_transition(self, old, outcome, new, seconds) -> None:
@@ -514,49 +450,44 @@ class Controller:
     def _feed(self, outcome: O) -> None:
         before = self.machine.state
         new = self.machine.feed(outcome)
-        if new != before or outcome == O.FAULT:
-            action = self.actions.get(new)
-            if action is not None and (new != before or new == S.PAUSE):
-                result = action()
-                if result is not None:
-                    self._feed(result)
+        # A new fault while stopping widens the stop to the new set of survivors.
+        if new == before and not (new == S.PAUSE and outcome == O.FAULT):
+            return
+        action = self.actions.get(new)
+        if action is None:
+            return
+        try:
+            result = action()
+        except Exception:
+            log.exception("controller: the action of state %s failed", new.value)
+            result = O.FAILED if (new, O.FAILED) in TABLE else None
+        if result is not None:
+            self._feed(result)
+
+    def _failed(self) -> None:
+        """The work of the current state raised: its FAILED outcome, where the table has one."""
+        if (self.machine.state, O.FAILED) in TABLE:
+            self._feed(O.FAILED)
 
     def _progress(self, now: float) -> None:
-        """Conditions a state waits on, and per-action timeouts."""
+        """Conditions a state waits on, and per-state timeouts."""
         st = self.machine.state
-        if st == S.NORMAL:
-            self.retrier.watch(now)  # first: the last step after a recovery may also end the job
-        if st in (S.NORMAL, S.INIT):
-            if self.ranks and len(self.ranks) == self.world and all(
-                    i.done or not i.alive for i in self.ranks.values()) and not self.active_faults:
-                self._feed(O.FINISHED)
-                return
-        if st == S.PAUSE and self._stop_id is not None:
-            pend = self._pending.get(self._stop_id)
-            # Dwell a little: the agent's exit report of a killed rank can trail the survivors'
-            # communication errors, and the strategy must see the real cause. Communication errors
-            # alone are nearly always a consequence, so wait longer for their cause.
-            only_comm = all(f["kind"] == "comm-failure" for f in self.active_faults)
-            # A rank that reported its own memory error or exception, or an agent's exit report, is
-            # the cause: nothing more to wait for (an agent reports all its dead workers at once).
-            known = any(f["kind"] in ("memory-error", "other", "process-exit") for f in self.active_faults)
-            settle = self.settle_comm_s if only_comm else (0.05 if known else self.settle_s)
-            if only_comm and any(now - i.seen > 2 * self.hb for r, i in self.ranks.items() if r in self._live()):
-                # A rank is silent too (a node whose agent died with it reports no exit): wait until
-                # it is declared lost, so that the strategy sees the cause.
-                settle = self.dead_after + 0.5
-            if now - self.machine.entered < settle:
-                pass
-            elif pend is None or not (pend["waiting"] & self._live()):
-                self._feed(O.STOPPED)
-                return
-        if st in (S.DUMP, S.REPAIR, S.ROLLBACK):
-            outcome = (self.dumper if st == S.DUMP else self.retrier).progress(now)
-            if outcome is not None:
-                self._feed(outcome)
+        if st == S.NORMAL and self.first_step is not None:  # first: the last step may also end the job
+            if self.first_step.check(now, self.table.completed(self.first_step.target)):
+                self.first_step = None
+        if st in (S.NORMAL, S.INIT) and self.ranks and self.table.all_over() and not self.active_faults:
+            self._feed(O.FINISHED)
+            return
+        if st == S.PAUSE and self._stopped(now):
+            self._feed(O.STOPPED)
+            return
+        if st in (S.REPAIR, S.ROLLBACK, S.DUMP) and self.runner is not None:
+            out = self.runner.tick()
+            if out is not None:
+                self._feed(self._outcome(out))
                 return
         if st == S.EXIT:
-            others = [r for r in self._live() if r != self.rank]
+            others = [r for r in self.table.live() if r != self.rank]
             if not others or now - self.machine.entered > TIMEOUTS[S.EXIT] - 1:
                 self._finish_exit()
                 return
@@ -564,17 +495,50 @@ class Controller:
             log.error("state %s ran past its %.1fs timeout", st.value, TIMEOUTS[st])
             self._feed(O.TIMEOUT)
 
-    def _live(self) -> set:
-        return {r for r, i in self.ranks.items() if i.alive and not i.done}
+    def _stopped(self, now: float) -> bool:
+        """PAUSE is over when every live rank has answered the stop, after a short dwell: the agent's
+        exit report of a killed rank can trail the survivors' communication errors, and the
+        strategy must see the real cause. Communication errors alone are nearly always a
+        consequence, so they wait longer for their cause."""
+        pend = self.pending.get(self._stop_id)
+        only_comm = all(f["kind"] == "comm-failure" for f in self.active_faults)
+        # A rank that reported its own memory error or exception, or an agent's exit report, is the
+        # cause: nothing more to wait for (an agent reports all its dead workers at once).
+        known = any(f["kind"] in ("memory-error", "other", "process-exit") for f in self.active_faults)
+        settle = SETTLE_COMM_S if only_comm else (SETTLE_KNOWN_S if known else SETTLE_S)
+        live = self.table.live()
+        if only_comm and any(now - self.ranks[r].seen > 2 * self.hb for r in live):
+            # A rank is silent too (a node whose agent died with it reports no exit): wait until it
+            # is declared lost, so that the strategy sees the cause.
+            settle = self.table.dead_after + 0.5
+        if now - self.machine.entered < settle:
+            return False
+        return pend is None or not (pend["waiting"] & live)
 
-    _stop_id = None
+    def _outcome(self, out) -> O:
+        if out == "ok":
+            return O.OK
+        self.strategy_note = playbooks.failed(self.playbook, self.episode, out[1])
+        return O.FAILED
 
-    def _act_pause(self):
+    # ---- what each state does on entry ----------------------------------------------------------
+    def _training(self):
+        now = time.monotonic()
+        self.table.heard_all(now)  # detection clocks start with training, not at registration
+        came_from = self.machine.history[-1][0] if self.machine.history else None
+        if came_from == S.ROLLBACK and self.episode is not None:  # a recovery ended: its first step closes it
+            self.first_step = FirstStep(self.episode, list(self.active_faults), now)
+            self.active_faults.clear()
+            self.table.moved(now)
+        self._name_standbys()
+        return None
+
+    def _stop_survivors(self):
         """Stop every survivor; decision latency is fault detection -> last stop sent."""
         fault = self.active_faults[-1] if self.active_faults else None
-        survivors = sorted(self._live())  # every live rank, reporters of comm failures included
+        survivors = sorted(self.table.live())  # every live rank, reporters of comm failures included
         reason = (f"{fault['kind']} on rank(s) {fault['ranks'][:8]}" if fault else "controller")[:200]
-        self._stop_id = self._do("stop", survivors, {"reason": reason})
+        self._stop_id = self.order("stop", survivors, {"reason": reason})
         if fault is not None:
             decide_ms = (time.monotonic() - fault["t_detect"]) * 1e3
             cpu_ms = (time.thread_time() - fault["cpu_detect"]) * 1e3  # wall minus waiting for a CPU
@@ -582,86 +546,68 @@ class Controller:
                              cpu_ms=round(cpu_ms, 3))
         return None
 
-    def _act_env_clear(self):
+    def _decide(self):
         kinds = {f["kind"] for f in self.active_faults}
-        outcome, why = choose_strategy(self.options.ordered_strategies(), kinds, self.built_strategies)
-        self.strategy_note, self.chosen = why, outcome
+        outcome, why = choose_strategy(self.options.ordered_strategies(), kinds, BUILT)
+        self.strategy_note = why
         self.events.emit("strategy", outcome=outcome.value, reason=why)
         log.info("strategy for %s: %s (%s)", sorted(kinds), outcome.value, why)
+        replicas = all(i.groups for i in self.ranks.values() if i.alive)
+        self.playbook = {O.RETRY: playbooks.RETRY if replicas else playbooks.RELOAD,
+                         O.RECOVER: playbooks.RECOVER if replicas else playbooks.RELOAD}.get(outcome)
+        self.chosen = outcome
         return outcome
 
-    def diagnosis(self) -> str:
-        faults = self.active_faults or self.faults
-        if not faults:
-            return "mindspeed-ha: the job ended without a recorded fault."
-        # The first fault of an episode is the cause; communication failures that follow it are
-        # survivors noticing the loss, so they are summarised, not described.
-        root = next((f for f in faults if f["kind"] != "comm-failure"), faults[0])
-        nodes = ", ".join(sorted(set(root["nodes"])))
-        detail = f" ({root['detail'][:160]})" if root["detail"] else ""
-        text = (f"mindspeed-ha diagnosis: rank {', '.join(map(str, root['ranks']))} (node {nodes}) failed: "
-                f"{root['kind']}{detail} at iteration {root['iteration']}, phase {root['phase']}; "
-                f"the controller knew {root['detect_s']:.2f}s after the fault was observed.")
-        rest = [f for f in faults if f is not root]
-        follow = sorted({r for f in rest if f["kind"] == "comm-failure" for r in f["ranks"]})
-        other = [f for f in rest if f["kind"] != "comm-failure"]
-        if follow:
-            text += f" Then rank(s) {', '.join(map(str, follow))} reported communication failures (consequences)."
-        for f in other:
-            text += (f" Also rank {', '.join(map(str, f['ranks']))}: {f['kind']} at iteration "
-                     f"{f['iteration']}, phase {f['phase']}.")
-        live = sorted(self._live())
-        saved = self.dumper.result
-        resume = (f"Resume with --load {saved['save']}: it continues from iteration {saved['iteration']}, "
-                  f"no completed step is lost." if saved else "Resume from the last checkpoint.")
-        text += (f" Recovery: {self.strategy_note or 'none'}; so the job ends here: the {len(live)} live "
-                 f"rank(s) were told to exit (exit code {1 if self.faults else 0}). {resume} "
-                 f"Events: {os.path.join(self.log_dir, 'events', 'controller.jsonl')}.")
-        return text
+    def _play(self):
+        """REPAIR, ROLLBACK, DUMP: the playbook's rounds for this state (a new episode on REPAIR and
+        DUMP; ROLLBACK goes on with REPAIR's)."""
+        st = self.machine.state
+        if st in (S.REPAIR, S.DUMP):
+            if st == S.DUMP:
+                self.playbook = playbooks.DUMP
+            strategy = {O.RECOVER: "recover"}.get(self.chosen, "retry") if st == S.REPAIR else "dump"
+            first = self.active_faults[0] if self.active_faults else None
+            self.episode = Episode(self.playbook_port, strategy, self.world, self.active_faults,
+                                   {r: i.groups[0] for r, i in self.ranks.items() if i.groups},
+                                   replica=self.playbook is not playbooks.RELOAD)
+            if first is not None and st == S.REPAIR:
+                self.episode.phases["detect"] = first["detect_s"]
+                # detection -> every survivor stopped and the strategy chosen
+                self.episode.phases["stop"] = round(time.monotonic() - first["t_detect"], 4)
+        self.runner = Runner(self.playbook.rounds(st), self.episode)
+        out = self.runner.start()
+        return None if out is None else self._outcome(out)
 
-    def _act_exit(self):
+    def _tell_exit(self):
         self.exit_code = 1 if self.faults else 0
-        text = self.last_diagnosis = self.diagnosis()
+        faults = self.active_faults or self.faults
+        dump = self.episode.result if self.episode is not None and self.playbook is playbooks.DUMP else None
+        text = self.last_diagnosis = diagnosis(faults, len(self.table.live()), self.strategy_note, dump,
+                                               self.log_dir)
         self.events.emit("diagnosis", text=text, exit_code=self.exit_code)
         log.error(text)
         args = {"code": self.exit_code, "diagnosis": text}
-        self._do("exit", sorted(self._live()), args)
+        self.order("exit", sorted(self.table.live()), args)
         self._to_agents("exit", args)
         return None
 
     def _finish_exit(self) -> None:
         self._feed(O.OK)  # EXIT -> DONE
-        if self.local_exit is not None and self.rank is not None and self.rank in self._live():
+        if self.local_exit is not None and self.rank is not None and self.rank in self.table.live():
             try:
-                self.sock.close(linger=1000)  # flush what we sent before the process goes
+                self.router.sock.close(linger=1000)  # flush what we sent before the process goes
             finally:
                 self.local_exit(self.exit_code)
 
-    # ---- backups ------------------------------------------------------------------------------
-    def _act_normal(self):
-        now = time.monotonic()
-        for i in self.ranks.values():  # detection clocks start with training, not at registration
-            i.seen = max(i.seen, now)
-        self._maybe_start_backups()  # name the standbys once everyone is in
-        return None
-
-    def _maybe_start_backups(self) -> None:
+    # ---- standbys -----------------------------------------------------------------------------
+    def _name_standbys(self) -> None:
         """Name the standbys; after a recovery, replace those whose process was lost (a restarted
         rank runs no standby), so that the controller's own loss stays survivable."""
         if self.machine.state != S.NORMAL or self.world < 2:
             return
-        lost = [r for r in self.backups if not self.ranks[r].alive or self.ranks[r].pid != self.backup_pids.get(r)]
-        for r in lost:
-            self.backups.remove(r)
-            self.backup_eps.pop(r, None)
-        if len(self.backups) >= 2 or (self.backups and not lost):
-            return
-        nodes = {r: i.node for r, i in self.ranks.items() if i.alive and r not in self.backups}
-        new = election.choose_backups(nodes, self.rank, n=2 - len(self.backups))
-        self.backups += new
-        for r in new:
-            self.backup_pids[r] = self.ranks[r].pid
-        self._do("standby", new, {"world": self.world, "epoch": self.epoch})
+        lost, new = self.standbys.renew(self.ranks, self.rank)
+        if new:
+            self.order("standby", new, {"world": self.world, "epoch": self.epoch})
         if lost:
             self._refresh_ack()
             self._announce(quiet=True)
@@ -677,8 +623,7 @@ class Controller:
         self.standby = False
         self.epoch += 1
         self.machine = Machine(self._on_transition, state=S.NORMAL)
-        for i in self.ranks.values():
-            i.seen = max(i.seen, now)  # start the clocks now for ranks that have not come over yet
+        self.table.heard_all(now)  # start the clocks now for ranks that have not come over yet
         for r in range(self.world):
             if r not in self.ranks:
                 self.ranks[r] = Rank(rank=r, ident=b"", seen=now, progress_at=now)
@@ -699,15 +644,12 @@ class Controller:
             "state": self.machine.state.value, "epoch": self.epoch, "world_size": self.world,
             "controller": {"rank": self.rank, "pid": os.getpid(), "endpoint": self.endpoint,
                            "standby": self.standby},
-            "backups": [{"rank": r, "endpoint": self.backup_eps.get(r)} for r in self.backups],
-            "ranks": [{"rank": i.rank, "pid": i.pid, "node": i.node, "iteration": i.it, "phase": i.phase,
-                       "update": i.upd, "health": i.health, "alive": i.alive, "done": i.done,
-                       "last_seen_s": round(now - i.seen, 3), "replica_groups": i.groups}
-                      for i in sorted(self.ranks.values(), key=lambda i: i.rank)],
+            "backups": [{"rank": r, "endpoint": ep} for r, ep in self.standbys.named()],
+            "ranks": self.table.status(now),
             "agents": [{"node_rank": a.node_rank, "node": a.node, "ranks": a.ranks, "pids": a.pids}
                        for a in self.agents.values()],
             "faults": [{k: v for k, v in f.items() if k not in ("t_detect", "cpu_detect")} for f in self.faults],
-            "dropped": dict(self.drops.counts),
+            "dropped": dict(self.router.drops.counts),
         }
 
 
@@ -722,5 +664,6 @@ def run_standalone(log_dir: str, world_size: int, options: HAOptions, host: str 
     except KeyboardInterrupt:
         c.close()
     if c.exit_code:
-        print(c.last_diagnosis or c.diagnosis(), file=sys.stderr)
+        print(c.last_diagnosis or diagnosis(c.faults, len(c.table.live()), c.strategy_note, None, log_dir),
+              file=sys.stderr)
     return c.exit_code

@@ -99,3 +99,39 @@ class Candidates:
 
     def connected(self, endpoint: str, epoch: int) -> None:
         self.current, self.epoch, self._tried = endpoint, max(self.epoch, epoch), []
+
+
+class Standbys:
+    """The controller's record of its standbys: which ranks, in which process, at which endpoint."""
+
+    def __init__(self, count: int = 2):
+        self.count = count
+        self.ranks: list[int] = []
+        self.eps: dict[int, str] = {}
+        self.pids: dict[int, int] = {}   # the process each standby runs in
+
+    def endpoints(self) -> list[str]:
+        return [self.eps[r] for r in self.ranks if r in self.eps]
+
+    def named(self) -> list[tuple[int, str | None]]:
+        return [(r, self.eps.get(r)) for r in self.ranks]
+
+    def up(self, rank: int, endpoint: str) -> None:
+        self.eps[rank] = endpoint
+
+    def renew(self, ranks: dict, controller_rank: int | None) -> tuple[list[int], list[int]]:
+        """Drop standbys whose process is gone (a restarted rank runs no standby) and name new ones
+        up to ``count``. ``ranks``: rank -> record with ``alive``, ``pid``, ``node``.
+        Returns (lost, newly named): the caller orders the new ones to stand by."""
+        lost = [r for r in self.ranks if not ranks[r].alive or ranks[r].pid != self.pids.get(r)]
+        for r in lost:
+            self.ranks.remove(r)
+            self.eps.pop(r, None)
+        if len(self.ranks) >= self.count or (self.ranks and not lost):
+            return lost, []
+        nodes = {r: i.node for r, i in ranks.items() if i.alive and r not in self.ranks}
+        new = choose_backups(nodes, controller_rank, n=self.count - len(self.ranks))
+        self.ranks += new
+        for r in new:
+            self.pids[r] = ranks[r].pid
+        return lost, new

@@ -1,205 +1,28 @@
-"""The processor: a thread on every rank that reports to the controller and runs its actions.
+"""The processor: a thread on every rank that reports to the controller and runs its orders.
 
-The main (training) thread only touches plain attributes through the hooks (``step_start`` ...) and
-an outbox; the processor thread owns the ZeroMQ socket (sockets are not thread-safe). Actions run
-through handlers registered by name; ``exit`` and ``stop`` run on the processor thread at once
-(they must work while the main thread is blocked in a collective), the others on a handler thread
-so heartbeats go on while a long repair runs.
+The training thread only touches plain attributes through the hooks (``step_start`` ...) and an
+outbox; the processor thread owns the ZeroMQ socket (sockets are not thread-safe). Orders run by
+where they must: ``stop``, ``exit`` and ``standby`` on the processor thread at once (they must work
+while the training thread is blocked in a collective); the recovery's orders on the training thread,
+parked after a fault (``serve_order``); the rest on a handler thread, so heartbeats go on meanwhile.
+A handler returns its answer (any msgpack tree) or raises: the exception is the failed answer.
 """
 from __future__ import annotations
 
 import collections
-import logging
-import mmap
 import os
 import queue
 import socket as _socket
-import struct
 import threading
 import time
 
-import zmq
-
 from ..events import EventLog, get_logger, setup_text_log
 from ..options import HAOptions
-from ..faults import classify as engine_classify
-from . import election, protocol as P, security
+from . import protocol as P, security
+from .board import ProgressBoard, board_path
+from .link import ControllerLink, job_id_from_env
 
 log = get_logger("control.processor")
-INLINE_ACTIONS = ("stop", "exit", "standby")
-
-def classify(exc: BaseException) -> str:
-    """memory-error / comm-failure / other, by the engine's classifier (mindspeed_ha.faults: it knows
-    the UCE/ECC markers, and that running out of memory is not a memory fault)."""
-    return {"memory": "memory-error", "comm": "comm-failure"}.get(engine_classify(exc), "other")
-
-
-class ProgressBoard:
-    """Iteration and phase of a rank in a small shared-memory file the agent reads when the rank
-    dies: exact even for a SIGKILL between two heartbeats, and a few microseconds per hook."""
-    FMT = struct.Struct("<qq40s")  # iteration, sequence, phase
-
-    def __init__(self, path: str, create: bool = True):
-        self.path = path
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, self.FMT.size)
-            self.mm = mmap.mmap(fd, self.FMT.size)
-        finally:
-            os.close(fd)
-        self.seq = 0
-
-    def write(self, iteration: int, phase: str) -> None:
-        self.seq += 1
-        self.mm[:] = self.FMT.pack(int(iteration), self.seq, phase.encode()[:40])
-
-    @classmethod
-    def read(cls, path: str) -> tuple[int, str] | None:
-        try:
-            with open(path, "rb") as f:
-                it, seq, ph = cls.FMT.unpack(f.read(cls.FMT.size))
-        except (OSError, struct.error):
-            return None
-        return (it, ph.rstrip(b"\0").decode(errors="replace")) if seq else None
-
-
-def board_path(rank: int) -> str | None:
-    d = os.environ.get("MINDSPEED_HA_PROGRESS_DIR")
-    return os.path.join(d, f"rank_{rank}") if d else None
-
-
-def job_id_from_env() -> str | None:
-    return os.environ.get("MINDSPEED_HA_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or None
-
-
-class ControllerLink:
-    """A DEALER connection to whichever controller is active, with failover.
-
-    ``hello()`` returns the registration frame, resent on every new connection; frames sent with
-    ``replay=True`` (fault and exit reports) are resent after it too, so a report made while the
-    controller was dying reaches its successor (controllers de-duplicate)."""
-
-    def __init__(self, keys: security.Keys, log_dir: str, job_id: str | None, hello, heartbeat_s: float,
-                 name: str = "processor", ctx: zmq.Context | None = None):
-        self.ctx = ctx or zmq.Context.instance()
-        self.keys, self.hello, self.name = keys, hello, name
-        self.cands = election.Candidates(log_dir, job_id, answer_wait=max(1.0, 2 * heartbeat_s),
-                                         standby_wait=max(4.0, 8 * heartbeat_s))
-        # A starved controller is slow, not dead, and so is a starved processor thread that did not
-        # read its acks (8 ranks on 2 cores: > 3 s seen); switching then loses orders in flight.
-        self.lost_after = max(6 * heartbeat_s, 6.0)
-        self.sock: zmq.Socket | None = None
-        self.endpoint: str | None = None
-        self.epoch = 0
-        self.active = False          # answered by a controller that is not a standby
-        self.answered = False
-        self._t_connect = self._last_heard = self._standby_since = 0.0
-        self._replay: collections.deque = collections.deque(maxlen=64)
-        self.drops = P.DropCounter(log)
-        self.ever_active = False
-        self.state = ""              # the controller's state in its last ack
-
-    def _connect(self, ep: str) -> None:
-        if self.sock is not None:
-            self.sock.close(linger=0)
-        s = self.ctx.socket(zmq.DEALER)
-        s.linger = 500
-        s.maxmsgsize = P.MAX_BYTES + 1024
-        s.handshake_ivl = 300_000  # a controller busy with a thousand handshakes is slow, not dead
-        security.secure_client(s, self.keys)
-        s.connect(ep)
-        self.sock, self.endpoint = s, ep
-        self.answered = self.active = False
-        self._t_connect = time.monotonic()
-        self._standby_since = 0.0
-        self._send_raw(self.hello())
-        for data in list(self._replay):
-            self._send_raw(data)
-
-    def _send_raw(self, data: bytes) -> None:
-        try:
-            self.sock.send(data, zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-
-    def send(self, data: bytes, replay: bool = False) -> None:
-        if replay:
-            self._replay.append(data)
-        if self.sock is not None:
-            self._send_raw(data)
-
-    def maintain(self) -> None:
-        now = time.monotonic()
-        if self.sock is None:
-            ep = self.cands.next(None)
-            if ep:
-                self._connect(ep)
-            return
-        why = None
-        if not self.answered and now - self._t_connect > self.cands.answer_wait:
-            why = "no answer"
-        elif self.answered and not self.active and now - self._standby_since > self.cands.standby_wait:
-            why = "standby without quorum"
-        elif self.active and now - self._last_heard > self.lost_after:
-            why = f"silent for {now - self._last_heard:.1f}s"
-        if why:
-            ep = self.cands.next(self.endpoint)
-            if self.active and self.state not in ("done", "exit"):
-                log.warning("%s lost controller %s (%s); trying %s", self.name, self.endpoint, why, ep)
-            if ep:
-                self._connect(ep)
-
-    def receive(self, timeout_ms: int) -> list[dict]:
-        if self.sock is None:
-            time.sleep(timeout_ms / 1000)
-            return []
-        out = []
-        if not self.sock.poll(timeout_ms):
-            return out
-        while True:
-            try:
-                data = self.sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            try:
-                msg = P.decode(data)
-            except P.ProtocolError as e:
-                self.drops.drop("malformed", str(e))
-                continue
-            now = time.monotonic()
-            t = msg["t"]
-            if t == "ack":
-                self._last_heard = now
-                if not self.answered:
-                    self.answered = True
-                if msg.get("standby"):
-                    if not self._standby_since:
-                        self._standby_since = now
-                    self.active = False
-                else:
-                    if not self.active:
-                        log.info("%s connected to controller %s (epoch %d)", self.name, self.endpoint, msg["epoch"])
-                    self.active = self.ever_active = True
-                    self.epoch = msg["epoch"]
-                    self.state = msg["state"]
-                    self.cands.connected(self.endpoint, msg["epoch"])
-                if msg.get("backups"):
-                    self.cands.backups = list(msg["backups"])
-            elif t == "refused":
-                self._last_heard = now
-                self._send_raw(self.hello())
-            elif t == "do":
-                self._last_heard = now
-                out.append(msg)
-            else:
-                out.append(msg)
-        return out
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close(linger=300)
-            self.sock = None
 
 
 class Processor:
@@ -275,16 +98,13 @@ class Processor:
             self.controller.close()
         self._thread = None
 
-    def register_handler(self, action: str, fn, main_thread: bool = False) -> None:
-        """``fn(args: dict) -> (ok: bool, detail: str) | None``; a raised exception means not ok.
-
-        ``main_thread``: the action needs the training thread (it runs collectives or touches the
-        model): it waits in a queue until that thread, parked after a fault, runs ``serve_order``."""
-        self.handlers[action] = fn
-        if main_thread:
-            self._main_actions.add(action)
-        else:
-            self._main_actions.discard(action)
+    def serve(self, handlers: dict, training_thread: bool) -> None:
+        """Take orders: ``handlers`` maps an action to ``fn(args) -> answer``.
+        ``training_thread``: they need the training thread (collectives, the model): they wait in a
+        queue until that thread, parked after a fault, runs ``serve_order``."""
+        for action, fn in handlers.items():
+            self.handlers[action] = fn
+            (self._main_actions.add if training_thread else self._main_actions.discard)(action)
 
     # ---- hooks for the training loop (main thread) -------------------------------------------
     def _mark(self, phase: str) -> None:
@@ -324,23 +144,20 @@ class Processor:
         attribution and the diagnosis precise."""
         self._mark(phase)
 
-    def report_exception(self, exc: BaseException, iteration: int, phase: str) -> str:
-        kind = classify(exc)
-        if type(exc).__name__ == "CollectiveStopped":
-            return "stopped"  # we stopped it ourselves: not a new fault
+    def report_fault(self, kind: str, detail: str, iteration: int, phase: str) -> None:
+        """A fault of this rank (``kind``: memory-error, comm-failure, other), sent at once and
+        replayed to a successor if the controller dies meanwhile."""
         self.health = "faulty"
-        detail = f"{type(exc).__name__}: {exc}"[:1000]
         if self.events:
             self.events.emit("exception", kind=kind, iteration=int(iteration), phase=phase, detail=detail)
         self._sent.clear()
         self._outbox.put((P.encode("fault", rank=self.rank, kind=kind, iteration=int(iteration),
                                    phase=str(phase)[:64], detail=detail, at=time.time()), True))
         self._sent.wait(1.0)  # handed to ZeroMQ before the caller may let the process die
-        return kind
 
     def serve_order(self, timeout: float) -> str | None:
         """The training thread, parked after a fault: run the next order meant for it (see
-        ``register_handler``) and send the result. Returns the action's name, None on timeout."""
+        ``serve``) and send the result. Returns the action's name, None on timeout."""
         try:
             action, aid, args = self._main.get(timeout=timeout)
         except queue.Empty:
@@ -393,9 +210,9 @@ class Processor:
         self._done_ids.append(key)
         self.events.emit("action", action=action, id=aid, args={k: v for k, v in args.items() if k != "diagnosis"})
         if action == "exit":
-            self._result(action, aid, True, "exiting")
+            self._result(action, aid, True, data="exiting")
             self._exit_now(int(args.get("code", 1)), flush_link=True)
-        elif action in INLINE_ACTIONS:
+        elif action in ("stop", "standby"):
             self._run_handler(action, aid, args)
         elif action in self._main_actions:
             self._main.put((action, aid, args))
@@ -403,24 +220,29 @@ class Processor:
             self._work.put((action, aid, args))
 
     def _run_handler(self, action, aid, args) -> None:
-        fn = self.handlers.get(action) or getattr(self, f"_builtin_{action}", None)
+        fn = self.handlers.get(action) or {"stop": self._stop_collectives, "standby": self._stand_by}.get(action)
         if fn is None:
-            self._result(action, aid, False, f"no handler for {action!r} on rank {self.rank}")
+            self._result(action, aid, False, error=f"no handler for {action!r} on rank {self.rank}")
             return
         try:
-            res = fn(args)
-            ok, detail = res if isinstance(res, tuple) else (True, "" if res is None else str(res))
+            answer = fn(args)
         except Exception as e:
             log.exception("handler %s failed", action)
-            ok, detail = False, f"{type(e).__name__}: {e}"
-        self._result(action, aid, bool(ok), str(detail)[:1000])
+            self._result(action, aid, False, error=f"{type(e).__name__}: {e}")
+            return
+        self._result(action, aid, True, data=answer)
 
-    def _result(self, action, aid, ok, detail="") -> None:
-        data = P.encode("result", rank=self.rank, action=action, id=aid, ok=ok, detail=detail)
+    def _result(self, action, aid, ok: bool, data=None, error: str = "") -> None:
+        fields = {"data": data} if ok and data is not None else {"error": error} if not ok else {}
+        try:
+            msg = P.encode("result", rank=self.rank, action=action, id=aid, ok=ok, **fields)
+        except P.ProtocolError as e:  # a handler's answer that is not a msgpack tree
+            msg = P.encode("result", rank=self.rank, action=action, id=aid, ok=False,
+                           error=f"rank {self.rank} could not send its answer to {action}: {e}")
         if threading.current_thread() is self._thread:
-            self.link.send(data)
+            self.link.send(msg)
         else:
-            self._outbox.put(data)
+            self._outbox.put(msg)
 
     def _work_loop(self) -> None:
         while True:
@@ -429,33 +251,24 @@ class Processor:
                 return
             self._run_handler(*item)
 
-    # ---- built-in handlers --------------------------------------------------------------------
-    def _builtin_stop(self, args):
-        try:
-            from mindspeed_ha.comm.interruptible import request_stop
-        except ImportError:
-            return True, "no interruptible collectives in this build; nothing to stop"
+    # ---- the processor's own orders -----------------------------------------------------------
+    def _stop_collectives(self, args):
+        from mindspeed_ha.comm.interruptible import request_stop
         request_stop(str(args.get("reason", "controller")))
-        return True, "stop requested"
+        return "stop requested"
 
-    def _builtin_standby(self, args):
+    def _stand_by(self, args):
         from .controller import Controller
         if self.controller is None:
             self.controller = Controller(self.log_dir, self.world, self.options, self.keys, rank=self.rank,
                                          standby=True, epoch=int(args.get("epoch", 1)), job_id=self.job_id,
                                          local_exit=self._exit_now).start()
-        return True, self.controller.endpoint
+        return self.controller.endpoint
 
     def _exit_now(self, code: int, flush_link: bool = False) -> None:
-        try:
-            if self.events:
-                self.events.emit("exit", code=code)
-            for h in logging.getLogger("mindspeed_ha").handlers:
-                h.flush()
-            if flush_link and self.link is not None:
-                self.link.close()  # linger: the result above leaves before we go
-            import multiprocessing
-            for child in multiprocessing.active_children():  # e.g. the checkpoint writer's manager
-                child.terminate()
-        finally:
-            os._exit(code)
+        from mindspeed_ha.process import exit_now
+        if self.events:
+            self.events.emit("exit", code=code)
+        if flush_link and self.link is not None:
+            self.link.close()  # linger: the result above leaves before we go
+        exit_now(code)

@@ -2,8 +2,13 @@
 
 A message is a msgpack map ``{"v": VERSION, "t": TYPE, ...fields}`` sent as one ZeroMQ frame (the
 ROUTER adds the peer identity frame). ``decode`` returns a validated dict or raises ``ProtocolError``;
-callers drop what fails and count it in ``Counters`` -- a bad peer must never crash or stall the
+callers drop what fails and count it in ``DropCounter`` -- a bad peer must never crash or stall the
 controller or a processor.
+
+Orders' arguments, results and the status a controller reports are *trees*: msgpack maps (string
+keys), lists and scalars, as deep as ``MAX_DEPTH``, checked whole and never cut. The limits are sized
+for a job of 16,384 ranks: a repair plan names two ranks per shard copy, a status report a few
+hundred bytes per rank.
 """
 from __future__ import annotations
 
@@ -12,10 +17,12 @@ import threading
 
 import msgpack
 
-VERSION = 1
-MAX_BYTES = 256 * 1024          # one frame; a register of a rank in many groups stays far below
-MAX_LIST = 4096                 # any list (ranks in a group, groups of a rank, ranks of an agent)
-MAX_STR = 4096
+VERSION = 2
+MAX_BYTES = 64 * 1024 * 1024    # one frame: the status of 16,384 ranks is about 4 MB
+MAX_LIST = 1 << 20              # any list: ranks of the job (pairs of them), shards, status rows
+MAX_STR = 1 << 20               # any string (a diagnosis, a path, an error with its causes)
+MAX_KEYS = 1 << 16              # any map
+MAX_DEPTH = 8                   # nesting of a tree
 MAX_INT = 2 ** 62
 
 FAULT_KINDS = ("memory-error", "comm-failure", "other", "process-exit", "hang", "heartbeat-lost",
@@ -53,16 +60,31 @@ def _check(kind, value, name):
     elif kind == "strs":
         ok = isinstance(value, list) and len(value) <= MAX_LIST and all(
             isinstance(v, str) and len(v) <= MAX_STR for v in value)
-    elif kind == "map":  # free-form handler arguments: flat str -> scalar
-        ok = isinstance(value, dict) and len(value) <= 64 and all(
-            isinstance(k, str) and len(k) <= 64 and (
-                v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= MAX_STR)
-                or (isinstance(v, list) and len(v) <= MAX_LIST and all(isinstance(x, (int, str)) for x in v)))
-            for k, v in value.items())
+    elif kind == "map":  # order arguments, status reports: a tree under a map
+        ok = isinstance(value, dict) and _tree(value, MAX_DEPTH)
+    elif kind == "tree":  # a handler's result: any tree
+        ok = _tree(value, MAX_DEPTH)
     else:  # pragma: no cover - schema bug
         raise AssertionError(kind)
     if not ok:
         raise ProtocolError(f"field {name!r}: bad {kind}")
+
+
+def _tree(value, depth: int) -> bool:
+    if value is None or isinstance(value, (bool, float)):
+        return True
+    if isinstance(value, int):
+        return -MAX_INT < value < MAX_INT
+    if isinstance(value, str):
+        return len(value) <= MAX_STR
+    if depth <= 0:
+        return False
+    if isinstance(value, (list, tuple)):
+        return len(value) <= MAX_LIST and all(_tree(v, depth - 1) for v in value)
+    if isinstance(value, dict):
+        return len(value) <= MAX_KEYS and all(isinstance(k, str) and len(k) <= 256 and _tree(v, depth - 1)
+                                              for k, v in value.items())
+    return False
 
 
 # type -> {field: (kind, required)}. Unknown fields are rejected too: a peer speaking a newer version
@@ -78,7 +100,7 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "fault": {"rank": (_int, R), "kind": (_str, R), "iteration": (_int, R), "phase": (_str, R),
               "detail": (_str, O), "at": (_float, O)},
     "result": {"rank": (_int, R), "action": (_str, R), "id": (_int, R), "ok": (_bool, R),
-               "detail": (_str, O)},
+               "data": ("tree", O), "error": (_str, O)},
     "bye": {"rank": (_int, R)},
     # agent -> controller
     "agent": {"node": (_str, R), "node_rank": (_int, R), "nnodes": (_int, R), "pid": (_int, R),
@@ -92,7 +114,7 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     # controller -> peers
     "ack": {"epoch": (_int, R), "state": (_str, R), "standby": (_bool, O), "backups": ("strs", O)},
     "do": {"action": (_str, R), "id": (_int, R), "args": ("map", O), "epoch": (_int, R)},
-    "status": {"body": (_str, R)},   # JSON text: status is for humans and tools, not for routing
+    "status": {"body": ("map", R)},
     "refused": {"reason": (_str, R)},
 }
 
@@ -130,8 +152,8 @@ def decode(frame: bytes) -> dict:
         raise ProtocolError(f"oversized ({len(frame)} bytes)")
     try:
         msg = msgpack.unpackb(frame, raw=False, strict_map_key=True,
-                              max_array_len=MAX_LIST, max_map_len=64, max_str_len=MAX_STR,
-                              max_bin_len=MAX_STR, max_ext_len=0)
+                              max_array_len=MAX_LIST, max_map_len=MAX_KEYS, max_str_len=MAX_STR,
+                              max_bin_len=0, max_ext_len=0)
     except Exception as e:  # msgpack raises many types for garbage
         raise ProtocolError(f"undecodable: {type(e).__name__}") from None
     validate(msg)

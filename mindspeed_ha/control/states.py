@@ -1,10 +1,10 @@
 """The recovery state machine: one table, state x outcome -> next state.
 
 The life of a fault reads down the table: NORMAL -fault-> PAUSE (stop every survivor) -stopped->
-ENV_CLEAR (clean, rebuild groups) -strategy-> REPAIR / DOWNGRADE / DUMP -> ROLLBACK -> NORMAL, or EXIT.
-The controller runs the action bound to a state when it enters it and feeds the action's outcome back
-here; the actions live in the controller, so later issues plug in repair/rollback/dump by binding an
-action to a state, not by editing this table.
+DECIDE (pick the strategy) -> REPAIR -> ROLLBACK -> NORMAL (retry, recover), or DUMP -> EXIT. The
+controller does a state's work when it enters it (REPAIR, ROLLBACK and DUMP play the chosen
+playbook's rounds, playbooks.py) and feeds the outcome back here. A state whose work raises feeds
+FAILED.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class State(str, enum.Enum):
     INIT = "init"            # waiting for every rank to register
     NORMAL = "normal"        # training
     PAUSE = "pause"          # abnormal: a fault is known, survivors are being stopped
-    ENV_CLEAR = "env-clear"  # survivors stopped; clean communicators, rebuild groups, pick a strategy
+    DECIDE = "decide"        # survivors stopped: pick the strategy for the faults known
     REPAIR = "repair"        # retry/recover: restore the lost state from replicas (UCE, ARF)
     ROLLBACK = "rollback"    # every rank back to the start of the failed step
     DUMP = "dump"            # TTP: dying-gasp checkpoint from the survivors
@@ -31,7 +31,6 @@ class Outcome(str, enum.Enum):
     FAULT = "fault"              # a (new) fault was detected
     FINISHED = "finished"        # every rank left cleanly: the job is over
     STOPPED = "stopped"          # every survivor acknowledged stop
-    CLEARED = "cleared"          # environment clean, strategy chosen below
     RETRY = "retry"              # strategy: online repair of a memory/communication fault
     RECOVER = "recover"          # strategy: restart the failed process, repair from replicas
     DUMP = "dump"                # strategy: dying-gasp checkpoint
@@ -52,17 +51,18 @@ TABLE: dict[tuple[State, Outcome], State] = {
     (S.NORMAL, O.FAULT): S.PAUSE,
     (S.NORMAL, O.FINISHED): S.DONE,
     (S.NORMAL, O.SCALE_OUT): S.UPGRADE,
-    (S.PAUSE, O.STOPPED): S.ENV_CLEAR,
-    (S.PAUSE, O.TIMEOUT): S.ENV_CLEAR,   # a survivor that won't stop is a new fault; clear anyway
+    (S.PAUSE, O.STOPPED): S.DECIDE,
+    (S.PAUSE, O.TIMEOUT): S.DECIDE,      # a survivor that won't stop is a new fault; decide anyway
+    (S.PAUSE, O.FAILED): S.DECIDE,
     (S.PAUSE, O.FAULT): S.PAUSE,         # more faults while stopping: same pause, wider fault set
-    (S.ENV_CLEAR, O.RETRY): S.REPAIR,
-    (S.ENV_CLEAR, O.RECOVER): S.REPAIR,
-    (S.ENV_CLEAR, O.DUMP): S.DUMP,
-    (S.ENV_CLEAR, O.ELASTIC): S.DOWNGRADE,
-    (S.ENV_CLEAR, O.NO_STRATEGY): S.EXIT,
-    (S.ENV_CLEAR, O.FAILED): S.EXIT,
-    (S.ENV_CLEAR, O.TIMEOUT): S.EXIT,
-    (S.ENV_CLEAR, O.FAULT): S.PAUSE,
+    (S.DECIDE, O.RETRY): S.REPAIR,
+    (S.DECIDE, O.RECOVER): S.REPAIR,
+    (S.DECIDE, O.DUMP): S.DUMP,
+    (S.DECIDE, O.ELASTIC): S.DOWNGRADE,
+    (S.DECIDE, O.NO_STRATEGY): S.EXIT,
+    (S.DECIDE, O.FAILED): S.EXIT,
+    (S.DECIDE, O.TIMEOUT): S.EXIT,
+    (S.DECIDE, O.FAULT): S.PAUSE,
     (S.REPAIR, O.OK): S.ROLLBACK,
     (S.REPAIR, O.FAILED): S.DUMP,        # could not repair: save what we have
     (S.REPAIR, O.TIMEOUT): S.DUMP,
@@ -85,12 +85,13 @@ TABLE: dict[tuple[State, Outcome], State] = {
     (S.DUMP, O.FAULT): S.DUMP,           # the dump elects among live holders; keep going
     (S.EXIT, O.OK): S.DONE,
     (S.EXIT, O.TIMEOUT): S.DONE,
+    (S.EXIT, O.FAILED): S.DONE,
     (S.EXIT, O.FAULT): S.EXIT,
 }
 
 # Seconds an action bound to a state may take before the controller feeds TIMEOUT.
 TIMEOUTS: dict[State, float] = {
-    S.INIT: 600.0, S.PAUSE: 5.0, S.ENV_CLEAR: 10.0, S.REPAIR: 180.0, S.ROLLBACK: 30.0,
+    S.INIT: 600.0, S.PAUSE: 5.0, S.DECIDE: 10.0, S.REPAIR: 180.0, S.ROLLBACK: 30.0,
     S.DUMP: 120.0, S.DOWNGRADE: 60.0, S.UPGRADE: 120.0, S.EXIT: 5.0,
 }
 

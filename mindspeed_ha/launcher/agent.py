@@ -22,7 +22,8 @@ import uuid
 
 from ..control import protocol as P, security
 from ..control.election import read_controller_json
-from ..control.processor import ControllerLink, ProgressBoard
+from ..control.board import ProgressBoard
+from ..control.link import ControllerLink
 from ..events import EventLog, get_logger, log_dir_from_env, setup_text_log
 from . import spare
 

@@ -105,6 +105,16 @@ class ReplicaMixin:
                          "dtype": str(main.dtype)})
         return desc
 
+    def ha_param_positions(self) -> dict:
+        """Parameter name -> (parameter, position): DP peers hold the same tensor at the same
+        position (dense: TP and PP rank; expert: expert-TP, EP and PP rank)."""
+        from megatron.core import parallel_state as ps
+        dense = ("dense", ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+        expert = ("expert", ps.get_expert_tensor_parallel_rank(), ps.get_expert_model_parallel_rank(),
+                  ps.get_pipeline_model_parallel_rank())
+        return {name: (p, dense if getattr(p, "allreduce", True) else expert)
+                for inner in _inner_optimizers(self) for p, name in inner.param_to_name.items()}
+
     def ha_ensure_state(self) -> None:
         """Allocate Adam state (a newcomer's optimizer has none until its first step)."""
         for inner in _inner_optimizers(self):

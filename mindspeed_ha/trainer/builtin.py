@@ -45,10 +45,9 @@ def set_seed(seed: int) -> None:
 
 class BuiltinTrainer(TrainerInterface):
     def __init__(self, args: argparse.Namespace, session):
+        super().__init__()
         self.args = args
         self.session = session  # mindspeed_ha.session.RankSession: HA hooks, events, device
-        self.iteration = 0
-        self.consumed_samples = 0
 
     # -- set-up ----------------------------------------------------------------------------------
     def setup(self, joining: bool = False) -> None:
@@ -92,7 +91,8 @@ class BuiltinTrainer(TrainerInterface):
         return self.args.global_batch_size
 
     def init_parallel(self) -> None:
-        """megatron-core's groups for this layout (again after an in-place rebuild)."""
+        """megatron-core's groups for this layout: the ones a recovery reconnects first."""
+        from mindspeed_ha.comm import groups
         a = self.args
         ps.initialize_model_parallel(
             tensor_model_parallel_size=a.tensor_model_parallel_size,
@@ -102,6 +102,7 @@ class BuiltinTrainer(TrainerInterface):
             num_distributed_optimizer_instances=self.session.options.replica_num
             if self.session.options.use_replica_optimizer else 1,
             distributed_timeout_minutes=a.distributed_timeout_minutes)
+        groups.seal()
 
     def _transformer_config(self) -> TransformerConfig:
         a = self.args

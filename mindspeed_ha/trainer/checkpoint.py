@@ -1,21 +1,24 @@
 """Checkpoints in Megatron-LM's layout through megatron-core dist_checkpointing (torch_dist).
 
-``DIR/iter_0000010/`` plus ``DIR/latest_checkpointed_iteration.txt``. Written atomically: every rank
-writes into ``iter_XXXXXXX_tmp``, then one rank renames it and only then replaces the tracker file,
-so ``--load`` never sees a torn directory. Loading handles the torch-Adam traps listed in DESIGN.md.
+``DIR/iter_0000010/`` plus ``DIR/latest_checkpointed_iteration.txt``. Every writer (periodic saves
+here, the dump in recovery/dump.py) writes into ``iter_XXXXXXX_tmp`` and ``publish``es it: the new
+directory is fsynced and renamed in, an older copy of the same iteration moved aside first and
+removed only after the tracker (replaced atomically) names the new one — so a crash at any point
+leaves the tracker naming a complete checkpoint. Loading handles three traps of megatron-core's
+distributed optimizer on torch's Adam (see ``load``).
 """
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state as ps, tensor_parallel
+from megatron.core import dist_checkpointing, parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from mindspeed_ha.trainer import rng
 
 TRACKER = "latest_checkpointed_iteration.txt"
 SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -43,27 +46,11 @@ def read_tracker(root: str) -> int | None:
     return it if os.path.isdir(iter_dir(root, it)) else None
 
 
-def _rng_state() -> ShardedObject:
-    state = {
-        "random_rng_state": random.getstate(),
-        "np_rng_state": np.random.get_state(),
-        "torch_rng_state": torch.get_rng_state(),
-        "cuda_rng_state": torch.cuda.get_rng_state(),
-        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
+def _rng_state(state: dict | None = None) -> ShardedObject:
     pp, tp = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
-    return ShardedObject("rng_state", [state], (ps.get_pipeline_model_parallel_world_size(),
-                         ps.get_tensor_model_parallel_world_size()), (pp, tp),
-                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
-
-
-def _set_rng_state(sharded) -> None:
-    state = sharded[0] if isinstance(sharded, list) else sharded
-    random.setstate(state["random_rng_state"])
-    np.random.set_state(state["np_rng_state"])
-    torch.set_rng_state(state["torch_rng_state"])
-    torch.cuda.set_rng_state(state["cuda_rng_state"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+    return ShardedObject("rng_state", [state if state is not None else rng.snapshot()],
+                         (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
+                         (pp, tp), replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
 
 
 def state_dict(trainer, is_loading: bool = False) -> dict:
@@ -85,10 +72,28 @@ def state_dict(trainer, is_loading: bool = False) -> dict:
     return sd
 
 
+def at_iteration(sd: dict, trainer, iteration: int, rng_state) -> None:
+    """Make the non-sharded part of ``sd`` describe ``iteration``: the trainer's own, or the one after
+    it when its update has finished but its bookkeeping (counters, scheduler) has not run yet."""
+    ahead = iteration - trainer.iteration
+    if ahead not in (0, 1):
+        raise ValueError(f"trainer at iteration {trainer.iteration} cannot describe iteration {iteration}")
+    gbs = trainer.global_batch_size
+    sd["iteration"] = iteration
+    sd["consumed_samples"] = trainer.consumed_samples + ahead * gbs
+    sd["args"].consumed_train_samples = sd["consumed_samples"]
+    sched = dict(trainer.scheduler.state_dict())
+    sched["num_steps"] += ahead * gbs  # load_state_dict recomputes lr and wd from it
+    sd["opt_param_scheduler"] = sched
+    old = sd["rng_state"]
+    sd["rng_state"] = ShardedObject(old.key, [rng_state], old.global_shape, old.global_offset,
+                                    replica_id=old.replica_id)
+
+
 def save(trainer, root: str, group=None) -> tuple[str, float]:
     """Collective over ``group`` (default: world). Returns (directory, seconds)."""
     t0 = time.perf_counter()
-    final, tmp = iter_dir(root, trainer.iteration), iter_dir(root, trainer.iteration) + "_tmp"
+    tmp = iter_dir(root, trainer.iteration) + "_tmp"
     rank = dist.get_rank(group)
     if rank == 0:
         os.makedirs(root, exist_ok=True)
@@ -99,23 +104,56 @@ def save(trainer, root: str, group=None) -> tuple[str, float]:
     dist_checkpointing.save(sd, tmp, validate_access_integrity=False, content_metadata=SHARDING)
     dist.barrier(group=group)
     if rank == 0:
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tracker_tmp, "w") as f:
-            f.write(str(trainer.iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+        publish(root, tmp, trainer.iteration)
     dist.barrier(group=group)
-    return final, time.perf_counter() - t0
+    return iter_dir(root, trainer.iteration), time.perf_counter() - t0
+
+
+def publish(root: str, tmp: str, iteration: int) -> str:
+    """Put the written ``tmp`` in place as ``iter_<iteration>`` and name it in the tracker, so that a
+    crash at any step leaves the tracker naming a complete checkpoint: the files and the directory
+    are fsynced; an existing copy of that iteration is moved aside, never deleted first; the tracker
+    is replaced atomically; only then is the old copy removed."""
+    final = iter_dir(root, iteration)
+    for name in os.listdir(tmp):
+        _fsync(os.path.join(tmp, name))
+    _fsync(tmp)
+    aside = None
+    if os.path.exists(final):
+        aside = f"{final}_old"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    _fsync(root)
+    write_tracker(root, iteration)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+    return final
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    tmp = os.path.join(root, TRACKER + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, TRACKER))
+    _fsync(root)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fix_adam_steps(optimizer) -> None:
-    """Traps 2 and 3 of DESIGN.md: after a load the per-parameter Adam ``step`` is not the
-    checkpoint's (the right value is in the param group), and it is one tensor shared by every
-    parameter, which torch's Adam would bump once per parameter per step. Set each its own, right one."""
+    """Traps 2 and 3 of a distributed-optimizer load on torch's Adam: after a load the per-parameter
+    Adam ``step`` is not the checkpoint's (the right value is in the param group), and it is one
+    tensor shared by every parameter, which torch's Adam would bump once per parameter per step.
+    Set each its own, right one."""
     for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         for group in inner.optimizer.param_groups:
             for p in group["params"]:
@@ -131,7 +169,8 @@ def load(trainer, root: str, load_optim: bool = True, load_rng: bool = True) -> 
         raise FileNotFoundError(f"--load {root}: no complete checkpoint (missing or dangling {TRACKER})")
     path = iter_dir(root, it)
     if load_optim:
-        # Trap 1: the optimizer needs real state (with ``step``) before sharded_state_dict(is_loading).
+        # Trap 1: the optimizer needs real state (with ``step``) before sharded_state_dict(is_loading);
+        # megatron-core creates it only at the first step.
         for inner in getattr(trainer.optimizer, "chained_optimizers", None) or [trainer.optimizer]:
             inner._init_optimizer_states_with_dummy_values()
     sd = state_dict(trainer, is_loading=True)
@@ -153,7 +192,7 @@ def load(trainer, root: str, load_optim: bool = True, load_rng: bool = True) -> 
     trainer.scheduler.num_steps = 0  # load_state_dict *adds* the saved count (it expects a fresh scheduler)
     trainer.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if load_rng and "rng_state" in loaded:
-        _set_rng_state(loaded["rng_state"])
+        rng.restore(loaded["rng_state"])
     trainer.iteration = int(loaded["iteration"])
     if hasattr(trainer.optimizer, "ha_iteration"):
         trainer.optimizer.ha_iteration = trainer.iteration  # the shard is now at the loaded iteration

@@ -1,12 +1,17 @@
 """The one seam between the fault-tolerance engine and a training loop.
 
 The built-in megatron-core trainer and the Megatron-LM adaptor both implement it; recovery code
-drives training only through it and never reaches into either trainer.
+drives training only through it (recovery/handlers.py, recovery/repair.py, recovery/dump.py) and
+never reaches into either trainer or into Megatron's objects. Both drive megatron-core's DDP and
+distributed optimizer, so what only those need (cleaning a partial step, re-syncing the weights,
+the counters a restarted rank takes from its twin) has its implementation here.
 """
 from __future__ import annotations
 
 import abc
 from typing import Iterator
+
+from mindspeed_ha.trainer import rng
 
 
 class TrainerInterface(abc.ABC):
@@ -18,8 +23,24 @@ class TrainerInterface(abc.ABC):
     consumed_samples: int       # data position: samples consumed by the whole job
     save_dir: str | None        # --save (where a dying-gasp checkpoint goes)
     global_batch_size: int      # samples per iteration (scheduler and data position steps)
-    group_holders: tuple = ()   # objects besides model and optimizer that keep process groups (a rebuild re-points them)
 
+    def __init__(self):
+        self.model_chunks, self.optimizer, self.scheduler = [], None, None  # until setup()
+        self.iteration = self.ended = self.consumed_samples = 0
+        self.rng = rng.History()    # the RNG as of recent iterations' ends (rollback, dump)
+
+    # -- set-up --------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def setup(self, joining: bool = False) -> None:
+        """Groups, model, optimizer, scheduler, data (and ``--load``). ``joining``: a restarted worker
+        entering a running job: no collective of its own (the survivors wait in the recovery) and no
+        ``--load`` (its state comes from its twin)."""
+
+    @abc.abstractmethod
+    def init_parallel(self) -> None:
+        """megatron-core's process groups for this layout."""
+
+    # -- the step ------------------------------------------------------------------------------
     @abc.abstractmethod
     def data_iterator(self, consumed_samples: int) -> Iterator:
         """The data iterator of this rank, positioned at ``consumed_samples``."""
@@ -28,20 +49,40 @@ class TrainerInterface(abc.ABC):
     def train_step(self) -> float | None:
         """Run one iteration; return the DP-reduced loss on the rank that holds it, else None."""
 
+    # -- recovery ------------------------------------------------------------------------------
     @abc.abstractmethod
-    def save_checkpoint(self, save_dir: str) -> str:
-        """Write a checkpoint of the current iteration; return its directory."""
+    def restart_from(self, iteration: int) -> None:
+        """Rollback: the next step is ``iteration + 1`` again, with its data (the RNG was restored)."""
 
     @abc.abstractmethod
-    def checkpoint_args(self):
-        """The ``args`` object a checkpoint of this trainer stores (its load checks it)."""
+    def finish_step(self, iteration: int) -> None:
+        """Roll forward: the update of step ``iteration`` completed on every shard; finish the rest
+        of the step (scheduler, counters, loss report)."""
 
-    @abc.abstractmethod
-    def load_checkpoint(self, load_dir: str) -> int:
-        """Restore model, optimizer, scheduler, RNG and data position; return the iteration."""
+    def clean_partial_step(self) -> None:
+        """Drop what an interrupted step left: gradients, DDP bucket state and pending handles (the
+        interrupted operations belong to replaced communicators and are never waited on again)."""
+        for m in self.model_chunks:
+            for bg in list(getattr(m, "bucket_groups", [])) + list(getattr(m, "expert_parallel_bucket_groups", [])):
+                bg.grad_reduce_handle = None
+                bg.param_gather_handle = None
+                bg.param_gather_dispatched = False
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
 
-    # -- what a restarted worker takes from its replica peer besides the optimizer shard ----------
-    # Each trainer extends these two with what its own loop keeps (a loss, flags in args, ...).
+    def resync_weights(self) -> None:
+        """Model weights := the (repaired) fp32 main params: copy the own shard into the model and
+        all-gather the rest, as the end of an optimizer step does. Same bits on healthy ranks."""
+        import torch
+        from mindspeed_ha.replica.optimizer import _inner_optimizers
+        with torch.no_grad():
+            for inner in _inner_optimizers(self.optimizer):
+                inner._copy_main_params_to_model_params()
+        for m in self.model_chunks:
+            m.start_param_sync(force_sync=True)
+
+    # What a restarted worker takes from its twin besides the optimizer shard. Each trainer extends
+    # these two with what its own loop keeps (a loss, flags in args, ...).
     def bookkeeping(self) -> dict:
         return {"iteration": self.iteration, "ended": self.ended,
                 "consumed_samples": self.consumed_samples, "scheduler": self.scheduler.state_dict(),
@@ -58,3 +99,16 @@ class TrainerInterface(abc.ABC):
     def after_reload(self, job_ended: int) -> None:
         """After an in-job reload (no replicas) on every rank: ``job_ended`` is the newest iteration
         any rank had completed. A trainer whose loop cannot go back catches up to it."""
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def save_checkpoint(self, save_dir: str) -> str:
+        """Write a checkpoint of the current iteration; return its directory."""
+
+    @abc.abstractmethod
+    def checkpoint_args(self):
+        """The ``args`` object a checkpoint of this trainer stores (its load checks it)."""
+
+    @abc.abstractmethod
+    def load_checkpoint(self, load_dir: str) -> int:
+        """Restore model, optimizer, scheduler, RNG and data position; return the iteration."""

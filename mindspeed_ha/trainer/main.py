@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from typing import NoReturn
 
 from mindspeed_ha.options import HAConfigError
@@ -46,7 +45,6 @@ def run(argv: list[str] | None = None) -> int:
     from mindspeed_ha.adaptor import apply_patches
     apply_patches(device, megatron_lm=False, ha=opts.enabled)
 
-    from mindspeed_ha.comm.interruptible import CollectiveStopped
     from mindspeed_ha.launcher import spare
     from mindspeed_ha.replica.verify import ReplicaMismatchError
     from mindspeed_ha.session import RankSession
@@ -70,26 +68,17 @@ def run(argv: list[str] | None = None) -> int:
             session.join_running_job(trainer)
         else:
             trainer.setup()
-        while True:
-            try:
-                trainer.train()
-                break
-            except ReplicaMismatchError:
-                raise
-            except Exception as e:
-                if not isinstance(e, CollectiveStopped):  # a stopped rank is not a fault of its own
-                    traceback.print_exc()
-                # Serves the controller's orders; True: repaired in place, train on.
-                if not session.report_fault(e, trainer.iteration + 1):
-                    raise
+        # A fault inside: reported, the recovery served, and on (from where the recovery left it).
+        session.survive(trainer.train, lambda: trainer.iteration + 1)
     except ReplicaMismatchError as e:
         _fail(str(e), code=3)
     finally:
         session.close()
     import torch.distributed as dist
-    from mindspeed_ha.recovery import groups
+    from mindspeed_ha.comm import groups
     dist.barrier()
     dist.destroy_process_group()
-    if groups.has_retired_groups():  # repaired in place: old communicators must not be destructed
-        groups.exit_now(0)
+    if not groups.released(timeout=10.0):  # a communicator replaced by a recovery is still going
+        from mindspeed_ha.process import exit_now
+        exit_now(0)
     return 0

@@ -8,8 +8,9 @@ DUMP_STEPS=K iterations, then, by DUMP_MODE:
   hosted by the lowest survivor on 127.0.0.1:DUMP_STORE_PORT, exchange their shard status (the
   controller would collect it over its own channel), plan, and write the dying-gasp checkpoint into
   ``--save``. Exit 0 when written, 3 on a refusal.
-* ``rebuild``: every rank rebuilds its groups in place (same world, new store), then trains on to
-  ``--train-iters``; losses must continue as if nothing happened.
+* ``rebuild``: every rank gives its groups new communicators (same world, a new store hosted by rank
+  0 on 127.0.0.1:DUMP_STORE_PORT), then trains on to ``--train-iters``; losses must continue as if
+  nothing happened.
 
 Launch one process per rank with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (torchrun would kill
 the survivors when a rank exits). The new rank 0 prints ``DUMP_RESULT {json}``.
@@ -55,15 +56,18 @@ def train_to(trainer, last):
 
 def dump(trainer, rank, world):
     import torch.distributed as dist
-    from mindspeed_ha.recovery import dump as ttp, groups
+    from mindspeed_ha import plan as planner
+    from mindspeed_ha.comm import groups
+    from mindspeed_ha.recovery import dump as ttp
+    from mindspeed_ha.replica.topology import ReplicaTopology
 
     kill = {int(r) for r in os.environ.get("DUMP_KILL", "").split(",") if r}
     bench, reps = {}, int(os.environ.get("DUMP_BENCH", "0"))
     if reps:
         # Same state, same warm writer: periodic saves by all ranks, then the survivors' dumps.
         from mindspeed_ha.trainer import checkpoint
-        if trainer.ha_step_state.prewarm_thread is not None:
-            trainer.ha_step_state.prewarm_thread.join()
+        if ttp._prewarm_thread is not None:
+            ttp._prewarm_thread.join()
         bench["periodic_s"] = [checkpoint.save(trainer, f"{trainer.args.save}_periodic{i}")[1] for i in range(reps)]
     if rank in kill:
         trainer.session.events.emit("harness_exit", iteration=trainer.iteration)
@@ -76,9 +80,15 @@ def dump(trainer, rank, world):
     w = groups.survivor_world(survivors, rank, "127.0.0.1", int(os.environ["DUMP_STORE_PORT"]), generation=1,
                               host_rank=survivors[0], timeout=timedelta(seconds=30))
     t_group = time.perf_counter() - t1
+    topo = trainer.optimizer.ha_topology
     statuses = [None] * len(survivors)
-    dist.all_gather_object(statuses, prep.status)
-    plan = ttp.plan_dump(ttp.holders_from_status(statuses, world), ttp.newest_checkpoint(trainer.args.save))
+    dist.all_gather_object(statuses, {**prep.status, "dp_ranks": list(topo.dp_ranks), "replica_num": topo.replica_num})
+    # (the controller knows every rank's replica group from its registration; here the survivors'
+    # layouts name those of the dead ranks)
+    known = {r: ReplicaTopology(r, tuple(s["dp_ranks"]), s["replica_num"]).replica_group
+             for s in statuses for r in s["dp_ranks"]}
+    holders = planner.holders(world, {s["rank"]: s for s in statuses}, known)
+    plan = planner.plan_dump(holders, ttp.newest_checkpoint(trainer.args.save))
     out = {"plan_ok": plan.ok, "message": plan.message(), "group_s": t_group}
     if not plan.ok:
         trainer.session.events.emit("dump_refused", message=plan.message(),
@@ -88,9 +98,9 @@ def dump(trainer, rank, world):
             print(f"mindspeed-ha: {plan.message()}", file=sys.stderr, flush=True)
         return 3
     if reps:
-        bench["dump_s"] = [ttp.write_dying_gasp(prep, plan, w, f"{trainer.args.save}_dump{i}").seconds
+        bench["dump_s"] = [ttp.write(prep, plan, w, f"{trainer.args.save}_dump{i}").seconds
                            for i in range(reps)]
-    res = ttp.write_dying_gasp(prep, plan, w, trainer.args.save)
+    res = ttp.write(prep, plan, w, trainer.args.save)
     out.update(bench)
     out.update(iteration=res.iteration, path=res.path, seconds=res.seconds, writers=res.writers,
                files=res.files, bytes=res.bytes, total_s=time.perf_counter() - t0)
@@ -101,25 +111,18 @@ def dump(trainer, rank, world):
 
 
 def rebuild(trainer, rank, world):
-    from megatron.core import parallel_state as ps
-    from mindspeed_ha.recovery import groups
+    import torch.distributed as dist
+    from mindspeed_ha.comm import groups
 
-    a, replicas = trainer.args, trainer.session.options.replica_num
+    port = int(os.environ["DUMP_STORE_PORT"])
+    if rank == 0:  # the controller would serve this store
+        server = dist.TCPStore("127.0.0.1", port, world, True, wait_for_workers=False)  # noqa: F841
     t0 = time.perf_counter()
-    n = groups.rebuild_in_place(
-        world, rank, "127.0.0.1", int(os.environ["DUMP_STORE_PORT"]), generation=1,
-        roots=[*trainer.model_chunks, trainer.optimizer, trainer.session],  # every holder of a group
-        init_parallel=lambda: ps.initialize_model_parallel(
-            tensor_model_parallel_size=a.tensor_model_parallel_size,
-            pipeline_model_parallel_size=a.pipeline_model_parallel_size,
-            context_parallel_size=a.context_parallel_size,
-            expert_model_parallel_size=a.expert_model_parallel_size,
-            num_distributed_optimizer_instances=replicas,
-            distributed_timeout_minutes=a.distributed_timeout_minutes))
+    got = groups.reconnect("127.0.0.1", port, generation=1)
     seconds = time.perf_counter() - t0
-    train_to(trainer, a.train_iters)
+    train_to(trainer, trainer.args.train_iters)
     if rank == 0:
-        print("DUMP_RESULT " + json.dumps({"repointed": n, "seconds": seconds}), flush=True)
+        print("DUMP_RESULT " + json.dumps({"reconnected": got["groups"], "seconds": seconds}), flush=True)
     return 0
 
 
@@ -127,7 +130,8 @@ def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     trainer = build(sys.argv[1:])
     from mindspeed_ha.recovery import dump as ttp
-    ttp.track(trainer, prewarm=not os.environ.get("DUMP_NO_PREWARM"))
+    if not os.environ.get("DUMP_NO_PREWARM"):
+        ttp.prewarm_writer()
     train_to(trainer, int(os.environ["DUMP_STEPS"]))
     code = {"dump": dump, "rebuild": rebuild}[os.environ.get("DUMP_MODE", "dump")](trainer, rank, world)
     trainer.session.close()
@@ -137,7 +141,7 @@ def main():
     import multiprocessing
     for child in multiprocessing.active_children():
         child.terminate()
-    os._exit(code)  # skip interpreter teardown: the old world's groups point at a dead peer
+    os._exit(code)  # skip interpreter teardown: the job's groups point at a dead peer
 
 
 if __name__ == "__main__":  # the checkpoint writer spawns processes

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from mindspeed_ha.control.processor import Processor
 from mindspeed_ha.events import EventLog
+from mindspeed_ha.faults import fault_kind
 from mindspeed_ha.options import HAOptions
 
 PHASES = ("forward", "backward", "grad-sync", "optimizer")
@@ -55,8 +56,8 @@ def main():
     def on_inject(args):
         armed.update({"kind": args["kind"], "rank": rank, "step": args.get("step", -1),
                       "phase": args.get("phase") or "forward"})
-        return True, f"armed {args['kind']}"
-    proc.register_handler("inject", on_inject)
+        return f"armed {args['kind']}"
+    proc.serve({"inject": on_inject}, training_thread=False)
 
     def maybe_fire(it, phase):
         for f in (fault, armed):
@@ -93,7 +94,8 @@ def main():
                 else:
                     time.sleep(a.step_time / 3)
         except Exception as e:
-            kind = proc.report_exception(e, it, phase)
+            kind = fault_kind(e)
+            proc.report_fault(kind, f"{type(e).__name__}: {e}", it, phase)
             print(f"rank {rank}: {kind}: {e}", file=sys.stderr, flush=True)
             while proc.serve_order(30) is not None:  # the controller decides; exit ends us
                 pass

@@ -1,0 +1,402 @@
+"""Process groups that keep their identity while their communicators are replaced.
+
+Every group of the job — the default group and each one megatron-core creates — is a ``StableGroup``:
+a torch ``ProcessGroup`` (torch's Python API and megatron-core use it like any other group) that
+passes every call to an inner communicator. A recovery gives the groups new inner communicators
+(``reconnect``) over the controller's store; whoever holds a group — megatron-core's parallel_state,
+DDP and its buckets, the optimizer, model layers, the trainer — keeps the same object, so nothing has
+to be found and re-pointed.
+
+How a group meets its peers: over ``PrefixStore("mindspeed_ha/gen<G>/<key>/", store)``, where the
+key names the group the same way in every member (its description, its ranks and how many such
+groups came before) and the generation G is that of the store: 0 is the job's own rendezvous store,
+each recovery brings a new one. Groups made during set-up (``seal`` ends it) are connected at once
+on ``reconnect``, in the order they were made — the same in every process; groups made later connect
+on their first use after a reconnect (their peers use them then too).
+
+A restarted worker (``joining``) makes its groups without connecting anything: they connect in its
+first ``reconnect``, together with the survivors'. The replaced communicators are released in the
+background (``release``).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import threading
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclasses.dataclass
+class _Generation:
+    number: int
+    store: "dist.Store | None"
+
+
+_gen = _Generation(0, None)
+_groups: list["StableGroup"] = []          # in creation order: the order every process connects them
+_counts: dict[tuple, int] = {}             # (description, ranks) -> groups made so far
+_sealed = 0                                 # len(_groups) when set-up ended
+_joining = False
+_lock = threading.RLock()
+
+
+class StableGroup(dist.ProcessGroup):
+    """A process group whose communicator can be replaced (``_inner``); see the module's text."""
+
+    def __init__(self, key: str, ranks: Sequence[int], group_rank: int, backend: str,
+                 timeout: datetime.timedelta, desc: str):
+        super().__init__(group_rank, len(ranks))
+        self.key, self.ranks, self.group_rank = key, tuple(ranks), group_rank
+        self.backend, self.timeout, self._desc = backend, timeout, desc
+        self._inner: dist.ProcessGroup | None = None
+        self._inner_gen = -1
+
+    def rank(self) -> int:
+        return self.group_rank
+
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def group_name(self) -> str:
+        return self.key
+
+    @property
+    def group_desc(self) -> str:
+        return self._desc
+
+    @property
+    def bound_device_id(self):
+        return None
+
+    # What the group is, answered without a communicator (a joiner's groups have none yet).
+    @property
+    def _device_types(self) -> list:
+        return [torch.device("cuda" if self.backend == "nccl" else "cpu")]
+
+    def _get_backend_name(self) -> str:
+        return self.backend
+
+    def name(self) -> str:
+        return self.backend
+
+    def inner(self) -> dist.ProcessGroup:
+        """The live communicator, connected now if this group has none for the current generation.
+        (No local name may hold a replaced communicator: see ``_swap``.)"""
+        if self._inner is None or self._inner_gen != _gen.number:
+            with _lock:
+                if self._inner is None or self._inner_gen != _gen.number:
+                    self._swap(_connect(self, _gen))
+        return self._inner
+
+    # Ending a communicator never connects one first.
+    def abort(self) -> None:
+        if self._inner is not None:
+            self._inner.abort()
+
+    def shutdown(self) -> None:
+        if self._inner is not None:
+            self._inner.shutdown()
+
+    def _wait_for_pending_works(self) -> None:
+        if self._inner is not None:
+            self._inner._wait_for_pending_works()
+
+    def set_timeout(self, timeout) -> None:
+        self.timeout = timeout
+        if self._inner is not None:
+            self._inner.set_timeout(timeout)
+
+    def _swap(self, new) -> None:
+        """Put ``new`` in place; the replaced communicator goes to a releasing thread of its own, as
+        its only owner: its destructor may wait for an abandoned collective (see ``_release_one``)
+        and must never run on the training thread."""
+        if self._inner is not None:
+            _retired.append(self._inner)
+            self._inner = None
+            t = threading.Thread(target=_release_one, name="mindspeed-ha-release", daemon=True)
+            _releasing[:] = [x for x in _releasing if x.is_alive()] + [t]
+            t.start()
+        self._inner, self._inner_gen = new, _gen.number
+
+    def __repr__(self) -> str:
+        return f"StableGroup({self._desc}, ranks={list(self.ranks)[:8]}{'...' if len(self.ranks) > 8 else ''})"
+
+
+def _delegate(name: str):
+    def call(self, *args, **kwargs):
+        return getattr(self.inner(), name)(*args, **kwargs)
+    call.__name__ = name
+    return call
+
+
+# Every method torch's ProcessGroup has goes to the inner communicator (its Python API calls group
+# methods by name, so a Python-level override is what it uses), except the identity kept here.
+for _name, _value in list(vars(dist.ProcessGroup).items()):
+    if _name.startswith("__") or isinstance(_value, type) or _name.isupper() or _name in vars(StableGroup):
+        continue
+    if isinstance(_value, property):
+        setattr(StableGroup, _name, property(lambda self, n=_name: getattr(self.inner(), n)))
+    elif callable(_value):
+        setattr(StableGroup, _name, _delegate(_name))
+
+
+def _key(desc: str, ranks: Sequence[int], n: int) -> str:
+    text = f"{desc}|{','.join(map(str, ranks))}|{n}"
+    return f"{desc[:40]}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
+
+
+def _connect(group: StableGroup, gen: _Generation) -> dist.ProcessGroup:
+    """A communicator for ``group`` among its members over ``gen``'s store (blocks until every
+    member has come)."""
+    if gen.store is None:
+        raise RuntimeError(f"{group!r} has no store to connect over: the job has not joined yet")
+    store = dist.PrefixStore(f"mindspeed_ha/gen{gen.number}/{group.key}/", gen.store)
+    rank, size, timeout = group.group_rank, len(group.ranks), group.timeout
+    pg = dist.ProcessGroup(store, rank, size)
+    if group.backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        backend = dist.ProcessGroupNCCL(store, rank, size, opts)
+        kind, device = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
+    elif group.backend == "gloo":
+        backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+        kind, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
+    else:
+        raise RuntimeError(f"mindspeed-ha cannot rebuild {group.backend!r} process groups (gloo and nccl only)")
+    pg._set_default_backend(kind)
+    pg._register_backend(device, kind, backend)
+    return pg
+
+
+def _register(group: StableGroup, backend: str, store) -> None:
+    c10d._register_pg_in_world(group, backend_name=backend, store=store, group_name=group.key,
+                               backend_config=str(c10d.BackendConfig(backend)),
+                               rank_mapping={g: i for i, g in enumerate(group.ranks)})
+
+
+def _backend_name(backend) -> str:
+    name = str(backend or "").lower()
+    if not name or name == "undefined":
+        default = c10d._world.default_pg
+        return default.backend if isinstance(default, StableGroup) else str(dist.get_backend(default)).lower()
+    if "nccl" in name:
+        return "nccl"
+    return "gloo" if "gloo" in name or "cpu" in name else name
+
+
+# ---- creation (re-routed here from torch.distributed by patches/torch/distributed.py) ---------------
+def init_process_group(original, *args, **kwargs):
+    """The job's default group as a StableGroup. Its first communicator is torch's own (the job's
+    rendezvous); the store it met over is generation 0's."""
+    original(*args, **kwargs)
+    real = c10d._world.default_pg
+    ranks = list(range(real.size()))
+    backend = _backend_name(dist.get_backend(real))
+    world = StableGroup("world", ranks, real.rank(), backend, kwargs.get("timeout") or DEFAULT_TIMEOUT, "default_pg")
+    store = c10d._world.pg_map[real][1]
+    _unregister(real)
+    world._inner, world._inner_gen = real, 0
+    _gen.number, _gen.store = 0, store
+    c10d._world.default_pg = world
+    _register(world, backend, store)
+    with _lock:
+        _groups.insert(0, world)
+
+
+def new_group(original, ranks=None, timeout=None, backend=None, pg_options=None,
+              use_local_synchronization=False, group_desc=None, device_id=None):
+    """A StableGroup for every member (``NON_GROUP_MEMBER`` elsewhere), connected over the current
+    generation's store at once (joining: at the first reconnect)."""
+    world = c10d._world.default_pg
+    if not isinstance(world, StableGroup):  # the default group is torch's own: leave it all to torch
+        return original(ranks=ranks, timeout=timeout, backend=backend, pg_options=pg_options,
+                        use_local_synchronization=use_local_synchronization, group_desc=group_desc,
+                        device_id=device_id)
+    ranks = sorted(int(r) for r in ranks) if ranks else list(range(world.size()))
+    desc = group_desc or "undefined"
+    with _lock:
+        n = _counts.get((desc, tuple(ranks)), 0)
+        _counts[(desc, tuple(ranks))] = n + 1
+    me = world.rank()
+    if me not in ranks:
+        return c10d.GroupMember.NON_GROUP_MEMBER
+    group = StableGroup(_key(desc, ranks, n), ranks, ranks.index(me), _backend_name(backend),
+                        timeout or world.timeout, desc)
+    _register(group, group.backend, _gen.store)
+    with _lock:
+        _groups.append(group)
+    if not _joining:
+        group.inner()
+    return group
+
+
+def _unregister(pg) -> None:
+    name = c10d._world.pg_names.pop(pg, None)
+    if name is not None:
+        c10d._unregister_process_group(name)
+    for table in (c10d._world.pg_map, c10d._world.pg_backend_config, c10d._world.pg_group_ranks,
+                  c10d._world.pg_to_tag):
+        table.pop(pg, None)
+    for members in c10d._world.tags_to_pg.values():
+        while pg in members:
+            members.remove(pg)
+
+
+@contextlib.contextmanager
+def joining(world_size: int, rank: int, backend: str, timeout: datetime.timedelta = DEFAULT_TIMEOUT):
+    """A restarted worker's set-up: the default group and every group made inside exist, unconnected;
+    ``reconnect`` connects them with the survivors'."""
+    global _joining
+    world = StableGroup("world", list(range(world_size)), rank, backend, timeout, "default_pg")
+    c10d._world.default_pg = world
+    _register(world, backend, None)
+    with _lock:
+        _groups.insert(0, world)
+    _joining = True
+    try:
+        yield world
+    finally:
+        _joining = False
+
+
+def seal() -> None:
+    """The job's set-up is over: the groups made so far are the ones every member reconnects at
+    once on a recovery (in this order); later ones reconnect on first use."""
+    global _sealed
+    with _lock:
+        _sealed = len(_groups)
+
+
+def groups() -> list[StableGroup]:
+    return list(_groups)
+
+
+def reconnect(store_host: str, store_port: int, generation: int,
+              timeout: datetime.timedelta = datetime.timedelta(seconds=60)) -> dict:
+    """New communicators for every group of this process, over the controller's store. Every
+    member calls it for the same generation; returns timings for the recovery's log."""
+    t0 = time.perf_counter()
+    store = dist.TCPStore(store_host, store_port, None, False, timeout=timeout)
+    with _lock:
+        _gen.number, _gen.store = int(generation), store
+        eager = _groups[:_sealed] if _sealed else list(_groups)
+        for g in _groups:  # lazy ones drop theirs now: nothing may run on the old generation
+            if g not in eager and g._inner is not None:
+                g._swap(None)
+        for g in eager:
+            g.inner()
+    return {"groups": len(eager), "lazy": len(_groups) - len(eager), "seconds": round(time.perf_counter() - t0, 4)}
+
+
+class _Broken:
+    """A torn-down communicator: every collective raises until the group is reconnected."""
+
+    def __getattr__(self, name):
+        from mindspeed_ha.faults import CommFault
+
+        def fail(*args, **kwargs):
+            raise CommFault("communicator torn down (gloo: connection closed)")
+        return fail
+
+    def abort(self) -> None:
+        pass
+
+    shutdown = _wait_for_pending_works = abort
+
+    def set_timeout(self, timeout) -> None:
+        pass
+
+
+def break_communicators() -> int:
+    """Fault drills (``comm``): tear down every communicator of this process — its peers see their
+    connections close — and make this rank's next collective fail, as a broken link would.
+    Returns how many groups were broken."""
+    with _lock:
+        live = [g for g in _groups if g._inner is not None]
+        for g in live:
+            g._swap(_Broken())
+    return len(live)
+
+
+def current_store():
+    """(store, generation): where this process's groups meet now."""
+    return _gen.store, _gen.number
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """A default group of some of the job's ranks: ``ranks[i]`` is the job's rank of new rank ``i``."""
+    ranks: tuple
+    rank: int          # this process's rank in the job
+
+    @property
+    def new_rank(self) -> int:
+        return self.ranks.index(self.rank)
+
+    def original(self, new_rank: int) -> int:
+        return self.ranks[new_rank]
+
+
+_hosted: dict = {}  # TCPStore servers hosted here: a server lives as long as its Python object
+
+
+def survivor_world(survivors: Sequence[int], rank: int, store_host: str, store_port: int, generation: int,
+                   timeout: datetime.timedelta = datetime.timedelta(seconds=60), backend: str = "gloo",
+                   host_rank: int | None = None) -> World:
+    """The default group becomes one of ``survivors`` only, numbered in that order: the dump's
+    writers save with megatron-core's dist_checkpointing, which knows the default group only. The
+    job's other groups stay (they still answer rank() and size(), so a sharded state dict built
+    before describes the job's layout), but nothing may run a collective on them any more.
+    ``host_rank``: the survivor that serves the store (None: served elsewhere, by the controller)."""
+    survivors = [int(r) for r in survivors]
+    if rank not in survivors:
+        raise ValueError(f"rank {rank} is not among the survivors {survivors}")
+    if host_rank == rank and (store_host, store_port) not in _hosted:
+        _hosted[(store_host, store_port)] = dist.TCPStore(store_host, store_port, len(survivors), True,
+                                                          timeout=timeout, wait_for_workers=False)
+    store = _hosted.get((store_host, store_port)) or dist.TCPStore(store_host, store_port, None, False,
+                                                                   timeout=timeout)
+    world = StableGroup(f"survivors-{generation}", list(range(len(survivors))), survivors.index(rank), backend,
+                        timeout, "survivors")
+    with _lock:
+        _gen.number, _gen.store = int(generation), store
+        c10d._world.default_pg = world
+        _register(world, backend, store)
+    world.inner()
+    return World(tuple(survivors), rank)
+
+
+# ---- release of replaced communicators -----------------------------------------------------------
+_retired: list = []
+_releasing: list = []   # the threads releasing them
+
+
+def released(timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for every replaced communicator to be gone; True if they are.
+    (A process must not exit while one is half destroyed: its threads would be torn down under it.)"""
+    deadline = time.monotonic() + timeout
+    for t in list(_releasing):
+        t.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in _releasing)
+
+
+def _release_one() -> None:
+    """Drop one replaced communicator, on this thread. It may still hold a collective that a stop
+    abandoned (a peer never joined it): its destructor then waits until that peer releases its copy
+    too (the GIL is not held meanwhile). Every member releases at about the same time, so the wait
+    is short; one thread per communicator, so no two waits depend on each other's order."""
+    try:
+        pg = _retired.pop(0)
+    except IndexError:
+        return
+    del pg  # the only reference: the destructor runs here

@@ -1,0 +1,146 @@
+"""A client's connection to whichever controller is active, with failover (processors and agents)."""
+from __future__ import annotations
+
+import collections
+import os
+import time
+
+import zmq
+
+from ..events import get_logger
+from . import election, protocol as P, security
+
+log = get_logger("control.link")
+
+
+def job_id_from_env() -> str | None:
+    return os.environ.get("MINDSPEED_HA_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or None
+
+
+class ControllerLink:
+    """A DEALER connection to whichever controller is active, with failover.
+
+    ``hello()`` returns the registration frame, resent on every new connection; frames sent with
+    ``replay=True`` (fault and exit reports) are resent after it too, so a report made while the
+    controller was dying reaches its successor (controllers de-duplicate)."""
+
+    def __init__(self, keys: security.Keys, log_dir: str, job_id: str | None, hello, heartbeat_s: float,
+                 name: str = "processor", ctx: zmq.Context | None = None):
+        self.ctx = ctx or zmq.Context.instance()
+        self.keys, self.hello, self.name = keys, hello, name
+        self.cands = election.Candidates(log_dir, job_id, answer_wait=max(1.0, 2 * heartbeat_s),
+                                         standby_wait=max(4.0, 8 * heartbeat_s))
+        # A starved controller is slow, not dead, and so is a starved processor thread that did not
+        # read its acks (8 ranks on 2 cores: > 3 s seen); switching then loses orders in flight.
+        self.lost_after = max(6 * heartbeat_s, 6.0)
+        self.sock: zmq.Socket | None = None
+        self.endpoint: str | None = None
+        self.epoch = 0
+        self.active = False          # answered by a controller that is not a standby
+        self.answered = False
+        self._t_connect = self._last_heard = self._standby_since = 0.0
+        self._replay: collections.deque = collections.deque(maxlen=64)
+        self.drops = P.DropCounter(log)
+        self.ever_active = False
+        self.state = ""              # the controller's state in its last ack
+
+    def _connect(self, ep: str) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        s = self.ctx.socket(zmq.DEALER)
+        s.linger = 500
+        s.maxmsgsize = P.MAX_BYTES + 1024
+        s.handshake_ivl = 300_000  # a controller busy with a thousand handshakes is slow, not dead
+        security.secure_client(s, self.keys)
+        s.connect(ep)
+        self.sock, self.endpoint = s, ep
+        self.answered = self.active = False
+        self._t_connect = time.monotonic()
+        self._standby_since = 0.0
+        self._send_raw(self.hello())
+        for data in list(self._replay):
+            self._send_raw(data)
+
+    def _send_raw(self, data: bytes) -> None:
+        try:
+            self.sock.send(data, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def send(self, data: bytes, replay: bool = False) -> None:
+        if replay:
+            self._replay.append(data)
+        if self.sock is not None:
+            self._send_raw(data)
+
+    def maintain(self) -> None:
+        now = time.monotonic()
+        if self.sock is None:
+            ep = self.cands.next(None)
+            if ep:
+                self._connect(ep)
+            return
+        why = None
+        if not self.answered and now - self._t_connect > self.cands.answer_wait:
+            why = "no answer"
+        elif self.answered and not self.active and now - self._standby_since > self.cands.standby_wait:
+            why = "standby without quorum"
+        elif self.active and now - self._last_heard > self.lost_after:
+            why = f"silent for {now - self._last_heard:.1f}s"
+        if why:
+            ep = self.cands.next(self.endpoint)
+            if self.active and self.state not in ("done", "exit"):
+                log.warning("%s lost controller %s (%s); trying %s", self.name, self.endpoint, why, ep)
+            if ep:
+                self._connect(ep)
+
+    def receive(self, timeout_ms: int) -> list[dict]:
+        if self.sock is None:
+            time.sleep(timeout_ms / 1000)
+            return []
+        out = []
+        if not self.sock.poll(timeout_ms):
+            return out
+        while True:
+            try:
+                data = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                msg = P.decode(data)
+            except P.ProtocolError as e:
+                self.drops.drop("malformed", str(e))
+                continue
+            now = time.monotonic()
+            t = msg["t"]
+            if t == "ack":
+                self._last_heard = now
+                if not self.answered:
+                    self.answered = True
+                if msg.get("standby"):
+                    if not self._standby_since:
+                        self._standby_since = now
+                    self.active = False
+                else:
+                    if not self.active:
+                        log.info("%s connected to controller %s (epoch %d)", self.name, self.endpoint, msg["epoch"])
+                    self.active = self.ever_active = True
+                    self.epoch = msg["epoch"]
+                    self.state = msg["state"]
+                    self.cands.connected(self.endpoint, msg["epoch"])
+                if msg.get("backups"):
+                    self.cands.backups = list(msg["backups"])
+            elif t == "refused":
+                self._last_heard = now
+                self._send_raw(self.hello())
+            elif t == "do":
+                self._last_heard = now
+                out.append(msg)
+            else:
+                out.append(msg)
+        return out
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=300)
+            self.sock = None

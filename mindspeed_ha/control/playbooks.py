@@ -1,0 +1,309 @@
+"""Recovery playbooks: each strategy as the ordered rounds it runs (played by ``rounds.Runner``).
+
+    retry    REPAIR: status -> plan -> rebuild -> repair          ROLLBACK: rollback -> resume
+    recover  REPAIR: status -> restart -> plan -> rebuild -> repair   ROLLBACK: rollback -> resume
+    reload   REPAIR: status -> [restart] -> plan -> rebuild -> reload     ROLLBACK: resume
+    dump     DUMP:   status -> plan -> write  (a writer lost: the others stop, plan again, write again)
+
+What each round asks of a rank is in ``mindspeed_ha.recovery.handlers`` (same names). After
+ROLLBACK the job trains again; ``FirstStep`` closes the recovery (the ``recovered`` event, MTTR)
+when every rank has completed the step after the one the recovery resumed at.
+
+retry (memory and communication faults, every process alive): every rank reports where its optimizer
+shard is (``status``); the controller picks the newest iteration every shard has a healthy holder for
+(``plan``, the dump's own planner); every rank builds new communicators (``rebuild``); broken or
+lagging shards are copied from their twins and the weights re-gathered (``repair``); every rank goes
+back to the start of the failed step, or finishes it if its update had completed everywhere
+(``rollback``); training resumes. recover adds ``restart``: the launcher agents restart the lost
+ranks and the round waits until they register; they join at ``rebuild`` and take their shard and
+counters from their twins at ``repair``. Without replicas (``reload``) every rank reloads the newest
+periodic checkpoint instead of a repair.
+
+A failed round (or a plan that cannot be made) ends the state with FAILED: the table falls back to
+the dump; a new fault meanwhile starts the recovery over from PAUSE with every fault known.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from ..events import get_logger
+from .. import plan as planner
+from .rounds import DONE, NEXT, Answers, Fail, Goto, Round
+from .states import State as S
+
+log = get_logger("control.playbooks")
+ROUND_WAIT_S = 30.0
+RESTART_WAIT_S = 120.0       # a restarted worker imports torch and megatron before it registers
+DUMP_STATUS_WAIT_S = 15.0    # a live rank that has not parked by then (hung) is left out of the dump
+WRITE_WAIT_S = 600.0         # (the DUMP state's own time limit ends a stuck write first)
+
+
+@dataclasses.dataclass
+class Episode:
+    """The working memory of one recovery: what the playbook learned and decided so far."""
+    port: Any
+    strategy: str
+    world: int
+    faults: list                           # the episode's faults (the controller appends while it runs)
+    groups: dict                           # rank -> replica group as registered
+    replica: bool = True                   # the ranks run the replica optimizer (else: reload)
+    fallback: tuple | None = None          # dump: newest periodic checkpoint (iteration, path)
+    phases: dict = dataclasses.field(default_factory=dict)
+    statuses: dict = dataclasses.field(default_factory=dict)   # rank -> its answer to status
+    joiners: list = dataclasses.field(default_factory=list)    # restarted ranks (hold nothing yet)
+    plan: Any = None
+    generation: int = 0
+    how: str = ""
+    lost_steps: int = 0
+    result: dict | None = None             # dump: the written checkpoint
+    started: float = dataclasses.field(default_factory=time.monotonic)
+
+    @property
+    def target(self) -> int:
+        return self.plan.iteration
+
+    def group_of(self, rank: int):
+        """A rank's replica group: as it registered, or (a backup controller it never registered
+        with) from a survivor's group that contains it."""
+        if self.groups.get(rank):
+            return list(self.groups[rank])
+        return next((list(s["replica_group"]) for s in self.statuses.values()
+                     if rank in (s.get("replica_group") or ())), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Playbook:
+    name: str
+    states: dict                  # State -> [Round, ...]
+    event_on_fail: str            # repair_failed | dump_refused
+
+    def rounds(self, state: S) -> list:
+        return self.states[state]
+
+
+# ---- retry / recover / reload: REPAIR ---------------------------------------------------------------
+def _ha_status(ep: Episode, ans: Answers):
+    if ans.failed:
+        return Fail(f"status failed ({ans.why()})")
+    # A rank restarted by an earlier round of this recovery (a new fault came while it was joining)
+    # holds nothing yet.
+    ep.joiners = sorted(set(ep.joiners) | {r for r, st in ans.ok.items() if st.get("joining")})
+    ep.statuses = {r: st for r, st in ans.ok.items() if not st.get("joining")}
+    return NEXT
+
+
+STATUS = Round("status", order="ha-status", decide=_ha_status, wait_s=ROUND_WAIT_S)
+
+
+def _restart(ep: Episode):
+    """Have the agents restart every lost worker; they join at the rebuild."""
+    lost = sorted(ep.port.lost())
+    unknown = [r for r in lost if ep.replica and ep.group_of(r) is None]
+    if unknown:
+        return Fail(f"the replica group of rank(s) {unknown} is unknown")
+    restarted, awaiting, orphans = ep.port.restart(lost)
+    if orphans:
+        return Fail(f"rank(s) {sorted(orphans)} have no launcher agent to restart them "
+                    "(start the job with mindspeed-ha run)")
+    ep.joiners = sorted(set(ep.joiners) | set(lost))
+    ep.port.emit("restart", ranks=restarted, awaiting_node=awaiting)
+    log.info("recover: restarting rank(s) %s%s", restarted, f"; waiting for a replacement node for rank(s) "
+             f"{awaiting} (mindspeed-ha run with its --node-rank)" if awaiting else "")
+    return None
+
+
+def _restarted(ep: Episode, ans: Answers):
+    if ans.failed:
+        return Fail(f"restart failed ({', '.join(f'rank {r}: did not come back' for r in sorted(ep.port.restarting()))})")
+    return NEXT
+
+
+RESTART = Round("restart", act=_restart, ready=lambda ep: not ep.port.restarting(), decide=_restarted,
+                wait_s=RESTART_WAIT_S, when=lambda ep: bool(ep.port.lost()))
+
+
+def _plan_repair(ep: Episode):
+    unknown = [r for r in ep.joiners if ep.group_of(r) is None]
+    if unknown:
+        return Fail(f"the replica group of rank(s) {unknown} is unknown")
+    groups = {r: ep.group_of(r) for r in ep.joiners}
+    holders = planner.holders(ep.world, ep.statuses, groups, unusable=planner.poisoned(ep.faults))
+    plan = planner.plan_repair(holders, ep.joiners)
+    if not plan.ok:
+        return Fail(plan.reason)
+    ep.plan, ep.generation = plan, ep.port.new_generation()
+    ep.port.emit("repair_plan", iteration=plan.iteration, pairs=plan.pairs_flat, joiners=plan.joiners_flat,
+                 generation=ep.generation)
+    log.info("%s: resume at iteration %d; shards to copy (src, dst): %s", ep.strategy, plan.iteration,
+             list(plan.copies))
+    return NEXT
+
+
+def _plan_reload(ep: Episode):
+    plan = planner.plan_reload(ep.statuses)
+    if not plan.ok:
+        return Fail(plan.reason)
+    ep.plan, ep.generation, ep.lost_steps = plan, ep.port.new_generation(), plan.lost_steps
+    ep.port.emit("repair_plan", iteration=plan.iteration, reload=plan.path, lost_steps=plan.lost_steps,
+                 generation=ep.generation)
+    log.info("%s without replicas: every rank reloads iteration %d from %s (%d step(s) lost)", ep.strategy,
+             plan.iteration, plan.path, plan.lost_steps)
+    return NEXT
+
+
+def _rebuild_args(ep: Episode) -> dict:
+    host, port = ep.port.store()
+    return {"store_host": host, "store_port": port, "generation": ep.generation}
+
+
+def _then(name: str, step, how: str = ""):
+    """Every rank did ``name``: go on with ``step`` (NEXT or DONE); any failure fails the state."""
+    def decide(ep: Episode, ans: Answers):
+        if ans.failed:
+            return Fail(f"{name} failed ({ans.why()})")
+        ep.how = how or ep.how
+        return step
+    return decide
+
+
+PLAN_REPAIR = Round("plan", act=_plan_repair, timed=False)
+PLAN_RELOAD = Round("plan", act=_plan_reload, timed=False)
+REBUILD = Round("rebuild", order="rebuild", args=_rebuild_args, decide=_then("rebuild", NEXT))
+REPAIR = Round("repair", order="repair", decide=_then("repair", DONE),
+               args=lambda ep: {"pairs": ep.plan.pairs_flat, "iteration": ep.target, "joiners": ep.plan.joiners_flat})
+RELOAD_ROUND = Round("reload", order="reload", decide=_then("reload", DONE, how="reload"),
+               args=lambda ep: {"ended": ep.target + ep.lost_steps})
+
+
+# ---- ROLLBACK ---------------------------------------------------------------------------------------
+def _rolled(ep: Episode, ans: Answers):
+    if ans.failed:
+        return Fail(f"rollback failed ({ans.why()})")
+    ep.how = "/".join(sorted({str(how) for how in ans.ok.values()}))
+    return NEXT
+
+
+ROLLBACK = Round("rollback", order="rollback", args=lambda ep: {"iteration": ep.target}, decide=_rolled)
+RESUME = Round("resume", order="resume", decide=_then("resume", DONE))
+
+
+RETRY = Playbook("retry", {S.REPAIR: [STATUS, PLAN_REPAIR, REBUILD, REPAIR], S.ROLLBACK: [ROLLBACK, RESUME]},
+                 "repair_failed")
+RECOVER = Playbook("recover", {S.REPAIR: [STATUS, RESTART, PLAN_REPAIR, REBUILD, REPAIR],
+                               S.ROLLBACK: [ROLLBACK, RESUME]}, "repair_failed")
+RELOAD = Playbook("reload", {S.REPAIR: [STATUS, RESTART, PLAN_RELOAD, REBUILD, RELOAD_ROUND],
+                                      S.ROLLBACK: [RESUME]}, "repair_failed")
+
+
+# ---- dump (the dying-gasp checkpoint) -----------------------------------------------------------------
+def _dump_status_to(ep: Episode) -> list:
+    asked = sorted(ep.port.live() - planner.poisoned(ep.faults))  # a poisoned shard must not be saved
+    log.info("dying gasp: asking %d live rank(s) for their shard state", len(asked))
+    return asked
+
+
+def _dump_statuses(ep: Episode, ans: Answers):
+    refused = {r: why for r, why in ans.failed.items() if why not in ("lost", "no answer")}
+    ep.statuses = dict(ans.ok)
+    if not ep.statuses:
+        return Fail(f"no survivor could prepare its state ({next(iter(refused.values()), 'no live rank answered')})")
+    if refused:
+        log.warning("dying gasp: rank(s) %s could not prepare and are left out: %s", sorted(refused),
+                    "; ".join(sorted(set(map(str, refused.values()))))[:300])
+    fallbacks = [tuple(s["fallback"]) for s in ep.statuses.values() if s.get("fallback")]
+    ep.fallback = max(fallbacks) if fallbacks else None
+    return NEXT
+
+
+def _plan_dump(ep: Episode):
+    live = ep.port.live()
+    statuses = {r: s for r, s in ep.statuses.items() if r in live}
+    plan = planner.plan_dump(planner.holders(ep.world, statuses, ep.groups), ep.fallback)
+    if not plan.ok:
+        ep.plan = plan
+        return Fail(plan.message())
+    ep.plan, ep.generation = plan, ep.port.new_generation()
+    ep.statuses = statuses
+    writing = sorted(statuses)
+    ep.port.emit("dump_plan", iteration=plan.iteration, writers=sorted(plan.writers.values()),
+                 survivors=writing, generation=ep.generation, finishing=list(plan.finishing))
+    log.info("dying gasp: %s; %d survivor(s) write (generation %d)", plan.message(), len(writing), ep.generation)
+    return NEXT
+
+
+def _write_args(ep: Episode) -> dict:
+    host, port = ep.port.store()
+    return {"survivors": sorted(ep.statuses), "store_host": host, "store_port": port,
+            "generation": ep.generation, "plan": ep.plan.to_wire()}
+
+
+def _written(ep: Episode, ans: Answers):
+    lost = [r for r, why in ans.failed.items() if why == "lost"]
+    if lost:  # the others were stopped by the runner: plan again over the rest
+        log.warning("dying gasp: rank(s) %s lost while writing; re-planning without them", sorted(lost))
+        for r in lost:
+            ep.statuses.pop(r, None)
+        return Goto("plan")
+    if ans.failed:
+        return Fail(f"the survivors could not write the checkpoint ({ans.why(600)})")
+    info = next(d for d in ans.ok.values() if d)
+    seconds = time.monotonic() - ep.started
+    ep.result = {"iteration": ep.plan.iteration, "path": info["path"], "save": info["save"],
+                 "seconds": round(seconds, 4), "write_s": info["seconds"],
+                 "ranks": sorted(ep.plan.writers.values()), "survivors": sorted(ep.statuses),
+                 "generation": ep.generation, "bytes": info.get("bytes")}
+    ep.port.emit("checkpoint", kind="dying_gasp", **ep.result)
+    ep.port.set_note(f"dying-gasp checkpoint of iteration {ep.plan.iteration} written to {info['path']} in "
+                     f"{seconds:.2f}s by {len(ep.statuses)} survivor(s)")
+    return DONE
+
+
+DUMP = Playbook("dump", {S.DUMP: [
+    Round("status", order="dump-status", to=_dump_status_to, decide=_dump_statuses, wait_s=DUMP_STATUS_WAIT_S,
+          partial=True),
+    Round("plan", act=_plan_dump, timed=False),
+    Round("write", order="dump", to=lambda ep: sorted(ep.statuses), args=_write_args, decide=_written,
+          wait_s=WRITE_WAIT_S, stop_on_loss=True),
+]}, "dump_refused")
+
+
+def failed(playbook: Playbook, ep: Episode, reason: str) -> str:
+    """Report a playbook's failure; returns the note the diagnosis gives."""
+    if playbook is DUMP:
+        missing = [list(g) for g in getattr(ep.plan, "missing", ())]
+        ep.port.emit("dump_refused", message=reason, missing=missing)
+        log.error("dying gasp: %s", reason)
+        return reason
+    ep.port.emit("repair_failed", reason=reason, strategy=ep.strategy)
+    log.error("%s failed: %s; falling back to the dying gasp", ep.strategy, reason)
+    return f"{ep.strategy} failed ({reason})"
+
+
+# ---- after the recovery: the first step closes it -----------------------------------------------------
+class FirstStep:
+    """In NORMAL after a retry, recover or reload: the recovery ends when every live rank has
+    completed the step after the iteration it resumed at (``recovered``, with the MTTR from the
+    first fault's detection)."""
+
+    def __init__(self, ep: Episode, faults: list, resumed_at: float):
+        self.ep, self.faults, self.resumed_at = ep, faults, resumed_at
+        self.target = ep.target + 1
+
+    def check(self, now: float, completed: bool) -> bool:
+        """``completed``: every live rank has ended step ``target`` (or a later fault proves it).
+        Emits ``recovered`` and returns True once."""
+        if not completed:
+            return False
+        ep, first = self.ep, self.faults[0]
+        phases = dict(ep.phases)
+        phases["first_step"] = round(now - self.resumed_at, 4)
+        mttr = first["detect_s"] + (now - first["t_detect"])
+        ep.port.emit("recovered", strategy=ep.strategy, iteration=ep.target, lost_steps=ep.lost_steps,
+                     mttr_s=round(mttr, 4), phases=phases, how=ep.how,
+                     faults=[{"ranks": f["ranks"], "kind": f["kind"], "iteration": f["iteration"],
+                              "phase": f["phase"]} for f in self.faults])
+        log.info("recovered by %s (%s) at iteration %d: MTTR %.3f s, phases %s", ep.strategy, ep.how,
+                 ep.target, mttr, phases)
+        return True

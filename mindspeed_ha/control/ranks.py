@@ -1,0 +1,174 @@
+"""What the controller knows of every rank and agent, and the faults that silence or stillness mean.
+
+A rank is *lost* when it is silent past ``dead_after`` (1.8 heartbeats, never under 3 s) — unless
+its launcher agent is heard from (the agent reports a death within 20 ms, so a silent processor
+there is a thread starved of the CPU, not a dead rank) or its process still runs on this host. A
+live rank that has not moved (iteration, phase, progress) for the hang timeout is *hung*: everyone
+blocks behind a hung rank, so the blame goes to the ranks that got least far.
+"""
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+PHASE_ORDER = {p: i for i, p in enumerate(("startup", "forward", "backward", "grad-sync", "optimizer",
+                                           "param-sync", "checkpoint", "step"))}
+
+
+@dataclasses.dataclass
+class Rank:
+    rank: int
+    ident: bytes
+    node: str = "?"
+    pid: int = 0
+    host: str = ""
+    groups: list = dataclasses.field(default_factory=list)
+    it: int = -1
+    upd: bool = False
+    health: str = "ok"
+    phase: str = "startup"
+    progress: float = 0.0
+    seen: float = 0.0            # monotonic time of the last message
+    progress_at: float = 0.0     # monotonic time the rank last moved (iteration/phase/progress changed)
+    alive: bool = True
+    done: bool = False           # said bye / exited 0
+    stopped: bool = False
+
+
+@dataclasses.dataclass
+class Agent:
+    node_rank: int
+    ident: bytes
+    node: str
+    ranks: list
+    pids: list
+    seen: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Detected:
+    """A fault the table found: handed to the controller's fault intake."""
+    ranks: list
+    kind: str
+    iteration: int
+    phase: str
+    detect_s: float
+    detail: str
+    key: tuple
+
+
+class RankTable:
+    def __init__(self, world: int, heartbeat_s: float, hang_timeout_s: float, dead_after: float | None = None):
+        self.world = world
+        self.hang_timeout = float(hang_timeout_s)
+        self.dead_after = dead_after or max(1.8 * float(heartbeat_s), 3.0)
+        self.ranks: dict[int, Rank] = {}
+        self.agents: dict[int, Agent] = {}
+        self.by_ident: dict[bytes, int] = {}
+
+    def check(self, r: int) -> int:
+        if not 0 <= r < self.world:
+            raise ValueError(f"rank {r} outside world {self.world}")
+        return r
+
+    def live(self) -> set:
+        return {r for r, i in self.ranks.items() if i.alive and not i.done}
+
+    def lost(self) -> set:
+        return {r for r, i in self.ranks.items() if not i.alive and not i.done}
+
+    def all_in(self) -> bool:
+        return len(self.ranks) == self.world
+
+    def all_over(self) -> bool:
+        return self.all_in() and all(i.done or not i.alive for i in self.ranks.values())
+
+    def agent_of(self, r: int) -> Agent | None:
+        return next((a for a in self.agents.values() if r in a.ranks), None)
+
+    def live_agents(self, now: float) -> list:
+        return [a for a in self.agents.values() if now - a.seen <= self.dead_after]
+
+    def heard(self, ident: bytes, msg: dict, now: float) -> Rank | None:
+        """A heartbeat. None: the rank is unknown (it must register first)."""
+        r = msg["rank"]
+        info = self.ranks.get(r)
+        if info is None:
+            return None
+        if info.ident != ident:  # the rank reconnected (new socket) without re-registering
+            info.ident = ident
+            self.by_ident[ident] = r
+        info.seen = now
+        phase, prog = msg.get("phase", info.phase), msg.get("progress", info.progress)
+        if msg["it"] != info.it or phase != info.phase or prog != info.progress or msg["upd"] != info.upd:
+            info.progress_at = now
+        info.it, info.upd, info.health, info.phase, info.progress = msg["it"], msg["upd"], msg["health"], phase, prog
+        return info
+
+    def mark_dead(self, ranks) -> None:
+        for r in ranks:
+            if r in self.ranks:
+                self.ranks[r].alive = False
+
+    def moved(self, now: float) -> None:
+        """After a recovery: every rank starts its progress clock again."""
+        for i in self.ranks.values():
+            i.health = "ok" if i.alive else i.health
+            i.progress_at = max(i.progress_at, now)
+
+    def heard_all(self, now: float) -> None:
+        """Detection clocks start now (training begins, or a standby took over)."""
+        for i in self.ranks.values():
+            i.seen = max(i.seen, now)
+
+    def completed(self, step: int) -> bool:
+        """Every live rank has ended ``step`` (or saved after it, or moved on)."""
+        return all(i.done or i.it > step or (i.it == step and i.phase in ("step", "checkpoint"))
+                   for i in self.ranks.values() if i.alive)
+
+    def newest_iteration(self) -> int:
+        return max([i.it for i in self.ranks.values()] or [-1])
+
+    def scan(self, now: float, training: bool) -> list[Detected]:
+        """Lost and hung ranks; ``training``: hangs are looked for only while the job trains."""
+        lost, stuck = [], []
+        watched = {r for a in self.live_agents(now) for r in a.ranks}
+        for info in self.ranks.values():
+            if not info.alive or info.done:
+                continue
+            silent = now - info.seen
+            if silent > self.dead_after and ((info.rank not in watched and not runs_here(info))
+                                             or silent > max(self.dead_after, self.hang_timeout)):
+                lost.append(info)
+            elif training and info.it >= 0 and now - info.progress_at > self.hang_timeout:
+                stuck.append(info)
+        out = [Detected([i.rank], "heartbeat-lost", i.it, i.phase, now - i.seen,
+                        f"no heartbeat for {now - i.seen:.2f}s", ("hb", i.rank, i.pid)) for i in lost]
+        if stuck:
+            cands = [i for i in self.ranks.values() if i.alive and not i.done and i.it >= 0
+                     and now - i.progress_at > self.hang_timeout / 2]
+            low = min((i.it, PHASE_ORDER.get(i.phase, 99)) for i in cands)
+            hung = [i for i in cands if (i.it, PHASE_ORDER.get(i.phase, 99)) == low]
+            first = hung[0]
+            out.append(Detected([i.rank for i in hung], "hang", first.it, first.phase,
+                                now - min(i.progress_at for i in hung),
+                                f"no progress for {now - first.progress_at:.1f}s (hang timeout {self.hang_timeout:g}s)",
+                                ("hang", first.it)))
+        return out
+
+    def status(self, now: float) -> list[dict]:
+        return [{"rank": i.rank, "pid": i.pid, "node": i.node, "iteration": i.it, "phase": i.phase,
+                 "update": i.upd, "health": i.health, "alive": i.alive, "done": i.done,
+                 "last_seen_s": round(now - i.seen, 3), "replica_groups": i.groups}
+                for i in sorted(self.ranks.values(), key=lambda i: i.rank)]
+
+
+def runs_here(info: Rank) -> bool:
+    """The rank's process runs on this host (and is not a zombie)."""
+    import psutil
+    if not info.pid or info.host != socket.gethostname():
+        return False
+    try:
+        return psutil.Process(info.pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

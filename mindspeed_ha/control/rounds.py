@@ -1,0 +1,190 @@
+"""The round runner: plays a playbook's rounds, one at a time, on the controller thread.
+
+A round either sends one order to a set of ranks and collects their answers, or has the controller
+act alone (``act``) and wait for a condition (``ready``). The runner owns what every recovery needs
+the same way — sending, waiting, collecting, the round's time limit, ranks lost while it waits — and
+hands the answers to the round's ``decide``, which says what comes next:
+
+    NEXT          the following round of the list
+    Goto(name)    another round of the list (e.g. plan again after a writer was lost)
+    DONE          the list is through: the state's outcome is OK
+    Fail(reason)  the state's outcome is FAILED (the table says where that leads)
+
+It sees the job only through a ``Port`` (what a playbook may ask of the controller), so a fake port
+drives every playbook in unit tests without processes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Iterable, Protocol
+
+
+class Port(Protocol):
+    """The controller as a playbook sees it."""
+
+    def order(self, action: str, ranks: Iterable[int], args: dict) -> int:
+        """Send ``action`` to ``ranks``; returns the order's id."""
+
+    def answers(self, order_id: int) -> dict[int, tuple[bool, Any]]:
+        """rank -> (ok, data or error text) for every rank that has answered so far."""
+
+    def live(self) -> set[int]:
+        """Ranks alive and not finished."""
+
+    def restart(self, ranks: list[int]) -> tuple[list[int], list[int]]:
+        """Have the launcher agents restart these ranks: (restarted by an agent, awaiting a
+        replacement node)."""
+
+    def restarting(self) -> set[int]:
+        """Restarted ranks that have not registered again yet."""
+
+    def store(self) -> tuple[str, int]:
+        """(host, port) of the TCPStore the ranks' new communicators meet at."""
+
+    def emit(self, event: str, **fields) -> None:
+        """An event in the controller's event log."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Goto:
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Fail:
+    reason: str
+
+
+NEXT, DONE = object(), object()
+
+
+@dataclasses.dataclass
+class Answers:
+    """What a round collected: ``ok`` rank -> data; ``failed`` rank -> why (an error, "no answer"
+    past the round's time limit, "lost" when the rank died meanwhile)."""
+    ok: dict
+    failed: dict
+    seconds: float
+
+    def why(self, limit: int = 500) -> str:
+        return "; ".join(f"rank {r}: {d}" for r, d in sorted(self.failed.items()))[:limit]
+
+
+def everyone(ep) -> list[int]:
+    return sorted(ep.port.live())
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    name: str                                     # its entry in the recovery's timed phases
+    order: str | None = None                      # action sent to the ranks (None: the controller acts alone)
+    to: Callable[[Any], Iterable[int]] = everyone
+    args: Callable[[Any], dict] = lambda ep: {}
+    decide: Callable[[Any, Answers], Any] = lambda ep, ans: NEXT if not ans.failed else Fail(f"failed ({ans.why()})")
+    wait_s: float = 30.0
+    partial: bool = False                         # past wait_s, go on with whoever answered
+    stop_on_loss: bool = False                    # a rank lost meanwhile: stop the others (they may be blocked on it)
+    act: Callable[[Any], Any] | None = None       # controller-only: runs once when the round starts
+    ready: Callable[[Any], bool] | None = None    # controller-only: the round ends when this holds (or at wait_s)
+    timed: bool = True                            # counted in the recovery's phases
+    when: Callable[[Any], bool] | None = None     # skipped (not even timed) unless this holds
+
+
+class Runner:
+    """Runs one list of rounds for an episode (``ep``: the playbook's working memory, with ``port``
+    and ``phases``). ``start()`` then ``tick()`` until either returns an outcome: ``"ok"`` or
+    ``("failed", reason)``."""
+
+    def __init__(self, rounds: list[Round], ep, clock: Callable[[], float] = time.monotonic):
+        if not rounds:
+            raise ValueError("a playbook state needs at least one round")
+        self.rounds, self.ep, self.clock = list(rounds), ep, clock
+        self.index = -1
+        self.current: Round | None = None
+        self.order_id = None
+        self.waiting: set[int] = set()
+        self.t0 = 0.0
+        self.stopped_for: set[int] = set()
+
+    def start(self):
+        return self._enter(0)
+
+    def _enter(self, index: int):
+        while True:
+            self.index, self.current = index, self.rounds[index]
+            self.t0, self.stopped_for = self.clock(), set()
+            r = self.current
+            if r.when is not None and not r.when(self.ep):
+                if index + 1 >= len(self.rounds):
+                    return "ok"
+                index += 1
+                continue
+            if r.order is not None:
+                self.waiting = set(r.to(self.ep))
+                self.order_id = self.ep.port.order(r.order, sorted(self.waiting), r.args(self.ep))
+                return None
+            step = r.act(self.ep) if r.act is not None else None
+            if step is None and r.ready is not None:
+                return None  # wait in tick()
+            if step is None:
+                step = r.decide(self.ep, Answers({}, {}, 0.0))
+            out = self._follow(step)
+            if isinstance(out, int):
+                index = out
+                continue
+            return out
+
+    def _follow(self, step):
+        """A decision -> the next round's index, or the state's outcome."""
+        r = self.current
+        if r.timed:
+            self.ep.phases[r.name] = round(self.clock() - self.t0, 4)
+        if step is NEXT:
+            if self.index + 1 >= len(self.rounds):
+                return "ok"
+            return self.index + 1
+        if step is DONE:
+            return "ok"
+        if isinstance(step, Goto):
+            return next(i for i, x in enumerate(self.rounds) if x.name == step.name)
+        if isinstance(step, Fail):
+            return ("failed", step.reason)
+        raise TypeError(f"round {r.name}: decision {step!r}")
+
+    def tick(self):
+        """None while the round waits; else the state's outcome."""
+        r, now = self.current, self.clock()
+        late = now - self.t0 > r.wait_s
+        if r.order is None:  # the controller acts alone and waits for a condition
+            if not (r.ready(self.ep) or late):
+                return None
+            step = r.decide(self.ep, Answers({}, {} if r.ready(self.ep) else {-1: "timed out"}, now - self.t0))
+        else:
+            live = self.ep.port.live()
+            got = self.ep.port.answers(self.order_id)
+            lost = self.waiting - live
+            working = (self.waiting & live) - set(got)
+            if lost and r.stop_on_loss and not lost <= self.stopped_for:
+                self.stopped_for |= lost
+                if working:
+                    self.ep.port.order("stop", sorted(working), {"reason": f"rank(s) {sorted(lost)} lost during {r.name}"})
+            if working and not late:
+                return None
+            ok, failed = {}, {}
+            for q in self.waiting:
+                if q not in live:
+                    failed[q] = "lost"  # (an answer from before its death is stale)
+                elif q in got:
+                    good, data = got[q]
+                    if good:
+                        ok[q] = data
+                    else:
+                        failed[q] = data or "failed"
+                elif not r.partial:
+                    failed[q] = "no answer"
+            step = r.decide(self.ep, Answers(ok, failed, now - self.t0))
+        out = self._follow(step)
+        if isinstance(out, int):
+            return self._enter(out)
+        return out

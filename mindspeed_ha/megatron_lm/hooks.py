@@ -1,0 +1,236 @@
+"""What ``patches/megatron/training`` re-routes Megatron-LM into: its argument parsing (HA flags, the
+CPU recipe, layout validation, the rank's session), its process groups, its set-up of model and
+optimizer (where a restarted worker joins the running job), its train_step (where faults are caught
+and recoveries served), its checkpoints and data loaders. Only this package imports
+``megatron.training``, and only lazily.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import os
+import time
+
+from mindspeed_ha.events import get_logger
+
+from .entry import CPU_ARGS, _detect, _fail, close_session
+from . import entry
+from .trainer import SETUP, MegatronLMTrainer
+
+log = get_logger("megatron_lm")
+# A restarted worker's set-up (Megatron-LM's initialize, model, optimizer, data loaders) runs while the
+# survivors wait in the recovery: its collectives are answered alone (comm.interruptible.alone) from
+# the moment it joins until its loop's first train_step, except while it takes its state from its twin.
+_alone = contextlib.ExitStack()
+
+
+def _alone_on() -> None:
+    from mindspeed_ha.comm.interruptible import alone
+    _alone.enter_context(alone())
+
+
+def _alone_off() -> None:
+    _alone.close()
+
+
+def _with_ha_args(provider):
+    """Megatron-LM's extra_args_provider plus the HA flags, unless it already adds them (so that an
+    unmodified pretrain script under ``import mindspeed_ha.megatron_adaptor`` takes them too)."""
+    from mindspeed_ha.options import add_ha_args
+
+    def provide(parser):
+        if provider is not None:
+            parser = provider(parser) or parser
+        if "--enable-high-availability" not in parser._option_string_actions:
+            add_ha_args(parser)
+        return parser
+    return provide
+
+
+def on_parse_args(original, extra_args_provider=None, ignore_unknown_args=False):
+    """After Megatron-LM parses its flags and before anything is built: CPU recipe, HA options,
+    layout validation (same message on every rank, exit 2), replica count, the rank's session."""
+    from mindspeed_ha import layout, options as ha_options
+    from mindspeed_ha.options import HAConfigError
+    from mindspeed_ha.session import RankSession
+
+    ns = original(_with_ha_args(extra_args_provider), ignore_unknown_args)
+    device = entry._device or _detect()
+    if device.needs_cpu_shim:
+        changed = {k: v for k, v in CPU_ARGS.items() if getattr(ns, k, None) != v}
+        for key, value in changed.items():
+            setattr(ns, key, value)
+        if changed and ns.rank == 0:
+            log.info("CPU: set %s (CUDA-only defaults of Megatron-LM)",
+                     ", ".join(f"{k}={v}" for k, v in changed.items()))
+    try:
+        opts = ha_options.from_args(ns)
+        layout.validate(ns.world_size, ns, opts)
+        if opts.use_replica_optimizer:
+            got = ns.num_distributed_optimizer_instances
+            if got not in (1, opts.replica_num):
+                raise HAConfigError(
+                    f"--num-distributed-optimizer-instances {got} conflicts with --optimizer-replica-num "
+                    f"{opts.replica_num}: the replica optimizer sets it; drop the former")
+            # Megatron-LM passes it to initialize_model_parallel and to the DDP config.
+            ns.num_distributed_optimizer_instances = opts.replica_num
+    except HAConfigError as e:
+        _fail(str(e))
+    s = RankSession(opts, device, ns.rank, ns.world_size, ns.local_rank)
+    if _joining(s):
+        ns.load = None  # a restarted worker takes the job's state from its peers, not from --load
+    atexit.register(close_session)  # an unmodified pretrain script has no place to close it
+    return ns
+
+
+def _joining(s) -> bool:
+    """A worker restarted by its agent into a job that runs on (recover)."""
+    return s is not None and "recover" in s.options.strategies and s.restarted_worker()
+
+
+def on_initialize_distributed(original, get_embedding_ranks, get_position_embedding_ranks, store):
+    """Remembers how Megatron-LM built its groups: a recovery's rebuild runs the same again (the
+    default group exists then, so only megatron-core's groups are made)."""
+    from mindspeed_ha import session
+    from mindspeed_ha.comm import groups
+    SETUP["init_parallel"] = functools.partial(_groups_of, original, get_embedding_ranks, get_position_embedding_ranks)
+    s = session.current()
+    if not _joining(s):
+        out = original(get_embedding_ranks, get_position_embedding_ranks, store)
+        groups.seal()  # Megatron-LM's groups: the ones a recovery reconnects first
+        return out
+    # Recover: no env:// rendezvous (that world is gone). Register and wait for the controller's
+    # rebuild: this worker's groups are made then and connect with the survivors' new generation.
+    s.device.set_current(s.local_rank)  # what Megatron-LM's skipped init would have done
+    s.join_running_job(_GroupsOnly(), until="rebuild")
+    _alone_on()  # Megatron-LM's set-up runs on while the survivors wait
+    return None
+
+
+def _groups_of(original, get_embedding_ranks, get_position_embedding_ranks) -> None:
+    """Megatron-LM's process groups made again (its default group exists): a joiner's."""
+    from mindspeed_ha.comm import groups
+    original(get_embedding_ranks, get_position_embedding_ranks, None)
+    groups.seal()
+
+
+def on_setup_model_and_optimizer(original, *args, **kwargs):
+    """A joiner, once its model and optimizer exist (built alone, no --load): the shard and the
+    twin's counters, scheduler and RNG come over the rebuilt groups; then Megatron-LM goes on with
+    the job's iteration and data position (its loop reads them from ``args``)."""
+    from megatron.training import get_args
+    from mindspeed_ha import session
+    out = original(*args, **kwargs)
+    s = session.current()
+    if s is None or not s.joining:
+        return out
+    model, optimizer, scheduler = out
+    trainer = MegatronLMTrainer(model, optimizer, scheduler, 0)
+    trainer.enter_loop()  # (its recovery tracking starts now, not at its loop's first step)
+    s.attach_trainer(trainer)
+    s.trainer_ready()
+    _alone_off()
+    s.join_running_job(trainer, until="resume")  # repair, rollback, resume: with the survivors
+    # The loop starts where the survivors' loops are. After a roll-forward, that is before the
+    # failed step's own bookkeeping (its logging has collectives): the first train_step call here
+    # returns the step's result, as the survivors' failing call did. The data loaders are built
+    # at the position of the next step that draws data.
+    a = get_args()
+    a.iteration, a.consumed_train_samples = trainer.loop_position()
+    _alone_on()  # data loaders and the loop's preamble, until the first step
+    return out
+
+
+class _GroupsOnly:
+    """What a joiner has when the rebuild comes: no model yet, so its set-up is only the groups."""
+    optimizer = None
+
+    def setup(self, joining: bool = True) -> None:
+        SETUP["init_parallel"]()
+
+
+def on_train_step(original, forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
+                  config, forward_backward_func, iteration=None):
+    from mindspeed_ha import session
+    s = session.current()
+    if s is None:
+        return original(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
+                        config, forward_backward_func, iteration=iteration)
+    trainer = s.trainer
+    if not isinstance(trainer, MegatronLMTrainer):
+        trainer = MegatronLMTrainer(model, optimizer, opt_param_scheduler, iteration or 0)
+        s.attach_trainer(trainer)
+    trainer.bind_step(original, forward_step_func, data_iterator, config, forward_backward_func)
+    _alone_off()  # a joiner's set-up is over: from here on it trains with the job
+    out = trainer.hand_rolled_forward()
+    if out is not None:  # a joiner: its recovery finished this step (see on_setup_model_and_optimizer)
+        return out
+    if trainer.enter_loop():
+        s.trainer_ready()  # after Megatron-LM's --load: the state recovery starts from
+    # A fault inside: reported, the recovery served here. Repaired in place, the loop gets the step's
+    # result as if nothing had happened: the step's rest (its update had completed everywhere), or
+    # the step again with the same microbatches and RNG (rolled back).
+    return s.survive(lambda: trainer.run_step(iteration), lambda: trainer.loop.running,
+                     after_recovery=trainer.hand_rolled_forward)
+
+
+def on_save_checkpoint(original, iteration, *args, **kwargs):
+    from megatron.training import get_args
+    from mindspeed_ha import session
+    s = session.current()
+    if s is not None:
+        s.fire("checkpoint", iteration)
+    t0 = time.perf_counter()
+    out = original(iteration, *args, **kwargs)
+    if s is not None and not kwargs.get("non_persistent_ckpt"):
+        s.saved(iteration, os.path.join(get_args().save, f"iter_{iteration:07d}"), time.perf_counter() - t0)
+    return out
+
+
+def on_load_checkpoint(original, ddp_model, optimizer, *args, **kwargs):
+    import torch
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.training import get_args
+    from megatron.training.checkpointing import checkpoint_exists
+    from mindspeed_ha import session
+    from mindspeed_ha.trainer.checkpoint import _fix_adam_steps
+    a = get_args()
+    load_dir = getattr(a, kwargs.get("load_arg", "load"))
+    inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    torch_adam = optimizer is not None and not distrib_optimizer.HAVE_APEX_OR_TE
+    if torch_adam and not a.no_load_optim and not a.finetune and checkpoint_exists(load_dir):
+        # On the torch-Adam path DistributedOptimizer.state_dict() needs the per-parameter ``step``,
+        # which exists only after a first step: give it dummy state to load into.
+        for inner in inners:
+            if isinstance(inner, distrib_optimizer.DistributedOptimizer) and not inner.optimizer.state:
+                inner._init_optimizer_states_with_dummy_values()
+    t0 = time.perf_counter()
+    with torch.no_grad():  # fp32 runs: the optimizer's main-param shards are views of leaf parameters
+        iteration, flops = original(ddp_model, optimizer, *args, **kwargs)
+    if torch_adam and iteration and not a.no_load_optim and not a.finetune:
+        # Traps 2 and 3: Megatron-LM restores one shared ``step`` tensor for every parameter, which torch's
+        # Adam would bump once per parameter per step: one tensor each.
+        _fix_adam_steps(optimizer)
+    if iteration and hasattr(optimizer, "ha_iteration"):
+        optimizer.ha_iteration = iteration  # the replica shard's iteration follows the checkpoint
+    s = session.current()
+    if s is not None and iteration and s.trainer is None:  # (an in-process reload: the session reports it)
+        s.loaded(iteration, os.path.join(load_dir, f"iter_{iteration:07d}"), time.perf_counter() - t0)
+    return iteration, flops
+
+
+def on_build_data_iterators(original, provider, *args, **kwargs):
+    """Remembers the dataset provider (for MegatronLMTrainer.data_iterator). On CPU also keeps the
+    RNG untouched: under the CPU shim the "CUDA" RNG (dropout) *is* the CPU generator, from which each
+    new DataLoader iterator draws its base seed; a resumed run builds its iterators after loading the
+    RNG state, so without this its dropout stream would be one draw off the uninterrupted run's."""
+    import torch
+    SETUP["train_valid_test"] = provider
+    if not (entry._device or _detect()).needs_cpu_shim:
+        return original(provider, *args, **kwargs)
+    state = torch.get_rng_state()
+    try:
+        return original(provider, *args, **kwargs)
+    finally:
+        torch.set_rng_state(state)

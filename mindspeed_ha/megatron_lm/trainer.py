@@ -1,0 +1,459 @@
+"""The engine's trainer interface over Megatron-LM's own loop, objects and functions.
+
+Megatron-LM's loop keeps calling its ``train_step``; each call runs here (``run_step``) between the
+session's step hooks. A recovery served inside a failing call either rolls back (the step runs again,
+with the same microbatches: the loop's data iterator is wrapped so a step can be replayed) or rolls
+forward (only the rest of Megatron-LM's own ``train_step`` runs, with the step's recorded
+forward-backward output); ``LoopPosition`` (loop.py) says where the loop is relative to the trainer.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from mindspeed_ha.events import get_logger
+from mindspeed_ha.trainer.interface import TrainerInterface
+from mindspeed_ha.trainer.replay import Replayable
+
+from .loop import LoopFunctions, LoopPosition, StepRecord
+
+log = get_logger("megatron_lm")
+# What Megatron-LM's set-up used and the trainer needs again (recorded by the hooks): how it made its
+# process groups ("init_parallel") and its dataset provider ("train_valid_test").
+SETUP: dict = {}
+
+
+class MegatronLMTrainer(TrainerInterface):
+    """The narrow trainer interface over Megatron-LM's objects and functions (the built-in trainer
+    implements the same one). ``iteration`` and ``consumed_samples`` count completed steps; inside
+    Megatron-LM's loop they run one step ahead of its ``args`` until the loop's own bookkeeping."""
+
+    def __init__(self, model, optimizer, scheduler, iteration: int):
+        from megatron.training import get_args
+        super().__init__()
+        self.model_chunks, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.iteration = iteration
+        self.ended = iteration  # the last step whose train_step returned
+        self.consumed_samples = get_args().consumed_train_samples
+        self.fns: LoopFunctions | None = None   # the loop's train_step and its arguments, once it has called
+        self.loop = LoopPosition(running=iteration)
+        self.step = StepRecord()
+        self._loop_iter = self._data_iter = None
+        self._replays: list[Replayable] = []
+
+    def setup(self, joining: bool = False) -> None:
+        raise RuntimeError("Megatron-LM sets itself up (initialize, setup_model_and_optimizer); the adaptor's "
+                           "hooks build this trainer from what it made")
+
+    def enter_loop(self) -> bool:
+        """The loop's first train_step call here: True once (the caller starts recovery's tracking)."""
+        first, self.loop.entered = not self.loop.entered, True
+        return first
+
+    def bind_step(self, original, forward_step_func, data_iterator, config, forward_backward_func):
+        """Called by Megatron-LM's loop before each of its steps: its objects and position are the truth."""
+        from megatron.training import get_args
+        self.fns = LoopFunctions(original, forward_step_func, config, forward_backward_func)
+        if data_iterator is not self._loop_iter:  # the loop hands the same object every step
+            self._loop_iter = data_iterator
+            self._data_iter = self._replayable(data_iterator)
+        if self.loop.finished is None and self.loop.catch_up is None:  # (else the loop is elsewhere: loop_position)
+            self.consumed_samples = get_args().consumed_train_samples
+
+    def loop_position(self) -> tuple[int, int]:
+        """Where a joiner's Megatron-LM loop starts (iteration, consumed samples): one step behind
+        while a rolled-forward step's result waits for the loop's train_step call (that call gives
+        the samples back, hand_rolled_forward); at the survivors' loops after a reload, the steps
+        in between caught up in its first call (a constant global batch size assumed)."""
+        if self.loop.enter_at is not None:
+            return self.loop.enter_at, self.consumed_samples + (self.loop.enter_at - self.iteration) * self.global_batch_size
+        return self.iteration - (self.loop.finished is not None), self.consumed_samples
+
+    def after_reload(self, job_ended: int) -> None:
+        """A joiner that reloaded with the job (no replicas) is not in the loop yet: it will enter
+        where the survivors' loops are (``job_ended``) and catch up from the checkpoint first."""
+        if self.fns is None and job_ended > self.iteration:
+            self.loop.enter_at = job_ended
+
+    def hand_rolled_forward(self):
+        """The result a recovery finished, for the loop's pending train_step call (None if none);
+        ``args`` back to that step's start, since the loop adds the step's samples itself."""
+        from megatron.training import get_args
+        out, self.loop.finished = self.loop.finished, None
+        if out is not None:
+            get_args().consumed_train_samples = self.loop.finished_from[1]
+        return out
+
+    def _replayable(self, data_iterator):
+        """Reads go through Replayable, so that a rollback can hand the failed step its microbatches
+        again (Megatron-LM's loop keeps its iterator object). Megatron's RerunDataIterator stays the
+        outer object: its rerun state machine checks the type."""
+        from megatron.core.rerun_state_machine import RerunDataIterator
+        self._replays = []
+
+        def wrap(d):
+            if d is None:  # ranks that receive their batch from TP rank 0
+                return None
+            if isinstance(d, RerunDataIterator):
+                if not isinstance(d.iterable, Replayable):
+                    d.iterable = Replayable(d.iterable)
+                self._replays.append(d.iterable)
+                return d
+            self._replays.append(Replayable(d))
+            return self._replays[-1]
+        return [wrap(d) for d in data_iterator] if isinstance(data_iterator, list) else wrap(data_iterator)
+
+    @property
+    def save_dir(self) -> str | None:
+        from megatron.training import get_args
+        return get_args().save
+
+    @property
+    def global_batch_size(self) -> int:
+        from megatron.training import get_args
+        return get_args().global_batch_size
+
+    def checkpoint_args(self):
+        """Megatron-LM's own arguments, as its save_checkpoint stores them (the dying gasp writes
+        them into a checkpoint that Megatron-LM's load_checkpoint then checks and reads)."""
+        import copy
+        from megatron.training import get_args
+        ns = copy.copy(get_args())
+        ns.consumed_train_samples = self.consumed_samples
+        return ns
+
+    def data_iterator(self, consumed_samples: int):
+        from megatron.training import get_args
+        from megatron.training.training import build_train_valid_test_data_iterators
+        a = get_args()
+        keep = ("consumed_train_samples", "iteration", "do_train", "do_valid", "do_test")
+        saved = {k: getattr(a, k, None) for k in keep}
+        a.consumed_train_samples, a.iteration = consumed_samples, consumed_samples // a.global_batch_size
+        try:
+            return build_train_valid_test_data_iterators(SETUP["train_valid_test"])[0]
+        finally:
+            for k, v in saved.items():
+                setattr(a, k, v)
+
+    def _reloaded_data(self):
+        """The data iterator at the reloaded checkpoint's position, built on first use. Its set-up's
+        collectives (barriers, the do-train flags' broadcast) are answered alone: a restarted rank
+        builds it when its loop starts, the survivors when they catch up, not at the same moment."""
+        from mindspeed_ha.comm.interruptible import alone
+        if isinstance(self.loop.catch_up, int):
+            with alone():
+                self.loop.catch_up = self.data_iterator(self.loop.catch_up)
+        return self.loop.catch_up
+
+    def run_step(self, iteration: int | None = None):
+        """Megatron-LM's train_step between the session's step hooks; returns its result tuple.
+        ``iteration``: the loop's (its iterator); None: a step the engine drives (after a reload, from
+        the reloaded position)."""
+        from mindspeed_ha import session
+        original, forward_step_func, config, forward_backward_func = self.fns
+        if iteration is not None and self.iteration < iteration:
+            self._run_catch_up(iteration)
+        elif iteration is not None:
+            self.loop.catch_up = None  # (reloaded at the loop's own position: nothing to catch up)
+        it = (self.iteration if iteration is None else iteration) + 1
+        s = session.current()
+        self.loop.running = it
+        self._phase_points(config)
+        self._mark_step_start()
+        s.step_start(it)
+        data = self._data_iter if iteration is not None or self.loop.catch_up is None else self._reloaded_data()
+        out = original(self._forward_with_phases(forward_step_func, s, it), data,
+                       self.model_chunks, self.optimizer, self.scheduler, config,
+                       self._recording(forward_backward_func), iteration=it - 1)
+        return self._step_done(it, out)
+
+    def _run_catch_up(self, loop_iteration: int) -> None:
+        """After an in-loop reload (no replicas) the trainer is at the checkpoint, the loop at
+        ``loop_iteration``: the steps in between run here first, with data read from the
+        checkpoint's position. The loop does not see them: it counted them (samples, FLOPs, logs)
+        the first time; their losses are reported again, with the same bits."""
+        from megatron.core.num_microbatches_calculator import update_num_microbatches
+        from megatron.training import get_args
+        from mindspeed_ha import session
+        original, forward_step_func, config, forward_backward_func = self.fns
+        if self.loop.catch_up is None:
+            raise RuntimeError(f"trainer at iteration {self.iteration}, Megatron-LM's loop at {loop_iteration}, "
+                               "and no reloaded data position to catch up from")
+        data, self.loop.catch_up = self._reloaded_data(), None  # (a fault in here reloads and sets it again)
+        s, t0, first = session.current(), time.perf_counter(), self.iteration
+        try:
+            while self.iteration < loop_iteration:
+                it = self.iteration + 1
+                update_num_microbatches(self.consumed_samples, consistency_check=False)
+                self.loop.running = it
+                self._mark_step_start()
+                s.step_start(it)
+                out = original(self._forward_with_phases(forward_step_func, s, it), data, self.model_chunks,
+                               self.optimizer, self.scheduler, config, forward_backward_func, iteration=it - 1)
+                self._step_done(it, out)
+        finally:
+            update_num_microbatches(get_args().consumed_train_samples, consistency_check=False)
+        log.info("rank %d: recomputed iterations %d-%d after the reload in %.2fs", s.rank, first + 1,
+                 loop_iteration, time.perf_counter() - t0)
+
+    def _step_done(self, it: int, out):
+        from megatron.core import parallel_state as ps
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.training import get_args
+        from mindspeed_ha import session
+        self.iteration = self.ended = it
+        # What Megatron-LM's loop adds after train_step returns.
+        self.consumed_samples += (ps.get_data_parallel_world_size() * get_args().micro_batch_size
+                                  * get_num_microbatches())
+        loss = None
+        if ps.is_pipeline_last_stage(ignore_virtual=True) and "lm loss" in out[0]:
+            loss = float(out[0]["lm loss"])  # all-reduced over DP x CP and divided by its tokens
+        session.current().step_end(it, loss, grad_norm=out[5], lr=self._lr())
+        return out
+
+    def _recording(self, forward_backward_func):
+        def forward_backward(*args, **kwargs):
+            self.step.fb_out = forward_backward_func(*args, **kwargs)
+            self.step.reduced = self._reduce_losses(self.step.fb_out) if self._joiners_possible() else None
+            return self.step.fb_out
+        return forward_backward
+
+    @staticmethod
+    def _joiners_possible() -> bool:
+        from mindspeed_ha import session
+        s = session.current()
+        return s is not None and "recover" in s.options.strategies
+
+    @staticmethod
+    def _reduce_losses(losses) -> dict | None:
+        """The step's [loss sum, tokens] reduced over DP, before the update — the same arithmetic as
+        the end of Megatron-LM's train_step. Under recover a roll-forward may include a restarted
+        rank, whose own share died with its predecessor; the twin hands it these totals instead."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        if not losses or not ps.is_pipeline_last_stage(ignore_virtual=True):
+            return None
+        out = {}
+        for key in losses[0]:
+            val = [x[key].view(-1) for x in losses]
+            if val[0].numel() != 2:
+                return None  # Megatron's legacy per-microbatch mean: nothing reduced over DP
+            val = torch.vstack(val).sum(dim=0)
+            dist.all_reduce(val, group=ps.get_data_parallel_group(with_context_parallel=True))
+            out[key] = val
+        return out
+
+    def _losses_for_tail(self):
+        """What the roll-forward's train_step tail gets as its forward-backward output. With DP
+        totals: the totals on DP rank 0 and zeros elsewhere, so that its all-reduce gives the same
+        bits (x + 0 == x) whatever each rank held; else this rank's own recorded microbatch losses."""
+        import torch
+        from megatron.core import parallel_state as ps
+        if self.step.reduced is not None:
+            first = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+            return [{k: (v if first else torch.zeros_like(v)) for k, v in self.step.reduced.items()}]
+        if self.step.fb_out is None and ps.is_pipeline_last_stage(ignore_virtual=True):
+            raise RuntimeError("the failed step's update completed on the twins, but its forward-backward did "
+                               "not finish on this rank: cannot roll forward")
+        return self.step.fb_out or []
+
+    # -- recovery (the engine's rollback and roll-forward) ----------------------------------------
+    def _mark_step_start(self) -> None:
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+        from megatron.training import get_timers
+        for r in self._replays:
+            r.begin_step()
+        rsm = get_rerun_state_machine()
+        self.step = StepRecord()
+        self.step.at_start = {"scheduler": self.scheduler.num_steps, "rerun": (rsm.state, rsm.current_iteration),
+                          "timers": {n for n, t in _timers(get_timers()) if getattr(t, "_started", False)}}
+
+    def _undo_partial_step(self) -> None:
+        """Back to how the interrupted train_step found things: the scheduler (its tail may have
+        stepped it here before a later collective failed; lr and wd set again for that count), the
+        rerun state machine (else the next call skips its forward-backward) and the timers it
+        started (Megatron's timers refuse a second start)."""
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+        from megatron.training import get_timers
+        at = self.step.at_start
+        if not at:  # a restarted rank: no step begun here
+            return
+        if self.scheduler.num_steps != at["scheduler"]:
+            self.scheduler.num_steps = at["scheduler"]
+            self.scheduler.step(increment=0)
+        rsm = get_rerun_state_machine()
+        rsm.state, rsm.current_iteration = at["rerun"]
+        for name, t in _timers(get_timers()):
+            if getattr(t, "_started", False) and name not in at["timers"]:
+                t.stop()
+
+    def restart_from(self, iteration: int) -> None:
+        """Rollback: the failed step runs again from its start (the caller restored the RNG)."""
+        if self.iteration != iteration:
+            raise RuntimeError(f"trainer at iteration {self.iteration}, asked to restart from {iteration}")
+        self._undo_partial_step()
+        for r in self._replays:
+            r.rewind()
+
+    def finish_step(self, it: int) -> None:
+        """Roll forward: the update of step ``it`` is complete on every shard (repaired from the
+        twins). The rest of Megatron-LM's own train_step — scheduler, the loss's DP all-reduce, its
+        result — runs by calling it with the step's recorded forward-backward output and update
+        result in place of redoing them; the failing train_step call returns that result."""
+        if self.iteration >= it:
+            return
+        self._undo_partial_step()
+        original, config = self._train_step_and_config()
+        norm, zeros = getattr(self.optimizer, "ha_grad_stats", (None, None))
+        losses = self._losses_for_tail()
+        self.loop.finished_from = (self.iteration, self.consumed_samples)
+        out = original(None, None, self.model_chunks, _UpdateDone(self.optimizer, (True, norm, zeros)),
+                       self.scheduler, config, lambda **kwargs: losses, iteration=it - 1)
+        self.loop.finished = self._step_done(it, out)
+
+    def _train_step_and_config(self):
+        """Megatron-LM's own train_step and the model config (a restarted rank rolling forward has
+        not been called by the loop yet: the unpatched function and its model's config)."""
+        if self.fns is not None:
+            return self.fns.train_step, self.fns.config
+        import megatron.training.training as training
+        from megatron.core.utils import get_model_config
+        return getattr(training.train_step, "__wrapped__", training.train_step), get_model_config(self.model_chunks[0])
+
+    def bookkeeping(self) -> dict:
+        """What a restarted rank takes from its twin besides the optimizer shard."""
+        from megatron.training import get_args
+        a = get_args()
+        self._undo_partial_step()  # the scheduler as of the failed step's start (its tail may have run here)
+        norm, zeros = getattr(self.optimizer, "ha_grad_stats", (None, None))
+        return {**super().bookkeeping(), "reduced": self.step.reduced, "grad_stats": [norm, zeros],
+                "flops": getattr(a, "num_floating_point_operations_so_far", 0),
+                "do": [bool(getattr(a, k, False)) for k in ("do_train", "do_valid", "do_test")]}
+
+    def install_bookkeeping(self, state: dict) -> None:
+        """Into the trainer and into ``args``, where Megatron-LM's loop and data loaders read them."""
+        from megatron.training import get_args
+        super().install_bookkeeping(state)
+        self.step.reduced = state["reduced"]
+        if hasattr(self.optimizer, "ha_grad_stats"):
+            self.optimizer.ha_grad_stats = list(state["grad_stats"])
+        a = get_args()  # (iteration and data position: on_setup_model_and_optimizer)
+        a.num_floating_point_operations_so_far = state["flops"]
+        # Megatron-LM broadcasts these from rank 0 when it builds the data loaders; alone, the
+        # broadcast keeps the local value, and `args.do_train or flag` then keeps the twin's.
+        a.do_train, a.do_valid, a.do_test = state["do"]
+
+    @staticmethod
+    def _forward_with_phases(forward_step_func, s, it):
+        """Megatron-LM's forward_step with the "forward" and "backward" phase points (fault injection)."""
+        def forward_step(data_iterator, model, *args, **kwargs):
+            s.fire("forward", it)
+            output, loss_func = forward_step_func(data_iterator, model, *args, **kwargs)
+
+            def loss_with_hook(*largs, **lkwargs):
+                result = loss_func(*largs, **lkwargs)
+                loss = result[0] if isinstance(result, tuple) else result
+                if getattr(loss, "requires_grad", False):
+                    loss.register_hook(lambda g: (s.fire("backward", it), g)[1])
+                return result
+            return output, loss_with_hook
+        return forward_step
+
+    def _phase_points(self, config) -> None:
+        """The "grad-sync" phase point: Megatron-LM's loop sets config.finalize_model_grads_func."""
+        f = getattr(config, "finalize_model_grads_func", None)
+        if f is None or getattr(f, "ha_phase_point", False):
+            return
+        from mindspeed_ha import session
+
+        def finalize_model_grads(*args, **kwargs):
+            session.current().fire("grad-sync", self.loop.running)
+            return f(*args, **kwargs)
+        finalize_model_grads.ha_phase_point = True
+        config.finalize_model_grads_func = finalize_model_grads
+
+    def init_parallel(self) -> None:
+        """megatron-core's groups as Megatron-LM made them (again after an in-place rebuild)."""
+        SETUP["init_parallel"]()
+
+    def _lr(self):
+        for group in self.optimizer.param_groups:
+            if group["params"]:
+                return group["lr"]
+        return None
+
+    def train_step(self) -> float | None:
+        """One step driven by the engine (outside Megatron-LM's loop, e.g. after a rollback)."""
+        from megatron.core import parallel_state as ps
+        from megatron.training import get_args
+        if self.fns is None:
+            raise RuntimeError("Megatron-LM's loop has not run a step yet: nothing to drive")
+        out = self.run_step()
+        get_args().consumed_train_samples = self.consumed_samples
+        if ps.is_pipeline_last_stage(ignore_virtual=True) and "lm loss" in out[0]:
+            return float(out[0]["lm loss"])
+        return None
+
+    def save_checkpoint(self, save_dir: str) -> str:
+        import megatron.training.training as training
+        from megatron.training import get_args
+        a = get_args()
+        saved = a.save, a.consumed_train_samples
+        a.save, a.consumed_train_samples = save_dir, self.consumed_samples  # saved with the args
+        try:
+            training.save_checkpoint(self.iteration, self.model_chunks, self.optimizer, self.scheduler,
+                                     getattr(a, "num_floating_point_operations_so_far", 0))
+        finally:
+            a.save, a.consumed_train_samples = saved
+        return os.path.join(save_dir, f"iter_{self.iteration:07d}")
+
+    def load_checkpoint(self, load_dir: str) -> int:
+        import megatron.training.training as training
+        from megatron.training import get_args
+        a = get_args()
+        in_loop = self.fns is not None  # an in-process reload (no replicas) inside Megatron-LM's loop
+        if in_loop:
+            self._undo_partial_step()
+        loop_args = {k: getattr(a, k, None) for k in _LOOP_ARGS}
+        a.load = load_dir
+        # OptimizerParamScheduler.load_state_dict *adds* the checkpoint's step count (it expects a
+        # fresh scheduler): start it from zero, as a new process would.
+        self.scheduler.num_steps = 0
+        try:
+            self.iteration, flops = training.load_checkpoint(self.model_chunks, self.optimizer, self.scheduler)
+            self.consumed_samples = a.consumed_train_samples  # restored from the checkpoint's args
+        finally:
+            for k, v in loop_args.items():
+                setattr(a, k, v)
+        self.ended = self.iteration
+        self.loop.catch_up = self.consumed_samples  # the steps up to the loop's position: _run_catch_up
+        if in_loop:  # the loop's iterator back to the failed step's start
+            for r in self._replays:
+                r.rewind()
+        else:  # a restarted rank's set-up: its loop starts from these (or from loop_position)
+            a.consumed_train_samples, a.num_floating_point_operations_so_far = self.consumed_samples, flops
+        return self.iteration
+
+
+# What Megatron-LM's load_checkpoint writes into args but the running loop owns (an in-loop reload
+# keeps the loop's values; the loop has counted the steps the catch-up recomputes).
+_LOOP_ARGS = ("load", "iteration", "consumed_train_samples", "skipped_train_samples", "consumed_valid_samples",
+              "num_floating_point_operations_so_far")
+
+
+class _UpdateDone:
+    """The optimizer, except that ``step()`` reports the update a recovery already completed."""
+
+    def __init__(self, optimizer, result):
+        self._optimizer, self._result = optimizer, result
+
+    def step(self):
+        return self._result
+
+    def __getattr__(self, name):
+        return getattr(self._optimizer, name)
+
+
+def _timers(timers) -> list:
+    return list(getattr(timers, "_timers", {}).items())

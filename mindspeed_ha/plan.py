@@ -1,0 +1,205 @@
+"""Which holder serves which optimizer shard, at which iteration: the pure planner of every recovery.
+
+No torch, no I/O: the controller plans with it, the ranks read its plans, and the unit tests drive it
+with tables. Its input is one *holder* per rank of the job (``holders`` builds it):
+
+    rank -> {"iteration": shard's iteration, "updating": inside its update window,
+             "touched": the update's arithmetic has begun, "replica_group": ranks holding the same
+             shard, "alive": usable (False: lost, poisoned by a memory error, or restarted and empty)}
+
+* ``plan_dump``: the newest iteration every shard has a usable holder for, and one writer per shard
+  (the dying-gasp checkpoint is written from those) — or a refusal naming the shards without one.
+* ``plan_repair``: the same choice for an in-place repair, plus the shard copies it needs (every
+  holder not at the target gets it from that shard's writer) and who brings a restarted rank its
+  counters (its twin).
+* ``plan_reload``: without replicas, the periodic checkpoint every rank reloads.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+
+@dataclasses.dataclass(frozen=True)
+class DumpPlan:
+    ok: bool
+    iteration: int | None = None
+    writers: dict = dataclasses.field(default_factory=dict)   # shard (sorted replica group) -> rank
+    at_target: tuple = ()     # live ranks whose shard is (or, once finished, will be) at `iteration`
+    finishing: tuple = ()     # live ranks inside their update: they must finish it before the dump
+    missing: tuple = ()       # shards with no live holder at all (every replica lost)
+    reason: str = ""
+    fallback: tuple | None = None  # (iteration, path) of the newest periodic checkpoint, or None
+
+    def message(self) -> str:
+        if self.ok:
+            return (f"dying-gasp checkpoint of iteration {self.iteration}: writers "
+                    f"{sorted(self.writers.values())}")
+        fb = (f"fall back to the newest periodic checkpoint, iteration {self.fallback[0]} in {self.fallback[1]}"
+              if self.fallback else "no periodic checkpoint exists to fall back on")
+        return f"dying-gasp checkpoint refused, nothing written: {self.reason}; {fb}"
+
+    def to_wire(self) -> dict:
+        """The plan as an order's argument (msgpack: shard tuples become "r,r" keys)."""
+        d = dataclasses.asdict(self)
+        d["writers"] = {",".join(map(str, g)): r for g, r in self.writers.items()}
+        d["missing"] = [list(g) for g in self.missing]
+        for k in ("at_target", "finishing"):
+            d[k] = list(d[k])
+        d["fallback"] = list(self.fallback) if self.fallback else None
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "DumpPlan":
+        d = dict(d)
+        d["writers"] = {tuple(int(r) for r in g.split(",")): int(w) for g, w in d["writers"].items()}
+        for k in ("at_target", "finishing"):
+            d[k] = tuple(d[k])
+        d["missing"] = tuple(tuple(g) for g in d["missing"])
+        d["fallback"] = tuple(d["fallback"]) if d["fallback"] else None
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_wire(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "DumpPlan":
+        return cls.from_wire(json.loads(text))
+
+
+def servable(h: dict) -> set:
+    """Iterations a holder's shard can be served (written, copied) at.
+
+    Not updating: its ``iteration``. Updating: the optimizer update toward ``iteration + 1`` is local
+    arithmetic, so a holder that has begun changing its shard finishes it (the shard is half-updated
+    until then and can serve neither iteration); one stopped before touching it (``touched`` False,
+    e.g. blocked in the grad-norm all-reduce, which a dead peer never completes) still holds
+    ``iteration`` and cannot advance.
+    """
+    if not h.get("alive", True):
+        return set()
+    it = int(h["iteration"])
+    if not h.get("updating", False):
+        return {it}
+    return {it + 1} if h.get("touched", True) else {it}
+
+
+def holders(world: int, statuses: dict, groups: dict | None = None, unusable=()) -> dict:
+    """``plan_dump``'s input for the whole job, from what the ranks reported.
+
+    ``statuses``: rank -> its shard status (``iteration``, ``updating``, ``touched``,
+    ``replica_group``) for every rank that answered. ``groups``: rank -> replica group as known
+    otherwise (registration), for ranks that did not answer. ``unusable``: ranks that answered but
+    hold nothing usable (a memory error poisoned the shard; a restarted rank holds nothing yet).
+    Every other rank is lost; its replica group is the known one, or the survivors' group that
+    names it, or just itself (a whole replica group lost: its shard is reported missing)."""
+    known = {int(r): list(g) for r, g in (groups or {}).items() if g}
+    for s in statuses.values():
+        for m in s.get("replica_group") or ():
+            known.setdefault(int(m), list(s["replica_group"]))
+    unusable = set(unusable)
+    out = {}
+    for r in range(world):
+        s = statuses.get(r)
+        if s is not None and "iteration" in s:
+            out[r] = {"iteration": int(s["iteration"]), "updating": bool(s.get("updating", False)),
+                      "touched": bool(s.get("touched", True)), "replica_group": list(s["replica_group"]),
+                      "alive": r not in unusable}
+        else:
+            out[r] = {"iteration": -1, "updating": False, "touched": False, "alive": False,
+                      "replica_group": known.get(r, [r])}
+    return out
+
+
+def poisoned(faults) -> set:
+    """Ranks whose optimizer shard a memory error corrupted: alive, but nothing to serve from."""
+    return {r for f in faults if f["kind"] == "memory-error" for r in f["ranks"]}
+
+
+def plan_dump(holders: dict, fallback: tuple | None = None) -> DumpPlan:
+    """``holders``: rank -> {"iteration", "updating", "replica_group", "alive"[, "touched"]} for every
+    rank of the job (dead ones included: their replica group says which shard is at stake).
+    ``fallback``: (iteration, path) of the newest periodic checkpoint, for the refusal message."""
+    shards: dict[tuple, list[int]] = {}
+    for rank, h in holders.items():
+        group = tuple(sorted(int(r) for r in h["replica_group"]))
+        if rank not in group:
+            raise ValueError(f"rank {rank} is not in its own replica group {list(group)}")
+        shards.setdefault(group, []).append(rank)
+    for group, members in shards.items():
+        if sorted(members) != list(group) and any(r in holders for r in group if r not in members):
+            raise ValueError(f"replica group {list(group)} is not reported consistently by its ranks")
+
+    missing = tuple(sorted(g for g in shards if not any(servable(holders[r]) for r in shards[g] if r in holders)))
+    if missing:
+        lost = ", ".join(str(list(g)) for g in missing)
+        return DumpPlan(False, missing=missing, fallback=fallback,
+                        reason=f"no live holder for shard(s) with replica group {lost} (every replica lost)")
+
+    per_shard = {g: set().union(*(servable(holders[r]) for r in shards[g] if r in holders)) for g in shards}
+    common = set.intersection(*per_shard.values()) if per_shard else set()
+    if not common:
+        detail = "; ".join(f"{list(g)}: {sorted(v)}" for g, v in sorted(per_shard.items()))
+        return DumpPlan(False, fallback=fallback,
+                        reason=f"the live holders cannot be brought to one iteration ({detail})")
+    target = max(common)
+    writers, at_target = {}, []
+    for g in sorted(shards):
+        able = [r for r in sorted(shards[g]) if r in holders and target in servable(holders[r])]
+        at_target += able
+        # Prefer a holder already at rest at the target (nothing to wait for), then the lowest rank.
+        writers[g] = min(able, key=lambda r: (bool(holders[r].get("updating")), r))
+    finishing = tuple(sorted(r for r, h in holders.items()
+                             if h.get("alive", True) and h.get("updating") and h.get("touched", True)))
+    return DumpPlan(True, target, writers, tuple(sorted(at_target)), finishing, fallback=fallback)
+
+
+@dataclasses.dataclass(frozen=True)
+class RepairPlan:
+    ok: bool
+    iteration: int | None = None
+    copies: tuple = ()        # (src, dst): dst's shard is overwritten with src's
+    joiners: tuple = ()       # (restarted rank, its twin that sends it the counters, scheduler and RNG)
+    reason: str = ""
+
+    @property
+    def pairs_flat(self) -> list:
+        return [r for pair in self.copies for r in pair]
+
+    @property
+    def joiners_flat(self) -> list:
+        return [r for pair in self.joiners for r in pair]
+
+
+def plan_repair(holders: dict, joiners=()) -> RepairPlan:
+    """In-place repair: the dump's choice of iteration and holder per shard; every holder that is
+    not usable at that iteration (poisoned, restarted, stopped behind its twin) gets the shard from
+    its writer, and each restarted rank takes its counters from that writer too."""
+    plan = plan_dump(holders)
+    if not plan.ok:
+        return RepairPlan(False, reason=plan.reason)
+    copies = tuple((plan.writers[tuple(sorted(h["replica_group"]))], r) for r, h in sorted(holders.items())
+                   if plan.iteration not in servable(h))
+    sources = tuple((r, plan.writers[tuple(sorted(holders[r]["replica_group"]))]) for r in sorted(joiners))
+    return RepairPlan(True, plan.iteration, copies, sources)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReloadPlan:
+    ok: bool
+    iteration: int | None = None
+    path: str = ""
+    lost_steps: int = 0
+    reason: str = ""
+
+
+def plan_reload(statuses: dict) -> ReloadPlan:
+    """No replicas: every rank reloads the newest periodic checkpoint; the steps since it are lost
+    (and recomputed). ``statuses``: rank -> {"checkpoint": [iteration, path] or None, "ended"}."""
+    ckpts = {tuple(s["checkpoint"]) if s.get("checkpoint") else None for s in statuses.values()}
+    if not statuses or None in ckpts or len(ckpts) != 1:
+        return ReloadPlan(False, reason="no replicas and no periodic checkpoint every rank can reload "
+                                        "(--save with --save-interval)")
+    iteration, path = ckpts.pop()
+    lost = max(int(s["ended"]) for s in statuses.values()) - int(iteration)
+    return ReloadPlan(True, int(iteration), str(path), lost)

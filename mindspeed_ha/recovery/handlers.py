@@ -1,0 +1,141 @@
+"""What a rank does for the controller's recovery orders: one method per order, in one table.
+
+The controller's playbooks (control/playbooks.py) send these orders round by round; each runs here
+on the rank's training thread, parked after the fault (``RankSession.report_fault`` serves them), and
+answers with a msgpack tree — an exception is a failed answer.
+
+    ha-status  where this rank's optimizer shard is (or, without replicas, its newest checkpoint)
+    rebuild    new communicators for every group (a restarted rank: its set-up, then the same)
+    repair     shards from their twins; a restarted rank's counters and RNG; weights re-gathered
+    reload     without replicas: the newest periodic checkpoint, in process
+    rollback   back to the start of the failed step, or finish it
+    resume     train on
+    dump-status, dump   the dying-gasp checkpoint: prepare this rank's part, then write it
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+from mindspeed_ha.events import get_logger
+
+log = get_logger("recovery.handlers")
+REBUILD_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+class RankRecovery:
+    """The rank side of every recovery. ``session``: the rank's RankSession (options, events, the
+    trainer and its hooks); nothing here keeps state across orders except the dump's prepared part."""
+
+    def __init__(self, session):
+        self.s = session
+        self.prepared = None
+
+    def handlers(self) -> dict:
+        return {"ha-status": self.ha_status, "rebuild": self.rebuild, "repair": self.repair,
+                "reload": self.reload, "rollback": self.rollback, "resume": self.resume,
+                "dump-status": self.dump_status, "dump": self.dump}
+
+    @property
+    def trainer(self):
+        return self.s.trainer
+
+    # ---- retry / recover / reload ------------------------------------------------------------
+    def ha_status(self, args: dict) -> dict:
+        from mindspeed_ha.recovery import dump, repair
+        if self.s.joining:  # restarted, not resumed yet (a fault came during its recovery): holds nothing
+            return {"replica": True, "joining": True}
+        self.s.fire("recovery", self.trainer.iteration + 1)
+        if self.s.optimizer is None:  # --distributed-optimizer-no-replica: the fallback reloads a checkpoint
+            newest = dump.newest_checkpoint(self.trainer.save_dir)
+            return {"replica": False, "ended": self.trainer.ended, "checkpoint": list(newest) if newest else None}
+        return {"replica": True, **repair.status(self.trainer)}
+
+    def rebuild(self, args: dict) -> str:
+        from mindspeed_ha.comm import groups
+        from mindspeed_ha.comm.interruptible import alone, clear_stop
+        t0 = time.perf_counter()
+        store = (args["store_host"], int(args["store_port"]), int(args["generation"]))
+        if self.s.joining and self.trainer.optimizer is None:
+            # A restarted worker: its groups, model and optimizer are made without peers (the
+            # survivors wait here), then its groups connect with the survivors' new generation.
+            with groups.joining(self.s.world_size, self.s.rank, self.s.device.backend), alone():
+                self.trainer.setup(joining=True)
+            got = groups.reconnect(*store, timeout=REBUILD_TIMEOUT)
+            return f"joined and set up in {time.perf_counter() - t0:.3f}s ({got['groups']} groups)"
+        clear_stop()
+        self.trainer.clean_partial_step()
+        got = groups.reconnect(*store, timeout=REBUILD_TIMEOUT)
+        return f"{got['groups']} groups reconnected in {got['seconds']:.3f}s"
+
+    def repair(self, args: dict) -> dict:
+        from mindspeed_ha.recovery import repair
+        flat = list(args.get("pairs", []))
+        pairs = list(zip(flat[0::2], flat[1::2]))
+        got = repair.transfer_shards(self.s.optimizer, pairs, self.s.rank, int(args["iteration"]))
+        flat = list(args.get("joiners", []))  # restarted rank, its twin, ...
+        joiners = dict(zip(flat[0::2], flat[1::2]))
+        if joiners:
+            received = repair.transfer_bookkeeping(self.trainer, joiners, self.s.rank)
+            if received is not None:
+                self.s.report_unlogged_step(self.trainer.ended, received["trainer"].get("step_loss"))
+        self.trainer.resync_weights()
+        if got:
+            self.s.events.emit("repaired", iteration=int(args["iteration"]), bytes=got,
+                               sources=[s for s, d in pairs if d == self.s.rank])
+        return {"received": got}
+
+    def reload(self, args: dict) -> dict:
+        t0 = time.perf_counter()
+        it = self.trainer.load_checkpoint(self.trainer.save_dir)
+        self.trainer.after_reload(int(args.get("ended", it)))
+        self.s.loaded(it, self.trainer.save_dir, time.perf_counter() - t0)
+        return {"iteration": it}
+
+    def rollback(self, args: dict) -> str:
+        from mindspeed_ha.recovery import repair
+        return repair.resume_at(self.trainer, int(args["iteration"]))
+
+    def resume(self, args: dict) -> str:
+        self.s.resumed()
+        return "resumed"
+
+    # ---- the dump ----------------------------------------------------------------------------
+    def dump_status(self, args: dict) -> dict:
+        """Prepare this rank's part of the checkpoint (locally, while the job's groups exist) and
+        report the shard's state for the controller's plan."""
+        from mindspeed_ha.recovery import dump
+        save = self.trainer.save_dir
+        if not save:
+            raise RuntimeError("no --save directory: the dying-gasp checkpoint has nowhere to go")
+        opt = self.s.optimizer
+        if opt is None:
+            raise RuntimeError("the dying-gasp checkpoint needs the replica optimizer "
+                               "(--distributed-optimizer-no-replica is set)")
+        # Stopped in its update window before touching the shard (a collective ahead of the Adam
+        # arithmetic was interrupted): the shard is still at ha_iteration.
+        abandon = bool(opt.ha_updating and not opt.ha_touched)
+        self.prepared = dump.prepare(self.trainer, abandon_update=abandon)
+        st = {k: self.prepared.status[k] for k in ("iteration", "updating", "touched", "replica_group",
+                                                   "trainer_iteration")}
+        fallback = dump.newest_checkpoint(save)
+        st.update(save=os.path.abspath(save), fallback=list(fallback) if fallback else None, abandoned=abandon)
+        return st
+
+    def dump(self, args: dict) -> dict:
+        from mindspeed_ha.comm import groups
+        from mindspeed_ha.comm.interruptible import clear_stop
+        from mindspeed_ha.plan import DumpPlan
+        from mindspeed_ha.recovery import dump
+        if self.prepared is None:
+            raise RuntimeError("dump before dump-status")
+        clear_stop()  # the stop that parked us (or a retry's) must not fail the survivors' collectives
+        plan = DumpPlan.from_wire(args["plan"])
+        world = groups.survivor_world(list(args["survivors"]), self.s.rank, args["store_host"],
+                                      int(args["store_port"]), int(args["generation"]),
+                                      timeout=REBUILD_TIMEOUT, backend=self.s.device.backend)
+        save = self.trainer.save_dir
+        res = dump.write(self.prepared, plan, world, save, self.s.events)
+        return {"iteration": res.iteration, "path": res.path, "seconds": round(res.seconds, 4),
+                "bytes": res.bytes, "save": os.path.abspath(save)}

@@ -1,0 +1,421 @@
+"""Every recovery playbook, round by round, against a fake port: each order the controller would send,
+every failure, timeout and lost-rank branch — in milliseconds, without processes."""
+import pytest
+
+from mindspeed_ha.control import playbooks as PB
+from mindspeed_ha.control.playbooks import Episode, FirstStep
+from mindspeed_ha.control.rounds import DONE, NEXT, Answers, Fail, Goto, Round, Runner
+from mindspeed_ha.control.states import State as S
+
+GROUPS = {0: [0, 2], 2: [0, 2], 1: [1, 3], 3: [1, 3]}  # DP=4, two optimizer instances
+
+
+class FakePort:
+    def __init__(self, live=(0, 1, 2, 3), lost=(), agents=True):
+        self._live, self._lost = set(live), set(lost)
+        self.orders: list[tuple[int, str, list, dict]] = []
+        self.replies: dict[int, dict] = {}
+        self.events: list[tuple[str, dict]] = []
+        self.restarted: list = []
+        self._restarting: set = set()
+        self.agents = agents
+        self.generation = 0
+        self.note = ""
+
+    # rounds.Port
+    def order(self, action, ranks, args):
+        oid = len(self.orders) + 1
+        self.orders.append((oid, action, list(ranks), args))
+        self.replies[oid] = {}
+        return oid
+
+    def answers(self, oid):
+        return dict(self.replies[oid])
+
+    def live(self):
+        return set(self._live)
+
+    def lost(self):
+        return set(self._lost)
+
+    def restart(self, ranks):
+        if not self.agents:
+            return [], [], list(ranks)
+        self.restarted.append(list(ranks))
+        self._restarting = set(ranks)
+        return list(ranks), [], []
+
+    def restarting(self):
+        return set(self._restarting)
+
+    def store(self):
+        return "127.0.0.1", 4242
+
+    def new_generation(self):
+        self.generation += 1
+        return self.generation
+
+    def emit(self, event, **fields):
+        self.events.append((event, fields))
+
+    def set_note(self, text):
+        self.note = text
+
+    # test helpers
+    def last(self):
+        return self.orders[-1]
+
+    def answer(self, replies: dict):
+        """Every pending rank of the last order answers: rank -> data, or an Exception for a failure."""
+        oid = self.last()[0]
+        for r, d in replies.items():
+            self.replies[oid][r] = (False, str(d)) if isinstance(d, Exception) else (True, d)
+
+    def event(self, name):
+        return [f for e, f in self.events if e == name]
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def shard(it, upd=False, touched=True, rank=None):
+    return {"iteration": it, "updating": upd, "touched": touched, "replica_group": GROUPS[rank], "ended": it,
+            "replica": True}
+
+
+def statuses(it=5, ranks=(0, 1, 2, 3)):
+    return {r: shard(it, rank=r) for r in ranks}
+
+
+def episode(port, strategy="retry", faults=(), replica=True):
+    return Episode(port, strategy, 4, list(faults), dict(GROUPS), replica=replica)
+
+
+def play(playbook, state, ep, clock=None):
+    runner = Runner(playbook.rounds(state), ep, clock=clock or Clock())
+    return runner, runner.start()
+
+
+UCE2 = {"ranks": [2], "kind": "memory-error", "iteration": 6, "phase": "backward", "detect_s": 0.01, "t_detect": 99.0}
+KILL1 = {"ranks": [1], "kind": "process-exit", "iteration": 6, "phase": "optimizer", "detect_s": 0.0, "t_detect": 99.0}
+
+
+# ---- retry -------------------------------------------------------------------------------------------
+def test_retry_every_round_in_order():
+    port = FakePort()
+    ep = episode(port, faults=[UCE2])
+    runner, out = play(PB.RETRY, S.REPAIR, ep)
+    assert out is None and port.last()[1:3] == ("ha-status", [0, 1, 2, 3])
+    port.answer(statuses())
+    assert runner.tick() is None  # plan (controller alone) then the rebuild order
+    oid, action, ranks, args = port.last()
+    assert action == "rebuild" and ranks == [0, 1, 2, 3]
+    assert args == {"store_host": "127.0.0.1", "store_port": 4242, "generation": 1}
+    assert port.event("repair_plan") == [{"iteration": 5, "pairs": [0, 2], "joiners": [], "generation": 1}]
+    port.answer({r: "reconnected" for r in range(4)})
+    assert runner.tick() is None
+    assert port.last()[1] == "repair" and port.last()[3] == {"pairs": [0, 2], "iteration": 5, "joiners": []}
+    port.answer({r: {"received": 0} for r in range(4)})
+    assert runner.tick() == "ok"  # REPAIR is over
+    runner, out = play(PB.RETRY, S.ROLLBACK, ep)
+    assert out is None and port.last()[1:] == ("rollback", [0, 1, 2, 3], {"iteration": 5})
+    port.answer({r: "rollback" for r in range(4)})
+    assert runner.tick() is None and port.last()[1] == "resume"
+    port.answer({r: "resumed" for r in range(4)})
+    assert runner.tick() == "ok" and ep.how == "rollback"
+    assert [o[1] for o in port.orders] == ["ha-status", "rebuild", "repair", "rollback", "resume"]
+    assert set(ep.phases) == {"status", "rebuild", "repair", "rollback", "resume"}
+
+
+def test_retry_lagging_twin_is_copied_too():
+    """Rank 0 finished its update of step 6, its twin 2 was stopped before touching its shard: the
+    plan is iteration 6 and 2 gets the shard from 0 (rank 2's memory error aside)."""
+    port = FakePort()
+    ep = episode(port)
+    runner, _ = play(PB.RETRY, S.REPAIR, ep)
+    st = statuses(6)
+    st[2] = shard(5, upd=True, touched=False, rank=2)
+    port.answer(st)
+    runner.tick()
+    assert ep.plan.iteration == 6 and list(ep.plan.copies) == [(0, 2)]
+
+
+@pytest.mark.parametrize("round_,reply,why", [
+    ("status", RuntimeError("boom"), "status failed (rank 1: boom)"),
+    ("rebuild", RuntimeError("store gone"), "rebuild failed (rank 1: store gone)"),
+    ("repair", RuntimeError("bad shard"), "repair failed (rank 1: bad shard)"),
+])
+def test_retry_a_failed_answer_fails_the_state(round_, reply, why):
+    port = FakePort()
+    runner, _ = play(PB.RETRY, S.REPAIR, episode(port, faults=[UCE2]))
+    for name, good in (("status", statuses()), ("rebuild", {r: "ok" for r in range(4)}),
+                       ("repair", {r: {} for r in range(4)})):
+        if name == round_:
+            port.answer({**good, 1: reply})
+            assert runner.tick() == ("failed", why)
+            return
+        port.answer(good)
+        assert runner.tick() is None
+
+
+def test_retry_a_silent_rank_times_the_round_out():
+    port, clock = FakePort(), Clock()
+    runner, _ = play(PB.RETRY, S.REPAIR, episode(port), clock)
+    port.answer({r: s for r, s in statuses().items() if r != 3})
+    clock.t += PB.ROUND_WAIT_S - 1
+    assert runner.tick() is None  # still waiting for rank 3
+    clock.t += 2
+    assert runner.tick() == ("failed", "status failed (rank 3: no answer)")
+
+
+def test_retry_a_rank_lost_meanwhile_fails_the_round():
+    port = FakePort()
+    runner, _ = play(PB.RETRY, S.REPAIR, episode(port))
+    port.answer(statuses())
+    runner.tick()
+    port.answer({0: "ok", 1: "ok", 2: "ok"})
+    port._live.discard(3)
+    assert runner.tick() == ("failed", "rebuild failed (rank 3: lost)")
+
+
+def test_retry_refused_when_a_shard_has_no_healthy_holder():
+    port = FakePort()
+    both = [UCE2, {**UCE2, "ranks": [0]}]
+    runner, _ = play(PB.RETRY, S.REPAIR, episode(port, faults=both))
+    port.answer(statuses())
+    out = runner.tick()
+    assert out[0] == "failed" and "[0, 2]" in out[1] and "every replica lost" in out[1]
+    assert [o[1] for o in port.orders] == ["ha-status"]  # nothing rebuilt
+
+
+def test_rollback_and_resume_failures():
+    for failing in ("rollback", "resume"):
+        port = FakePort()
+        ep = episode(port)
+        ep.plan = PB.planner.plan_repair(PB.planner.holders(4, statuses(), GROUPS))
+        runner, _ = play(PB.RETRY, S.ROLLBACK, ep)
+        if failing == "resume":
+            port.answer({r: "roll-forward" for r in range(4)})
+            runner.tick()
+        port.answer({0: RuntimeError("no RNG snapshot"), 1: "x", 2: "x", 3: "x"})
+        assert runner.tick() == ("failed", f"{failing} failed (rank 0: no RNG snapshot)")
+
+
+def test_failed_reports_and_notes():
+    port = FakePort()
+    ep = episode(port)
+    note = PB.failed(PB.RETRY, ep, "status failed (rank 1: boom)")
+    assert note == "retry failed (status failed (rank 1: boom))"
+    assert port.event("repair_failed") == [{"reason": "status failed (rank 1: boom)", "strategy": "retry"}]
+
+
+# ---- recover -----------------------------------------------------------------------------------------
+def test_recover_restarts_the_lost_rank_and_it_joins():
+    port, clock = FakePort(live=(0, 2, 3), lost=(1,)), Clock()
+    ep = episode(port, "recover", faults=[KILL1])
+    runner, _ = play(PB.RECOVER, S.REPAIR, ep, clock)
+    port.answer({r: s for r, s in statuses(6).items() if r != 1})
+    assert runner.tick() is None
+    assert port.restarted == [[1]] and port.event("restart") == [{"ranks": [1], "awaiting_node": []}]
+    clock.t += 1.0
+    assert runner.tick() is None  # not registered yet
+    port._restarting.clear()
+    port._live.add(1)
+    assert runner.tick() is None and port.last()[1] == "rebuild" and port.last()[2] == [0, 1, 2, 3]
+    assert list(ep.plan.joiners) == [(1, 3)] and list(ep.plan.copies) == [(3, 1)]
+    assert ep.phases["restart"] == 1.0
+
+
+def test_recover_a_rank_restarted_earlier_still_joining_holds_nothing():
+    port = FakePort()
+    ep = episode(port, "recover")
+    runner, _ = play(PB.RECOVER, S.REPAIR, ep)
+    st = statuses(6)
+    st[1] = {"replica": True, "joining": True}
+    port.answer(st)
+    runner.tick()
+    assert "restart" not in ep.phases  # nothing lost now: the round is skipped
+    assert ep.joiners == [1] and list(ep.plan.joiners) == [(1, 3)]
+
+
+@pytest.mark.parametrize("case,why", [
+    ("no agent", "rank(s) [1] have no launcher agent to restart them"),
+    ("unknown group", "the replica group of rank(s) [1] is unknown"),
+    ("never back", "restart failed (rank 1: did not come back)"),
+])
+def test_recover_refusals(case, why):
+    port, clock = FakePort(live=(0, 2, 3), lost=(1,), agents=case != "no agent"), Clock()
+    ep = episode(port, "recover")
+    if case == "unknown group":
+        ep.groups = {}
+    runner, _ = play(PB.RECOVER, S.REPAIR, ep, clock)
+    st = {r: s for r, s in statuses(6).items() if r != 1}
+    if case == "unknown group":
+        for s in st.values():
+            s["replica_group"] = [s["replica_group"][0]] if 1 not in s["replica_group"] else [3]
+    port.answer(st)
+    out = runner.tick()
+    if case == "never back":
+        assert out is None
+        clock.t += PB.RESTART_WAIT_S + 1
+        out = runner.tick()
+    assert out[0] == "failed" and why in out[1], out
+
+
+# ---- reload (no replicas) ----------------------------------------------------------------------------
+def test_reload_every_rank_reloads_the_periodic_checkpoint():
+    port = FakePort()
+    ep = episode(port, replica=False)
+    runner, _ = play(PB.RELOAD, S.REPAIR, ep)
+    port.answer({r: {"replica": False, "ended": 5 if r else 4, "checkpoint": [3, "/ck/iter_0000003"]} for r in range(4)})
+    runner.tick()
+    assert port.event("repair_plan") == [{"iteration": 3, "reload": "/ck/iter_0000003", "lost_steps": 2,
+                                          "generation": 1}]
+    port.answer({r: "ok" for r in range(4)})
+    runner.tick()
+    assert port.last()[1] == "reload" and port.last()[3] == {"ended": 5}
+    port.answer({r: {"iteration": 3} for r in range(4)})
+    assert runner.tick() == "ok" and ep.how == "reload" and ep.lost_steps == 2
+    runner, out = play(PB.RELOAD, S.ROLLBACK, ep)
+    assert port.last()[1] == "resume"  # the reload put every rank at the checkpoint: no rollback
+
+
+def test_reload_refused_without_a_common_checkpoint():
+    port = FakePort()
+    runner, _ = play(PB.RELOAD, S.REPAIR, episode(port, replica=False))
+    port.answer({r: {"replica": False, "ended": 5, "checkpoint": None if r == 2 else [3, "/ck"]} for r in range(4)})
+    out = runner.tick()
+    assert out[0] == "failed" and "no periodic checkpoint every rank can reload" in out[1]
+
+
+# ---- dump --------------------------------------------------------------------------------------------
+def dump_status(it=6, rank=0, fallback=None):
+    return {"iteration": it, "updating": False, "touched": True, "replica_group": GROUPS[rank],
+            "trainer_iteration": it, "save": "/ck", "fallback": fallback, "abandoned": False}
+
+
+def written(it=6):
+    return {"iteration": it, "path": f"/ck/iter_{it:07d}", "seconds": 0.3, "bytes": 100, "save": "/ck"}
+
+
+def test_dump_status_plan_write():
+    port = FakePort(live=(0, 2, 3), lost=(1,))
+    ep = episode(port, "dump", faults=[KILL1])
+    runner, _ = play(PB.DUMP, S.DUMP, ep)
+    assert port.last()[1:3] == ("dump-status", [0, 2, 3])
+    port.answer({r: dump_status(rank=r) for r in (0, 2, 3)})
+    assert runner.tick() is None
+    oid, action, ranks, args = port.last()
+    assert action == "dump" and ranks == [0, 2, 3] and args["survivors"] == [0, 2, 3] and args["generation"] == 1
+    assert args["plan"]["iteration"] == 6 and args["plan"]["writers"] == {"0,2": 0, "1,3": 3}
+    port.answer({r: written() for r in (0, 2, 3)})
+    assert runner.tick() == "ok"
+    (cp,) = port.event("checkpoint")
+    assert cp["kind"] == "dying_gasp" and cp["iteration"] == 6 and cp["ranks"] == [0, 3]
+    assert "dying-gasp checkpoint of iteration 6 written to /ck/iter_0000006" in port.note
+
+
+def test_dump_poisoned_and_refusing_ranks_are_left_out():
+    port, clock = FakePort(), Clock()
+    ep = episode(port, "dump", faults=[UCE2])
+    runner, _ = play(PB.DUMP, S.DUMP, ep, clock)
+    assert port.last()[2] == [0, 1, 3]  # rank 2's shard is poisoned: not asked
+    port.answer({0: dump_status(rank=0), 1: RuntimeError("no --save directory"), 3: dump_status(rank=3)})
+    assert runner.tick() is None and port.last()[2] == [0, 3]
+
+
+def test_dump_a_silent_survivor_is_left_out_after_the_wait():
+    port, clock = FakePort(), Clock()
+    runner, _ = play(PB.DUMP, S.DUMP, episode(port, "dump"), clock)
+    port.answer({r: dump_status(rank=r) for r in (0, 1, 2)})
+    assert runner.tick() is None
+    clock.t += PB.DUMP_STATUS_WAIT_S + 1
+    assert runner.tick() is None and port.last()[1] == "dump" and port.last()[2] == [0, 1, 2]
+
+
+def test_dump_no_survivor_could_prepare():
+    port = FakePort()
+    runner, _ = play(PB.DUMP, S.DUMP, episode(port, "dump"))
+    port.answer({r: RuntimeError("no --save directory") for r in range(4)})
+    assert runner.tick() == ("failed", "no survivor could prepare its state (no --save directory)")
+
+
+def test_dump_refused_when_both_replicas_are_lost():
+    port = FakePort(live=(0, 2), lost=(1, 3))
+    ep = episode(port, "dump")
+    runner, _ = play(PB.DUMP, S.DUMP, ep)
+    port.answer({r: dump_status(rank=r, fallback=[4, "/ck/iter_0000004"]) for r in (0, 2)})
+    out = runner.tick()
+    assert out[0] == "failed" and "refused, nothing written" in out[1] and "iteration 4 in /ck/iter_0000004" in out[1]
+    PB.failed(PB.DUMP, ep, out[1])
+    assert port.event("dump_refused")[0]["missing"] == [[1, 3]]
+
+
+def test_dump_a_writer_lost_stops_the_others_and_the_rest_write_again():
+    port = FakePort()
+    ep = episode(port, "dump")
+    runner, _ = play(PB.DUMP, S.DUMP, ep)
+    port.answer({r: dump_status(rank=r) for r in range(4)})
+    runner.tick()
+    first = port.last()
+    port._live.discard(2)  # rank 2 dies while writing: the others may be blocked on it
+    assert runner.tick() is None
+    assert port.last()[1] == "stop" and port.last()[2] == [0, 1, 3]
+    port.replies[first[0]].update({r: (False, "CollectiveStopped") for r in (0, 1, 3)})
+    assert runner.tick() is None  # planned again without rank 2, and written again
+    oid, action, ranks, args = port.last()
+    assert action == "dump" and ranks == [0, 1, 3] and args["generation"] == 2
+    assert args["plan"]["writers"] == {"0,2": 0, "1,3": 1}
+    port.answer({r: written() for r in (0, 1, 3)})
+    assert runner.tick() == "ok" and ep.result["survivors"] == [0, 1, 3]
+
+
+def test_dump_a_write_that_fails_refuses():
+    port = FakePort()
+    runner, _ = play(PB.DUMP, S.DUMP, episode(port, "dump"))
+    port.answer({r: dump_status(rank=r) for r in range(4)})
+    runner.tick()
+    port.answer({0: RuntimeError("disk full"), 1: written(), 2: written(), 3: written()})
+    assert runner.tick() == ("failed", "the survivors could not write the checkpoint (rank 0: disk full)")
+
+
+# ---- after the recovery, and the runner itself ---------------------------------------------------------
+def test_first_step_closes_the_recovery():
+    port = FakePort()
+    ep = episode(port)
+    ep.plan = PB.planner.plan_repair(PB.planner.holders(4, statuses(), GROUPS))
+    ep.phases.update(detect=0.01, stop=0.05)
+    ep.how = "rollback"
+    watch = FirstStep(ep, [UCE2], resumed_at=100.0)
+    assert watch.target == 6
+    assert watch.check(100.2, completed=False) is False and not port.event("recovered")
+    assert watch.check(100.3, completed=True) is True
+    (rec,) = port.event("recovered")
+    assert rec["strategy"] == "retry" and rec["iteration"] == 5 and rec["how"] == "rollback"
+    assert rec["mttr_s"] == pytest.approx(0.01 + 100.3 - 99.0) and rec["phases"]["first_step"] == pytest.approx(0.3)
+    assert rec["faults"] == [{"ranks": [2], "kind": "memory-error", "iteration": 6, "phase": "backward"}]
+
+
+def test_runner_goto_next_done_and_skips():
+    seen = []
+    rounds = [Round("a", act=lambda ep: seen.append("a") or None, decide=lambda ep, a: NEXT),
+              Round("b", act=lambda ep: seen.append("b") or None, when=lambda ep: False),
+              Round("c", act=lambda ep: seen.append("c") or (Goto("e") if len(seen) < 4 else NEXT)),
+              Round("d", act=lambda ep: seen.append("d") or DONE),
+              Round("e", act=lambda ep: seen.append("e") or Goto("a"))]
+    ep = episode(FakePort())
+    assert Runner(rounds, ep, clock=Clock()).start() == "ok"
+    assert seen == ["a", "c", "e", "a", "c", "d"]
+    assert "b" not in ep.phases
+
+
+def test_runner_rejects_an_unknown_decision():
+    with pytest.raises(TypeError):
+        Runner([Round("x", act=lambda ep: 42)], episode(FakePort()), clock=Clock()).start()
+    assert Runner([Round("x", act=lambda ep: Fail("no"))], episode(FakePort())).start() == ("failed", "no")
+    assert Answers({}, {1: "lost", 0: "x" * 600}, 0).why(50).startswith("rank 0: xxx")
