@@ -61,11 +61,11 @@ class HAOptions:
 def add_ha_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("mindspeed-ha (high availability)")
     g.add_argument("--enable-high-availability", action="store_true",
-                   help="Replica optimizer + dying-gasp checkpoint (TTP) on any fault")
+                   help="Replica optimizer; after any fault the dump: the survivors write a dying-gasp checkpoint (MindIO: TTP)")
     g.add_argument("--enable-hbmfault-repair", action="store_true",
-                   help="Online repair of memory (UCE) and communication faults (retry)")
+                   help="retry: repair memory errors (Ascend UCE) and communication faults in place (MindIO: UCE)")
     g.add_argument("--enable-worker-reboot", action="store_true",
-                   help="Restart only the failed process or node (ARF, recover)")
+                   help="recover: restart only the failed process or node (MindIO: ARF)")
     g.add_argument("--enable-elastic-training", action="store_true",
                    help="Scale data parallelism in when no spare exists, out when it returns")
     g.add_argument("--distributed-optimizer-no-replica", action="store_true",

@@ -38,7 +38,7 @@ def episodes(log_dir: str) -> list[dict]:
             cur.update(outcome=f"recovered ({e.get('how', '')})", end=e["time"], mttr_s=e["mttr_s"],
                        lost_steps=e["lost_steps"], phases=e["phases"], iteration=e["iteration"])
         elif kind == "checkpoint" and e.get("kind") == "dying_gasp":
-            cur.update(outcome=f"dying gasp of iteration {e['iteration']} in {e['seconds']:.2f}s", dump=e,
+            cur.update(outcome=f"dump of iteration {e['iteration']} in {e['seconds']:.2f}s", dump=e,
                        iteration=e["iteration"], lost_steps=0)
         elif kind == "dump_refused":
             cur["outcome"] = "dump refused"

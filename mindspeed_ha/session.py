@@ -186,7 +186,7 @@ class RankSession:
 
     def report_fault(self, exc: BaseException, iteration: int) -> bool:
         """An exception left the step: classify and report it at once, then serve the controller's
-        orders on this (training) thread — repairs and the dying gasp run here — until one ends the
+        orders on this (training) thread — repairs and the dump run here — until one ends the
         process (``exit``, from the processor thread) or training resumes in place (returns True).
         Returns False if the controller goes silent."""
         if self.processor is None:
@@ -197,7 +197,7 @@ class RankSession:
         if process_fatal(exc):
             # A poisoned device context (CUDA sticky error, e.g. uncorrectable ECC): nothing here can
             # be repaired in place or even freed. End the process; its agent reports the exit and
-            # recover restarts it from its twin (without recover: the dying gasp of the survivors).
+            # recover restarts it from its twin (without recover: the survivors' dump).
             log.error("rank %d: process-fatal device error in iteration %d (%s): %s; exiting with %d so "
                       "that the process is replaced", self.rank, iteration, self.phase, exc, PROCESS_FATAL_EXIT)
             self.events.emit("process_fatal", iteration=int(iteration), phase=self.phase, detail=str(exc)[:500])

@@ -1,5 +1,5 @@
-"""TTP dying-gasp checkpoint: the planner (table tests), and the in-place group rebuild on a real
-4-rank job (one process per rank, ``tests/workers/dump_worker.py``). The dying gasp itself, driven by
+"""The dump (dying-gasp checkpoint): the planner (table tests), and the in-place group rebuild on a real
+4-rank job (one process per rank, ``tests/workers/dump_worker.py``). The dump itself, driven by
 the controller in real jobs, is tested end to end in test_ttp.py."""
 import json
 import os

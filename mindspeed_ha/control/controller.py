@@ -20,10 +20,10 @@ import threading
 import time
 
 from ..events import EventLog, get_logger
-from ..faults import PROCESS_FATAL_EXIT
 from ..options import HAOptions
 from . import election, playbooks, protocol as P, security
 from .diagnosis import diagnosis
+from .inbox import Inbox
 from .playbooks import Episode, FirstStep
 from .ranks import Agent, Rank, RankTable
 from .router import Router
@@ -127,10 +127,7 @@ class Controller:
         self.playbook_port = _Port(self)  # what the playbooks see of this controller
         self.router = Router(self.keys, self.host, port)
         self.port_number, self.endpoint = self.router.port, self.router.endpoint
-        self.handlers = {"register": self._on_register, "hb": self._on_hb, "fault": self._on_fault,
-                         "result": self._on_result, "bye": self._on_bye, "agent": self._on_agent,
-                         "agent_hb": self._on_agent_hb, "exit": self._on_exit, "status?": self._on_status,
-                         "inject": self._on_inject}
+        self.handlers = Inbox(self).handlers()
         self.actions = {S.NORMAL: self._training, S.PAUSE: self._stop_survivors, S.DECIDE: self._decide,
                         S.REPAIR: self._play, S.ROLLBACK: self._play, S.DUMP: self._play, S.EXIT: self._tell_exit}
         self._last_scan = 0.0
@@ -181,11 +178,14 @@ class Controller:
 
     def _dispatch(self, ident: bytes, msg: dict) -> None:
         try:
-            self.handlers.get(msg["t"], self._on_unexpected)(ident, msg)
+            self.handlers.get(msg["t"], self._unexpected)(ident, msg)
         except (KeyError, ValueError, TypeError, IndexError) as e:  # semantically bad, e.g. rank out of range
             self.router.drops.drop("invalid", f"{msg.get('t')}: {e}")
         except Exception:  # a bug in one handler must not take the controller down with it
             log.exception("error handling %s", msg.get("t"))
+
+    def _unexpected(self, ident, msg) -> None:
+        self.router.drops.drop("unexpected", msg["t"])
 
     def _tick(self) -> None:
         now = time.monotonic()
@@ -200,148 +200,6 @@ class Controller:
         except Exception:
             log.exception("controller: the work of state %s failed", self.machine.state.value)
             self._failed()
-
-    # ---- input --------------------------------------------------------------------------------
-    def _on_unexpected(self, ident, msg) -> None:
-        self.router.drops.drop("unexpected", msg["t"])
-
-    def _on_register(self, ident, msg) -> None:
-        r = self.table.check(msg["rank"])
-        if msg["world"] != self.world:
-            raise ValueError(f"rank {r} says world {msg['world']}, controller has {self.world}")
-        now = time.monotonic()
-        old = self.ranks.get(r)
-        info = Rank(rank=r, ident=ident, node=msg["node"], pid=msg["pid"], host=msg.get("host", ""),
-                    groups=msg.get("groups", []), it=msg.get("iteration", -1), seen=now, progress_at=now)
-        if old is not None and old.pid == info.pid:
-            info.it, info.phase, info.progress, info.progress_at = old.it, old.phase, old.progress, old.progress_at
-        if old is not None and not info.groups:
-            info.groups = old.groups  # a restarted worker learns its groups only when it joins
-        if old is not None and old.pid != info.pid and old.alive and self.machine.state != S.INIT:
-            log.warning("rank %d re-registered with a new pid %d (was %d)", r, info.pid, old.pid)
-        if old is not None and not old.alive:
-            # A dead rank stays dead, unless it is the worker the recover strategy restarted.
-            info.alive = old.pid != info.pid and r in self.restarting
-            if info.alive:
-                self.restarting.discard(r)
-                self.events.emit("rejoined", rank=r, pid=info.pid, old_pid=old.pid)
-                log.info("rank %d rejoined with pid %d (was %d)", r, info.pid, old.pid)
-        self.ranks[r] = info
-        self.table.by_ident[ident] = r
-        self.router.send(ident, self._ack)
-        if old is not None and old.ident != ident and old.pid in (info.pid, 0):  # 0: placeholder of a takeover
-            self._resend_pending(r)
-        if self.machine.state == S.INIT and not self.standby and self.table.all_in():
-            self._feed(O.REGISTERED)
-
-    def _on_hb(self, ident, msg) -> None:
-        known = self.ranks.get(msg["rank"])
-        reconnected = known is not None and known.ident != ident
-        if self.table.heard(ident, msg, time.monotonic()) is None:
-            self.router.send(ident, P.encode("refused", reason="register first"))
-            return
-        if reconnected:
-            self._resend_pending(msg["rank"])
-        self.router.send(ident, self._ack)
-
-    def _on_fault(self, ident, msg) -> None:
-        r = self.table.check(msg["rank"])
-        info = self.ranks.get(r)
-        if info:
-            info.health = "faulty"
-            info.it = max(info.it, msg["iteration"])
-            info.phase = msg["phase"]
-        at = msg.get("at")
-        self._fault([r], msg["kind"], msg["iteration"], msg["phase"],
-                    detect_s=max(0.0, time.time() - at) if at else 0.0, detail=msg.get("detail", ""),
-                    key=("fault", r, msg["kind"], at))
-
-    def _on_result(self, ident, msg) -> None:
-        r = self.table.check(msg["rank"])
-        pend = self.pending.get(msg["id"])
-        if pend is None:
-            return
-        pend["waiting"].discard(r)
-        pend["results"][r] = (msg["ok"], msg.get("data") if msg["ok"] else msg.get("error", ""))
-        if msg["action"] == "stop" and r in self.ranks:
-            self.ranks[r].stopped = True
-        if msg["action"] == "standby" and msg["ok"]:
-            self.standbys.up(r, msg.get("data") or "")
-            self._refresh_ack()
-            self._announce(quiet=True)  # a client that never got an ack naming it finds it there
-            self.events.emit("standby", rank=r, endpoint=msg.get("data") or "")
-        if pend.get("cli") is not None:
-            self.router.send(pend["cli"], P.encode("status", body={
-                "ok": msg["ok"], "rank": r, "action": msg["action"], "data": msg.get("data"),
-                "error": msg.get("error", "")}))
-        if not pend["waiting"]:
-            self.answered[msg["id"]] = self.pending.pop(msg["id"])["results"]
-
-    def _on_bye(self, ident, msg) -> None:
-        r = self.table.check(msg["rank"])
-        if r in self.ranks:
-            self.ranks[r].done = True
-            self.ranks[r].seen = time.monotonic()
-
-    def _on_agent(self, ident, msg) -> None:
-        self.agents[msg["node_rank"]] = Agent(msg["node_rank"], ident, msg["node"], list(msg["ranks"]),
-                                              list(msg["pids"]), seen=time.monotonic())
-        self.router.send(ident, self._ack)
-
-    def _on_agent_hb(self, ident, msg) -> None:
-        a = self.agents.get(msg["node_rank"])
-        if a is None:
-            self.router.send(ident, P.encode("refused", reason="register first"))
-            return
-        a.ident, a.seen = ident, time.monotonic()
-        self.router.send(ident, self._ack)
-
-    def _on_exit(self, ident, msg) -> None:
-        r = self.table.check(msg["rank"])
-        code, sig = msg.get("code", 0), msg.get("signal", 0)
-        info = self.ranks.get(r)
-        if info is not None and info.pid and info.pid != msg["pid"]:
-            return  # an older incarnation of this rank
-        agent = self.agents.get(msg.get("node_rank", -1))
-        if agent is not None and r in agent.ranks and agent.pids[agent.ranks.index(r)] != msg["pid"]:
-            return  # the same, told by the agent's current worker list (a report replayed to a new controller)
-        if info is not None and not info.alive:
-            return
-        if info is not None:
-            info.alive = False
-        if code == 0 and not sig:
-            if info is not None:
-                info.done = True
-            return
-        if self.machine.state in (S.EXIT, S.DONE):
-            return  # survivors we told to exit
-        how = f"killed by signal {sig}" if sig else f"exit code {code}"
-        if code == PROCESS_FATAL_EXIT and not sig:
-            how += " (process-fatal device error: the process must be replaced)"
-        it = msg.get("iteration", info.it if info else -1)
-        phase = msg.get("phase", info.phase if info else "unknown")
-        at = msg.get("at")
-        self._fault([r], "process-exit", it, phase, detect_s=max(0.0, time.time() - at) if at else 0.0,
-                    detail=f"pid {msg['pid']} {how}", key=("exit", r, msg["pid"]))
-
-    def _on_status(self, ident, msg) -> None:
-        self.router.send(ident, P.encode("status", body=self.status()))
-
-    def _on_inject(self, ident, msg) -> None:
-        r = self.table.check(msg["rank"])
-        info = self.ranks.get(r)
-        if info is None or not info.alive or self.standby:
-            self.router.send(ident, P.encode("refused", reason=f"rank {r} is not a live registered rank"))
-            return
-        if msg["kind"] not in P.INJECT_KINDS or msg.get("phase", "forward") not in P.INJECT_PHASES:
-            self.router.send(ident, P.encode("refused", reason=f"unknown fault {msg['kind']!r}/{msg.get('phase')!r}"))
-            return
-        args = {k: msg[k] for k in ("kind", "step", "phase") if k in msg}
-        oid = self.order("inject", [r], args)
-        # Answer on delivery: the fault may kill the rank before its handler's result gets out.
-        self.router.send(ident, P.encode("status", body={"ok": True, "rank": r, "action": "inject", "id": oid,
-                                                         "detail": "delivered", **args}))
-        self.events.emit("inject", target=r, **args)
 
     # ---- output -------------------------------------------------------------------------------
     def _refresh_ack(self) -> None:

@@ -200,7 +200,7 @@ RELOAD = Playbook("reload", {S.REPAIR: [STATUS, RESTART, PLAN_RELOAD, REBUILD, R
 # ---- dump (the dying-gasp checkpoint) -----------------------------------------------------------------
 def _dump_status_to(ep: Episode) -> list:
     asked = sorted(ep.port.live() - planner.poisoned(ep.faults))  # a poisoned shard must not be saved
-    log.info("dying gasp: asking %d live rank(s) for their shard state", len(asked))
+    log.info("dump: asking %d live rank(s) for their shard state", len(asked))
     return asked
 
 
@@ -210,7 +210,7 @@ def _dump_statuses(ep: Episode, ans: Answers):
     if not ep.statuses:
         return Fail(f"no survivor could prepare its state ({next(iter(refused.values()), 'no live rank answered')})")
     if refused:
-        log.warning("dying gasp: rank(s) %s could not prepare and are left out: %s", sorted(refused),
+        log.warning("dump: rank(s) %s could not prepare and are left out: %s", sorted(refused),
                     "; ".join(sorted(set(map(str, refused.values()))))[:300])
     fallbacks = [tuple(s["fallback"]) for s in ep.statuses.values() if s.get("fallback")]
     ep.fallback = max(fallbacks) if fallbacks else None
@@ -229,7 +229,7 @@ def _plan_dump(ep: Episode):
     writing = sorted(statuses)
     ep.port.emit("dump_plan", iteration=plan.iteration, writers=sorted(plan.writers.values()),
                  survivors=writing, generation=ep.generation, finishing=list(plan.finishing))
-    log.info("dying gasp: %s; %d survivor(s) write (generation %d)", plan.message(), len(writing), ep.generation)
+    log.info("dump: %s; %d survivor(s) write (generation %d)", plan.message(), len(writing), ep.generation)
     return NEXT
 
 
@@ -242,7 +242,7 @@ def _write_args(ep: Episode) -> dict:
 def _written(ep: Episode, ans: Answers):
     lost = [r for r, why in ans.failed.items() if why == "lost"]
     if lost:  # the others were stopped by the runner: plan again over the rest
-        log.warning("dying gasp: rank(s) %s lost while writing; re-planning without them", sorted(lost))
+        log.warning("dump: rank(s) %s lost while writing; re-planning without them", sorted(lost))
         for r in lost:
             ep.statuses.pop(r, None)
         return Goto("plan")
@@ -274,10 +274,10 @@ def failed(playbook: Playbook, ep: Episode, reason: str) -> str:
     if playbook is DUMP:
         missing = [list(g) for g in getattr(ep.plan, "missing", ())]
         ep.port.emit("dump_refused", message=reason, missing=missing)
-        log.error("dying gasp: %s", reason)
+        log.error("dump: %s", reason)
         return reason
     ep.port.emit("repair_failed", reason=reason, strategy=ep.strategy)
-    log.error("%s failed: %s; falling back to the dying gasp", ep.strategy, reason)
+    log.error("%s failed: %s; falling back to the dump", ep.strategy, reason)
     return f"{ep.strategy} failed ({reason})"
 
 

@@ -17,9 +17,9 @@ class State(str, enum.Enum):
     NORMAL = "normal"        # training
     PAUSE = "pause"          # abnormal: a fault is known, survivors are being stopped
     DECIDE = "decide"        # survivors stopped: pick the strategy for the faults known
-    REPAIR = "repair"        # retry/recover: restore the lost state from replicas (UCE, ARF)
+    REPAIR = "repair"        # retry / recover: restore the lost state from the twins
     ROLLBACK = "rollback"    # every rank back to the start of the failed step
-    DUMP = "dump"            # TTP: dying-gasp checkpoint from the survivors
+    DUMP = "dump"            # the survivors write the dying-gasp checkpoint
     DOWNGRADE = "downgrade"  # elastic: drop the failed DP domain
     UPGRADE = "upgrade"      # elastic: a spare returned, scale back out
     EXIT = "exit"            # tell everyone to exit, write the diagnosis
@@ -33,7 +33,7 @@ class Outcome(str, enum.Enum):
     STOPPED = "stopped"          # every survivor acknowledged stop
     RETRY = "retry"              # strategy: online repair of a memory/communication fault
     RECOVER = "recover"          # strategy: restart the failed process, repair from replicas
-    DUMP = "dump"                # strategy: dying-gasp checkpoint
+    DUMP = "dump"                # strategy: the dump (dying-gasp checkpoint)
     ELASTIC = "elastic"          # strategy: scale in
     NO_STRATEGY = "no-strategy"  # nothing enabled/built can handle this fault
     OK = "ok"                    # the state's action succeeded

@@ -334,7 +334,7 @@ class Agent:
             # A worker failed and no order came (yet): act alone when there is no controller to wait for.
             all_gone_at = all_gone_at or (now if not alive else 0.0)
             waited = now - self.first_failure
-            # Wait for the controller while it is reachable and busy with a recovery (a dying gasp or
+            # Wait for the controller while it is reachable and busy with a recovery (a dump or
             # a repair can outlast the decision timeout); act alone when it is gone, ignores the
             # failure, or takes longer than any of its states may.
             busy = self.link.active and self.link.state not in ("normal", "init", "done")

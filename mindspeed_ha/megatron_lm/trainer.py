@@ -114,7 +114,7 @@ class MegatronLMTrainer(TrainerInterface):
         return get_args().global_batch_size
 
     def checkpoint_args(self):
-        """Megatron-LM's own arguments, as its save_checkpoint stores them (the dying gasp writes
+        """Megatron-LM's own arguments, as its save_checkpoint stores them (the dump writes
         them into a checkpoint that Megatron-LM's load_checkpoint then checks and reads)."""
         import copy
         from megatron.training import get_args

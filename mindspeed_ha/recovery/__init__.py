@@ -1,1 +1,1 @@
-"""Recovery actions run on the ranks: rebuild process groups, write the dying-gasp checkpoint."""
+"""The rank side of recovery: the handlers of the controller's orders, in-place repair, the dump."""

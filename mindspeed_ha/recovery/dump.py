@@ -79,7 +79,7 @@ _prewarm_thread = None
 
 def prewarm_writer():
     """Start the checkpoint writer's helper process in the background (see ``_warm_writer``), so
-    that a rank whose first write is the dying gasp does not pay for it then. (The script must guard
+    that a rank whose first write is the dump does not pay for it then. (The script must guard
     ``if __name__ == "__main__"``, as any script that saves must.)"""
     import threading
     global _prewarm_thread

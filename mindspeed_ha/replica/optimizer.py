@@ -83,7 +83,7 @@ class ReplicaMixin:
     def step_with_ready_grads(self):
         # Past the grad-norm all-reduce: from here to the parameter all-gather the update is local
         # arithmetic, which a stop cannot interrupt, so a rank stopped in its window either never
-        # touched its shard (still at ha_iteration) or will finish the update (dying gasp, item 2).
+        # touched its shard (still at ha_iteration) or will finish the update (the dump relies on this).
         self.ha_touched = True
         return self._ha_base.step_with_ready_grads(self)
 

@@ -54,11 +54,11 @@ def train_to(trainer, last):
             trainer.save_checkpoint(a.save)
 
 
-def dump(trainer, rank, world):
+def write_dump(trainer, rank, world):
     import torch.distributed as dist
     from mindspeed_ha import plan as planner
     from mindspeed_ha.comm import groups
-    from mindspeed_ha.recovery import dump as ttp
+    from mindspeed_ha.recovery import dump
     from mindspeed_ha.replica.topology import ReplicaTopology
 
     kill = {int(r) for r in os.environ.get("DUMP_KILL", "").split(",") if r}
@@ -66,8 +66,8 @@ def dump(trainer, rank, world):
     if reps:
         # Same state, same warm writer: periodic saves by all ranks, then the survivors' dumps.
         from mindspeed_ha.trainer import checkpoint
-        if ttp._prewarm_thread is not None:
-            ttp._prewarm_thread.join()
+        if dump._prewarm_thread is not None:
+            dump._prewarm_thread.join()
         bench["periodic_s"] = [checkpoint.save(trainer, f"{trainer.args.save}_periodic{i}")[1] for i in range(reps)]
     if rank in kill:
         trainer.session.events.emit("harness_exit", iteration=trainer.iteration)
@@ -75,7 +75,7 @@ def dump(trainer, rank, world):
         os._exit(17)
     survivors = [r for r in range(world) if r not in kill]
     t0 = time.perf_counter()
-    prep = ttp.prepare(trainer)  # local: reads parallel_state while the old groups still exist
+    prep = dump.prepare(trainer)  # local: reads parallel_state while the old groups still exist
     t1 = time.perf_counter()
     w = groups.survivor_world(survivors, rank, "127.0.0.1", int(os.environ["DUMP_STORE_PORT"]), generation=1,
                               host_rank=survivors[0], timeout=timedelta(seconds=30))
@@ -88,7 +88,7 @@ def dump(trainer, rank, world):
     known = {r: ReplicaTopology(r, tuple(s["dp_ranks"]), s["replica_num"]).replica_group
              for s in statuses for r in s["dp_ranks"]}
     holders = planner.holders(world, {s["rank"]: s for s in statuses}, known)
-    plan = planner.plan_dump(holders, ttp.newest_checkpoint(trainer.args.save))
+    plan = planner.plan_dump(holders, dump.newest_checkpoint(trainer.args.save))
     out = {"plan_ok": plan.ok, "message": plan.message(), "group_s": t_group}
     if not plan.ok:
         trainer.session.events.emit("dump_refused", message=plan.message(),
@@ -98,9 +98,9 @@ def dump(trainer, rank, world):
             print(f"mindspeed-ha: {plan.message()}", file=sys.stderr, flush=True)
         return 3
     if reps:
-        bench["dump_s"] = [ttp.write(prep, plan, w, f"{trainer.args.save}_dump{i}").seconds
+        bench["dump_s"] = [dump.write(prep, plan, w, f"{trainer.args.save}_dump{i}").seconds
                            for i in range(reps)]
-    res = ttp.write(prep, plan, w, trainer.args.save)
+    res = dump.write(prep, plan, w, trainer.args.save)
     out.update(bench)
     out.update(iteration=res.iteration, path=res.path, seconds=res.seconds, writers=res.writers,
                files=res.files, bytes=res.bytes, total_s=time.perf_counter() - t0)
@@ -110,7 +110,7 @@ def dump(trainer, rank, world):
     return 0
 
 
-def rebuild(trainer, rank, world):
+def reconnect(trainer, rank, world):
     import torch.distributed as dist
     from mindspeed_ha.comm import groups
 
@@ -129,11 +129,11 @@ def rebuild(trainer, rank, world):
 def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     trainer = build(sys.argv[1:])
-    from mindspeed_ha.recovery import dump as ttp
+    from mindspeed_ha.recovery import dump
     if not os.environ.get("DUMP_NO_PREWARM"):
-        ttp.prewarm_writer()
+        dump.prewarm_writer()
     train_to(trainer, int(os.environ["DUMP_STEPS"]))
-    code = {"dump": dump, "rebuild": rebuild}[os.environ.get("DUMP_MODE", "dump")](trainer, rank, world)
+    code = {"dump": write_dump, "rebuild": reconnect}[os.environ.get("DUMP_MODE", "dump")](trainer, rank, world)
     trainer.session.close()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,16 +1,16 @@
-"""What the TTP dying gasp costs and saves, measured on real 4-rank jobs under `mindspeed-ha run`.
+"""What the dump (the survivors' dying-gasp checkpoint) costs and saves, measured on real 4-rank jobs under `mindspeed-ha run`.
 
 Two kinds of job, the same GPT, `--save CK --save-interval K`:
 
-- Save time, same state: rank 1 is killed in the forward of step K+1, so the survivors' dying gasp
+- Save time, same state: rank 1 is killed in the forward of step K+1, so the survivors' dump
   writes iteration K — the very state the job's periodic save of iteration K wrote moments before.
   Compared: the periodic save (every rank, collective; `checkpoint` events of the ranks, the
-  slowest rank) against the dying gasp's write on the survivors (`write_s`: group of survivors,
+  slowest rank) against the dump's write on the survivors (`write_s`: group of survivors,
   weight re-sync, replica election, save, checksums, re-read verification, rename) and against the
   controller's whole DUMP state (`seconds`: also the status round and the plan). Repeated; medians.
 - Lost steps: rank 1 is killed in step 2K's optimizer update, the worst case for periodic
   checkpoints (K-1 completed steps since the last one). Lost = completed steps the resumed job must
-  recompute: (2K-1) - (checkpoint iteration). Measured for the dying gasp, and for a periodic-only
+  recompute: (2K-1) - (checkpoint iteration). Measured for the dump, and for a periodic-only
   restart from the newest periodic checkpoint of the same job; plus the expectation over a fault
   time uniform in the interval, (K-1)/2 for periodic, and the rank-seconds that wastes.
 
@@ -56,7 +56,7 @@ def run_job(a, work: str, name: str, inject: str, iters: int) -> dict:
     ctl = read_events(os.path.join(ev_dir, "controller.jsonl"))
     dumps = [e for e in ctl if e["event"] == "checkpoint" and e.get("kind") == "dying_gasp"]
     if proc.returncode == 0 or not dumps:
-        raise SystemExit(f"{name}: expected a fault and a dying gasp, got exit {proc.returncode}\n"
+        raise SystemExit(f"{name}: expected a fault and a dump, got exit {proc.returncode}\n"
                          + proc.stderr[-3000:])
     periodic: dict[int, float] = {}
     for e in ranks:
@@ -80,7 +80,7 @@ def main() -> None:
     p.add_argument("--keep", default=None, help="keep the jobs' logs and checkpoints in this directory")
     a = p.parse_args()
     K = a.interval
-    work = a.keep or tempfile.mkdtemp(prefix="ttp_bench_")
+    work = a.keep or tempfile.mkdtemp(prefix="dump_bench_")
     os.makedirs(work, exist_ok=True)
 
     same = []
@@ -92,16 +92,16 @@ def main() -> None:
         same.append({"periodic_s": r["periodic"][K], "dump_write_s": d["write_s"], "dump_s": d["seconds"],
                      "bytes": d["bytes"]})
         print(f"same state (iteration {K}), run {i}: periodic save {r['periodic'][K]:.3f} s (4 ranks), "
-              f"dying gasp write {d['write_s']:.3f} s, whole DUMP state {d['seconds']:.3f} s (3 survivors), "
+              f"dump write {d['write_s']:.3f} s, whole DUMP state {d['seconds']:.3f} s (3 survivors), "
               f"{d['bytes'] / 1e6:.1f} MB", flush=True)
 
     worst = run_job(a, work, "worst_case", f"kill:rank=1:step={2 * K}:phase=optimizer", 2 * K + 1)
     done_steps = 2 * K - 1  # completed before the fault
-    ttp_lost = max(0, done_steps - worst["dump"]["iteration"])
+    dump_lost = max(0, done_steps - worst["dump"]["iteration"])
     periodic_it = max(i for i in worst["periodic"] if i <= done_steps)
     periodic_lost = done_steps - periodic_it
     step_s = worst["step_s"]
-    print(f"fault in step {2 * K} (K={K}): dying gasp of iteration {worst['dump']['iteration']} -> {ttp_lost} "
+    print(f"fault in step {2 * K} (K={K}): dump of iteration {worst['dump']['iteration']} -> {dump_lost} "
           f"lost steps; periodic restart from iteration {periodic_it} -> {periodic_lost} lost steps "
           f"({periodic_lost * step_s * 4:.2f} rank-seconds at {step_s * 1000:.0f} ms/step)", flush=True)
 
@@ -112,7 +112,7 @@ def main() -> None:
         "dump_state_s": round(med("dump_s"), 4),
         "dump_write_vs_periodic_ratio": round(statistics.median(x["dump_write_s"] / x["periodic_s"] for x in same), 3),
         "dump_vs_periodic_ratio": round(statistics.median(x["dump_s"] / x["periodic_s"] for x in same), 3),
-        "lost_steps_ttp": ttp_lost, "lost_steps_periodic_worst": periodic_lost,
+        "lost_steps_dump": dump_lost, "lost_steps_periodic_worst": periodic_lost,
         "lost_steps_periodic_expected": (K - 1) / 2, "step_s": round(step_s, 4),
         "lost_rank_seconds_periodic_worst": round(periodic_lost * step_s * 4, 3),
     }

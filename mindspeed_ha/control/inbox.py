@@ -1,0 +1,163 @@
+"""What each message from a rank, a launcher agent or the CLI does to the controller's picture of
+the job: registrations (a restarted rank revives), heartbeats, fault and exit reports (faults for the
+state machine), answers to orders, status requests and live fault injection. One method per message
+type, in one table (``handlers``)."""
+from __future__ import annotations
+
+import time
+
+from ..events import get_logger
+from ..faults import PROCESS_FATAL_EXIT
+from . import protocol as P
+from .ranks import Agent, Rank
+from .states import Outcome as O, State as S
+
+log = get_logger("control.controller")
+
+
+class Inbox:
+    def __init__(self, controller):
+        self.c = controller
+
+    def handlers(self) -> dict:
+        return {"register": self.register, "hb": self.heartbeat, "fault": self.fault, "result": self.result,
+                "bye": self.bye, "agent": self.agent, "agent_hb": self.agent_heartbeat, "exit": self.exit,
+                "status?": self.status, "inject": self.inject}
+
+    def register(self, ident, msg) -> None:
+        r = self.c.table.check(msg["rank"])
+        if msg["world"] != self.c.world:
+            raise ValueError(f"rank {r} says world {msg['world']}, controller has {self.c.world}")
+        now = time.monotonic()
+        old = self.c.ranks.get(r)
+        info = Rank(rank=r, ident=ident, node=msg["node"], pid=msg["pid"], host=msg.get("host", ""),
+                    groups=msg.get("groups", []), it=msg.get("iteration", -1), seen=now, progress_at=now)
+        if old is not None and old.pid == info.pid:
+            info.it, info.phase, info.progress, info.progress_at = old.it, old.phase, old.progress, old.progress_at
+        if old is not None and not info.groups:
+            info.groups = old.groups  # a restarted worker learns its groups only when it joins
+        if old is not None and old.pid != info.pid and old.alive and self.c.machine.state != S.INIT:
+            log.warning("rank %d re-registered with a new pid %d (was %d)", r, info.pid, old.pid)
+        if old is not None and not old.alive:
+            # A dead rank stays dead, unless it is the worker the recover strategy restarted.
+            info.alive = old.pid != info.pid and r in self.c.restarting
+            if info.alive:
+                self.c.restarting.discard(r)
+                self.c.events.emit("rejoined", rank=r, pid=info.pid, old_pid=old.pid)
+                log.info("rank %d rejoined with pid %d (was %d)", r, info.pid, old.pid)
+        self.c.ranks[r] = info
+        self.c.table.by_ident[ident] = r
+        self.c.router.send(ident, self.c._ack)
+        if old is not None and old.ident != ident and old.pid in (info.pid, 0):  # 0: placeholder of a takeover
+            self.c._resend_pending(r)
+        if self.c.machine.state == S.INIT and not self.c.standby and self.c.table.all_in():
+            self.c._feed(O.REGISTERED)
+
+    def heartbeat(self, ident, msg) -> None:
+        known = self.c.ranks.get(msg["rank"])
+        reconnected = known is not None and known.ident != ident
+        if self.c.table.heard(ident, msg, time.monotonic()) is None:
+            self.c.router.send(ident, P.encode("refused", reason="register first"))
+            return
+        if reconnected:
+            self.c._resend_pending(msg["rank"])
+        self.c.router.send(ident, self.c._ack)
+
+    def fault(self, ident, msg) -> None:
+        r = self.c.table.check(msg["rank"])
+        info = self.c.ranks.get(r)
+        if info:
+            info.health = "faulty"
+            info.it = max(info.it, msg["iteration"])
+            info.phase = msg["phase"]
+        at = msg.get("at")
+        self.c._fault([r], msg["kind"], msg["iteration"], msg["phase"],
+                    detect_s=max(0.0, time.time() - at) if at else 0.0, detail=msg.get("detail", ""),
+                    key=("fault", r, msg["kind"], at))
+
+    def result(self, ident, msg) -> None:
+        r = self.c.table.check(msg["rank"])
+        pend = self.c.pending.get(msg["id"])
+        if pend is None:
+            return
+        pend["waiting"].discard(r)
+        pend["results"][r] = (msg["ok"], msg.get("data") if msg["ok"] else msg.get("error", ""))
+        if msg["action"] == "stop" and r in self.c.ranks:
+            self.c.ranks[r].stopped = True
+        if msg["action"] == "standby" and msg["ok"]:
+            self.c.standbys.up(r, msg.get("data") or "")
+            self.c._refresh_ack()
+            self.c._announce(quiet=True)  # a client that never got an ack naming it finds it there
+            self.c.events.emit("standby", rank=r, endpoint=msg.get("data") or "")
+        if pend.get("cli") is not None:
+            self.c.router.send(pend["cli"], P.encode("status", body={
+                "ok": msg["ok"], "rank": r, "action": msg["action"], "data": msg.get("data"),
+                "error": msg.get("error", "")}))
+        if not pend["waiting"]:
+            self.c.answered[msg["id"]] = self.c.pending.pop(msg["id"])["results"]
+
+    def bye(self, ident, msg) -> None:
+        r = self.c.table.check(msg["rank"])
+        if r in self.c.ranks:
+            self.c.ranks[r].done = True
+            self.c.ranks[r].seen = time.monotonic()
+
+    def agent(self, ident, msg) -> None:
+        self.c.agents[msg["node_rank"]] = Agent(msg["node_rank"], ident, msg["node"], list(msg["ranks"]),
+                                              list(msg["pids"]), seen=time.monotonic())
+        self.c.router.send(ident, self.c._ack)
+
+    def agent_heartbeat(self, ident, msg) -> None:
+        a = self.c.agents.get(msg["node_rank"])
+        if a is None:
+            self.c.router.send(ident, P.encode("refused", reason="register first"))
+            return
+        a.ident, a.seen = ident, time.monotonic()
+        self.c.router.send(ident, self.c._ack)
+
+    def exit(self, ident, msg) -> None:
+        r = self.c.table.check(msg["rank"])
+        code, sig = msg.get("code", 0), msg.get("signal", 0)
+        info = self.c.ranks.get(r)
+        if info is not None and info.pid and info.pid != msg["pid"]:
+            return  # an older incarnation of this rank
+        agent = self.c.agents.get(msg.get("node_rank", -1))
+        if agent is not None and r in agent.ranks and agent.pids[agent.ranks.index(r)] != msg["pid"]:
+            return  # the same, told by the agent's current worker list (a report replayed to a new controller)
+        if info is not None and not info.alive:
+            return
+        if info is not None:
+            info.alive = False
+        if code == 0 and not sig:
+            if info is not None:
+                info.done = True
+            return
+        if self.c.machine.state in (S.EXIT, S.DONE):
+            return  # survivors we told to exit
+        how = f"killed by signal {sig}" if sig else f"exit code {code}"
+        if code == PROCESS_FATAL_EXIT and not sig:
+            how += " (process-fatal device error: the process must be replaced)"
+        it = msg.get("iteration", info.it if info else -1)
+        phase = msg.get("phase", info.phase if info else "unknown")
+        at = msg.get("at")
+        self.c._fault([r], "process-exit", it, phase, detect_s=max(0.0, time.time() - at) if at else 0.0,
+                    detail=f"pid {msg['pid']} {how}", key=("exit", r, msg["pid"]))
+
+    def status(self, ident, msg) -> None:
+        self.c.router.send(ident, P.encode("status", body=self.c.status()))
+
+    def inject(self, ident, msg) -> None:
+        r = self.c.table.check(msg["rank"])
+        info = self.c.ranks.get(r)
+        if info is None or not info.alive or self.c.standby:
+            self.c.router.send(ident, P.encode("refused", reason=f"rank {r} is not a live registered rank"))
+            return
+        if msg["kind"] not in P.INJECT_KINDS or msg.get("phase", "forward") not in P.INJECT_PHASES:
+            self.c.router.send(ident, P.encode("refused", reason=f"unknown fault {msg['kind']!r}/{msg.get('phase')!r}"))
+            return
+        args = {k: msg[k] for k in ("kind", "step", "phase") if k in msg}
+        oid = self.c.order("inject", [r], args)
+        # Answer on delivery: the fault may kill the rank before its handler's result gets out.
+        self.c.router.send(ident, P.encode("status", body={"ok": True, "rank": r, "action": "inject", "id": oid,
+                                                         "detail": "delivered", **args}))
+        self.c.events.emit("inject", target=r, **args)

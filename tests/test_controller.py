@@ -1,0 +1,120 @@
+"""The real controller against fake ranks on real CurveZMQ sockets: a bug in a state's work is that
+state's FAILED outcome (never the end of the controller thread), and answers of any size travel whole."""
+import time
+
+import pytest
+import zmq
+
+from mindspeed_ha.control import protocol as P, security
+from mindspeed_ha.control.controller import Controller
+from mindspeed_ha.events import read_events
+from mindspeed_ha.options import HAOptions
+
+GROUPS = {0: [0, 2], 2: [0, 2], 1: [1, 3], 3: [1, 3]}
+
+
+class FakeRanks:
+    """Four ranks' sockets: register, heartbeat, answer each order with ``answer(rank, msg)``."""
+
+    def __init__(self, c: Controller, keys, answer, world=4):
+        self.ctx = zmq.Context()
+        self.socks = {}
+        self.answer, self.seen = answer, []
+        for r in range(world):
+            s = self.ctx.socket(zmq.DEALER)
+            s.linger = 0
+            s.maxmsgsize = P.MAX_BYTES + 1024
+            security.secure_client(s, keys)
+            s.connect(c.endpoint)
+            s.send(P.encode("register", rank=r, world=world, node="n0", pid=1000 + r, groups=[GROUPS[r]]))
+            self.socks[r] = s
+
+    def pump(self, seconds: float, until=lambda: False) -> None:
+        deadline = time.time() + seconds
+        while time.time() < deadline and not until():
+            for r, s in self.socks.items():
+                s.send(P.encode("hb", rank=r, it=5, upd=False, health="ok", phase="forward", progress=1.0))
+                while s.poll(0):
+                    msg = P.decode(s.recv())
+                    if msg["t"] != "do":
+                        continue
+                    self.seen.append((r, msg["action"]))
+                    ok, data = self.answer(r, msg)
+                    fields = {"data": data} if ok else {"error": str(data)}
+                    s.send(P.encode("result", rank=r, action=msg["action"], id=msg["id"], ok=ok, **fields))
+            time.sleep(0.02)
+
+    def close(self):
+        for s in self.socks.values():
+            s.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def controller(tmp_path):
+    keys = security.Keys.load(str(tmp_path), create=True)
+    opts = HAOptions(strategies=frozenset({"retry", "dump"}), log_dir=str(tmp_path), hang_timeout_s=600)
+    c = Controller(str(tmp_path), 4, opts, keys, host="127.0.0.1").start()
+    yield c, keys
+    c.close()
+
+
+def states(tmp_path):
+    return [(e["from"], e["to"], e["outcome"]) for e in read_events(str(tmp_path / "events" / "controller.jsonl"))
+            if e["event"] == "state"]
+
+
+def test_a_bug_in_a_round_fails_the_state_not_the_controller(tmp_path, controller, caplog):
+    c, keys = controller
+
+    def answer(r, msg):
+        if msg["action"] == "ha-status":  # an iteration that is no number: planning raises
+            return True, {"replica": True, "ended": 5, "iteration": "five", "replica_group": GROUPS[r]}
+        if msg["action"] == "dump-status":
+            return False, "no --save directory"
+        return True, "ok"
+    ranks = FakeRanks(c, keys, answer)
+    try:
+        ranks.pump(5, until=lambda: c.machine.state.value == "normal")
+        ranks.socks[1].send(P.encode("fault", rank=1, kind="memory-error", iteration=6, phase="backward",
+                                     detail="UCE ERROR", at=time.time()))
+        ranks.pump(10, until=lambda: c.machine.state.value in ("exit", "done"))
+        ranks.pump(1)
+        moves = states(tmp_path)
+        assert ("repair", "dump", "failed") in moves and ("dump", "exit", "failed") in moves, moves
+        bug = [rec for rec in caplog.records if rec.exc_info and rec.exc_info[0] is ValueError]
+        assert bug and "failed" in bug[0].getMessage()  # logged with its traceback
+        diagnosis = [e for e in read_events(str(tmp_path / "events" / "controller.jsonl")) if e["event"] == "diagnosis"]
+        assert diagnosis and "exit code 1" in diagnosis[0]["text"]
+        assert {r for r, a in ranks.seen if a == "exit"} == {0, 1, 2, 3}  # told to end, with the diagnosis
+    finally:
+        ranks.close()
+
+
+def test_answers_of_any_size_travel_whole(tmp_path, controller):
+    """A 20,000-character --save path in every dump-status answer (the old 1,000-character cut made
+    it unparsable and killed the controller), and the plan and the write's answer carried whole."""
+    c, keys = controller
+    save = "/ck/" + "d" * 20000
+
+    def answer(r, msg):
+        a = msg["action"]
+        if a == "dump-status":
+            return True, {"iteration": 5, "updating": False, "touched": True, "replica_group": GROUPS[r],
+                          "trainer_iteration": 5, "save": save, "fallback": None, "abandoned": False}
+        if a == "dump":
+            assert msg["args"]["plan"]["iteration"] == 5
+            return True, {"iteration": 5, "path": save + "/iter_0000005", "seconds": 0.1, "bytes": 1, "save": save}
+        return True, "ok"
+    ranks = FakeRanks(c, keys, answer)
+    try:
+        ranks.pump(5, until=lambda: c.machine.state.value == "normal")
+        ranks.socks[3].send(P.encode("fault", rank=3, kind="other", iteration=6, phase="backward",
+                                     detail="RuntimeError: boom", at=time.time()))
+        ranks.pump(15, until=lambda: c.machine.state.value in ("exit", "done"))
+        assert ("dump", "exit", "ok") in states(tmp_path), states(tmp_path)
+        cp = [e for e in read_events(str(tmp_path / "events" / "controller.jsonl")) if e["event"] == "checkpoint"]
+        assert cp and cp[0]["path"] == save + "/iter_0000005"
+        assert f"Resume with --load {save}" in c.last_diagnosis
+    finally:
+        ranks.close()
