@@ -140,8 +140,8 @@ class RankSession:
         history.record(self.trainer.iteration)  # after setup/--load, before any forward: the current RNG
         self.optimizer.ha_add_listener(lambda event, it: history.record(it) if event == "update_end" else None)
         if self.processor is not None and self.trainer.save_dir:
-            from mindspeed_ha.recovery import dump
-            dump.prewarm_writer()
+            from mindspeed_ha.trainer import checkpoint
+            checkpoint.prewarm_writer()
 
     # -- control plane ---------------------------------------------------------------------------
     def start_processor(self) -> None:
@@ -336,8 +336,8 @@ class RankSession:
         global _current
         if self.processor is not None:
             self.processor.close()
-            from mindspeed_ha.recovery import dump
-            dump.release_writer()
+            from mindspeed_ha.trainer import checkpoint
+            checkpoint.release_writer()
         self.events.emit("end", iteration=getattr(self.trainer, "iteration", None), **self.resources())
         self.events.close()
         if _current is self:

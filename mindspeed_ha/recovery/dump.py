@@ -44,65 +44,6 @@ def newest_checkpoint(save_dir: str | None) -> tuple | None:
     return (it, os.path.abspath(checkpoint.iter_dir(save_dir, it))) if it is not None else None
 
 
-# ================================================================================================
-# The checkpoint writer's helper process, started ahead of a fault
-# ================================================================================================
-def _import_checkpoint_modules() -> None:
-    import torch.distributed.checkpoint  # noqa: F401  (runs in the writer's manager process)
-
-
-_writer_manager = None
-
-
-def _warm_writer() -> None:
-    """dist_checkpointing's first save spawns a multiprocessing manager whose server then imports
-    torch when it first unpickles write results: seconds each on a busy host. Do both now, with the
-    import in the server's initializer — two client threads unpickling concurrently there can race
-    on that import ("partially initialized module") if it is left to the first requests."""
-    global _writer_manager
-    import multiprocessing.managers
-    from torch import multiprocessing as mp
-    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-    if fa._results_queue is not None:
-        return
-    manager = multiprocessing.managers.SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(_import_checkpoint_modules)
-    queue = manager.Queue()
-    if fa._results_queue is None:  # a save that started meanwhile made its own: leave it that one
-        fa._results_queue, _writer_manager = queue, manager
-    else:
-        manager.shutdown()
-
-
-_prewarm_thread = None
-
-
-def prewarm_writer():
-    """Start the checkpoint writer's helper process in the background (see ``_warm_writer``), so
-    that a rank whose first write is the dump does not pay for it then. (The script must guard
-    ``if __name__ == "__main__"``, as any script that saves must.)"""
-    import threading
-    global _prewarm_thread
-    _prewarm_thread = threading.Thread(target=_warm_writer, name="ha-writer-prewarm", daemon=True)
-    _prewarm_thread.start()
-    return _prewarm_thread
-
-
-def release_writer(timeout: float = 300.0) -> None:
-    """At the end of a job: wait for a pre-warm still starting the manager and shut that manager
-    down. Otherwise a short job on a busy host exits while ``start()`` is under way: the manager's
-    finalizer is registered only when ``start()`` returns, too late for the exit handlers, and
-    multiprocessing's exit then joins the (non-daemonic) manager process forever."""
-    global _writer_manager
-    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-    if _prewarm_thread is not None:
-        _prewarm_thread.join(timeout)
-    if _writer_manager is not None:  # then fa's queue is this manager's (set together)
-        fa._results_queue = None
-        _writer_manager.shutdown()
-        _writer_manager = None
-
-
 def local_status(trainer) -> dict:
     """This rank's shard for the plan (``mindspeed_ha.plan``): a few scalars and its replica group,
     whatever the job's size."""
@@ -337,8 +278,7 @@ def write(prep: Prepared, plan: DumpPlan, world, save_dir: str, events=None) -> 
         sd = prep.sd
         mains = _elect(sd, plan, world, {"optimizer": at_target, "rng": rng_ok, "model": True})
         keys = sorted(set(_sharded_keys(sd)))
-        if _prewarm_thread is not None:
-            _prewarm_thread.join()  # never start a second writer manager next to a half-started one
+        checkpoint.writer_ready()  # never start a second writer manager next to a half-started one
         session = getattr(prep.trainer, "session", None)
         if session is not None:
             session.fire("checkpoint", plan.iteration)  # fault drills: a rank lost mid-dump

@@ -149,6 +149,69 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
+# -- the writer's helper process ---------------------------------------------------------------------
+def _import_checkpoint_modules() -> None:
+    import torch.distributed.checkpoint  # noqa: F401  (runs in the writer's manager process)
+
+
+_writer_manager = None
+
+
+def _warm_writer() -> None:
+    """dist_checkpointing's first save spawns a multiprocessing manager whose server then imports
+    torch when it first unpickles write results: seconds each on a busy host. Do both now, with the
+    import in the server's initializer — two client threads unpickling concurrently there can race
+    on that import ("partially initialized module") if it is left to the first requests."""
+    global _writer_manager
+    import multiprocessing.managers
+    from torch import multiprocessing as mp
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    if fa._results_queue is not None:
+        return
+    manager = multiprocessing.managers.SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(_import_checkpoint_modules)
+    queue = manager.Queue()
+    if fa._results_queue is None:  # a save that started meanwhile made its own: leave it that one
+        fa._results_queue, _writer_manager = queue, manager
+    else:
+        manager.shutdown()
+
+
+_prewarm_thread = None
+
+
+def prewarm_writer():
+    """Start the checkpoint writer's helper process in the background (see ``_warm_writer``), so
+    that a rank whose first write is a dying-gasp checkpoint does not pay for it then. (The script
+    must guard ``if __name__ == "__main__"``, as any script that saves must.)"""
+    import threading
+    global _prewarm_thread
+    _prewarm_thread = threading.Thread(target=_warm_writer, name="ha-writer-prewarm", daemon=True)
+    _prewarm_thread.start()
+    return _prewarm_thread
+
+
+def release_writer(timeout: float = 300.0) -> None:
+    """At the end of a job: wait for a pre-warm still starting the manager and shut that manager
+    down. Otherwise a short job on a busy host exits while ``start()`` is under way: the manager's
+    finalizer is registered only when ``start()`` returns, too late for the exit handlers, and
+    multiprocessing's exit then joins the (non-daemonic) manager process forever."""
+    global _writer_manager
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    if _prewarm_thread is not None:
+        _prewarm_thread.join(timeout)
+    if _writer_manager is not None:  # then fa's queue is this manager's (set together)
+        fa._results_queue = None
+        _writer_manager.shutdown()
+        _writer_manager = None
+
+
+def writer_ready() -> None:
+    """Wait for a pre-warm under way: a second writer manager must not start next to it."""
+    if _prewarm_thread is not None:
+        _prewarm_thread.join()
+
+
 def _fix_adam_steps(optimizer) -> None:
     """Traps 2 and 3 of a distributed-optimizer load on torch's Adam: after a load the per-parameter
     Adam ``step`` is not the checkpoint's (the right value is in the param group), and it is one

@@ -66,8 +66,7 @@ def write_dump(trainer, rank, world):
     if reps:
         # Same state, same warm writer: periodic saves by all ranks, then the survivors' dumps.
         from mindspeed_ha.trainer import checkpoint
-        if dump._prewarm_thread is not None:
-            dump._prewarm_thread.join()
+        checkpoint.writer_ready()
         bench["periodic_s"] = [checkpoint.save(trainer, f"{trainer.args.save}_periodic{i}")[1] for i in range(reps)]
     if rank in kill:
         trainer.session.events.emit("harness_exit", iteration=trainer.iteration)
@@ -129,9 +128,9 @@ def reconnect(trainer, rank, world):
 def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     trainer = build(sys.argv[1:])
-    from mindspeed_ha.recovery import dump
+    from mindspeed_ha.trainer import checkpoint
     if not os.environ.get("DUMP_NO_PREWARM"):
-        dump.prewarm_writer()
+        checkpoint.prewarm_writer()
     train_to(trainer, int(os.environ["DUMP_STEPS"]))
     code = {"dump": write_dump, "rebuild": reconnect}[os.environ.get("DUMP_MODE", "dump")](trainer, rank, world)
     trainer.session.close()
