@@ -13,9 +13,10 @@
              a fault during recovery)
 
 The trainer calls ``fire_point(phase, iteration)`` at each phase of each step. Each fault fires once
-per *job*: before firing, the rank claims ``DIR/inject/<hash>.fired`` with an exclusive create, so a
-restarted worker (same log dir) skips it. The ``inject`` event is written (unbuffered) before firing.
-Live faults from the controller arrive through ``add()`` on the processor thread.
+per *job*: before firing, the rank claims ``DIR/inject/<job id>/<hash>.fired`` with an exclusive
+create, so a restarted worker of the same job skips it and a new job (a drill run again in the same
+log dir) fires it again. The ``inject`` event is written (unbuffered) before firing. Live faults from
+the controller arrive through ``add()`` on the processor thread.
 """
 from __future__ import annotations
 
@@ -116,10 +117,30 @@ def parse(value: str) -> list[Fault]:
     return faults
 
 
+def check_reachable(faults: list[Fault], world_size: int, train_iters: int) -> None:
+    """Every fault names a rank of this job and a step it trains; raises InjectSpecError."""
+    for f in faults:
+        if f.rank >= world_size:
+            raise InjectSpecError(f"{ENV}: {f.spec()}: there is no rank {f.rank} in a job of {world_size} ranks "
+                                  f"(ranks 0..{world_size - 1})")
+        if f.step is not None and train_iters and not 1 <= f.step <= train_iters:
+            raise InjectSpecError(f"{ENV}: {f.spec()}: step {f.step} is never reached; this job trains steps "
+                                  f"1..{train_iters} (--train-iters {train_iters})")
+
+
+def job_id(env: Mapping[str, str] | None = None) -> str:
+    """This job's name as its launcher gives it (the same for every rank and for a restarted one)."""
+    env = os.environ if env is None else env
+    jid = env.get("MINDSPEED_HA_JOB_ID") or env.get("TORCHELASTIC_RUN_ID")
+    if not jid:
+        jid = f"{env.get('MASTER_ADDR', 'local')}-{env.get('MASTER_PORT', '0')}"
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in jid)[:80]
+
+
 class Injector:
-    def __init__(self, rank: int, log_dir: str, events: EventLog | None, faults=()):
+    def __init__(self, rank: int, log_dir: str, events: EventLog | None, faults=(), job: str | None = None):
         self.rank = rank
-        self.marker_dir = os.path.join(log_dir, "inject")
+        self.marker_dir = os.path.join(log_dir, "inject", job or job_id())
         self.events = events
         self._lock = threading.Lock()
         self._pending: list[Fault] = [f for f in faults if f.rank == rank]
@@ -130,8 +151,8 @@ class Injector:
     @classmethod
     def from_env(cls, rank: int, log_dir: str, events: EventLog | None,
                  env: Mapping[str, str] | None = None) -> "Injector":
-        value = (os.environ if env is None else env).get(ENV, "")
-        return cls(rank, log_dir, events, parse(value))  # every rank validates every fault
+        env = os.environ if env is None else env
+        return cls(rank, log_dir, events, parse(env.get(ENV, "")), job_id(env))  # every rank validates every fault
 
     def set_uce_corruptor(self, fn: Callable[[], None]) -> None:
         """``fn(bit_flip=False)`` corrupts this rank's optimizer shard (the trainer knows where it

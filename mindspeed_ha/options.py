@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 
@@ -44,6 +45,7 @@ class HAOptions:
     insecure: bool = False
     heartbeat_s: float = 0.5
     hang_timeout_s: float = 60.0
+    dump_timeout_s: float | None = None  # None: from the state's size
     source: str = "flags"          # where the strategies came from: flags | HIGH_AVAILABILITY | MS_ENABLE_TFT
 
     @property
@@ -81,6 +83,9 @@ def add_ha_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ha-heartbeat-interval", type=float, default=0.5, help="Seconds between heartbeats")
     g.add_argument("--ha-hang-timeout", type=float, default=60.0,
                    help="Seconds without progress before a live rank is declared hung")
+    g.add_argument("--ha-dump-timeout", type=float, default=None,
+                   help="Seconds the dump may take (default: 120, more for a large state; extended while "
+                        "the writers make progress)")
     return parser
 
 
@@ -96,6 +101,9 @@ def _parse_list(value: str, var: str) -> set[str]:
 
 def _parse_tft(value: str) -> set[str]:
     body = value.strip().strip("{}")
+    if not body.strip():
+        raise HAConfigError(f"MS_ENABLE_TFT={value!r} names no feature; expected e.g. "
+                            "MS_ENABLE_TFT=\"{TTP:1,UCE:1,ARF:1}\" (keys TTP, UCE, ARF, values 0/1), or unset it")
     out = set()
     for part in filter(None, (p.strip() for p in body.split(","))):
         m = re.fullmatch(r"([A-Za-z]+)\s*:\s*([01])", part)
@@ -108,11 +116,30 @@ def _parse_tft(value: str) -> set[str]:
     return out
 
 
+def _seconds(args, name: str, default: float | None) -> float | None:
+    """A time flag: a finite number of seconds above zero (None: not given, where that is allowed)."""
+    value = getattr(args, name, default)
+    if value is None:
+        return None
+    flag = "--" + name.replace("_", "-")
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise HAConfigError(f"{flag} {value!r}: give a number of seconds, e.g. {flag} {default or 60}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise HAConfigError(f"{flag} {value}: give a finite number of seconds above 0 (default {default})")
+    return value
+
+
 def from_args(args: argparse.Namespace, env: dict | None = None) -> HAOptions:
     env = os.environ if env is None else env
-    if env.get("HIGH_AVAILABILITY", "").strip():
+    if "HIGH_AVAILABILITY" in env:  # set, even to nothing: it decides (an empty value is a mistake)
         strategies, source = _parse_list(env["HIGH_AVAILABILITY"], "HIGH_AVAILABILITY"), "HIGH_AVAILABILITY"
-    elif env.get("MS_ENABLE_TFT", "").strip():
+        if not strategies:
+            raise HAConfigError(
+                f"HIGH_AVAILABILITY={env['HIGH_AVAILABILITY']!r} names no strategy; set it to a comma list of "
+                f"{', '.join(STRATEGIES)} (e.g. HIGH_AVAILABILITY=retry,recover) or unset it")
+    elif "MS_ENABLE_TFT" in env:
         strategies, source = _parse_tft(env["MS_ENABLE_TFT"]), "MS_ENABLE_TFT"
     else:
         strategies = {s for flag, s in _FLAG_TO_STRATEGY.items() if getattr(args, flag, False)}
@@ -145,5 +172,20 @@ def from_args(args: argparse.Namespace, env: dict | None = None) -> HAOptions:
         verify_replicas_interval=interval,
         log_dir=getattr(args, "ha_log_dir", None) or env.get("MINDSPEED_HA_LOG_DIR") or "./logs",
         key_dir=getattr(args, "ha_key_dir", None), insecure=bool(getattr(args, "ha_insecure", False)),
-        heartbeat_s=float(getattr(args, "ha_heartbeat_interval", 0.5)),
-        hang_timeout_s=float(getattr(args, "ha_hang_timeout", 60.0)), source=source)
+        heartbeat_s=_seconds(args, "ha_heartbeat_interval", 0.5), hang_timeout_s=_seconds(args, "ha_hang_timeout", 60.0),
+        dump_timeout_s=_seconds(args, "ha_dump_timeout", None), source=source)
+
+
+def check_writable(path: str | None, flag: str) -> None:
+    """Refuse a directory this job could not write into, before anything is built."""
+    if not path:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".mindspeed-ha-write-check-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.unlink(probe)
+    except OSError as e:
+        raise HAConfigError(f"{flag} {path}: cannot write there ({e.strerror or e}); give a directory this job "
+                            "may create and write") from None

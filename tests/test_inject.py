@@ -77,6 +77,30 @@ def test_fires_once_per_job_across_restarts(tmp_path):
     assert len(os.listdir(tmp_path / "inject")) == 1
 
 
+def test_a_drill_run_again_in_the_same_log_dir_fires_again(tmp_path):
+    """The once-per-job marker belongs to the job: a new job (another launcher run id) fires the fault
+    again; a restarted worker of the same job does not."""
+    spec = {ENV: "exception:rank=0:step=2"}
+    fired = []
+    for run in ("job-a", "job-a", "job-b"):
+        inj = Injector.from_env(0, str(tmp_path), None, env={**spec, "MINDSPEED_HA_JOB_ID": run})
+        try:
+            inj.fire_point("forward", 2)
+            fired.append(False)
+        except InjectedError:
+            fired.append(True)
+    assert fired == [True, False, True]
+
+
+def test_faults_must_name_a_rank_and_a_step_of_the_job():
+    from mindspeed_ha.inject import check_reachable
+    with pytest.raises(InjectSpecError, match="there is no rank 4 in a job of 4 ranks"):
+        check_reachable(parse("kill:rank=4:step=2"), 4, 10)
+    with pytest.raises(InjectSpecError, match=r"step 11 is never reached; this job trains steps 1..10"):
+        check_reachable(parse("kill:rank=1:step=11"), 4, 10)
+    check_reachable(parse("kill:rank=3:step=10"), 4, 10)
+
+
 def test_live_add_fires_at_next_matching_point(tmp_path):
     inj = Injector(1, str(tmp_path), EventLog.for_rank(str(tmp_path), 1))
     inj.add("exception", rank=0)  # another rank's: ignored here

@@ -53,3 +53,29 @@ def test_same_message_on_every_rank_no_traceback(tmp_path):
     assert len({l.split("): ", 1)[1] for l in lines}) == 1  # identical text on every rank
     # torchrun prints its own ChildFailedError; the workers print no traceback of theirs
     assert 'pretrain_gpt.py", line' not in proc.stderr and "HAConfigError" not in proc.stderr
+
+
+@pytest.mark.parametrize("argv,env,needle", [
+    (["--save", "{blocker}/ck"], {}, "--save {blocker}/ck: cannot write there"),
+    (["--ha-heartbeat-interval", "nan"], {}, "--ha-heartbeat-interval nan"),
+    ([], {"HIGH_AVAILABILITY": ","}, "HIGH_AVAILABILITY=',' names no strategy"),
+    ([], {"MINDSPEED_HA_INJECT": "kill:rank=9:step=1"}, "there is no rank 9 in a job of 2 ranks"),
+])
+def test_bad_input_refused_on_every_rank_before_any_model(tmp_path, argv, env, needle):
+    """Refused before anything is built (no rendezvous: each rank runs on its own here), with the flag
+    or variable named, the same on every rank, exit 2, no traceback."""
+    import subprocess
+    import sys
+    from helpers import PRETRAIN, clean_env
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    argv = [a.format(blocker=blocker) for a in argv]
+    cmd = [sys.executable, PRETRAIN, *TINY, "--train-iters", "2", "--enable-high-availability",
+           "--ha-log-dir", str(tmp_path / "log"), *argv]
+    procs = [subprocess.run(cmd, env=clean_env({**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}),
+                            capture_output=True, text=True, timeout=120) for r in (0, 1)]
+    for r, proc in enumerate(procs):
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert proc.stderr.strip() == f"mindspeed-ha: error (rank {r}): " + proc.stderr.split("): ", 1)[1].strip()
+        assert needle.format(blocker=blocker) in proc.stderr and "Traceback" not in proc.stderr

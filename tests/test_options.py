@@ -95,3 +95,40 @@ def test_ordered_strategies_preference():
 ])
 def test_recover_is_accepted_with_the_dump_as_last_resort(argv, env):
     assert opts(argv, env).ordered_strategies() == ["recover", "dump"]
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"HIGH_AVAILABILITY": ","}, "HIGH_AVAILABILITY=',' names no strategy"),
+    ({"HIGH_AVAILABILITY": ""}, "HIGH_AVAILABILITY='' names no strategy"),
+    ({"MS_ENABLE_TFT": "{}"}, "MS_ENABLE_TFT='{}' names no feature"),
+    ({"MS_ENABLE_TFT": " "}, "names no feature"),
+])
+def test_set_but_empty_switches_are_refused_not_read_as_off(env, needle):
+    """An empty HIGH_AVAILABILITY or MS_ENABLE_TFT is a mistake, not a quiet 'HA off'."""
+    with pytest.raises(HAConfigError) as e:
+        opts(["--enable-high-availability"], env)
+    assert needle in str(e.value) and "unset it" in str(e.value)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--ha-heartbeat-interval", "nan"], "--ha-heartbeat-interval nan"),
+    (["--ha-heartbeat-interval", "inf"], "--ha-heartbeat-interval inf"),
+    (["--ha-heartbeat-interval", "-1"], "--ha-heartbeat-interval -1.0"),
+    (["--ha-hang-timeout", "0"], "--ha-hang-timeout 0.0"),
+    (["--ha-dump-timeout", "nan"], "--ha-dump-timeout nan"),
+])
+def test_non_finite_or_negative_times_are_refused(argv, needle):
+    with pytest.raises(HAConfigError) as e:
+        opts(["--enable-high-availability", *argv])
+    assert needle in str(e.value) and "finite number of seconds above 0" in str(e.value)
+
+
+def test_unwritable_directories_are_refused(tmp_path):
+    from mindspeed_ha.options import check_writable
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(HAConfigError) as e:
+        check_writable(str(blocker / "ck"), "--save")
+    assert f"--save {blocker}/ck: cannot write there" in str(e.value)
+    check_writable(str(tmp_path / "new" / "ck"), "--save")  # made when missing
+    assert (tmp_path / "new" / "ck").is_dir()

@@ -51,7 +51,7 @@ def _with_ha_args(provider):
 def on_parse_args(original, extra_args_provider=None, ignore_unknown_args=False):
     """After Megatron-LM parses its flags and before anything is built: CPU recipe, HA options,
     layout validation (same message on every rank, exit 2), replica count, the rank's session."""
-    from mindspeed_ha import layout, options as ha_options
+    from mindspeed_ha import inject, layout, options as ha_options
     from mindspeed_ha.options import HAConfigError
     from mindspeed_ha.session import RankSession
 
@@ -67,6 +67,9 @@ def on_parse_args(original, extra_args_provider=None, ignore_unknown_args=False)
     try:
         opts = ha_options.from_args(ns)
         layout.validate(ns.world_size, ns, opts)
+        ha_options.check_writable(opts.log_dir, "--ha-log-dir" if ns.ha_log_dir else "MINDSPEED_HA_LOG_DIR")
+        ha_options.check_writable(ns.save, "--save")
+        inject.check_reachable(inject.parse(os.environ.get(inject.ENV, "")), ns.world_size, ns.train_iters)
         if opts.use_replica_optimizer:
             got = ns.num_distributed_optimizer_instances
             if got not in (1, opts.replica_num):
@@ -75,7 +78,7 @@ def on_parse_args(original, extra_args_provider=None, ignore_unknown_args=False)
                     f"{opts.replica_num}: the replica optimizer sets it; drop the former")
             # Megatron-LM passes it to initialize_model_parallel and to the DDP config.
             ns.num_distributed_optimizer_instances = opts.replica_num
-    except HAConfigError as e:
+    except (HAConfigError, inject.InjectSpecError) as e:
         _fail(str(e))
     s = RankSession(opts, device, ns.rank, ns.world_size, ns.local_rank)
     if _joining(s):
