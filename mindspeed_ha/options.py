@@ -83,6 +83,9 @@ def add_ha_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ha-heartbeat-interval", type=float, default=0.5, help="Seconds between heartbeats")
     g.add_argument("--ha-hang-timeout", type=float, default=60.0,
                    help="Seconds without progress before a live rank is declared hung")
+    g.add_argument("--no-verify-checkpoint", action="store_true",
+                   help="--load reads a checkpoint without checking its files against their checksums "
+                        "(for huge checkpoints; settings are still checked)")
     g.add_argument("--ha-dump-timeout", type=float, default=None,
                    help="Seconds the dump may take (default: 120, more for a large state; extended while "
                         "the writers make progress)")

@@ -63,6 +63,16 @@ def test_megatron_lm_replicas_steps_and_bit_identical_resume(tmp_path):
     assert sorted(got) == [4, 5, 6]
     assert {i: want[i] for i in got} == got
 
+    # Megatron-LM's own checkpoint carries the manifest: a flipped byte is refused before its
+    # load_checkpoint reads a tensor, naming the file.
+    shard = sorted((resumed / "ckpt" / "iter_0000003").glob("__*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    proc = run(tmp_path / "damaged", "--train-iters", "6", "--load", str(resumed / "ckpt"))
+    assert proc.returncode != 0
+    assert f"{shard} does not match its checksum" in proc.stderr, proc.stderr[-3000:]
+
 
 def test_megatron_lm_bad_layout_is_refused_before_any_model(tmp_path):
     proc = run(tmp_path, "--train-iters", "2", "--tensor-model-parallel-size", "2", nproc=2)  # DP=1

@@ -187,7 +187,10 @@ def on_save_checkpoint(original, iteration, *args, **kwargs):
     t0 = time.perf_counter()
     out = original(iteration, *args, **kwargs)
     if s is not None and not kwargs.get("non_persistent_ckpt"):
-        s.saved(iteration, os.path.join(get_args().save, f"iter_{iteration:07d}"), time.perf_counter() - t0)
+        from mindspeed_ha.trainer import checkpoint
+        path = os.path.join(get_args().save, f"iter_{iteration:07d}")
+        checkpoint.add_manifest(path, {"kind": "periodic", "iteration": iteration})  # (a collective, as the save)
+        s.saved(iteration, path, time.perf_counter() - t0)
     return out
 
 
@@ -197,9 +200,15 @@ def on_load_checkpoint(original, ddp_model, optimizer, *args, **kwargs):
     from megatron.training import get_args
     from megatron.training.checkpointing import checkpoint_exists
     from mindspeed_ha import session
+    from mindspeed_ha.trainer import checkpoint
     from mindspeed_ha.trainer.checkpoint import _fix_adam_steps
     a = get_args()
     load_dir = getattr(a, kwargs.get("load_arg", "load"))
+    if load_dir and not a.finetune:  # before any tensor is read: tracker, model settings, files
+        try:
+            checkpoint.before_load(load_dir, a, verify_files=not a.no_verify_checkpoint)
+        except checkpoint.CheckpointError as e:
+            _fail(str(e))
     inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     torch_adam = optimizer is not None and not distrib_optimizer.HAVE_APEX_OR_TE
     if torch_adam and not a.no_load_optim and not a.finetune and checkpoint_exists(load_dir):

@@ -6,7 +6,7 @@ re-synchronises the model weights from the writers' fp32 main params, elects one
 (key, offset) among the survivors by rewriting ``replica_id``, and saves with megatron-core's
 dist_checkpointing into ``iter_XXXXXXX_tmp``; the files are checksummed into a manifest, re-read and
 compared, the metadata's coverage checked, and only then is the directory put in place and
-``latest_checkpointed_iteration.txt`` replaced (``trainer.checkpoint.publish``).
+``latest_checkpointed_iteration.txt`` replaced (``trainer.checkpoint_dir.publish``).
 
 The plan it writes (which iteration, which writer per shard) is ``mindspeed_ha.plan.plan_dump``'s.
 The result is the layout of ``mindspeed_ha.trainer.checkpoint.save`` (dp_reshardable optimizer), so a
@@ -28,20 +28,10 @@ from mindspeed_ha.events import get_logger
 from mindspeed_ha.plan import DumpPlan
 
 log = get_logger("dump")
-MANIFEST = "ha_manifest.json"
 
 
 class DumpError(RuntimeError):
     """Nothing was written (or the temporary directory was removed): the dump did not happen."""
-
-
-def newest_checkpoint(save_dir: str | None) -> tuple | None:
-    """(iteration, path) that ``--load save_dir`` would pick, or None."""
-    from mindspeed_ha.trainer import checkpoint
-    if not save_dir:
-        return None
-    it = checkpoint.read_tracker(save_dir)
-    return (it, os.path.abspath(checkpoint.iter_dir(save_dir, it))) if it is not None else None
 
 
 def local_status(trainer) -> dict:
@@ -204,36 +194,13 @@ def _elect(sd: dict, plan: DumpPlan, world, eligible: dict) -> int:
     return count
 
 
-def _digest(path: str) -> str:
-    """CRC-32 of the file: the check is for torn and partial writes, not tampering, and it runs
-    twice per file inside the dump (after the write and in the re-read) — 4x faster than blake2b."""
-    crc = 0
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
-
-
-def _own_files(tmp: str, new_rank: int, size: int) -> list[str]:
-    names = sorted(os.listdir(tmp))
-    ours = [n for n in names if n.startswith(f"__{new_rank}_")]
-    if new_rank == 0:  # rank 0 also answers for the files no rank-numbered name claims
-        ours += [n for n in names if not any(n.startswith(f"__{r}_") for r in range(size)) and n != MANIFEST]
-    return ours
-
-
 def _verify(tmp: str, world, manifest: dict) -> None:
     """Re-read another rank's files and compare with the manifest; rank 0 checks that the torch
     DCP metadata only points into manifest files, inside their sizes."""
+    from mindspeed_ha.trainer.checkpoint_dir import mismatches
     size = len(world.ranks)
     other = (world.new_rank + 1) % size
-    errors = []
-    for name, entry in manifest["files"].items():
-        if entry["rank"] != other:
-            continue
-        path = os.path.join(tmp, name)
-        if not os.path.exists(path) or os.path.getsize(path) != entry["bytes"] or _digest(path) != entry["crc32"]:
-            errors.append(f"{name}: missing or differs from the manifest")
+    errors = mismatches(tmp, manifest, [n for n, e in manifest["files"].items() if e["rank"] == other])
     if world.new_rank == 0:
         from torch.distributed.checkpoint import FileSystemReader
         meta = FileSystemReader(tmp).read_metadata()
@@ -256,7 +223,7 @@ def write(prep: Prepared, plan: DumpPlan, world, save_dir: str, events=None) -> 
     """Collective over ``world``, the survivors' default group from ``comm.groups.survivor_world``
     (called after ``prepare``). ``plan`` must be the same on every survivor."""
     from megatron.core import dist_checkpointing
-    from mindspeed_ha.trainer import checkpoint
+    from mindspeed_ha.trainer import checkpoint, checkpoint_dir
     t0 = time.perf_counter()
     if not plan.ok:
         raise DumpError(plan.message())
@@ -287,8 +254,7 @@ def write(prep: Prepared, plan: DumpPlan, world, save_dir: str, events=None) -> 
         dist_checkpointing.save(sd, tmp, validate_access_integrity=True, content_metadata=checkpoint.SHARDING)
         t_saved = time.perf_counter()
         # Checksums: each rank hashes what it wrote; rank 0 records them all in the manifest.
-        mine = {n: {"rank": world.new_rank, "bytes": os.path.getsize(os.path.join(tmp, n)),
-                    "crc32": _digest(os.path.join(tmp, n))} for n in _own_files(tmp, world.new_rank, len(world.ranks))}
+        mine = checkpoint_dir.checksums(tmp, world.new_rank, len(world.ranks))
         every = [None] * len(world.ranks)
         dist.all_gather_object(every, (mine, keys))
         manifest = {"kind": "dying_gasp", "iteration": plan.iteration, "files": {},
@@ -297,11 +263,11 @@ def write(prep: Prepared, plan: DumpPlan, world, save_dir: str, events=None) -> 
         for files, _ in every:
             manifest["files"].update(files)
         if me0:
-            _write_json(os.path.join(tmp, MANIFEST), manifest)
+            checkpoint_dir.write_manifest(tmp, manifest)
         dist.barrier()
         _verify(tmp, world, manifest)
         if me0:
-            checkpoint.publish(save_dir, tmp, plan.iteration)
+            checkpoint_dir.publish(save_dir, tmp, plan.iteration)
         dist.barrier()
     except BaseException:
         if me0:
@@ -328,10 +294,3 @@ def _sharded_keys(sd: dict):
     for v in nested_values(sd):
         if isinstance(v, (ShardedTensor, ShardedObject)) and is_main_replica(v.replica_id):
             yield v.unique_key if isinstance(v, ShardedObject) else v.key
-
-
-def _write_json(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())

@@ -43,12 +43,13 @@ class RankRecovery:
 
     # ---- retry / recover / reload ------------------------------------------------------------
     def ha_status(self, args: dict) -> dict:
-        from mindspeed_ha.recovery import dump, repair
+        from mindspeed_ha.recovery import repair
+        from mindspeed_ha.trainer import checkpoint_dir
         if self.s.joining:  # restarted, not resumed yet (a fault came during its recovery): holds nothing
             return {"replica": True, "joining": True}
         self.s.fire("recovery", self.trainer.iteration + 1)
         if self.s.optimizer is None:  # --distributed-optimizer-no-replica: the fallback reloads a checkpoint
-            newest = dump.newest_checkpoint(self.trainer.save_dir)
+            newest = checkpoint_dir.newest_checkpoint(self.trainer.save_dir)
             return {"replica": False, "ended": self.trainer.ended, "checkpoint": list(newest) if newest else None}
         return {"replica": True, **repair.status(self.trainer)}
 
@@ -106,6 +107,7 @@ class RankRecovery:
         """Prepare this rank's part of the checkpoint (locally, while the job's groups exist) and
         report the shard's state for the controller's plan."""
         from mindspeed_ha.recovery import dump
+        from mindspeed_ha.trainer import checkpoint_dir
         save = self.trainer.save_dir
         if not save:
             raise RuntimeError("no --save directory: the dying-gasp checkpoint has nowhere to go")
@@ -119,7 +121,7 @@ class RankRecovery:
         self.prepared = dump.prepare(self.trainer, abandon_update=abandon)
         st = {k: self.prepared.status[k] for k in ("iteration", "updating", "touched", "replica_group",
                                                    "trainer_iteration")}
-        fallback = dump.newest_checkpoint(save)
+        fallback = checkpoint_dir.newest_checkpoint(save)
         st.update(save=os.path.abspath(save), fallback=list(fallback) if fallback else None, abandoned=abandon)
         return st
 

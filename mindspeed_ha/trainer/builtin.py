@@ -72,11 +72,12 @@ class BuiltinTrainer(TrainerInterface):
             self._data_iter = None  # set with the bookkeeping received from a peer
             s.trainer_ready()
             return
-        if a.load and checkpoint.read_tracker(a.load) is not None:
+        if a.load and checkpoint.tracker(a.load) is not None:  # (a broken tracker raises CheckpointError)
             t0 = time.perf_counter()
-            checkpoint.load(self, a.load, load_optim=not a.no_load_optim, load_rng=not a.no_load_rng)
+            checkpoint.load(self, a.load, load_optim=not a.no_load_optim, load_rng=not a.no_load_rng,
+                            verify_files=not a.no_verify_checkpoint)
             s.loaded(self.iteration, a.load, time.perf_counter() - t0)
-        elif a.load:
+        elif a.load:  # no tracker at all: a fresh start, as in Megatron-LM
             log.warning("--load %s: no checkpoint there yet, starting from iteration 0", a.load)
         self._data_iter = self.data_iterator(self.consumed_samples)
         self.ended = self.iteration  # the last step whose bookkeeping and loss report finished
@@ -270,7 +271,7 @@ class BuiltinTrainer(TrainerInterface):
 
     def load_checkpoint(self, load_dir: str) -> int:
         """Also in a live trainer (the no-replica fallback reloads in process)."""
-        it = checkpoint.load(self, load_dir)
+        it = checkpoint.load(self, load_dir, verify_files=not self.args.no_verify_checkpoint)
         self.ended = it
         self._data_iter = self.data_iterator(self.consumed_samples)
         return it

@@ -1,11 +1,11 @@
 """Checkpoints in Megatron-LM's layout through megatron-core dist_checkpointing (torch_dist).
 
-``DIR/iter_0000010/`` plus ``DIR/latest_checkpointed_iteration.txt``. Every writer (periodic saves
-here, the dump in recovery/dump.py) writes into ``iter_XXXXXXX_tmp`` and ``publish``es it: the new
-directory is fsynced and renamed in, an older copy of the same iteration moved aside first and
-removed only after the tracker (replaced atomically) names the new one — so a crash at any point
-leaves the tracker naming a complete checkpoint. Loading handles three traps of megatron-core's
-distributed optimizer on torch's Adam (see ``load``).
+``DIR/iter_0000010/`` plus ``DIR/latest_checkpointed_iteration.txt`` (checkpoint_dir.py: the tracker,
+publishing, the manifest). Every writer (periodic saves here, the dump in recovery/dump.py) writes
+into ``iter_XXXXXXX_tmp``, adds the manifest of checksums and publishes it. Before ``--load`` reads a
+tensor it checks the tracker, the model settings the checkpoint was written with and (unless
+``--no-verify-checkpoint``) every file against the manifest. Loading handles three traps of
+megatron-core's distributed optimizer on torch's Adam (see ``load``).
 """
 from __future__ import annotations
 
@@ -18,9 +18,13 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from mindspeed_ha.events import get_logger
 from mindspeed_ha.trainer import rng
+from mindspeed_ha.trainer.checkpoint_dir import (MANIFEST, TRACKER, CheckpointError, checksums, iter_dir,  # noqa: F401
+                                                 mismatches, publish, read_manifest, remove_leftovers, tracker,
+                                                 write_manifest)
 
-TRACKER = "latest_checkpointed_iteration.txt"
+log = get_logger("checkpoint")
 SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 CHECKPOINT_VERSION = 3.0
 
@@ -31,21 +35,6 @@ def unwrap(module):
     return module
 
 
-def iter_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def read_tracker(root: str) -> int | None:
-    path = os.path.join(root, TRACKER)
-    if not os.path.exists(path):
-        return None
-    text = open(path).read().strip()
-    if text == "release":
-        return 0
-    it = int(text)
-    return it if os.path.isdir(iter_dir(root, it)) else None
-
-
 def _rng_state(state: dict | None = None) -> ShardedObject:
     pp, tp = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
     return ShardedObject("rng_state", [state if state is not None else rng.snapshot()],
@@ -53,7 +42,7 @@ def _rng_state(state: dict | None = None) -> ShardedObject:
                          (pp, tp), replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
 
 
-def state_dict(trainer, is_loading: bool = False) -> dict:
+def state_dict(trainer, is_loading: bool = False, optimizer: bool = True) -> dict:
     model_sd = {}
     chunks = [unwrap(m) for m in trainer.model_chunks]  # Megatron-LM saves the unwrapped modules
     if len(chunks) == 1:
@@ -62,7 +51,8 @@ def state_dict(trainer, is_loading: bool = False) -> dict:
         for i, m in enumerate(chunks):
             model_sd[f"model{i}"] = m.sharded_state_dict()
     sd = dict(model_sd)
-    sd["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING)
+    if optimizer:  # (a loading sharded_state_dict initialises the optimizer's state: not when it is not loaded)
+        sd["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING)
     sd["opt_param_scheduler"] = trainer.scheduler.state_dict()
     sd["iteration"] = trainer.iteration
     sd["consumed_samples"] = trainer.consumed_samples
@@ -103,50 +93,82 @@ def save(trainer, root: str, group=None) -> tuple[str, float]:
     sd = state_dict(trainer)
     dist_checkpointing.save(sd, tmp, validate_access_integrity=False, content_metadata=SHARDING)
     dist.barrier(group=group)
+    add_manifest(tmp, {"kind": "periodic", "iteration": trainer.iteration}, group)
     if rank == 0:
         publish(root, tmp, trainer.iteration)
     dist.barrier(group=group)
     return iter_dir(root, trainer.iteration), time.perf_counter() - t0
 
 
-def publish(root: str, tmp: str, iteration: int) -> str:
-    """Put the written ``tmp`` in place as ``iter_<iteration>`` and name it in the tracker, so that a
-    crash at any step leaves the tracker naming a complete checkpoint: the files and the directory
-    are fsynced; an existing copy of that iteration is moved aside, never deleted first; the tracker
-    is replaced atomically; only then is the old copy removed."""
-    final = iter_dir(root, iteration)
-    for name in os.listdir(tmp):
-        _fsync(os.path.join(tmp, name))
-    _fsync(tmp)
-    aside = None
-    if os.path.exists(final):
-        aside = f"{final}_old"
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(final, aside)
-    os.replace(tmp, final)
-    _fsync(root)
-    write_tracker(root, iteration)
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
-    return final
+def add_manifest(path: str, fields: dict, group=None) -> dict:
+    """Collective: every rank checksums the files it wrote; the first writes the manifest."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    every = [None] * size
+    dist.all_gather_object(every, checksums(path, rank, size), group=group)
+    manifest = {**fields, "files": {n: e for files in every for n, e in files.items()}}
+    if rank == 0:
+        write_manifest(path, manifest)
+    dist.barrier(group=group)
+    return manifest
 
 
-def write_tracker(root: str, iteration: int) -> None:
-    tmp = os.path.join(root, TRACKER + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, TRACKER))
-    _fsync(root)
+def verify(path: str, group=None) -> bool:
+    """Collective: every file of the checkpoint against its manifest, each rank reading its share.
+    Raises CheckpointError naming the first bad file; False when the checkpoint has no manifest
+    (written by something else: loaded unverified, with a warning)."""
+    manifest = read_manifest(path)
+    if manifest is None:
+        if dist.get_rank(group) == 0:
+            log.warning("%s has no %s (not written by mindspeed-ha): loaded without verifying it", path, MANIFEST)
+        return False
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    bad = mismatches(path, manifest, sorted(manifest["files"])[rank::size])
+    every = [None] * size
+    dist.all_gather_object(every, bad, group=group)
+    bad = [b for part in every for b in part]
+    if bad:
+        raise CheckpointError(f"--load: {bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "") +
+                              ": the checkpoint is damaged; load an older one, or pass --no-verify-checkpoint "
+                              "to load it anyway")
+    return True
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+# Settings whose mismatch loads wrong weights (or none): a checkpoint written with other values is
+# refused rather than read. Compared where both the checkpoint and this job name them (values Megatron-LM
+# derives later in its set-up, such as num_query_groups without grouped-query attention, are left out).
+MODEL_SETTINGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                  "max_position_embeddings", "padded_vocab_size",
+                  "tensor_model_parallel_size", "pipeline_model_parallel_size", "num_experts",
+                  "position_embedding_type", "normalization", "swiglu", "untie_embeddings_and_output_weights")
+
+
+def check_settings(path: str, current, names=MODEL_SETTINGS) -> None:
+    """Refuse a checkpoint written with other model settings than ``current`` (an args namespace),
+    naming the setting and both values."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        saved = dist_checkpointing.load_common_state_dict(path).get("args")
+    except Exception as e:
+        raise CheckpointError(f"--load: {path}: its common part cannot be read ({e}): the checkpoint is "
+                              "damaged") from None
+    for name in names:
+        a, b = getattr(saved, name, None), getattr(current, name, None)
+        if a is not None and b is not None and a != b:
+            flag = "--" + name.replace("_", "-")
+            raise CheckpointError(f"--load: {path} was written with {flag} {a}, this job has {flag} {b}: its "
+                                  f"weights would load wrong; run with {flag} {a} (or load another checkpoint)")
+
+
+def before_load(root: str, current, verify_files: bool = True, group=None) -> tuple[int, str] | None:
+    """What --load checks before any tensor is read: the tracker names a complete checkpoint (None:
+    no tracker, a fresh start), written with this job's model settings, every file as written."""
+    it = tracker(root)
+    if it is None:
+        return None
+    path = iter_dir(root, it)
+    check_settings(path, current)
+    if verify_files:
+        verify(path, group)
+    return it, path
 
 
 # -- the writer's helper process ---------------------------------------------------------------------
@@ -226,19 +248,21 @@ def _fix_adam_steps(optimizer) -> None:
                     state["step"] = torch.tensor(float(step), dtype=torch.float32)
 
 
-def load(trainer, root: str, load_optim: bool = True, load_rng: bool = True) -> int:
-    it = read_tracker(root)
-    if it is None:
-        raise FileNotFoundError(f"--load {root}: no complete checkpoint (missing or dangling {TRACKER})")
-    path = iter_dir(root, it)
+def load(trainer, root: str, load_optim: bool = True, load_rng: bool = True, verify_files: bool = True) -> int:
+    found = before_load(root, trainer.checkpoint_args(), verify_files)
+    if found is None:
+        raise CheckpointError(f"--load {root}: no checkpoint there (no {TRACKER})")
+    it, path = found
+    inners = getattr(trainer.optimizer, "chained_optimizers", None) or [trainer.optimizer]
+    if load_optim and not all(hasattr(i, "_init_optimizer_states_with_dummy_values") for i in inners):
+        raise CheckpointError(f"--load {root}: its optimizer state is a distributed optimizer's; add "
+                              "--use-distributed-optimizer, or pass --no-load-optim to take only the weights")
     if load_optim:
         # Trap 1: the optimizer needs real state (with ``step``) before sharded_state_dict(is_loading);
         # megatron-core creates it only at the first step.
         for inner in getattr(trainer.optimizer, "chained_optimizers", None) or [trainer.optimizer]:
             inner._init_optimizer_states_with_dummy_values()
-    sd = state_dict(trainer, is_loading=True)
-    if not load_optim:
-        sd.pop("optimizer")
+    sd = state_dict(trainer, is_loading=True, optimizer=load_optim)
     if not load_rng:
         sd.pop("rng_state")
     loaded = dist_checkpointing.load(sd, path, strict="assume_ok_unexpected")

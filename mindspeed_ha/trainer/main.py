@@ -50,6 +50,7 @@ def run(argv: list[str] | None = None) -> int:
 
     from mindspeed_ha.launcher import spare
     from mindspeed_ha.replica.verify import ReplicaMismatchError
+    from mindspeed_ha.trainer.checkpoint_dir import CheckpointError
     from mindspeed_ha.session import RankSession
     from mindspeed_ha.trainer import data
     from mindspeed_ha.trainer.builtin import BuiltinTrainer, init_distributed
@@ -75,6 +76,8 @@ def run(argv: list[str] | None = None) -> int:
         session.survive(trainer.train, lambda: trainer.iteration + 1)
     except ReplicaMismatchError as e:
         _fail(str(e), code=3)
+    except CheckpointError as e:  # --load refused before any tensor was read
+        _fail(str(e))
     finally:
         session.close()
     import torch.distributed as dist

@@ -1,0 +1,78 @@
+"""The checkpoint directory: a crash at any step of putting a checkpoint in place leaves one that
+--load takes; a broken tracker is an error naming the newest complete checkpoint, never a start from 0."""
+import json
+import os
+
+import pytest
+
+from mindspeed_ha.trainer import checkpoint_dir as C
+
+
+def fake_checkpoint(path, payload=b"weights"):
+    os.makedirs(path)
+    for name, data in (("__0_0.distcp", payload), (".metadata", b"m"), ("metadata.json", b"{}")):
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(data)
+    C.write_manifest(path, {"files": C.checksums(path, 0, 1)})
+
+
+def test_absent_tracker_is_a_fresh_start(tmp_path):
+    assert C.tracker(str(tmp_path)) is None and C.newest_checkpoint(str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("tracker,needle", [
+    ("7", "the tracker names iteration 7, but {root}/iter_0000007 is missing"),
+    ("abc", "holds 'abc', not an iteration"),
+    ("4", "the tracker names iteration 4, but {root}/iter_0000004 is incomplete"),
+])
+def test_a_broken_tracker_is_an_error_naming_the_newest_complete_checkpoint(tmp_path, tracker, needle):
+    root = str(tmp_path)
+    fake_checkpoint(C.iter_dir(root, 2))
+    os.makedirs(C.iter_dir(root, 4))  # a directory a crash left half written
+    (tmp_path / C.TRACKER).write_text(tracker)
+    with pytest.raises(C.CheckpointError) as e:
+        C.tracker(root)
+    msg = str(e.value)
+    assert needle.format(root=root) in msg
+    assert f"the newest complete checkpoint there is iteration 2 ({root}/iter_0000002)" in msg
+    assert C.newest_checkpoint(root) is None  # (the dump's fallback: none it could name)
+
+
+def test_a_file_missing_from_its_manifest_makes_it_incomplete(tmp_path):
+    path = C.iter_dir(str(tmp_path), 3)
+    fake_checkpoint(path)
+    assert C.complete(path)
+    os.unlink(os.path.join(path, "__0_0.distcp"))
+    assert not C.complete(path)
+
+
+@pytest.mark.parametrize("crash_at", range(6))
+def test_a_crash_at_any_step_of_publishing_leaves_a_checkpoint_to_load(tmp_path, monkeypatch, crash_at):
+    """Rewriting iteration 5 (as a dump after a periodic save of 5 does), a crash after each file
+    operation: --load still finds a complete iteration 5, the old copy or the new one."""
+    root = str(tmp_path)
+    fake_checkpoint(C.iter_dir(root, 5), b"old")
+    C.write_tracker(root, 5)
+    fake_checkpoint(C.iter_dir(root, 5) + "_tmp", b"new")
+    calls = {"n": 0}
+    real_replace, real_rmtree = os.replace, C.shutil.rmtree
+
+    def step(real):
+        def op(*a, **k):
+            if calls["n"] == crash_at:
+                raise KeyboardInterrupt("crash")
+            calls["n"] += 1
+            return real(*a, **k)
+        return op
+    monkeypatch.setattr(C.os, "replace", step(real_replace))
+    monkeypatch.setattr(C.shutil, "rmtree", step(real_rmtree))
+    try:
+        C.publish(root, C.iter_dir(root, 5) + "_tmp", 5)
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.setattr(C.os, "replace", real_replace)
+    monkeypatch.setattr(C.shutil, "rmtree", real_rmtree)
+    assert C.tracker(root) == 5
+    data = open(os.path.join(C.iter_dir(root, 5), "__0_0.distcp"), "rb").read()
+    assert data in (b"old", b"new")
+    assert json.load(open(os.path.join(C.iter_dir(root, 5), C.MANIFEST)))["files"]
