@@ -286,3 +286,16 @@ def test_twelve_repairs_leave_fds_and_threads_flat(tmp_path):
         first = after[0]  # (in between they swing by a few dozen while communicators are torn down)
         assert end["fds"] <= first["fds"] + 4, (r, [(e["fds"], e["threads"]) for e in after], end)
         assert end["threads"] <= first["threads"] + 2, (r, [(e["fds"], e["threads"]) for e in after], end)
+
+
+def test_a_fault_in_a_periodic_save_is_recovered_and_the_save_redone(tmp_path, ref):
+    """A memory error while every rank writes the periodic checkpoint of iteration 4: repaired in
+    place like a fault in a step, the save runs again after the resume, nothing half written stays."""
+    ck = tmp_path / "ck"
+    proc = job(tmp_path, inject="uce:rank=1:step=4:phase=checkpoint", extra=("--save", str(ck), "--save-interval", "2"))
+    rec = check_recovered(proc, tmp_path, ref["dp4"])
+    assert rec[0]["faults"][0]["phase"] == "checkpoint" and rec[0]["how"] == "rollback"
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "iter_0000004", "iter_0000006", "iter_0000008",
+                                                   "latest_checkpointed_iteration.txt"]
+    saves = [e["iteration"] for e in events(tmp_path, "rank_0") if e["event"] == "checkpoint"]
+    assert saves == [2, 4, 6, 8]

@@ -206,6 +206,22 @@ def test_megatron_lm_retry_rolls_back_and_forward_bit_identical(tmp_path, fault_
     assert len(starts) == 4 and all(e["pid"] == starts[e["rank"]] for e in events if e["event"] == "step")
 
 
+def test_megatron_lm_fault_in_its_periodic_save(tmp_path, fault_free):
+    """A memory error inside Megatron-LM's own periodic save of iteration 4 (retry): repaired in place
+    like a fault in a step, the save runs again, and the loop goes on with the next step's data."""
+    ck = tmp_path / "ck"
+    proc = _mindspeed_ha_run(tmp_path, "--enable-hbmfault-repair", "--save", str(ck), "--save-interval", "4",
+                             inject="uce:rank=2:step=4:phase=checkpoint")
+    assert_ok(proc)
+    got = losses(tmp_path)
+    assert sorted(got) == list(range(1, 11)) and got == fault_free
+    from helpers import events as read_events
+    rec = [e for e in read_events(tmp_path, "controller") if e["event"] == "recovered"]
+    assert [(e["iteration"], e["how"], e["faults"][0]["phase"]) for e in rec] == [(4, "rollback", "checkpoint")]
+    assert {p.name for p in ck.glob("iter_*")} == {"iter_0000004", "iter_0000008", "iter_0000010"}
+    assert (ck / "iter_0000004" / "ha_manifest.json").exists()
+
+
 def test_megatron_lm_recover_restarts_only_the_killed_workers(tmp_path, fault_free):
     """recover through Megatron-LM's own loop: rank 1 killed in its update of step 3 (the twins
     finished it: roll forward, the newcomer takes the DP-reduced loss from its twin) and rank 2 in the

@@ -182,11 +182,17 @@ def on_save_checkpoint(original, iteration, *args, **kwargs):
     from megatron.training import get_args
     from mindspeed_ha import session
     s = session.current()
-    if s is not None:
+    if s is None:
+        return original(iteration, *args, **kwargs)
+
+    def save():
         s.fire("checkpoint", iteration)
+        return original(iteration, *args, **kwargs)
     t0 = time.perf_counter()
-    out = original(iteration, *args, **kwargs)
-    if s is not None and not kwargs.get("non_persistent_ckpt"):
+    # A fault in the save is recovered like one in a step (every rank back at this iteration), then
+    # the save runs again.
+    out = s.survive(save, lambda: iteration)
+    if not kwargs.get("non_persistent_ckpt"):
         from mindspeed_ha.trainer import checkpoint
         path = os.path.join(get_args().save, f"iter_{iteration:07d}")
         checkpoint.add_manifest(path, {"kind": "periodic", "iteration": iteration})  # (a collective, as the save)

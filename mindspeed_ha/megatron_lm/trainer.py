@@ -201,6 +201,7 @@ class MegatronLMTrainer(TrainerInterface):
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         from megatron.training import get_args
         from mindspeed_ha import session
+        self.step.done = True
         self.iteration = self.ended = it
         # What Megatron-LM's loop adds after train_step returns.
         self.consumed_samples += (ps.get_data_parallel_world_size() * get_args().micro_batch_size
@@ -277,7 +278,7 @@ class MegatronLMTrainer(TrainerInterface):
         from megatron.core.rerun_state_machine import get_rerun_state_machine
         from megatron.training import get_timers
         at = self.step.at_start
-        if not at:  # a restarted rank: no step begun here
+        if not at or self.step.done:  # a restarted rank (no step begun here), or the step returned
             return
         if self.scheduler.num_steps != at["scheduler"]:
             self.scheduler.num_steps = at["scheduler"]
@@ -289,9 +290,12 @@ class MegatronLMTrainer(TrainerInterface):
                 t.stop()
 
     def restart_from(self, iteration: int) -> None:
-        """Rollback: the failed step runs again from its start (the caller restored the RNG)."""
+        """Rollback: the failed step runs again from its start (the caller restored the RNG). Between
+        steps (a fault in the loop's periodic save) there is nothing to undo: the next step is next."""
         if self.iteration != iteration:
             raise RuntimeError(f"trainer at iteration {self.iteration}, asked to restart from {iteration}")
+        if self.step.done:
+            return
         self._undo_partial_step()
         for r in self._replays:
             r.rewind()

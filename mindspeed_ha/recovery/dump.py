@@ -239,6 +239,7 @@ def write(prep: Prepared, plan: DumpPlan, world, save_dir: str, events=None) -> 
         os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
+        checkpoint_dir.remove_leftovers(save_dir, keep=tmp)  # e.g. a periodic save the fault interrupted
     try:
         _resync_model_weights(prep, plan, world)
         rng_ok = _normalize(prep, plan)

@@ -48,6 +48,7 @@ class BuiltinTrainer(TrainerInterface):
         super().__init__()
         self.args = args
         self.session = session  # mindspeed_ha.session.RankSession: HA hooks, events, device
+        self._saved = -1        # the iteration whose periodic save last completed
 
     # -- set-up ----------------------------------------------------------------------------------
     def setup(self, joining: bool = False) -> None:
@@ -81,6 +82,7 @@ class BuiltinTrainer(TrainerInterface):
             log.warning("--load %s: no checkpoint there yet, starting from iteration 0", a.load)
         self._data_iter = self.data_iterator(self.consumed_samples)
         self.ended = self.iteration  # the last step whose bookkeeping and loss report finished
+        self._saved = self.iteration  # (the state it starts from is on disk already, or nowhere to be)
         s.trainer_ready()
 
     @property
@@ -255,17 +257,20 @@ class BuiltinTrainer(TrainerInterface):
         self._data_iter = self.data_iterator(self.consumed_samples)
 
     def bookkeeping(self) -> dict:
-        """Counters and scheduler (the interface's), and the loss of a step whose update finished."""
-        return {**super().bookkeeping(), "step_loss": getattr(self, "_step_loss", None)}
+        """Counters and scheduler (the interface's), the loss of a step whose update finished, and the
+        last periodic save (one a fault interrupted is redone by every rank, the newcomer too)."""
+        return {**super().bookkeeping(), "step_loss": getattr(self, "_step_loss", None), "saved": self._saved}
 
     def install_bookkeeping(self, state: dict) -> None:
         super().install_bookkeeping(state)
         self._step_loss = state["step_loss"]
+        self._saved = state["saved"]
         self._data_iter = self.data_iterator(self.consumed_samples)
 
     def save_checkpoint(self, save_dir: str) -> str:
         self.session.fire("checkpoint", self.iteration)
         path, seconds = checkpoint.save(self, save_dir)
+        self._saved = self.iteration
         self.session.saved(self.iteration, path, seconds)
         return path
 
@@ -278,12 +283,16 @@ class BuiltinTrainer(TrainerInterface):
 
     # -- the loop --------------------------------------------------------------------------------
     def train(self) -> None:
+        """The loop. A periodic save due at this iteration that has not happened — a fault interrupted
+        it, the recovery brought every rank back here — runs first."""
         a = self.args
-        while self.iteration < a.train_iters:
-            self.train_step()
-            if a.save and a.save_interval and self.iteration % a.save_interval == 0:
+        while True:
+            if a.save and a.save_interval and self.iteration % a.save_interval == 0 and self._saved != self.iteration:
                 self.save_checkpoint(a.save)
-        if a.save and (not a.save_interval or self.iteration % a.save_interval):
+            if self.iteration >= a.train_iters:
+                break
+            self.train_step()
+        if a.save and self._saved != self.iteration:
             self.save_checkpoint(a.save)
 
 
