@@ -219,6 +219,14 @@ class RankSession:
         log.error("rank %d: no order from the controller for %.0f s after the fault", self.rank, wait)
         return False
 
+    def report_fault_in_recovery(self, exc: BaseException) -> None:
+        """A fault found while serving a recovery (its orders run on the training thread): reported
+        like one in a step, so that the recovery starts over with every fault known."""
+        from mindspeed_ha.faults import fault_kind
+        kind = fault_kind(exc)
+        log.error("rank %d: %s fault while serving a recovery: %s", self.rank, kind, exc)
+        self.processor.report_fault(kind, f"{type(exc).__name__}: {exc}", self.trainer.iteration + 1, "recovery")
+
     def survive(self, attempt, iteration_of, after_recovery=None):
         """Run ``attempt()`` until it returns. An exception is a fault of this rank: it is reported
         and the controller's recovery served here (``report_fault``); once repaired in place,
@@ -269,6 +277,11 @@ class RankSession:
         if "threads" in out:
             out["threads"] -= extra_threads
         return out
+
+    def progressed(self) -> None:
+        """Long work outside a step (the dump) moved on: the controller sees this rank is not stuck."""
+        if self.processor is not None:
+            self.processor.progressed()
 
     def fire(self, phase: str, iteration: int) -> None:
         self.phase = phase

@@ -118,3 +118,26 @@ def test_answers_of_any_size_travel_whole(tmp_path, controller):
         assert f"Resume with --load {save}" in c.last_diagnosis
     finally:
         ranks.close()
+
+
+def test_the_dump_time_limit_grows_with_the_state_and_with_progress(tmp_path):
+    """120 s for a small state, more for a large one (50 MB/s), --ha-dump-timeout when given, and
+    three times that while the writers show progress."""
+    from mindspeed_ha.control.playbooks import Episode
+    from mindspeed_ha.control.ranks import Rank
+    from mindspeed_ha.control.states import State as S
+    keys = security.Keys.load(str(tmp_path), create=True)
+    c = Controller(str(tmp_path), 2, HAOptions(strategies=frozenset({"dump"}), log_dir=str(tmp_path)), keys)
+    try:
+        now = time.monotonic()
+        c.ranks.update({r: Rank(r, b"", progress_at=now - 100) for r in (0, 1)})
+        c.episode = Episode(None, "dump", 2, [], {}, statuses={0: {}, 1: {}})
+        assert c._limit(S.DUMP, now) == 120.0 and c._limit(S.REPAIR, now) == 180.0
+        c.episode.state_bytes = 50 * 10 ** 9  # 50 GB: 1,000 s at 50 MB/s
+        assert c._limit(S.DUMP, now) == pytest.approx(1030.0)
+        c.ranks[1].progress_at = now - 5  # a writer moved 5 s ago
+        assert c._limit(S.DUMP, now) == pytest.approx(3090.0)
+        c.options = HAOptions(strategies=frozenset({"dump"}), log_dir=str(tmp_path), dump_timeout_s=40.0)
+        assert c._limit(S.DUMP, now) == 120.0  # 3 x 40 s: still moving
+    finally:
+        c.router.close()

@@ -299,3 +299,17 @@ def test_a_fault_in_a_periodic_save_is_recovered_and_the_save_redone(tmp_path, r
                                                    "latest_checkpointed_iteration.txt"]
     saves = [e["iteration"] for e in events(tmp_path, "rank_0") if e["event"] == "checkpoint"]
     assert saves == [2, 4, 6, 8]
+
+
+def test_both_twins_poisoned_the_job_goes_on_from_the_periodic_checkpoint(tmp_path, ref):
+    """Memory errors on ranks 3 and then 1 (while serving that recovery), the two holders of one
+    shard: no twin can serve it, but a periodic checkpoint exists, so every rank reloads it in process
+    and the job goes on (the step since it recomputed) instead of ending."""
+    proc = job(tmp_path, inject="uce:rank=3:step=5:phase=backward,uce:rank=1:step=5:phase=recovery",
+               extra=("--save", str(tmp_path / "ck"), "--save-interval", "3"))
+    assert_ok(proc)
+    assert losses(tmp_path) == ref["dp4"]
+    rec = [e for e in events(tmp_path, "controller") if e["event"] == "recovered"]
+    assert [(e["strategy"], e["how"], e["iteration"], e["lost_steps"]) for e in rec] == [("retry", "reload", 3, 1)]
+    plan = [e for e in events(tmp_path, "controller") if e["event"] == "repair_plan"]
+    assert "[1, 3]" in plan[0]["reason"] and "every replica lost" in plan[0]["reason"]

@@ -183,21 +183,38 @@ def test_retry_a_rank_lost_meanwhile_fails_the_round():
     assert runner.tick() == ("failed", "rebuild failed (rank 3: lost)")
 
 
-def test_retry_refused_when_a_shard_has_no_healthy_holder():
+def test_retry_refused_when_a_shard_has_no_healthy_holder_and_no_checkpoint():
     port = FakePort()
     both = [UCE2, {**UCE2, "ranks": [0]}]
     runner, _ = play(PB.RETRY, S.REPAIR, episode(port, faults=both))
     port.answer(statuses())
     out = runner.tick()
     assert out[0] == "failed" and "[0, 2]" in out[1] and "every replica lost" in out[1]
+    assert "no periodic checkpoint every rank can reload" in out[1]
     assert [o[1] for o in port.orders] == ["ha-status"]  # nothing rebuilt
+
+
+def test_both_twins_lost_falls_back_to_the_periodic_checkpoint():
+    """Both holders of shard [0, 2] poisoned, a periodic checkpoint of iteration 3: the job goes on
+    from it (every rank reloads, the steps since are recomputed) instead of ending."""
+    port = FakePort()
+    ep = episode(port, faults=[UCE2, {**UCE2, "ranks": [0]}])
+    runner, _ = play(PB.RETRY, S.REPAIR, ep)
+    port.answer({r: {**shard(5, rank=r), "checkpoint": [3, "/ck/iter_0000003"]} for r in range(4)})
+    assert runner.tick() is None and port.last()[1] == "rebuild"
+    (plan,) = port.event("repair_plan")
+    assert plan["iteration"] == 3 and plan["lost_steps"] == 2 and "every replica lost" in plan["reason"]
+    port.answer({r: "ok" for r in range(4)})
+    assert runner.tick() is None and port.last()[1:] == ("reload", [0, 1, 2, 3], {"ended": 5})
+    port.answer({r: {"iteration": 3} for r in range(4)})
+    assert runner.tick() == "ok" and ep.mode == "reload" and ep.how == "reload"
 
 
 def test_rollback_and_resume_failures():
     for failing in ("rollback", "resume"):
         port = FakePort()
         ep = episode(port)
-        ep.plan = PB.planner.plan_repair(PB.planner.holders(4, statuses(), GROUPS))
+        ep.plan, ep.mode = PB.planner.plan_repair(PB.planner.holders(4, statuses(), GROUPS)), "repair"
         runner, _ = play(PB.RETRY, S.ROLLBACK, ep)
         if failing == "resume":
             port.answer({r: "roll-forward" for r in range(4)})
@@ -271,23 +288,23 @@ def test_recover_refusals(case, why):
 def test_reload_every_rank_reloads_the_periodic_checkpoint():
     port = FakePort()
     ep = episode(port, replica=False)
-    runner, _ = play(PB.RELOAD, S.REPAIR, ep)
+    runner, _ = play(PB.RETRY, S.REPAIR, ep)
     port.answer({r: {"replica": False, "ended": 5 if r else 4, "checkpoint": [3, "/ck/iter_0000003"]} for r in range(4)})
     runner.tick()
     assert port.event("repair_plan") == [{"iteration": 3, "reload": "/ck/iter_0000003", "lost_steps": 2,
-                                          "generation": 1}]
+                                          "generation": 1, "reason": "no replicas"}]
     port.answer({r: "ok" for r in range(4)})
     runner.tick()
     assert port.last()[1] == "reload" and port.last()[3] == {"ended": 5}
     port.answer({r: {"iteration": 3} for r in range(4)})
     assert runner.tick() == "ok" and ep.how == "reload" and ep.lost_steps == 2
-    runner, out = play(PB.RELOAD, S.ROLLBACK, ep)
+    runner, out = play(PB.RETRY, S.ROLLBACK, ep)
     assert port.last()[1] == "resume"  # the reload put every rank at the checkpoint: no rollback
 
 
 def test_reload_refused_without_a_common_checkpoint():
     port = FakePort()
-    runner, _ = play(PB.RELOAD, S.REPAIR, episode(port, replica=False))
+    runner, _ = play(PB.RETRY, S.REPAIR, episode(port, replica=False))
     port.answer({r: {"replica": False, "ended": 5, "checkpoint": None if r == 2 else [3, "/ck"]} for r in range(4)})
     out = runner.tick()
     assert out[0] == "failed" and "no periodic checkpoint every rank can reload" in out[1]

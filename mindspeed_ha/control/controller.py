@@ -349,9 +349,21 @@ class Controller:
             if not others or now - self.machine.entered > TIMEOUTS[S.EXIT] - 1:
                 self._finish_exit()
                 return
-        if st != S.INIT and self.machine.overdue():
-            log.error("state %s ran past its %.1fs timeout", st.value, TIMEOUTS[st])
+        limit = self._limit(st, now)
+        if st != S.INIT and self.machine.overdue(limit):
+            log.error("state %s ran past its %.1fs time limit", st.value, limit)
             self._feed(O.TIMEOUT)
+
+    def _limit(self, st, now: float) -> float | None:
+        """A state's time limit. The dump's is --ha-dump-timeout, or grows with the state to write
+        (50 MB/s at least), and while its writers show progress it is extended, up to three times."""
+        base = TIMEOUTS.get(st)
+        if st != S.DUMP or self.episode is None:
+            return base
+        base = self.options.dump_timeout_s or max(base, 30.0 + self.episode.state_bytes / 50e6)
+        writers = [self.ranks[r] for r in self.episode.statuses if r in self.ranks and self.ranks[r].alive]
+        moving = writers and now - max(i.progress_at for i in writers) < 30.0
+        return 3 * base if moving else base
 
     def _stopped(self, now: float) -> bool:
         """PAUSE is over when every live rank has answered the stop, after a short dwell: the agent's
@@ -410,9 +422,7 @@ class Controller:
         self.strategy_note = why
         self.events.emit("strategy", outcome=outcome.value, reason=why)
         log.info("strategy for %s: %s (%s)", sorted(kinds), outcome.value, why)
-        replicas = all(i.groups for i in self.ranks.values() if i.alive)
-        self.playbook = {O.RETRY: playbooks.RETRY if replicas else playbooks.RELOAD,
-                         O.RECOVER: playbooks.RECOVER if replicas else playbooks.RELOAD}.get(outcome)
+        self.playbook = {O.RETRY: playbooks.RETRY, O.RECOVER: playbooks.RECOVER}.get(outcome)
         self.chosen = outcome
         return outcome
 
@@ -425,9 +435,9 @@ class Controller:
                 self.playbook = playbooks.DUMP
             strategy = {O.RECOVER: "recover"}.get(self.chosen, "retry") if st == S.REPAIR else "dump"
             first = self.active_faults[0] if self.active_faults else None
+            replica = all(i.groups for i in self.ranks.values() if i.alive)  # (no replicas: groups are not sent)
             self.episode = Episode(self.playbook_port, strategy, self.world, self.active_faults,
-                                   {r: i.groups[0] for r, i in self.ranks.items() if i.groups},
-                                   replica=self.playbook is not playbooks.RELOAD)
+                                   {r: i.groups[0] for r, i in self.ranks.items() if i.groups}, replica=replica)
             if first is not None and st == S.REPAIR:
                 self.episode.phases["detect"] = first["detect_s"]
                 # detection -> every survivor stopped and the strategy chosen

@@ -1,8 +1,7 @@
 """Recovery playbooks: each strategy as the ordered rounds it runs (played by ``rounds.Runner``).
 
-    retry    REPAIR: status -> plan -> rebuild -> repair          ROLLBACK: rollback -> resume
-    recover  REPAIR: status -> restart -> plan -> rebuild -> repair   ROLLBACK: rollback -> resume
-    reload   REPAIR: status -> [restart] -> plan -> rebuild -> reload     ROLLBACK: resume
+    retry    REPAIR: status -> plan -> rebuild -> repair | reload     ROLLBACK: [rollback] -> resume
+    recover  REPAIR: status -> [restart] -> plan -> rebuild -> repair | reload   ROLLBACK: [rollback] -> resume
     dump     DUMP:   status -> plan -> write  (a writer lost: the others stop, plan again, write again)
 
 What each round asks of a rank is in ``mindspeed_ha.recovery.handlers`` (same names). After
@@ -16,8 +15,9 @@ lagging shards are copied from their twins and the weights re-gathered (``repair
 back to the start of the failed step, or finishes it if its update had completed everywhere
 (``rollback``); training resumes. recover adds ``restart``: the launcher agents restart the lost
 ranks and the round waits until they register; they join at ``rebuild`` and take their shard and
-counters from their twins at ``repair``. Without replicas (``reload``) every rank reloads the newest
-periodic checkpoint instead of a repair.
+counters from their twins at ``repair``. Where no twin can serve — without replicas, or with both
+holders of a shard lost or poisoned — every rank reloads the newest periodic checkpoint instead
+(``reload``): the steps since it are recomputed, and the job goes on.
 
 A failed round (or a plan that cannot be made) ends the state with FAILED: the table falls back to
 the dump; a new fault meanwhile starts the recovery over from PAUSE with every fault known.
@@ -37,7 +37,7 @@ log = get_logger("control.playbooks")
 ROUND_WAIT_S = 30.0
 RESTART_WAIT_S = 120.0       # a restarted worker imports torch and megatron before it registers
 DUMP_STATUS_WAIT_S = 15.0    # a live rank that has not parked by then (hung) is left out of the dump
-WRITE_WAIT_S = 600.0         # (the DUMP state's own time limit ends a stuck write first)
+WRITE_WAIT_S = 7 * 24 * 3600.0  # (the DUMP state's own time limit, which grows with the state, ends a stuck write)
 
 
 @dataclasses.dataclass
@@ -54,10 +54,12 @@ class Episode:
     statuses: dict = dataclasses.field(default_factory=dict)   # rank -> its answer to status
     joiners: list = dataclasses.field(default_factory=list)    # restarted ranks (hold nothing yet)
     plan: Any = None
+    mode: str = ""                         # repair (from the twins) or reload (the periodic checkpoint)
     generation: int = 0
     how: str = ""
     lost_steps: int = 0
     result: dict | None = None             # dump: the written checkpoint
+    state_bytes: int = 0                   # dump: what the survivors will write (sets its time limit)
     started: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
@@ -124,32 +126,33 @@ RESTART = Round("restart", act=_restart, ready=lambda ep: not ep.port.restarting
                 wait_s=RESTART_WAIT_S, when=lambda ep: bool(ep.port.lost()))
 
 
-def _plan_repair(ep: Episode):
-    unknown = [r for r in ep.joiners if ep.group_of(r) is None]
-    if unknown:
-        return Fail(f"the replica group of rank(s) {unknown} is unknown")
-    groups = {r: ep.group_of(r) for r in ep.joiners}
-    holders = planner.holders(ep.world, ep.statuses, groups, unusable=planner.poisoned(ep.faults))
-    plan = planner.plan_repair(holders, ep.joiners)
-    if not plan.ok:
-        return Fail(plan.reason)
-    ep.plan, ep.generation = plan, ep.port.new_generation()
-    ep.port.emit("repair_plan", iteration=plan.iteration, pairs=plan.pairs_flat, joiners=plan.joiners_flat,
-                 generation=ep.generation)
-    log.info("%s: resume at iteration %d; shards to copy (src, dst): %s", ep.strategy, plan.iteration,
-             list(plan.copies))
-    return NEXT
-
-
-def _plan_reload(ep: Episode):
-    plan = planner.plan_reload(ep.statuses)
-    if not plan.ok:
-        return Fail(plan.reason)
-    ep.plan, ep.generation, ep.lost_steps = plan, ep.port.new_generation(), plan.lost_steps
-    ep.port.emit("repair_plan", iteration=plan.iteration, reload=plan.path, lost_steps=plan.lost_steps,
-                 generation=ep.generation)
-    log.info("%s without replicas: every rank reloads iteration %d from %s (%d step(s) lost)", ep.strategy,
-             plan.iteration, plan.path, plan.lost_steps)
+def _plan(ep: Episode):
+    """Repair from the twins where every shard has a healthy holder; else (no replicas, or both holders
+    of a shard lost or poisoned) every rank reloads the newest periodic checkpoint they all have."""
+    why = "no replicas"
+    if ep.replica:
+        unknown = [r for r in ep.joiners if ep.group_of(r) is None]
+        if unknown:
+            return Fail(f"the replica group of rank(s) {unknown} is unknown")
+        groups = {r: ep.group_of(r) for r in ep.joiners}
+        holders = planner.holders(ep.world, ep.statuses, groups, unusable=planner.poisoned(ep.faults))
+        plan = planner.plan_repair(holders, ep.joiners)
+        if plan.ok:
+            ep.plan, ep.mode, ep.generation = plan, "repair", ep.port.new_generation()
+            ep.port.emit("repair_plan", iteration=plan.iteration, pairs=plan.pairs_flat, joiners=plan.joiners_flat,
+                         generation=ep.generation)
+            log.info("%s: resume at iteration %d; shards to copy (src, dst): %s", ep.strategy, plan.iteration,
+                     list(plan.copies))
+            return NEXT
+        why = plan.reason
+    reload = planner.plan_reload(ep.statuses)
+    if not reload.ok:
+        return Fail(reload.reason if not ep.replica else f"{why}; and {reload.reason}")
+    ep.plan, ep.mode, ep.generation, ep.lost_steps = reload, "reload", ep.port.new_generation(), reload.lost_steps
+    ep.port.emit("repair_plan", iteration=reload.iteration, reload=reload.path, lost_steps=reload.lost_steps,
+                 generation=ep.generation, reason=why)
+    log.info("%s: %s: every rank reloads iteration %d from %s (%d step(s) lost)", ep.strategy, why,
+             reload.iteration, reload.path, reload.lost_steps)
     return NEXT
 
 
@@ -168,12 +171,11 @@ def _then(name: str, step, how: str = ""):
     return decide
 
 
-PLAN_REPAIR = Round("plan", act=_plan_repair, timed=False)
-PLAN_RELOAD = Round("plan", act=_plan_reload, timed=False)
+PLAN = Round("plan", act=_plan, timed=False)
 REBUILD = Round("rebuild", order="rebuild", args=_rebuild_args, decide=_then("rebuild", NEXT))
-REPAIR = Round("repair", order="repair", decide=_then("repair", DONE),
+REPAIR = Round("repair", order="repair", decide=_then("repair", DONE), when=lambda ep: ep.mode == "repair",
                args=lambda ep: {"pairs": ep.plan.pairs_flat, "iteration": ep.target, "joiners": ep.plan.joiners_flat})
-RELOAD_ROUND = Round("reload", order="reload", decide=_then("reload", DONE, how="reload"),
+RELOAD = Round("reload", order="reload", decide=_then("reload", DONE, how="reload"), when=lambda ep: ep.mode == "reload",
                args=lambda ep: {"ended": ep.target + ep.lost_steps})
 
 
@@ -185,16 +187,15 @@ def _rolled(ep: Episode, ans: Answers):
     return NEXT
 
 
-ROLLBACK = Round("rollback", order="rollback", args=lambda ep: {"iteration": ep.target}, decide=_rolled)
+ROLLBACK = Round("rollback", order="rollback", args=lambda ep: {"iteration": ep.target}, decide=_rolled,
+                 when=lambda ep: ep.mode == "repair")  # (a reload put every rank at the checkpoint already)
 RESUME = Round("resume", order="resume", decide=_then("resume", DONE))
 
 
-RETRY = Playbook("retry", {S.REPAIR: [STATUS, PLAN_REPAIR, REBUILD, REPAIR], S.ROLLBACK: [ROLLBACK, RESUME]},
+RETRY = Playbook("retry", {S.REPAIR: [STATUS, PLAN, REBUILD, REPAIR, RELOAD], S.ROLLBACK: [ROLLBACK, RESUME]},
                  "repair_failed")
-RECOVER = Playbook("recover", {S.REPAIR: [STATUS, RESTART, PLAN_REPAIR, REBUILD, REPAIR],
+RECOVER = Playbook("recover", {S.REPAIR: [STATUS, RESTART, PLAN, REBUILD, REPAIR, RELOAD],
                                S.ROLLBACK: [ROLLBACK, RESUME]}, "repair_failed")
-RELOAD = Playbook("reload", {S.REPAIR: [STATUS, RESTART, PLAN_RELOAD, REBUILD, RELOAD_ROUND],
-                                      S.ROLLBACK: [RESUME]}, "repair_failed")
 
 
 # ---- dump (the dying-gasp checkpoint) -----------------------------------------------------------------
@@ -207,6 +208,7 @@ def _dump_status_to(ep: Episode) -> list:
 def _dump_statuses(ep: Episode, ans: Answers):
     refused = {r: why for r, why in ans.failed.items() if why not in ("lost", "no answer")}
     ep.statuses = dict(ans.ok)
+    ep.state_bytes = sum(int(s.get("bytes", 0)) for s in ep.statuses.values())
     if not ep.statuses:
         return Fail(f"no survivor could prepare its state ({next(iter(refused.values()), 'no live rank answered')})")
     if refused:

@@ -139,6 +139,9 @@ class Processor:
     def update_end(self, iteration: int) -> None:
         self.updating, self._progress = False, time.time()
 
+    def progressed(self) -> None:
+        self._progress = time.time()
+
     def mark_phase(self, phase: str) -> None:
         """Optional finer progress marks (forward, backward, grad-sync, ...): they make hang
         attribution and the diagnosis precise."""

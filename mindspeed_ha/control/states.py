@@ -159,6 +159,7 @@ class Machine:
             self._on_transition(old, Outcome(outcome), new, seconds)
         return new
 
-    def overdue(self) -> bool:
-        limit = TIMEOUTS.get(self.state)
+    def overdue(self, limit: float | None = None) -> bool:
+        """Past the state's time limit (``limit``: this time's, else the table's)."""
+        limit = TIMEOUTS.get(self.state) if limit is None else limit
         return limit is not None and time.monotonic() - self.entered > limit

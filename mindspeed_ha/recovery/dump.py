@@ -67,6 +67,7 @@ class Prepared:
     params: dict              # parameter name -> (parameter, position)
     shard: list               # this rank's shard description, with positions
     seconds: float
+    bytes: int = 0            # what this rank holds of the state (its shard and its weights)
 
 
 def prepare(trainer, abandon_update: bool = False) -> Prepared:
@@ -92,7 +93,9 @@ def prepare(trainer, abandon_update: bool = False) -> Prepared:
     for d in shard:
         d["pos"] = params[d["param"]][1]
     sd = checkpoint.state_dict(trainer)
-    return Prepared(trainer, local_status(trainer), sd, params, shard, time.perf_counter() - t0)
+    size = sum(t.numel() * t.element_size() for t in opt.ha_export_shard().values())
+    size += sum(p.numel() * p.element_size() for p, _ in params.values())
+    return Prepared(trainer, local_status(trainer), sd, params, shard, time.perf_counter() - t0, size)
 
 
 def _resync_model_weights(prep: Prepared, plan: DumpPlan, world) -> None:
@@ -219,9 +222,10 @@ def _verify(tmp: str, world, manifest: dict) -> None:
         raise DumpError("verification failed: " + "; ".join(bad[:5]))
 
 
-def write(prep: Prepared, plan: DumpPlan, world, save_dir: str, events=None) -> DumpResult:
+def write(prep: Prepared, plan: DumpPlan, world, save_dir: str, events=None, progress=lambda: None) -> DumpResult:
     """Collective over ``world``, the survivors' default group from ``comm.groups.survivor_world``
-    (called after ``prepare``). ``plan`` must be the same on every survivor."""
+    (called after ``prepare``). ``plan`` must be the same on every survivor. ``progress()`` is called
+    after each part (the controller extends the dump's time limit while writers make progress)."""
     from megatron.core import dist_checkpointing
     from mindspeed_ha.trainer import checkpoint, checkpoint_dir
     t0 = time.perf_counter()
@@ -242,6 +246,7 @@ def write(prep: Prepared, plan: DumpPlan, world, save_dir: str, events=None) -> 
         checkpoint_dir.remove_leftovers(save_dir, keep=tmp)  # e.g. a periodic save the fault interrupted
     try:
         _resync_model_weights(prep, plan, world)
+        progress()
         rng_ok = _normalize(prep, plan)
         sd = prep.sd
         mains = _elect(sd, plan, world, {"optimizer": at_target, "rng": rng_ok, "model": True})
@@ -254,6 +259,7 @@ def write(prep: Prepared, plan: DumpPlan, world, save_dir: str, events=None) -> 
         t_save = time.perf_counter()
         dist_checkpointing.save(sd, tmp, validate_access_integrity=True, content_metadata=checkpoint.SHARDING)
         t_saved = time.perf_counter()
+        progress()
         # Checksums: each rank hashes what it wrote; rank 0 records them all in the manifest.
         mine = checkpoint_dir.checksums(tmp, world.new_rank, len(world.ranks))
         every = [None] * len(world.ranks)
@@ -266,7 +272,9 @@ def write(prep: Prepared, plan: DumpPlan, world, save_dir: str, events=None) -> 
         if me0:
             checkpoint_dir.write_manifest(tmp, manifest)
         dist.barrier()
+        progress()
         _verify(tmp, world, manifest)
+        progress()
         if me0:
             checkpoint_dir.publish(save_dir, tmp, plan.iteration)
         dist.barrier()

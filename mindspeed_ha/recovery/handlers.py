@@ -47,11 +47,16 @@ class RankRecovery:
         from mindspeed_ha.trainer import checkpoint_dir
         if self.s.joining:  # restarted, not resumed yet (a fault came during its recovery): holds nothing
             return {"replica": True, "joining": True}
-        self.s.fire("recovery", self.trainer.iteration + 1)
-        if self.s.optimizer is None:  # --distributed-optimizer-no-replica: the fallback reloads a checkpoint
-            newest = checkpoint_dir.newest_checkpoint(self.trainer.save_dir)
-            return {"replica": False, "ended": self.trainer.ended, "checkpoint": list(newest) if newest else None}
-        return {"replica": True, **repair.status(self.trainer)}
+        try:
+            self.s.fire("recovery", self.trainer.iteration + 1)
+        except Exception as e:  # a fault of this rank while it serves the recovery: the controller
+            self.s.report_fault_in_recovery(e)  # starts over with it (this answer still stands)
+        # The newest periodic checkpoint, for when no twin can serve (no replicas, or both lost).
+        newest = checkpoint_dir.newest_checkpoint(self.trainer.save_dir)
+        found = {"ended": self.trainer.ended, "checkpoint": list(newest) if newest else None}
+        if self.s.optimizer is None:  # --distributed-optimizer-no-replica
+            return {"replica": False, **found}
+        return {"replica": True, **repair.status(self.trainer), **found}
 
     def rebuild(self, args: dict) -> str:
         from mindspeed_ha.comm import groups
@@ -122,7 +127,8 @@ class RankRecovery:
         st = {k: self.prepared.status[k] for k in ("iteration", "updating", "touched", "replica_group",
                                                    "trainer_iteration")}
         fallback = checkpoint_dir.newest_checkpoint(save)
-        st.update(save=os.path.abspath(save), fallback=list(fallback) if fallback else None, abandoned=abandon)
+        st.update(save=os.path.abspath(save), fallback=list(fallback) if fallback else None, abandoned=abandon,
+                  bytes=self.prepared.bytes)
         return st
 
     def dump(self, args: dict) -> dict:
@@ -138,6 +144,6 @@ class RankRecovery:
                                       int(args["store_port"]), int(args["generation"]),
                                       timeout=REBUILD_TIMEOUT, backend=self.s.device.backend)
         save = self.trainer.save_dir
-        res = dump.write(self.prepared, plan, world, save, self.s.events)
+        res = dump.write(self.prepared, plan, world, save, self.s.events, progress=self.s.progressed)
         return {"iteration": res.iteration, "path": res.path, "seconds": round(res.seconds, 4),
                 "bytes": res.bytes, "save": os.path.abspath(save)}

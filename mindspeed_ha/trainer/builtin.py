@@ -277,7 +277,7 @@ class BuiltinTrainer(TrainerInterface):
     def load_checkpoint(self, load_dir: str) -> int:
         """Also in a live trainer (the no-replica fallback reloads in process)."""
         it = checkpoint.load(self, load_dir, verify_files=not self.args.no_verify_checkpoint)
-        self.ended = it
+        self.ended = self._saved = it  # (what was loaded is on disk: no save of it is due)
         self._data_iter = self.data_iterator(self.consumed_samples)
         return it
 
