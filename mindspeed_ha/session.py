@@ -152,6 +152,8 @@ class RankSession:
         self.processor = Processor(self.rank, self.world_size, self.local_rank,
                                    os.environ.get("MINDSPEED_HA_NODE", ""), self.options, groups,
                                    events=self.events)
+        from mindspeed_ha.comm import interruptible
+        self.processor.in_collective = interruptible.waiting
         self.processor.serve({"inject": self._live_inject}, training_thread=False)
         self.processor.serve(RankRecovery(self).handlers(), training_thread=True)
         self.processor.start()

@@ -313,3 +313,24 @@ def test_both_twins_poisoned_the_job_goes_on_from_the_periodic_checkpoint(tmp_pa
     assert [(e["strategy"], e["how"], e["iteration"], e["lost_steps"]) for e in rec] == [("retry", "reload", 3, 1)]
     plan = [e for e in events(tmp_path, "controller") if e["event"] == "repair_plan"]
     assert "[1, 3]" in plan[0]["reason"] and "every replica lost" in plan[0]["reason"]
+
+
+HANGS = [(1, 2, "forward"), (2, 4, "backward"), (3, 6, "grad-sync"), (0, 8, "optimizer"), (1, 10, "param-sync")]
+
+
+def test_hang_at_every_phase_under_recover_the_hung_rank_is_replaced(tmp_path):
+    """A rank whose training thread hangs (alive, heartbeating, no progress) at each phase: found by
+    the hang timeout, killed by its agent and restarted like a dead one; its twin fills it in.
+    Rank 0 (the controller's host) too. Losses bit-identical, one new process per hang."""
+    extra = ("--train-iters", "12", "--ha-hang-timeout", "3")
+    with ThreadPoolExecutor(1) as pool:
+        ref = pool.submit(job, tmp_path / "ref", 4, None, extra)
+        proc = job(tmp_path / "run", inject=",".join(f"hang:rank={r}:step={s}:phase={p}" for r, s, p in HANGS),
+                   extra=(*extra, *ARF), timeout=400)
+        assert_ok(ref.result())
+    rec = check_rejoined(proc, tmp_path / "run", losses(tmp_path / "ref"), [r for r, _, _ in HANGS], n=len(HANGS))
+    # Rank 0 hosts the controller, which cannot replace its own host: it ends that process, and a
+    # standby recovers the job from the exit.
+    assert [(e["strategy"], e["faults"][0]["kind"], e["faults"][0]["ranks"]) for e in rec] == \
+        [("recover", "process-exit" if r == 0 else "hang", [r]) for r, _, _ in HANGS]
+    assert [e["rank"] for e in events(tmp_path / "run", "controller") if e["event"] == "host_ends"] == [0]

@@ -21,6 +21,7 @@ class FakePort:
         self.agents = agents
         self.generation = 0
         self.note = ""
+        self.hangs: list = []
 
     # rounds.Port
     def order(self, action, ranks, args):
@@ -60,6 +61,13 @@ class FakePort:
 
     def set_note(self, text):
         self.note = text
+
+    def hung(self, ranks, detail):
+        self.hangs.append((list(ranks), detail))
+
+    def condemn(self, ranks):
+        self._live -= set(ranks)
+        self._lost |= set(ranks)
 
     # test helpers
     def last(self):
@@ -282,6 +290,41 @@ def test_recover_refusals(case, why):
         clock.t += PB.RESTART_WAIT_S + 1
         out = runner.tick()
     assert out[0] == "failed" and why in out[1], out
+
+
+HANG3 = {"ranks": [3], "kind": "hang", "iteration": 6, "phase": "forward", "detect_s": 3.0, "t_detect": 99.0}
+
+
+def test_recover_a_hung_rank_is_replaced_like_a_dead_one():
+    """A hang fault on rank 3: status is not asked of it (its training thread will not answer); the
+    restart round condemns it (its agent kills it) and restarts it; it joins like a dead one."""
+    port = FakePort()
+    ep = episode(port, "recover", faults=[HANG3])
+    runner, _ = play(PB.RECOVER, S.REPAIR, ep)
+    assert port.last()[1:3] == ("ha-status", [0, 1, 2])
+    port.answer({r: s for r, s in statuses(6).items() if r != 3})
+    assert runner.tick() is None and port.restarted == [[3]] and 3 not in port.live()
+    port._restarting.clear()
+    port._live.add(3)
+    assert runner.tick() is None and port.last()[1] == "rebuild"
+    assert list(ep.plan.joiners) == [(3, 1)] and list(ep.plan.copies) == [(1, 3)]
+
+
+def test_recover_a_rank_silent_in_a_round_is_hung_and_the_recovery_starts_over():
+    port, clock = FakePort(), Clock()
+    runner, _ = play(PB.RECOVER, S.REPAIR, episode(port, "recover"), clock)
+    port.answer(statuses(6))
+    runner.tick()  # rebuild sent
+    port.answer({0: "ok", 1: "ok", 3: "ok"})
+    clock.t += PB.ROUND_WAIT_S + 1
+    assert runner.tick() is None
+    assert port.hangs == [([2], f"no answer to rebuild within {PB.ROUND_WAIT_S:g}s")]
+
+
+def test_dump_does_not_ask_a_hung_rank():
+    port = FakePort()
+    runner, _ = play(PB.DUMP, S.DUMP, episode(port, "dump", faults=[HANG3]))
+    assert port.last()[1:3] == ("dump-status", [0, 1, 2])
 
 
 # ---- reload (no replicas) ----------------------------------------------------------------------------

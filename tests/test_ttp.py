@@ -99,6 +99,21 @@ def test_kill_each_phase_tp2_dp4(tmp_path, ref, phase, rank):
     check_resume(tmp_path / "resume", ck, ref["tp2"], 8, TP2)
 
 
+@pytest.mark.parametrize("phase,rank", [("forward", 1), ("backward", 2), ("grad-sync", 3), ("optimizer", 1),
+                                        ("param-sync", 2)])
+def test_hang_at_every_phase_under_retry_ends_in_the_dump(tmp_path, ref, phase, rank):
+    """A hung rank cannot be repaired in place: under retry the survivors write the dying-gasp
+    checkpoint without it (it is not even asked), the diagnosis names the hang, and it resumes."""
+    ck = tmp_path / "ck"
+    proc = job(tmp_path / "run", inject=f"hang:rank={rank}:step=6:phase={phase}",
+               extra=("--save", str(ck), "--enable-hbmfault-repair", "--ha-hang-timeout", "3"))
+    saved = check_saved(proc, tmp_path / "run", ck)
+    assert rank not in saved["survivors"] and saved["iteration"] in (5, 6)
+    assert f"rank {rank} (node" in proc.stderr and "failed: hang" in proc.stderr
+    if phase == "forward":
+        check_resume(tmp_path / "resume", ck, ref["dp4"])
+
+
 def test_resume_with_half_the_dp_size(tmp_path, ref):
     """The dying gasp is a standard dp-reshardable checkpoint: a plain run (HA off, no replicas)
     loads it with DP=2 instead of 4 (same global batch) and trains on where the fault-free run did

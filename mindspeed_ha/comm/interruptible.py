@@ -88,8 +88,28 @@ def _raise_stopped():
     raise CollectiveStopped(f"collective stopped by request{': ' + _reason if _reason else ''}")
 
 
+_waiting = 0  # threads of this process inside wait_work
+
+
+def waiting() -> bool:
+    """A thread of this rank is blocked in a collective: waiting for a peer, not stuck itself."""
+    return _waiting > 0
+
+
 def wait_work(work, p2p: bool = False) -> None:
-    """Wait for a c10d ``Work``, raising ``CollectiveStopped`` once a stop is requested.
+    """Wait for a c10d ``Work``, raising ``CollectiveStopped`` once a stop is requested."""
+    global _waiting
+    if work.is_completed() or _stop.is_set():
+        return _wait_work(work, p2p)
+    _waiting += 1
+    try:
+        _wait_work(work, p2p)
+    finally:
+        _waiting -= 1
+
+
+def _wait_work(work, p2p: bool = False) -> None:
+    """(``wait_work``'s body.)
 
     Collectives that complete asynchronously (those with a future): ``work.wait(slice)`` in a loop.
     It is torch's own condition-variable wait, so completion wakes the caller at once, and a slice

@@ -80,6 +80,17 @@ class _Port:
     def set_note(self, text):
         self._c.strategy_note = text
 
+    def hung(self, ranks, detail):
+        c = self._c
+        c._fault(list(ranks), "hang", c.table.newest_iteration(), "recovery", detail=detail,
+                 key=("hang-in-recovery", tuple(ranks), c.generation))
+
+    def condemn(self, ranks):
+        """recover: hung ranks are replaced like dead ones (their agent kills and restarts them)."""
+        self._c.table.mark_dead(ranks)
+        for pend in self._c.pending.values():
+            pend["waiting"].difference_update(ranks)
+
 
 class Controller:
     def __init__(self, log_dir: str, world_size: int, options: HAOptions | None = None,
@@ -249,6 +260,14 @@ class Controller:
         orphans = sorted(set(ranks) - {r for a in self.agents.values() for r in a.ranks})
         if orphans:
             return [], [], orphans
+        if self.rank in ranks and self.local_exit is not None:
+            # This controller's own host must go (hung): it cannot drive its own replacement. It ends
+            # the process instead; its agent reports the exit, and a standby takes over the recovery.
+            self.events.emit("host_ends", rank=self.rank, reason="the controller's host rank is to be replaced")
+            log.error("rank %d hosts this controller and must be replaced: ending it, a standby takes over",
+                      self.rank)
+            self.router.sock.close(linger=1000)
+            self.local_exit(1)
         # A node lost with its agent: its replacement (mindspeed-ha run with the same --node-rank)
         # starts its workers as joiners by itself.
         by_agent = sorted(r for a in self.table.live_agents(time.monotonic()) for r in a.ranks if r in ranks)
@@ -340,7 +359,10 @@ class Controller:
             self._feed(O.STOPPED)
             return
         if st in (S.REPAIR, S.ROLLBACK, S.DUMP) and self.runner is not None:
-            out = self.runner.tick()
+            runner = self.runner
+            out = runner.tick()
+            if self.machine.state != st or self.runner is not runner:
+                return  # a fault came meanwhile: the table moved on, this round's outcome is moot
             if out is not None:
                 self._feed(self._outcome(out))
                 return

@@ -96,11 +96,21 @@ def _ha_status(ep: Episode, ans: Answers):
     return NEXT
 
 
-STATUS = Round("status", order="ha-status", decide=_ha_status, wait_s=ROUND_WAIT_S)
+def hung(ep: Episode) -> set:
+    """Ranks a hang fault names: alive, but their training thread will not serve an order."""
+    return {r for f in ep.faults if f["kind"] == "hang" for r in f["ranks"]}
+
+
+STATUS = Round("status", order="ha-status", decide=_ha_status, wait_s=ROUND_WAIT_S,
+               to=lambda ep: sorted(ep.port.live() - hung(ep)))
+# recover: a rank that stops answering is hung: replaced like a dead one
+STATUS_OR_HUNG = dataclasses.replace(STATUS, silent_is_hung=True)
 
 
 def _restart(ep: Episode):
-    """Have the agents restart every lost worker; they join at the rebuild."""
+    """Have the agents restart every lost or hung worker (the agent kills a hung one first); they
+    join at the rebuild."""
+    ep.port.condemn(sorted(hung(ep) & ep.port.live()))
     lost = sorted(ep.port.lost())
     unknown = [r for r in lost if ep.replica and ep.group_of(r) is None]
     if unknown:
@@ -123,14 +133,15 @@ def _restarted(ep: Episode, ans: Answers):
 
 
 RESTART = Round("restart", act=_restart, ready=lambda ep: not ep.port.restarting(), decide=_restarted,
-                wait_s=RESTART_WAIT_S, when=lambda ep: bool(ep.port.lost()))
+                wait_s=RESTART_WAIT_S, when=lambda ep: bool(ep.port.lost() or hung(ep) & ep.port.live()))
 
 
 def _plan(ep: Episode):
     """Repair from the twins where every shard has a healthy holder; else (no replicas, or both holders
     of a shard lost or poisoned) every rank reloads the newest periodic checkpoint they all have."""
     why = "no replicas"
-    if ep.replica:
+    # (after a takeover, registrations of ranks that did not come over yet say nothing: their answers do)
+    if ep.replica or any(st.get("replica") for st in ep.statuses.values()):
         unknown = [r for r in ep.joiners if ep.group_of(r) is None]
         if unknown:
             return Fail(f"the replica group of rank(s) {unknown} is unknown")
@@ -194,13 +205,16 @@ RESUME = Round("resume", order="resume", decide=_then("resume", DONE))
 
 RETRY = Playbook("retry", {S.REPAIR: [STATUS, PLAN, REBUILD, REPAIR, RELOAD], S.ROLLBACK: [ROLLBACK, RESUME]},
                  "repair_failed")
-RECOVER = Playbook("recover", {S.REPAIR: [STATUS, RESTART, PLAN, REBUILD, REPAIR, RELOAD],
-                               S.ROLLBACK: [ROLLBACK, RESUME]}, "repair_failed")
+RECOVER = Playbook("recover", {S.REPAIR: [STATUS_OR_HUNG, RESTART, *(dataclasses.replace(r, silent_is_hung=True)
+                                                                      for r in (PLAN, REBUILD, REPAIR, RELOAD))],
+                               S.ROLLBACK: [dataclasses.replace(r, silent_is_hung=True) for r in (ROLLBACK, RESUME)]},
+                   "repair_failed")
 
 
 # ---- dump (the dying-gasp checkpoint) -----------------------------------------------------------------
 def _dump_status_to(ep: Episode) -> list:
-    asked = sorted(ep.port.live() - planner.poisoned(ep.faults))  # a poisoned shard must not be saved
+    # A poisoned shard must not be saved; a hung rank will not answer.
+    asked = sorted(ep.port.live() - planner.poisoned(ep.faults) - hung(ep))
     log.info("dump: asking %d live rank(s) for their shard state", len(asked))
     return asked
 

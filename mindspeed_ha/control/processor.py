@@ -53,6 +53,9 @@ class Processor:
         self.link: ControllerLink | None = None
         self.events: EventLog | None = events  # the rank's event log, when the caller has one open
         self.board: ProgressBoard | None = None
+        # Whether the training thread is blocked in a collective (waiting for a peer, not stuck itself):
+        # the session knows, through the interruptible collectives.
+        self.in_collective = lambda: False
 
     # ---- life ---------------------------------------------------------------------------------
     def start(self) -> "Processor":
@@ -193,7 +196,8 @@ class Processor:
                 if now >= next_hb or self._hb_now:
                     next_hb, self._hb_now = now + hb, False
                     self.link.send(P.encode("hb", rank=self.rank, it=self.iteration, upd=self.updating,
-                                            health=self.health, phase=self.phase, progress=self._progress))
+                                            health=self.health, phase=self.phase, progress=self._progress,
+                                            wait=self.in_collective()))
                 for msg in self.link.receive(20):
                     if msg["t"] == "do":
                         self._dispatch(msg)

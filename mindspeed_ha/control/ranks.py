@@ -4,7 +4,8 @@ A rank is *lost* when it is silent past ``dead_after`` (1.8 heartbeats, never un
 its launcher agent is heard from (the agent reports a death within 20 ms, so a silent processor
 there is a thread starved of the CPU, not a dead rank) or its process still runs on this host. A
 live rank that has not moved (iteration, phase, progress) for the hang timeout is *hung*: everyone
-blocks behind a hung rank, so the blame goes to the ranks that got least far.
+blocks behind a hung rank, so the blame goes to the ranks that are not waiting in a collective, and
+among them to those that got least far.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class Rank:
     alive: bool = True
     done: bool = False           # said bye / exited 0
     stopped: bool = False
+    waiting: bool = False        # blocked in a collective (waiting for a peer) at its last heartbeat
 
 
 @dataclasses.dataclass
@@ -103,6 +105,7 @@ class RankTable:
         if msg["it"] != info.it or phase != info.phase or prog != info.progress or msg["upd"] != info.upd:
             info.progress_at = now
         info.it, info.upd, info.health, info.phase, info.progress = msg["it"], msg["upd"], msg["health"], phase, prog
+        info.waiting = bool(msg.get("wait", False))
         return info
 
     def mark_dead(self, ranks) -> None:
@@ -147,6 +150,8 @@ class RankTable:
         if stuck:
             cands = [i for i in self.ranks.values() if i.alive and not i.done and i.it >= 0
                      and now - i.progress_at > self.hang_timeout / 2]
+            # Ranks blocked in a collective wait for someone; those that are not are the stuck ones.
+            cands = [i for i in cands if not i.waiting] or cands
             low = min((i.it, PHASE_ORDER.get(i.phase, 99)) for i in cands)
             hung = [i for i in cands if (i.it, PHASE_ORDER.get(i.phase, 99)) == low]
             first = hung[0]

@@ -42,6 +42,9 @@ class Port(Protocol):
     def store(self) -> tuple[str, int]:
         """(host, port) of the TCPStore the ranks' new communicators meet at."""
 
+    def hung(self, ranks: list[int], detail: str) -> None:
+        """Live ranks that stopped answering: a new fault (the recovery starts over with it)."""
+
     def emit(self, event: str, **fields) -> None:
         """An event in the controller's event log."""
 
@@ -84,6 +87,7 @@ class Round:
     decide: Callable[[Any, Answers], Any] = lambda ep, ans: NEXT if not ans.failed else Fail(f"failed ({ans.why()})")
     wait_s: float = 30.0
     partial: bool = False                         # past wait_s, go on with whoever answered
+    silent_is_hung: bool = False                  # past wait_s, a live rank that did not answer is hung
     stop_on_loss: bool = False                    # a rank lost meanwhile: stop the others (they may be blocked on it)
     act: Callable[[Any], Any] | None = None       # controller-only: runs once when the round starts
     ready: Callable[[Any], bool] | None = None    # controller-only: the round ends when this holds (or at wait_s)
@@ -171,6 +175,10 @@ class Runner:
                     self.ep.port.order("stop", sorted(working), {"reason": f"rank(s) {sorted(lost)} lost during {r.name}"})
             if working and not late:
                 return None
+            silent = sorted(working) if late else []
+            if silent and r.silent_is_hung:
+                self.ep.port.hung(silent, f"no answer to {r.name} within {r.wait_s:g}s")
+                return None  # (a new fault: the controller starts the recovery over)
             ok, failed = {}, {}
             for q in self.waiting:
                 if q not in live:
