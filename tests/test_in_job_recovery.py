@@ -198,10 +198,13 @@ def test_kill_rank0_each_phase_backup_controller_restarts_it(tmp_path, ref):
 
 
 def test_node_lost_replacement_agent_joins(tmp_path, ref):
-    """Two agents as two nodes (2 workers each). Node 1 (its agent and both workers) is killed while
-    its rank 3 hangs in step 4; nobody reports an exit, so the controller finds the ranks lost by
-    their silence and waits for a replacement node: `mindspeed-ha run` started again with
-    --node-rank 1 sees the job running and starts its workers as joiners. Losses bit-identical."""
+    """Two agents as two nodes (2 workers each). Node 1 is lost while its rank 3 hangs in step 4: its
+    agent and rank 2 are killed, rank 3 is stopped (SIGSTOP: alive, silent, out of anyone's reach).
+    Nobody reports an exit, so the controller finds the ranks lost by their silence and waits for a
+    replacement node: `mindspeed-ha run` started again with --node-rank 1 sees the job running and
+    starts its workers as joiners. Losses bit-identical. Then the old rank 3 is continued (SIGCONT),
+    as after a healed partition: its messages carry a retired incarnation, so the controller tells it
+    to exit, and the job is not disturbed."""
     import os
     import signal
     import socket
@@ -227,26 +230,34 @@ def test_node_lost_replacement_agent_joins(tmp_path, ref):
     node0 = agent(0, "0")
     wait_for(lambda: (tmp_path / "keys").exists(), "node 0's keys")
     node1 = agent(1, "1")
+    workers = {}
     try:
         wait_for(lambda: any(e["event"] == "inject" for e in events(tmp_path, "rank_3")), "rank 3 to hang")
-        workers = [e["worker_pid"] for e in events(tmp_path, "agent_1") if e["event"] == "worker_start"]
+        workers = {e["worker_rank"]: e["worker_pid"] for e in events(tmp_path, "agent_1") if e["event"] == "worker_start"}
         node1.kill()
-        for pid in workers:
-            os.kill(pid, signal.SIGKILL)
+        os.kill(workers[2], signal.SIGKILL)
+        os.kill(workers[3], signal.SIGSTOP)
         node1.wait(30)
         wait_for(lambda: any(e["event"] == "restart" for e in events(tmp_path, "controller")), "the recovery")
         restart = next(e for e in events(tmp_path, "controller") if e["event"] == "restart")
         assert restart["awaiting_node"] == [2, 3] and restart["ranks"] == []
         replacement = agent(1, "1b")
+        wait_for(lambda: any(e["event"] == "recovered" for e in events(tmp_path, "controller")), "the recovery's end")
+        os.kill(workers[3], signal.SIGCONT)
+        wait_for(lambda: not alive_pid(workers[3]), "the old rank 3 to exit", timeout=30)
         assert replacement.wait(240) == 0, (tmp_path / "agent1b.out").read_text()[-3000:]
         assert node0.wait(60) == 0, (tmp_path / "agent0.out").read_text()[-3000:]
     finally:
         for p in (node0, node1):
             if p.poll() is None:
                 p.kill()
+        if 3 in workers and alive_pid(workers[3]):
+            os.kill(workers[3], signal.SIGKILL)
     rec = check_rejoined(subprocess.CompletedProcess([], 0, "", ""), tmp_path, ref["dp4"], [2, 3], n=1)
     assert rec[0]["strategy"] == "recover"
     assert {f["kind"] for f in rec[0]["faults"]} >= {"heartbeat-lost"}
+    fenced = [e for e in events(tmp_path, "controller") if e["event"] == "fenced"]
+    assert [(e["rank"], e["pid"]) for e in fenced] == [(3, workers[3])]
 
 
 def test_fault_during_recovery_restarts_it_with_both_faults(tmp_path, ref):
@@ -334,3 +345,11 @@ def test_hang_at_every_phase_under_recover_the_hung_rank_is_replaced(tmp_path):
     assert [(e["strategy"], e["faults"][0]["kind"], e["faults"][0]["ranks"]) for e in rec] == \
         [("recover", "process-exit" if r == 0 else "hang", [r]) for r, _, _ in HANGS]
     assert [e["rank"] for e in events(tmp_path / "run", "controller") if e["event"] == "host_ends"] == [0]
+
+
+def alive_pid(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False

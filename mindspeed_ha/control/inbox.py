@@ -18,11 +18,33 @@ log = get_logger("control.controller")
 class Inbox:
     def __init__(self, controller):
         self.c = controller
+        self.fenced_once: set[int] = set()
 
     def handlers(self) -> dict:
-        return {"register": self.register, "hb": self.heartbeat, "fault": self.fault, "result": self.result,
-                "bye": self.bye, "agent": self.agent, "agent_hb": self.agent_heartbeat, "exit": self.exit,
-                "status?": self.status, "inject": self.inject}
+        fenced = {"register": self.register, "hb": self.heartbeat, "fault": self.fault, "result": self.result,
+                  "bye": self.bye}
+        return {**{t: self._fenced(fn) for t, fn in fenced.items()}, "agent": self.agent,
+                "agent_hb": self.agent_heartbeat, "exit": self.exit, "status?": self.status, "inject": self.inject}
+
+    def _fenced(self, handle):
+        """A rank's message from a process this controller declared lost — a partition that healed, a
+        rank stopped and replaced meanwhile — is dropped, and that process is told to exit: the job
+        has another process for its rank (or will have)."""
+        def checked(ident, msg):
+            r = self.c.table.check(msg["rank"])
+            if not self.c.table.stale(r, msg.get("pid")):
+                return handle(ident, msg)
+            self.c.router.drops.drop("stale", f"rank {r} pid {msg.get('pid')}: {msg['t']}")
+            text = (f"mindspeed-ha: rank {r}, process {msg.get('pid')}, was declared lost and replaced; this "
+                    "process must not come back into the job, so it ends here")
+            self.c.router.send(ident, P.encode("do", action="exit", id=0, epoch=self.c.epoch,
+                                               args={"code": 1, "diagnosis": text}))
+            if r not in self.fenced_once:
+                self.fenced_once.add(r)
+                self.c.events.emit("fenced", rank=r, pid=msg.get("pid"), message=msg["t"])
+                log.warning("rank %d: a message from its old process %s (declared lost): told to exit",
+                            r, msg.get("pid"))
+        return checked
 
     def register(self, ident, msg) -> None:
         r = self.c.table.check(msg["rank"])
@@ -127,7 +149,7 @@ class Inbox:
         if info is not None and not info.alive:
             return
         if info is not None:
-            info.alive = False
+            self.c.table.mark_dead([r])
         if code == 0 and not sig:
             if info is not None:
                 info.done = True

@@ -90,7 +90,7 @@ class Processor:
         if self._thread is None:
             return
         self._sent.clear()
-        self._outbox.put(P.encode("bye", rank=self.rank))
+        self._outbox.put(P.encode("bye", rank=self.rank, pid=os.getpid()))
         self._sent.wait(1.0)
         if self.controller is not None and not self.controller.standby:
             self.controller.done.wait(timeout)
@@ -158,7 +158,7 @@ class Processor:
             self.events.emit("exception", kind=kind, iteration=int(iteration), phase=phase, detail=detail)
         self._sent.clear()
         self._outbox.put((P.encode("fault", rank=self.rank, kind=kind, iteration=int(iteration),
-                                   phase=str(phase)[:64], detail=detail, at=time.time()), True))
+                                   phase=str(phase)[:64], detail=detail, at=time.time(), pid=os.getpid()), True))
         self._sent.wait(1.0)  # handed to ZeroMQ before the caller may let the process die
 
     def serve_order(self, timeout: float) -> str | None:
@@ -175,7 +175,8 @@ class Processor:
     def _hello(self) -> bytes:
         return P.encode("register", rank=self.rank, world=self.world, node=self.node, pid=os.getpid(),
                         local_rank=self.local_rank, groups=self.groups, host=_socket.gethostname(),
-                        iteration=self.iteration)
+                        iteration=self.iteration,
+                        restarts=int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0))
 
     def _run(self) -> None:
         hb = self.options.heartbeat_s
@@ -197,7 +198,7 @@ class Processor:
                     next_hb, self._hb_now = now + hb, False
                     self.link.send(P.encode("hb", rank=self.rank, it=self.iteration, upd=self.updating,
                                             health=self.health, phase=self.phase, progress=self._progress,
-                                            wait=self.in_collective()))
+                                            wait=self.in_collective(), pid=os.getpid()))
                 for msg in self.link.receive(20):
                     if msg["t"] == "do":
                         self._dispatch(msg)
@@ -217,6 +218,8 @@ class Processor:
         self._done_ids.append(key)
         self.events.emit("action", action=action, id=aid, args={k: v for k, v in args.items() if k != "diagnosis"})
         if action == "exit":
+            if not aid and args.get("diagnosis"):  # (aid 0: an order to this process alone, e.g. fenced)
+                log.error("%s", args["diagnosis"])
             self._result(action, aid, True, data="exiting")
             self._exit_now(int(args.get("code", 1)), flush_link=True)
         elif action in ("stop", "standby"):
@@ -242,7 +245,7 @@ class Processor:
     def _result(self, action, aid, ok: bool, data=None, error: str = "") -> None:
         fields = {"data": data} if ok and data is not None else {"error": error} if not ok else {}
         try:
-            msg = P.encode("result", rank=self.rank, action=action, id=aid, ok=ok, **fields)
+            msg = P.encode("result", rank=self.rank, action=action, id=aid, ok=ok, pid=os.getpid(), **fields)
         except P.ProtocolError as e:  # a handler's answer that is not a msgpack tree
             msg = P.encode("result", rank=self.rank, action=action, id=aid, ok=False,
                            error=f"rank {self.rank} could not send its answer to {action}: {e}")

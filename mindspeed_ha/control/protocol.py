@@ -92,16 +92,18 @@ def _tree(value, depth: int) -> bool:
 R, O = True, False
 SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     # processor -> controller
+    # A rank's messages carry its incarnation: ``pid`` (and, registering, ``restarts``). The controller
+    # drops those of a process it declared lost, and tells that process to exit.
     "register": {"rank": (_int, R), "world": (_int, R), "node": (_str, R), "pid": (_int, R),
                  "local_rank": (_int, O), "groups": ("groups", O), "host": (_str, O), "epoch": (_int, O),
-                 "iteration": (_int, O), "standby": (_str, O)},
+                 "iteration": (_int, O), "standby": (_str, O), "restarts": (_int, O)},
     "hb": {"rank": (_int, R), "it": (_int, R), "upd": (_bool, R), "health": (_str, R),
-           "phase": (_str, O), "progress": (_float, O), "wait": (_bool, O)},
+           "phase": (_str, O), "progress": (_float, O), "wait": (_bool, O), "pid": (_int, O)},
     "fault": {"rank": (_int, R), "kind": (_str, R), "iteration": (_int, R), "phase": (_str, R),
-              "detail": (_str, O), "at": (_float, O)},
+              "detail": (_str, O), "at": (_float, O), "pid": (_int, O)},
     "result": {"rank": (_int, R), "action": (_str, R), "id": (_int, R), "ok": (_bool, R),
-               "data": ("tree", O), "error": (_str, O)},
-    "bye": {"rank": (_int, R)},
+               "data": ("tree", O), "error": (_str, O), "pid": (_int, O)},
+    "bye": {"rank": (_int, R), "pid": (_int, O)},
     # agent -> controller
     "agent": {"node": (_str, R), "node_rank": (_int, R), "nnodes": (_int, R), "pid": (_int, R),
               "ranks": ("ints", R), "pids": ("ints", R)},

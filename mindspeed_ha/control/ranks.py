@@ -67,6 +67,7 @@ class RankTable:
         self.ranks: dict[int, Rank] = {}
         self.agents: dict[int, Agent] = {}
         self.by_ident: dict[bytes, int] = {}
+        self.retired: dict[int, set] = {}   # rank -> pids of its processes declared lost: never back
 
     def check(self, r: int) -> int:
         if not 0 <= r < self.world:
@@ -112,6 +113,12 @@ class RankTable:
         for r in ranks:
             if r in self.ranks:
                 self.ranks[r].alive = False
+                if self.ranks[r].pid:
+                    self.retired.setdefault(r, set()).add(self.ranks[r].pid)
+
+    def stale(self, rank: int, pid: int | None) -> bool:
+        """A message from a process of ``rank`` that was declared lost (it was replaced, or will be)."""
+        return pid is not None and pid in self.retired.get(rank, ())
 
     def moved(self, now: float) -> None:
         """After a recovery: every rank starts its progress clock again."""
@@ -169,11 +176,13 @@ class RankTable:
 
 
 def runs_here(info: Rank) -> bool:
-    """The rank's process runs on this host (and is not a zombie)."""
+    """The rank's process runs on this host (not a zombie, not stopped: a stopped process is as
+    silent as a lost one and must be treated as one)."""
     import psutil
     if not info.pid or info.host != socket.gethostname():
         return False
     try:
-        return psutil.Process(info.pid).status() != psutil.STATUS_ZOMBIE
+        return psutil.Process(info.pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_STOPPED,
+                                                         psutil.STATUS_DEAD)
     except psutil.Error:
         return False
