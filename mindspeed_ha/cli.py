@@ -27,7 +27,8 @@ def _request(args, data: bytes) -> dict | None:
     info = read_controller_json(log_dir)
     if info is None:
         return None
-    keys = security.Keys.load(log_dir, args.ha_key_dir, args.ha_insecure, timeout=0.5)
+    keys = security.Keys.load(log_dir, args.ha_key_dir, args.ha_insecure, timeout=0.5, job=info.get("job_id"),
+                              role="operator")
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.linger = 0

@@ -115,3 +115,56 @@ def test_insecure_is_loud(tmp_path, caplog):
 def test_missing_keys_explain(tmp_path):
     with pytest.raises(security.SecurityError, match="--ha-insecure"):
         security.Keys.load(str(tmp_path), timeout=0.1)
+
+
+def test_roles_the_operator_drills_ranks_report(ctl):
+    """The operator's key (the CLI) may ask and inject but not speak for a rank; a rank's key may
+    report but not inject a fault."""
+    d, keys, c = ctl
+    op = _client(security.Keys.load(d, role="operator"))
+    op.connect(c.endpoint)
+    op.send(P.encode("register", **REG))  # an operator impersonating rank 1: dropped
+    assert _ask_status(op, 5.0)["ranks"] == []
+    rank = _client(keys)
+    rank.connect(c.endpoint)
+    rank.send(P.encode("register", **REG))
+    rank.send(P.encode("inject", kind="kill", rank=1))  # a rank's key may not drill: dropped
+    time.sleep(0.3)
+    while rank.poll(0):  # (the ack of its registration)
+        rank.recv()
+    st = _ask_status(rank, 5.0)
+    assert [r["rank"] for r in st["ranks"]] == [1] and st["dropped"].get("role") == 2
+    op.send(P.encode("inject", kind="kill", rank=1))  # the operator may (rank 1 is live)
+    assert op.poll(5000)
+    while True:
+        msg = P.decode(op.recv())
+        if msg["t"] == "status" and msg["body"].get("action") == "inject":
+            break
+    assert msg["body"]["ok"] and msg["body"]["detail"] == "delivered"
+
+
+def test_a_secret_key_others_may_read_is_refused(tmp_path):
+    security.Keys.load(str(tmp_path), create=True)
+    secret = tmp_path / "keys" / "client.key_secret"
+    os.chmod(secret, 0o644)
+    with pytest.raises(security.SecurityError) as e:
+        security.Keys.load(str(tmp_path))
+    assert f"{secret} has mode 644" in str(e.value) and f"chmod 600 {secret}" in str(e.value)
+
+
+def test_every_job_gets_its_own_keys(tmp_path):
+    a = security.Keys.load(str(tmp_path), create=True, job="job-a")
+    b = security.Keys.load(str(tmp_path), create=True, job="job-b")
+    assert a.key_dir.endswith("keys/job-a") and b.key_dir.endswith("keys/job-b")
+    assert a.server_public != b.server_public and a.client_public != b.client_public
+    same = security.Keys.load(str(tmp_path), key_dir=a.key_dir, job="job-b")  # --ha-key-dir: shared on purpose
+    assert same.server_public == a.server_public
+
+
+def test_the_rebuild_store_listens_on_the_given_address_only(ctl):
+    import psutil
+    d, keys, c = ctl
+    store = c.store()
+    listening = [x.laddr for x in psutil.net_connections(kind="tcp")
+                 if x.status == psutil.CONN_LISTEN and x.laddr.port == store.port]
+    assert listening and all(addr.ip == "127.0.0.1" for addr in listening), listening

@@ -362,8 +362,8 @@ def survivor_world(survivors: Sequence[int], rank: int, store_host: str, store_p
     if rank not in survivors:
         raise ValueError(f"rank {rank} is not among the survivors {survivors}")
     if host_rank == rank and (store_host, store_port) not in _hosted:
-        _hosted[(store_host, store_port)] = dist.TCPStore(store_host, store_port, len(survivors), True,
-                                                          timeout=timeout, wait_for_workers=False)
+        from mindspeed_ha.comm.stores import serve
+        _hosted[(store_host, store_port)] = serve(store_host, store_port, len(survivors), timeout)
     store = _hosted.get((store_host, store_port)) or dist.TCPStore(store_host, store_port, None, False,
                                                                    timeout=timeout)
     world = StableGroup(f"survivors-{generation}", list(range(len(survivors))), survivors.index(rank), backend,

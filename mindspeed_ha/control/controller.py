@@ -99,11 +99,11 @@ class Controller:
                  job_id: str | None = None, local_exit=None, write_json: bool = True):
         self.log_dir, self.world = log_dir, int(world_size)
         self.options = options or HAOptions(strategies=frozenset({"dump"}), log_dir=log_dir)
+        self.job_id = job_id or os.environ.get("MINDSPEED_HA_JOB_ID")
         self.keys = keys if keys is not None else security.Keys.load(log_dir, self.options.key_dir,
-                                                                     self.options.insecure)
+                                                                     self.options.insecure, job=self.job_id)
         self.host = host or _host_addr()
         self.rank, self.standby, self.epoch = rank, standby, epoch
-        self.job_id = job_id or os.environ.get("MINDSPEED_HA_JOB_ID")
         self.local_exit = local_exit          # how the host rank exits (never through the socket)
         self.write_json = write_json
         self.hb = float(self.options.heartbeat_s)
@@ -238,12 +238,12 @@ class Controller:
         dump keys its own generation. (torch is needed here only, when the first recovery needs it.)"""
         if self._tcp_store is None:
             try:
-                import torch.distributed as dist
+                import torch.distributed  # noqa: F401
             except ImportError:
                 raise RuntimeError("this controller runs without torch, so it cannot serve the store that "
                                    "rebuilt process groups meet at; run it where torch is installed") from None
-            bind = "127.0.0.1" if self.host.startswith("127.") or self.host == "localhost" else self.host
-            self._tcp_store = dist.TCPStore(bind, 0, None, True, wait_for_workers=False)
+            from mindspeed_ha.comm.stores import serve
+            self._tcp_store = serve(self.host)
         return self._tcp_store
 
     def _resend_pending(self, r: int) -> None:
@@ -546,7 +546,8 @@ class Controller:
 def run_standalone(log_dir: str, world_size: int, options: HAOptions, host: str | None = None,
                    port: int = 0) -> int:
     """``mindspeed-ha controller``: make the keys if needed, serve until the job is over."""
-    keys = security.Keys.load(log_dir, options.key_dir, options.insecure, create=True)
+    keys = security.Keys.load(log_dir, options.key_dir, options.insecure, create=True,
+                              job=os.environ.get("MINDSPEED_HA_JOB_ID"))
     c = Controller(log_dir, world_size, options, keys, host=host, port=port).start()
     try:
         while not c.done.wait(0.5):

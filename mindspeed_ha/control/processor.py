@@ -69,7 +69,8 @@ class Processor:
                 log.warning("no progress board at %s: %s", path, e)
         mode = os.environ.get("MINDSPEED_HA_CONTROLLER", "rank0")
         self.keys = security.Keys.load(self.log_dir, self.options.key_dir, self.options.insecure,
-                                       create=(self.rank == 0 and mode == "rank0"))
+                                       create=(self.rank == 0 and mode == "rank0"),
+                                       job=self.job_id if mode == "rank0" else None)
         # A restarted rank 0 (recover) finds the controller that took over from its predecessor.
         restarted = int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0) > 0
         if self.rank == 0 and mode == "rank0" and not restarted:

@@ -19,6 +19,7 @@ _MORE_NB = zmq.SNDMORE | zmq.NOBLOCK
 
 class Router:
     def __init__(self, keys: security.Keys, host: str, port: int = 0):
+        self.keys = keys
         self.ctx = zmq.Context()  # its own context: ZAP is per context, and keys are per job
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 500
@@ -39,22 +40,32 @@ class Router:
         self.poller.register(self.sock, zmq.POLLIN)
 
     def receive(self, timeout_ms: int, limit: int = 5000):
-        """(ident, message) pairs that arrived within ``timeout_ms``; at most ``limit`` at a time, so
-        that timers keep running under a flood."""
+        """(ident, message) pairs that arrived within ``timeout_ms``, from senders whose key may send
+        that message (security.MAY_SEND); at most ``limit`` at a time, so that timers keep running
+        under a flood."""
         if not self.poller.poll(timeout_ms):
             return
+        secure = self.keys.secure
         for _ in range(limit):
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=not secure)
             except zmq.Again:
                 return
             if len(frames) != 2:
                 self.drops.drop("frames", f"{len(frames)} frames")
                 continue
+            ident, data = (frames[0].bytes, frames[1].bytes) if secure else frames
             try:
-                yield frames[0], P.decode(frames[1])
+                msg = P.decode(data)
             except P.ProtocolError as e:
                 self.drops.drop("malformed", str(e))
+                continue
+            if secure:
+                role = self.keys.role_of(frames[1].get("User-Id"))
+                if msg["t"] not in security.MAY_SEND.get(role, ()):
+                    self.drops.drop("role", f"a {role} key may not send {msg['t']!r}")
+                    continue
+            yield ident, msg
 
     def send(self, ident: bytes, data: bytes) -> None:
         try:

@@ -1,10 +1,14 @@
-"""CurveZMQ for the control plane: per-job keys, ZAP on the controller, server-key pinning on clients.
+"""CurveZMQ for the control plane: per-job keys, ZAP on the controller, server-key pinning on clients,
+and roles: what each key may send.
 
-Layout of a key dir (``DIR/keys`` unless ``--ha-key-dir``): ``server.key`` / ``server.key_secret``
-(every controller candidate needs the secret: a backup takes over with the same identity, so clients
-keep pinning one server key), ``client.key`` / ``client.key_secret`` (processors, agents, the CLI),
-``authorized/`` (public keys the controller's ZAP handler accepts). Dir 0700, secrets 0600.
-Multi-node jobs need the key dir on every node (shared file system or copied before launch).
+A key dir (``DIR/keys/<job id>``, so every job gets its own, unless ``--ha-key-dir``) holds three key
+pairs: ``server`` (every controller candidate needs its secret: a backup takes over with the same
+identity, so clients keep pinning one server key), ``client`` (the job: processors and agents) and
+``operator`` (the CLI: status, inject). ``authorized/`` has the public keys the controller's ZAP handler
+accepts. The controller knows which key a message came with, and ``may_send`` says which role may send
+what: a rank's key cannot inject a fault, the operator's cannot impersonate a rank. The dir is 0700 and
+every secret 0600; a secret that others may read is refused. Multi-node jobs need the key dir on every
+node (shared file system or copied before launch).
 """
 from __future__ import annotations
 
@@ -29,8 +33,20 @@ class SecurityError(RuntimeError):
     pass
 
 
-def key_dir_for(log_dir: str, key_dir: str | None = None) -> str:
-    return key_dir or os.environ.get("MINDSPEED_HA_KEY_DIR") or os.path.join(log_dir, "keys")
+# What each role may send (the controller drops the rest): ranks and agents speak for the job, the
+# operator's CLI asks and drills.
+MAY_SEND = {
+    "job": frozenset({"register", "hb", "fault", "result", "bye", "agent", "agent_hb", "exit", "status?"}),
+    "operator": frozenset({"status?", "inject"}),
+}
+
+
+def key_dir_for(log_dir: str, key_dir: str | None = None, job: str | None = None) -> str:
+    """``--ha-key-dir`` (or MINDSPEED_HA_KEY_DIR), else this job's own under the log dir."""
+    explicit = key_dir or os.environ.get("MINDSPEED_HA_KEY_DIR")
+    if explicit:
+        return explicit
+    return os.path.join(log_dir, "keys", job) if job else os.path.join(log_dir, "keys")
 
 
 def is_insecure(options_insecure: bool = False) -> bool:
@@ -47,11 +63,12 @@ def create_keys(key_dir: str) -> str:
     tmp = tempfile.mkdtemp(prefix=".keys-", dir=parent)
     try:
         os.chmod(tmp, 0o700)
-        zmq.auth.create_certificates(tmp, "server")
-        zmq.auth.create_certificates(tmp, "client")
+        for name in ("server", "client", "operator"):
+            zmq.auth.create_certificates(tmp, name)
         auth = os.path.join(tmp, "authorized")
         os.mkdir(auth, 0o700)
-        shutil.copy(os.path.join(tmp, "client.key"), os.path.join(auth, "client.key"))
+        for name in ("client", "operator"):
+            shutil.copy(os.path.join(tmp, f"{name}.key"), os.path.join(auth, f"{name}.key"))
         for name in os.listdir(tmp):
             p = os.path.join(tmp, name)
             if name.endswith("_secret"):
@@ -74,6 +91,12 @@ def wait_for_keys(key_dir: str, timeout: float = 60.0) -> str:
                             "(mindspeed-ha run), or pass --ha-key-dir with keys present on every node, "
                             "or --ha-insecure")
         time.sleep(0.05)
+    for name in sorted(os.listdir(key_dir)):
+        path = os.path.join(key_dir, name)
+        mode = os.stat(path).st_mode & 0o777
+        if name.endswith("_secret") and mode & 0o077:
+            raise SecurityError(f"{path} has mode {mode:o}: others may read this secret key; run "
+                                f"chmod 600 {path} (and chmod 700 {key_dir}), or make new keys")
     mode = os.stat(key_dir).st_mode & 0o777
     if mode & 0o077:
         log.warning("key dir %s has mode %o; it should be 0700", key_dir, mode)
@@ -81,18 +104,33 @@ def wait_for_keys(key_dir: str, timeout: float = 60.0) -> str:
 
 
 class Keys:
-    """The keys one process needs; ``None`` everywhere when insecure."""
+    """The keys one process needs (``role``: "job" for ranks and agents, "operator" for the CLI);
+    ``None`` everywhere when insecure."""
 
-    def __init__(self, key_dir: str | None):
-        self.key_dir = key_dir
+    def __init__(self, key_dir: str | None, role: str = "job"):
+        self.key_dir, self.role = key_dir, role
+        self.roles: dict[bytes, str] = {}  # public key (z85) -> role, for the controller
         if key_dir is None:
             self.server_public = self.server_secret = self.client_public = self.client_secret = None
             return
+        pair = {"job": "client", "operator": "operator"}[role]
+        if not os.path.exists(os.path.join(key_dir, f"{pair}.key_secret")):
+            raise SecurityError(f"{key_dir} has no {pair} key (made by an older mindspeed-ha?): make new keys")
         self.server_public, _ = zmq.auth.load_certificate(os.path.join(key_dir, "server.key"))
         self.client_public, self.client_secret = zmq.auth.load_certificate(
-            os.path.join(key_dir, "client.key_secret"))
+            os.path.join(key_dir, f"{pair}.key_secret"))
         secret = os.path.join(key_dir, "server.key_secret")
         self.server_secret = zmq.auth.load_certificate(secret)[1] if os.path.exists(secret) else None
+        for name, r in (("client", "job"), ("operator", "operator")):
+            path = os.path.join(key_dir, f"{name}.key")
+            if os.path.exists(path):
+                self.roles[zmq.auth.load_certificate(path)[0]] = r
+
+    def role_of(self, user_id: str | None) -> str | None:
+        """The role of the key a message came with (None when insecure: every role)."""
+        if not self.secure:
+            return None
+        return self.roles.get((user_id or "").encode(), "unknown")
 
     @property
     def secure(self) -> bool:
@@ -100,14 +138,14 @@ class Keys:
 
     @classmethod
     def load(cls, log_dir: str, key_dir: str | None = None, insecure: bool = False, create: bool = False,
-             timeout: float = 60.0) -> "Keys":
+             timeout: float = 60.0, job: str | None = None, role: str = "job") -> "Keys":
         if is_insecure(insecure):
             log.warning(INSECURE_WARNING)
             return cls(None)
-        d = key_dir_for(log_dir, key_dir)
+        d = key_dir_for(log_dir, key_dir, job)
         if create:
             create_keys(d)
-        return cls(wait_for_keys(d, timeout))
+        return cls(wait_for_keys(d, timeout), role)
 
     def server_public_text(self) -> str | None:
         return self.server_public.decode() if self.server_public else None

@@ -83,7 +83,6 @@ class Agent:
         self.log_dir = os.path.abspath(_scan(self.script_args, "--ha-log-dir") or log_dir_from_env())
         self.insecure = bool(_scan(self.script_args, "--ha-insecure", False)) or security.is_insecure()
         kd = _scan(self.script_args, "--ha-key-dir")
-        self.key_dir = os.path.abspath(security.key_dir_for(self.log_dir, kd))
         hb = _scan(self.script_args, "--ha-heartbeat-interval")
         self.hb = float(hb) if hb else 0.5
         if a.standalone:
@@ -94,7 +93,10 @@ class Agent:
         self.node_host = a.node_host or ("127.0.0.1" if loop else socket.gethostbyname(socket.gethostname()))
         self.node = f"{socket.gethostname()}:{a.node_rank}"
         self.job_id = os.environ.get("MINDSPEED_HA_JOB_ID") or (
-            uuid.uuid4().hex if a.standalone or a.nnodes == 1 else f"{a.master_addr}:{a.master_port}")
+            uuid.uuid4().hex if a.standalone or a.nnodes == 1 else f"{a.master_addr}-{a.master_port}")
+        # The job's own keys; an external controller (``mindspeed-ha controller``) made its own, unnamed.
+        external = os.environ.get("MINDSPEED_HA_CONTROLLER", "rank0") != "rank0"
+        self.key_dir = os.path.abspath(security.key_dir_for(self.log_dir, kd, None if external else self.job_id))
         self.workers: dict[int, Worker] = {}
         self.exit_order: dict | None = None
         self.exit_deadline = 0.0
