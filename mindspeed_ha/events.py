@@ -3,16 +3,19 @@
 ``DIR/events/rank_<R>.jsonl`` and ``DIR/events/controller.jsonl``: one JSON object per line, each
 with ``event``, ``time``, ``pid`` (and ``rank`` for ranks). Every line is one ``write`` on an
 unbuffered file, so a SIGKILLed process loses nothing it already emitted.
-``DIR/ttp_log.log``: the human-readable log, rotating 10 MB x 5, level ``MINDSPEED_HA_LOG_LEVEL``.
+``DIR/ttp_log.log``: the human-readable log of every process of the node (ranks, agent, controller),
+rotating 10 MB x 5, level ``MINDSPEED_HA_LOG_LEVEL``. Many processes write and rotate the one file, so
+its handler takes a lock around both (concurrent-log-handler): no line is lost or torn at a rotation.
 """
 from __future__ import annotations
 
 import json
 import logging
-import logging.handlers
 import os
 import threading
 import time
+
+from concurrent_log_handler import ConcurrentRotatingFileHandler
 
 DEFAULT_LOG_DIR = "./logs"
 LOGGER_NAME = "mindspeed_ha"
@@ -79,7 +82,8 @@ def setup_text_log(log_dir: str, rank: int | None = None) -> logging.Logger:
     os.makedirs(log_dir, exist_ok=True)
     who = f"rank {rank}" if rank is not None else f"pid {os.getpid()}"
     fmt = logging.Formatter(f"%(asctime)s %(levelname)s [{who}] %(name)s: %(message)s")
-    fh = logging.handlers.RotatingFileHandler(path, maxBytes=10 * 1024 * 1024, backupCount=5)
+    max_bytes = int(os.environ.get("MINDSPEED_HA_LOG_MAX_BYTES", 10 * 1024 * 1024))
+    fh = ConcurrentRotatingFileHandler(path, maxBytes=max_bytes, backupCount=5)
     fh.setFormatter(fmt)
     logger.addHandler(fh)
     if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)

@@ -253,3 +253,27 @@ def test_comm_default_breaker_fails_the_gloo_peer(tmp_path):
                 p.kill()
     assert outs[1] == {"iteration": 1, "class": "comm", "type": "CommFault"}
     assert outs[0]["iteration"] == 1 and outs[0]["class"] == "comm", outs[0]
+
+
+LOG_WRITER = r"""
+import os, sys
+from mindspeed_ha.events import get_logger, setup_text_log
+setup_text_log(sys.argv[1], int(sys.argv[2]))
+log = get_logger("test")
+for i in range(400):
+    log.info("line %04d of writer %s %s", i, sys.argv[2], "x" * 100)
+"""
+
+
+def test_many_processes_share_one_rotating_log_without_losing_a_line(tmp_path):
+    """Every rank, the agent and the controller of a node write DIR/ttp_log.log; rotation (10 MB x 5,
+    here 64 KB) must not lose or tear lines when they rotate it at once."""
+    env = {**os.environ, "MINDSPEED_HA_LOG_MAX_BYTES": "65536", "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, "-c", LOG_WRITER, str(tmp_path), str(w)], env=env,
+                              stderr=subprocess.DEVNULL) for w in range(4)]
+    assert all(p.wait(120) == 0 for p in procs)
+    lines = [ln for f in tmp_path.glob("ttp_log.log*") if not f.name.endswith(".lock")
+             for ln in f.read_text().splitlines()]
+    mine = [ln for ln in lines if " mindspeed_ha.test: line " in ln]
+    assert len(mine) == 1600 and all(ln.endswith("x" * 100) for ln in mine)  # none lost, none torn
+    assert len({ln.split("line ")[1][:4] + ln.split("writer ")[1][:1] for ln in mine}) == 1600
