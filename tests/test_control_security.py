@@ -28,6 +28,8 @@ def _client(keys=None, server_key=None, secret=None, public=None):
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.linger = 0
+    # A refused handshake leaves a DEALER with no peer, where a send would block forever.
+    s.sndtimeo = 1000
     if keys is not None:
         security.secure_client(s, keys)
     elif server_key:
@@ -35,8 +37,18 @@ def _client(keys=None, server_key=None, secret=None, public=None):
     return s
 
 
+def _offer(s, msg: bytes) -> bool:
+    """Send; False when the socket has no peer to take it (its handshake was refused)."""
+    try:
+        s.send(msg)
+        return True
+    except zmq.Again:
+        return False
+
+
 def _ask_status(s, timeout=2.0):
-    s.send(P.encode("status?"))
+    if not _offer(s, P.encode("status?")):
+        return None
     if not s.poll(int(timeout * 1000)):
         return None
     return P.decode(s.recv())["body"]
@@ -61,7 +73,7 @@ def test_no_keys_refused(ctl):
     d, keys, c = ctl
     s = _client()
     s.connect(c.endpoint)
-    s.send(P.encode("register", **REG))
+    _offer(s, P.encode("register", **REG))
     assert _ask_status(s, 1.0) is None
     ok = _client(keys)
     ok.connect(c.endpoint)
@@ -74,8 +86,8 @@ def test_wrong_keys_refused(ctl):
     public, secret = zmq.curve_keypair()
     s = _client(server_key=keys.server_public, secret=secret, public=public)
     s.connect(c.endpoint)
-    s.send(P.encode("register", **REG))
-    s.send(P.encode("inject", kind="kill", rank=1))
+    _offer(s, P.encode("register", **REG))
+    _offer(s, P.encode("inject", kind="kill", rank=1))
     assert _ask_status(s, 1.5) is None
     ok = _client(keys)
     ok.connect(c.endpoint)

@@ -150,3 +150,31 @@ def test_standby_takes_over_only_with_a_majority(tmp_path, monkeypatch):
             s.close()
         ctx.term()
         sb.close()
+
+
+def test_hang_clock_gives_a_first_step_its_warm_up():
+    """A process's first step may take seconds (allocation, group connections, a loaded host): no hang
+    before FIRST_STEP_S. Once it has moved on, the hang timeout holds, and the blame goes to the rank
+    that stopped moving, not to the one still going."""
+    from mindspeed_ha.control.ranks import FIRST_STEP_S, Rank, RankTable
+
+    def table():
+        t = RankTable(2, heartbeat_s=0.5, hang_timeout_s=3.0)
+        for r in range(2):
+            t.ranks[r] = Rank(rank=r, ident=bytes([r]), seen=0.0, progress_at=0.0)
+        return t
+
+    def hb(t, r, it, now):
+        t.heard(bytes([r]), {"rank": r, "it": it, "upd": False, "health": "ok", "phase": "forward"}, now)
+
+    first = table()
+    for now in (0.0, 10.0):          # ten silent seconds in the first step: still warming up
+        hb(first, 0, 1, now), hb(first, 1, 1, now)
+    assert first.scan(10.0, training=True) == []
+    hb(first, 0, 1, FIRST_STEP_S + 1), hb(first, 1, 1, FIRST_STEP_S + 1)
+    assert [d.kind for d in first.scan(FIRST_STEP_S + 1, training=True)] == ["hang"]
+
+    later = table()
+    for r, it, now in ((0, 1, 0.0), (1, 1, 0.0), (0, 2, 1.0), (1, 2, 1.0), (0, 3, 3.0), (1, 2, 4.5)):
+        hb(later, r, it, now)        # rank 1 stuck in step 2 for 3.5 s, rank 0 moved 1.5 s ago
+    assert [(d.kind, d.ranks) for d in later.scan(4.5, training=True)] == [("hang", [1])]

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from helpers import PRETRAIN, TINY, assert_ok, clean_env, events, losses, torchrun
+from helpers import PRETRAIN, TINY, assert_ok, clean_env, events, losses, torchrun, twins_agree
 
 MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
 ITERS = 9
@@ -48,15 +48,17 @@ def check_saved(proc, log_dir, ck) -> dict:
 
 
 def check_resume(log_dir, ck, want: dict, nproc=4, extra=()) -> dict:
-    """--load the dying gasp: every later loss equals the fault-free run's, bit for bit (float.hex).
+    """--load the dying gasp: every later loss equals the fault-free run's, bit for bit (float.hex),
+    and every shard equals its twin after each step.
     (Both with HA on: without replicas the optimizer shards and reduces differently, so the bits
     differ from the first step; a plain run's resume is checked in test_resume_with_half_the_dp_size.)"""
     it = int((ck / "latest_checkpointed_iteration.txt").read_text())
-    proc = job(log_dir, nproc, extra=("--load", str(ck), *extra))
+    proc = job(log_dir, nproc, extra=("--load", str(ck), "--ha-verify-replicas-interval", "1", *extra))
     assert_ok(proc)
     got = losses(log_dir)
     assert sorted(got) == list(range(it + 1, ITERS + 1)), got
     assert got == {i: want[i] for i in got}
+    twins_agree(log_dir, [])  # each shard was written once; both of its holders loaded the same bits
     return got
 
 
@@ -152,7 +154,10 @@ def test_kill_during_periodic_save(tmp_path, ref):
                extra=("--save", str(ck), "--save-interval", "2"))
     saved = check_saved(proc, tmp_path / "run", ck)
     assert saved["iteration"] == 4
-    assert (ck / "iter_0000002").is_dir() and not (ck / "iter_0000002" / "ha_manifest.json").exists()
+    periodic = json.loads((ck / "iter_0000002" / "ha_manifest.json").read_text())
+    assert (periodic["kind"], periodic["iteration"]) == ("periodic", 2)
+    gasp = json.loads((ck / "iter_0000004" / "ha_manifest.json").read_text())
+    assert (gasp["kind"], gasp["iteration"]) == ("dying_gasp", 4)
     check_resume(tmp_path / "resume", ck, ref["dp4"])
 
 

@@ -117,9 +117,11 @@ def _wait_work(work, p2p: bool = False) -> None:
     the work"). Works without a future (gloo p2p and reduce-scatter) do their last part inside
     ``wait()``: a timed-out wait there closes gloo's connection, ``is_completed()`` stays False
     until ``wait()``, and a second ``wait()`` blocks for the next message - so their one
-    ``wait()`` runs on a helper thread while the caller watches an Event and the stop flag."""
-    if _stop.is_set():
-        _raise_stopped()
+    ``wait()`` runs on a helper thread while the caller watches an Event and the stop flag.
+
+    A stop that came between the issue and this wait gets the same grace as one that comes during
+    it: the peers may have completed the collective already (a barrier the faulted rank left
+    before it faulted), and raising then would throw this rank out of code no recovery covers."""
     if not p2p:
         if work.is_completed():
             work.wait()  # returns at once, or raises the backend's error

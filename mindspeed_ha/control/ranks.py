@@ -5,7 +5,7 @@ its launcher agent is heard from (the agent reports a death within 20 ms, so a s
 there is a thread starved of the CPU, not a dead rank) or its process still runs on this host. A
 live rank that has not moved (iteration, phase, progress) for the hang timeout is *hung*: everyone
 blocks behind a hung rank, so the blame goes to the ranks that are not waiting in a collective, and
-among them to those that got least far.
+among them to those that got least far. A process's first step gets at least FIRST_STEP_S.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import socket
 
 PHASE_ORDER = {p: i for i, p in enumerate(("startup", "forward", "backward", "grad-sync", "optimizer",
                                            "param-sync", "checkpoint", "step"))}
+FIRST_STEP_S = 30.0
 
 
 @dataclasses.dataclass
@@ -35,6 +36,7 @@ class Rank:
     done: bool = False           # said bye / exited 0
     stopped: bool = False
     waiting: bool = False        # blocked in a collective (waiting for a peer) at its last heartbeat
+    stepped: bool = False        # seen moving on to a later iteration since this process registered
 
 
 @dataclasses.dataclass
@@ -105,6 +107,7 @@ class RankTable:
         phase, prog = msg.get("phase", info.phase), msg.get("progress", info.progress)
         if msg["it"] != info.it or phase != info.phase or prog != info.progress or msg["upd"] != info.upd:
             info.progress_at = now
+        info.stepped = info.stepped or 0 <= info.it < msg["it"]
         info.it, info.upd, info.health, info.phase, info.progress = msg["it"], msg["upd"], msg["health"], phase, prog
         info.waiting = bool(msg.get("wait", False))
         return info
@@ -139,6 +142,11 @@ class RankTable:
     def newest_iteration(self) -> int:
         return max([i.it for i in self.ranks.values()] or [-1])
 
+    def hang_limit(self, info: Rank) -> float:
+        """A process's first step also allocates, connects its groups' peers and warms caches; on a
+        loaded host that is seconds of honest work, so it gets at least FIRST_STEP_S."""
+        return self.hang_timeout if info.stepped else max(self.hang_timeout, FIRST_STEP_S)
+
     def scan(self, now: float, training: bool) -> list[Detected]:
         """Lost and hung ranks; ``training``: hangs are looked for only while the job trains."""
         lost, stuck = [], []
@@ -150,7 +158,7 @@ class RankTable:
             if silent > self.dead_after and ((info.rank not in watched and not runs_here(info))
                                              or silent > max(self.dead_after, self.hang_timeout)):
                 lost.append(info)
-            elif training and info.it >= 0 and now - info.progress_at > self.hang_timeout:
+            elif training and info.it >= 0 and now - info.progress_at > self.hang_limit(info):
                 stuck.append(info)
         out = [Detected([i.rank], "heartbeat-lost", i.it, i.phase, now - i.seen,
                         f"no heartbeat for {now - i.seen:.2f}s", ("hb", i.rank, i.pid)) for i in lost]
