@@ -48,6 +48,7 @@ class RankSession:
         self.joining = False  # a restarted worker until it has resumed (recover)
         self._tracking = False
         self._t_step = time.perf_counter()  # start of the step in flight
+        self.serving = False                # serving a recovery's orders on the training thread
         _current = self
 
     # -- optimizer -------------------------------------------------------------------------------
@@ -212,12 +213,16 @@ class RankSession:
             self.processor.report_fault(kind, f"{type(exc).__name__}: {exc}", iteration, self.phase)
             log.error("rank %d: %s fault in iteration %d (%s): %s", self.rank, kind, iteration, self.phase, exc)
         wait = max(30.0, 3 * self.options.hang_timeout_s)
-        while True:
-            action = self.processor.serve_order(timeout=wait)  # each order restarts the clock
-            if action == "resume":
-                return True
-            if action is None:
-                break
+        self.serving = True
+        try:
+            while True:
+                action = self.processor.serve_order(timeout=wait)  # each order restarts the clock
+                if action == "resume":
+                    return True
+                if action is None:
+                    break
+        finally:
+            self.serving = False
         log.error("rank %d: no order from the controller for %.0f s after the fault", self.rank, wait)
         return False
 
@@ -320,7 +325,9 @@ class RankSession:
         if self.processor is not None:
             self.processor.step_end(iteration, loss)
         n = self.options.verify_replicas_interval
-        if n and self.optimizer is not None and iteration % n == 0:
+        # Not when a recovery rolls a step forward: the check is a world collective, and ranks whose
+        # own end of that step was interrupted do not run it again. The next one compares the twins.
+        if n and self.optimizer is not None and iteration % n == 0 and not self.serving:
             self.verify_replicas(iteration)
 
     def verify_replicas(self, iteration: int) -> dict:

@@ -45,9 +45,39 @@ def all_rank_events(log_dir) -> list[dict]:
     return out
 
 
+def step_runs(log_dir) -> dict[int, list[str]]:
+    """iteration -> the loss_hex of every run of that step, in the order the logs hold them (a step
+    recomputed after a rollback or a reload appears more than once)."""
+    runs: dict[int, list[str]] = {}
+    for e in all_rank_events(log_dir):
+        if e["event"] == "step":
+            runs.setdefault(e["iteration"], []).append(e["loss_hex"])
+    return runs
+
+
 def losses(log_dir) -> dict[int, str]:
-    """iteration -> loss_hex, from whichever rank wrote step events."""
-    return {e["iteration"]: e["loss_hex"] for e in all_rank_events(log_dir) if e["event"] == "step"}
+    """iteration -> loss_hex. Every run of a step counts: a recomputed step whose loss differs from its
+    first run by one bit fails here, whichever copy a later comparison would have looked at."""
+    runs = step_runs(log_dir)
+    differ = {i: r for i, r in runs.items() if len(set(r)) > 1}
+    assert not differ, f"recomputed steps changed their loss: {differ}"
+    return {i: r[0] for i, r in sorted(runs.items())}
+
+
+def recomputed(log_dir) -> list[int]:
+    return sorted(i for i, r in step_runs(log_dir).items() if len(r) > 1)
+
+
+def twins_agree(log_dir, recovered: list[dict]) -> list[dict]:
+    """Every replica check of the job passed (``--ha-verify-replicas-interval``), on every rank, and each
+    recovery was followed by one: a repaired or rejoined shard equals its twin bit for bit."""
+    checks = [e for e in all_rank_events(log_dir) if e["event"] == "replica_check"]
+    bad = [e for e in checks if not e["ok"]]
+    assert checks and not bad, bad or "no replica check ran"
+    last = max(e["iteration"] for e in checks)
+    for r in recovered:
+        assert last >= r["iteration"] + 1, (last, r["iteration"])
+    return checks
 
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:

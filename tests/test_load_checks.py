@@ -1,7 +1,6 @@
 """--load reads nothing it should not: flipped bytes, other model settings, a broken tracker, an
 optimizer it cannot hold are refused before any tensor is used, with the path and what would work."""
 import shutil
-from pathlib import Path
 
 import pytest
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import all_rank_events, assert_ok, losses, torchrun
+from helpers import all_rank_events, assert_ok, losses, recomputed, torchrun, twins_agree
 
 MLM = os.environ.get("MEGATRON_LM_PATH", "")
 pytestmark = pytest.mark.skipif(
@@ -25,6 +25,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
         "--use-distributed-optimizer", "--enable-high-availability", "--ckpt-format", "torch_dist"]
 ENV = {"MEGATRON_LM_PATH": MLM}
+VERIFY = ("--ha-verify-replicas-interval", "1")  # after a recovery, every shard equals its twin
 
 
 def run(log_dir: Path, *extra: str, nproc: int = 4):
@@ -192,7 +193,7 @@ def test_megatron_lm_retry_rolls_back_and_forward_bit_identical(tmp_path, fault_
     fault-free run's, bit for bit, and Megatron-LM's loop logs all ten iterations."""
     faults = ("uce:rank=2:step=2:phase=backward,uce:rank=2:step=4:phase=optimizer,"
               "uce:rank=1:step=6:phase=param-sync,comm:rank=3:step=8:phase=grad-sync")
-    proc = _mindspeed_ha_run(tmp_path / "fault", "--enable-hbmfault-repair", inject=faults)
+    proc = _mindspeed_ha_run(tmp_path / "fault", "--enable-hbmfault-repair", *VERIFY, inject=faults)
     assert_ok(proc)
     got = losses(tmp_path / "fault")
     assert sorted(got) == list(range(1, 11)) and got == fault_free
@@ -204,6 +205,7 @@ def test_megatron_lm_retry_rolls_back_and_forward_bit_identical(tmp_path, fault_
     events = all_rank_events(tmp_path / "fault")
     starts = {e["rank"]: e["pid"] for e in events if e["event"] == "start"}
     assert len(starts) == 4 and all(e["pid"] == starts[e["rank"]] for e in events if e["event"] == "step")
+    twins_agree(tmp_path / "fault", rec)
 
 
 def test_megatron_lm_fault_in_its_periodic_save(tmp_path, fault_free):
@@ -211,13 +213,14 @@ def test_megatron_lm_fault_in_its_periodic_save(tmp_path, fault_free):
     like a fault in a step, the save runs again, and the loop goes on with the next step's data."""
     ck = tmp_path / "ck"
     proc = _mindspeed_ha_run(tmp_path, "--enable-hbmfault-repair", "--save", str(ck), "--save-interval", "4",
-                             inject="uce:rank=2:step=4:phase=checkpoint")
+                             *VERIFY, inject="uce:rank=2:step=4:phase=checkpoint")
     assert_ok(proc)
     got = losses(tmp_path)
     assert sorted(got) == list(range(1, 11)) and got == fault_free
     from helpers import events as read_events
     rec = [e for e in read_events(tmp_path, "controller") if e["event"] == "recovered"]
     assert [(e["iteration"], e["how"], e["faults"][0]["phase"]) for e in rec] == [(4, "rollback", "checkpoint")]
+    twins_agree(tmp_path, rec)
     assert {p.name for p in ck.glob("iter_*")} == {"iter_0000004", "iter_0000008", "iter_0000010"}
     assert (ck / "iter_0000004" / "ha_manifest.json").exists()
 
@@ -232,7 +235,7 @@ def test_megatron_lm_recover_restarts_only_the_killed_workers(tmp_path, fault_fr
     faults = ("kill:rank=1:step=3:phase=optimizer,kill:rank=2:step=5:phase=backward,"
               "uce:rank=3:step=8:phase=backward")
     proc = _mindspeed_ha_run(tmp_path, "--enable-worker-reboot", "--enable-hbmfault-repair",
-                             "--save", str(tmp_path / "ck"), "--save-interval", "4", inject=faults)
+                             "--save", str(tmp_path / "ck"), "--save-interval", "4", *VERIFY, inject=faults)
     assert_ok(proc)
     got = losses(tmp_path)
     assert sorted(got) == list(range(1, 11)) and got == fault_free
@@ -241,6 +244,7 @@ def test_megatron_lm_recover_restarts_only_the_killed_workers(tmp_path, fault_fr
     assert [(e["strategy"], e["iteration"], e["how"], e["lost_steps"]) for e in rec] == [
         ("recover", 3, "roll-forward", 0), ("recover", 4, "rollback", 0), ("retry", 7, "rollback", 0)]
     assert all(e["mttr_s"] < 10 for e in rec)
+    twins_agree(tmp_path, rec)
     pids: dict = {}
     for e in all_rank_events(tmp_path):
         if e["event"] == "start":
@@ -266,11 +270,8 @@ def test_megatron_lm_no_replica_reload_in_process(tmp_path):
     evs = all_rank_events(run_dir)
     assert sorted(e["rank"] for e in evs if e["event"] == "start") == [0, 1, 1, 2, 3]  # one restart
     assert sorted(e["iteration"] for e in evs if e["event"] == "step") == [1, 2, 3, 4, 4, 5, 5, 6, 7, 7, 8, 9]
-    steps: dict = {}
-    for e in evs:
-        if e["event"] == "step":
-            steps.setdefault(e["iteration"], set()).add(e["loss_hex"])
-    assert steps == {i: {h} for i, h in losses(ref).items()}  # both runs of 4, 5 and 7 too
+    assert recomputed(run_dir) == [4, 5, 7]
+    assert losses(run_dir) == losses(ref)  # both runs of 4, 5 and 7 too
     from helpers import events as read_events
     rec = [e for e in read_events(run_dir, "controller") if e["event"] == "recovered"]
     assert [(e["strategy"], e["how"], e["iteration"], e["lost_steps"]) for e in rec] == [
