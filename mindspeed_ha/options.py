@@ -46,6 +46,7 @@ class HAOptions:
     heartbeat_s: float = 0.5
     hang_timeout_s: float = 60.0
     dump_timeout_s: float | None = None  # None: from the state's size
+    spares: int = 1                # recover: pre-started workers each agent keeps ready
     source: str = "flags"          # where the strategies came from: flags | HIGH_AVAILABILITY | MS_ENABLE_TFT
 
     @property
@@ -83,6 +84,9 @@ def add_ha_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ha-heartbeat-interval", type=float, default=0.5, help="Seconds between heartbeats")
     g.add_argument("--ha-hang-timeout", type=float, default=60.0,
                    help="Seconds without progress before a live rank is declared hung")
+    g.add_argument("--ha-spares", type=int, default=1,
+                   help="recover: pre-started workers each launcher agent keeps ready to take a lost rank "
+                        "(default 1; 0 starts a fresh process per restart)")
     g.add_argument("--no-verify-checkpoint", action="store_true",
                    help="--load reads a checkpoint without checking its files against their checksums "
                         "(for huge checkpoints; settings are still checked)")
@@ -164,6 +168,10 @@ def from_args(args: argparse.Namespace, env: dict | None = None) -> HAOptions:
     if replica_num < 2:
         raise HAConfigError(f"--optimizer-replica-num {replica_num}: needs at least 2 copies of every "
                             "shard; use --optimizer-replica-num 2 (the default)")
+    spares = int(getattr(args, "ha_spares", 1))
+    if spares < 0:
+        raise HAConfigError(f"--ha-spares {spares}: use 0 (no spare: a restart starts a fresh process) or a "
+                            "positive N (default 1)")
     if interval < 0:
         raise HAConfigError(f"--ha-verify-replicas-interval {interval}: use 0 (off) or a positive N")
     if interval and (not strategies or no_replica):
@@ -176,7 +184,7 @@ def from_args(args: argparse.Namespace, env: dict | None = None) -> HAOptions:
         log_dir=getattr(args, "ha_log_dir", None) or env.get("MINDSPEED_HA_LOG_DIR") or "./logs",
         key_dir=getattr(args, "ha_key_dir", None), insecure=bool(getattr(args, "ha_insecure", False)),
         heartbeat_s=_seconds(args, "ha_heartbeat_interval", 0.5), hang_timeout_s=_seconds(args, "ha_hang_timeout", 60.0),
-        dump_timeout_s=_seconds(args, "ha_dump_timeout", None), source=source)
+        dump_timeout_s=_seconds(args, "ha_dump_timeout", None), spares=spares, source=source)
 
 
 def check_writable(path: str | None, flag: str) -> None:

@@ -33,3 +33,18 @@ def test_replica_overhead_smoke(tmp_path):
     assert result["grad_wire_bytes_replica"] == s
     assert result["grad_wire_bytes_mindspeed"] == round(2 * s * (d - 1) / d)
     assert result["step_time_ratio"] > 0
+
+
+def test_chaos_schedule_covers_every_kind_at_every_phase():
+    """benchmarks/chaos.py's schedule (its jobs take minutes: run by hand, figures in README)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import chaos
+    for seed in (1, 2, 3):
+        plan = chaos.schedule(seed)
+        assert sorted((k, p) for k, _, _, p in plan) == sorted((k, p) for k in chaos.KINDS for p in chaos.PHASES)
+        steps = [s for _, _, s, _ in plan]
+        assert steps == sorted(set(steps)) and steps[0] >= 3
+        assert all(r != 0 for k, r, _, _ in plan if k in chaos.ENDS_PROCESS)
+        close = [(a, b) for a, b in zip(plan, plan[1:]) if b[2] - a[2] <= 2]
+        assert close and all(b[1] != chaos.twin(a[1]) for a, b in close)
+    assert chaos.schedule(7) == chaos.schedule(7) != chaos.schedule(8)

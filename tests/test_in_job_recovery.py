@@ -189,6 +189,23 @@ def test_uce_then_kill_retry_and_recover_in_one_job(tmp_path, ref):
     assert [(e["worker_rank"], e.get("spare")) for e in starts] == [(1, True)]
 
 
+def test_back_to_back_kills_on_one_node_each_take_a_warm_spare(tmp_path, ref):
+    """Two workers of one node killed a step apart, with --ha-spares 2: each restart is a spare that
+    had finished its start-up, the used ones are replaced at once (at idle priority where the agent
+    may restore it), and a spare's start-up never makes the controller wait a fixed time."""
+    proc = job(tmp_path, inject="kill:rank=1:step=3:phase=backward,kill:rank=2:step=4:phase=forward",
+               extra=(*ARF, "--ha-spares", "2"))
+    rec = check_rejoined(proc, tmp_path, ref["dp4"], [1, 2], n=2)
+    assert [e["strategy"] for e in rec] == ["recover", "recover"]
+    agent = events(tmp_path, "agent_0")
+    starts = [e for e in agent if e["event"] == "worker_start" and e.get("restarts")]
+    assert [(e["worker_rank"], e.get("spare"), e.get("warm")) for e in starts] == [(1, True, True), (2, True, True)]
+    spares = [e for e in agent if e["event"] == "spare_start"]
+    assert len(spares) >= 3 and not any(e["idle_class"] for e in spares[:2])  # the first two with the job
+    for r in rec:  # a killed rank's exit report is the cause: no dwell between the stop and the decision
+        assert r["phases"]["stop"] < 1.0, r["phases"]
+
+
 RANK0_KILLS = [(2, "forward"), (3, "backward"), (5, "grad-sync"), (6, "optimizer"), (7, "param-sync")]
 
 

@@ -123,6 +123,14 @@ def test_non_finite_or_negative_times_are_refused(argv, needle):
     assert needle in str(e.value) and "finite number of seconds above 0" in str(e.value)
 
 
+def test_spares_count():
+    assert opts(["--enable-worker-reboot"]).spares == 1
+    assert opts(["--enable-worker-reboot", "--ha-spares", "3"]).spares == 3
+    with pytest.raises(HAConfigError) as e:
+        opts(["--enable-worker-reboot", "--ha-spares", "-1"])
+    assert "--ha-spares -1" in str(e.value) and "use 0" in str(e.value)
+
+
 def test_unwritable_directories_are_refused(tmp_path):
     from mindspeed_ha.options import check_writable
     blocker = tmp_path / "a-file"

@@ -32,9 +32,6 @@ from .states import TABLE, TIMEOUTS, Machine, Outcome as O, State as S, choose_s
 
 log = get_logger("control.controller")
 BUILT = {"dump", "retry", "recover"}
-# Settle times in PAUSE before deciding: an agent's exit report of a killed rank can trail the
-# survivors' communication errors, and the strategy must see the real cause.
-SETTLE_S, SETTLE_COMM_S, SETTLE_KNOWN_S = 0.25, 1.5, 0.05
 
 
 def _host_addr() -> str:
@@ -380,6 +377,8 @@ class Controller:
         """A state's time limit. The dump's is --ha-dump-timeout, or grows with the state to write
         (50 MB/s at least), and while its writers show progress it is extended, up to three times."""
         base = TIMEOUTS.get(st)
+        if st == S.PAUSE:  # a silent rank (its node gone with its agent) must be declared lost first
+            return max(base, self.table.dead_after + 2.0)
         if st != S.DUMP or self.episode is None:
             return base
         base = self.options.dump_timeout_s or max(base, 30.0 + self.episode.state_bytes / 50e6)
@@ -388,24 +387,12 @@ class Controller:
         return 3 * base if moving else base
 
     def _stopped(self, now: float) -> bool:
-        """PAUSE is over when every live rank has answered the stop, after a short dwell: the agent's
-        exit report of a killed rank can trail the survivors' communication errors, and the
-        strategy must see the real cause. Communication errors alone are nearly always a
-        consequence, so they wait longer for their cause."""
+        """PAUSE is over the moment every rank is accounted for: each live rank answered the stop
+        (so it was alive after the fault), and a rank that cannot answer left the live set — its
+        agent reported its exit (about 20 ms) or its silence reached the loss limit. The strategy
+        then sees the real cause: a killed rank's exit report, not only its peers' broken links."""
         pend = self.pending.get(self._stop_id)
-        only_comm = all(f["kind"] == "comm-failure" for f in self.active_faults)
-        # A rank that reported its own memory error or exception, or an agent's exit report, is the
-        # cause: nothing more to wait for (an agent reports all its dead workers at once).
-        known = any(f["kind"] in ("memory-error", "other", "process-exit") for f in self.active_faults)
-        settle = SETTLE_COMM_S if only_comm else (SETTLE_KNOWN_S if known else SETTLE_S)
-        live = self.table.live()
-        if only_comm and any(now - self.ranks[r].seen > 2 * self.hb for r in live):
-            # A rank is silent too (a node whose agent died with it reports no exit): wait until it
-            # is declared lost, so that the strategy sees the cause.
-            settle = self.table.dead_after + 0.5
-        if now - self.machine.entered < settle:
-            return False
-        return pend is None or not (pend["waiting"] & live)
+        return pend is None or not (pend["waiting"] & self.table.live())
 
     def _outcome(self, out) -> O:
         if out == "ok":

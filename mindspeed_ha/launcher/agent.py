@@ -102,11 +102,6 @@ class Agent:
         self.exit_deadline = 0.0
         self.first_failure = 0.0
         self._signal = 0
-        # recover: a worker started ahead of time that a restart hands the lost rank to (spare.py)
-        self.keep_spare = (os.environ.get("MINDSPEED_HA_SPARE_WORKER", "1") != "0"
-                           and spare.recover_requested(self.script_args))
-        self.spare: subprocess.Popen | None = None
-        self.spare_due = 0.0
 
     # ---- workers ------------------------------------------------------------------------------
     def _env(self, rank: int, local_rank: int, restarts: int) -> dict:
@@ -125,56 +120,38 @@ class Agent:
             env["MINDSPEED_HA_KEY_DIR"] = self.key_dir
         return env
 
+    def _cmd(self) -> list[str]:
+        return [sys.executable, "-u"] + (["-m"] if self.a.module else []) + [self.a.script] + self.script_args
+
     def _spawn(self, local_rank: int, restarts: int = 0) -> Worker:
         rank = self.a.node_rank * self.a.nproc_per_node + local_rank
-        cmd = [sys.executable, "-u"] + (["-m"] if self.a.module else []) + [self.a.script] + self.script_args
         # Own session: signals reach workers only through us, and killpg also reaches their children.
-        p = subprocess.Popen(cmd, env=self._env(rank, local_rank, restarts), start_new_session=True)
+        p = subprocess.Popen(self._cmd(), env=self._env(rank, local_rank, restarts), start_new_session=True)
         w = Worker(rank, local_rank, p)
         w.restarts = restarts
         self.workers[rank] = w
         self.events.emit("worker_start", worker_rank=rank, worker_pid=p.pid, restarts=restarts)
         return w
 
-    def _spawn_spare(self) -> None:
-        cmd = [sys.executable, "-u"] + (["-m"] if self.a.module else []) + [self.a.script] + self.script_args
-        env = self._env(-1, -1, 0)
-        env[spare.ENV] = "1"
-        self.spare = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, start_new_session=True)
-        self.events.emit("spare_start", worker_pid=self.spare.pid)
-
-    def _maintain_spare(self, now: float) -> None:
-        if not self.keep_spare:
-            return
-        if self.spare is not None and self.spare.poll() is not None:
-            code = self.spare.returncode
-            log.warning("agent %d: spare worker (pid %d) ended with %s%s", self.a.node_rank, self.spare.pid, code,
-                        "; restarts will start new workers" if code == 0 else "")
-            self.keep_spare = code != 0  # 0: the script cannot use a spare (it ended without a rank)
-            self.spare, self.spare_due = None, now + 5.0
-        if self.spare is None and self.keep_spare and now >= self.spare_due:
-            self._spawn_spare()
-
     def _restart(self, w: Worker) -> None:
-        """A new worker for ``w``'s rank: the spare when one is ready, else a fresh process."""
-        sp, self.spare = self.spare, None
-        if sp is not None and sp.poll() is None:
+        """A new worker for ``w``'s rank: a spare when one is there (its replacement starts at
+        once), else a fresh process."""
+        taken = self.spares.take()
+        if taken is not None:
+            sp, warm = taken
             try:
                 sp.stdin.write(spare.assignment(w.rank, w.local_rank, w.restarts + 1))
                 sp.stdin.close()
             except OSError:
-                sp = None
-        else:
-            sp = None
-        if sp is None:
+                taken = None
+        if taken is None:
             self._spawn(w.local_rank, w.restarts + 1)
             return
         nw = Worker(w.rank, w.local_rank, sp)
         nw.restarts = w.restarts + 1
         self.workers[w.rank] = nw
-        # The next spare later: its start-up would compete with the recovery for the CPU.
-        self.spare_due = time.monotonic() + 10.0
-        self.events.emit("worker_start", worker_rank=w.rank, worker_pid=sp.pid, restarts=nw.restarts, spare=True)
+        self.events.emit("worker_start", worker_rank=w.rank, worker_pid=sp.pid, restarts=nw.restarts, spare=True,
+                         warm=warm)
 
     def _killpg(self, w: Worker, sig: int) -> None:
         try:
@@ -240,6 +217,9 @@ class Agent:
         self.events = EventLog(self.log_dir, f"agent_{a.node_rank}")
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.board_dir = tempfile.mkdtemp(prefix="mindspeed-ha-", dir=shm)
+        # recover: workers started ahead of time that a restart hands a lost rank to (spare.py)
+        self.spares = spare.Pool(spare.wanted(self.script_args), self._cmd(), self._env(-1, -1, 0), self.events,
+                                 f"agent {a.node_rank}")
         keys = security.Keys.load(self.log_dir, self.key_dir if not self.insecure else None, self.insecure,
                                   create=(a.node_rank == 0))
         if a.node_rank == 0 and os.environ.get("MINDSPEED_HA_CONTROLLER", "rank0") == "rank0":
@@ -266,9 +246,7 @@ class Agent:
                     w.popen.wait(5)
                 except subprocess.TimeoutExpired:
                     pass
-            if self.spare is not None:
-                self._killpg(Worker(-1, -1, self.spare), signal.SIGKILL)
-                self.spare.wait(5)
+            self.spares.close()
             self.link.close()
             shutil.rmtree(self.board_dir, ignore_errors=True)
             for s, h in old.items():
@@ -305,7 +283,7 @@ class Agent:
                 self.link.send(P.encode("agent_hb", node_rank=self.a.node_rank))
             self._poll_workers()
             if self.exit_order is None and not self._signal:
-                self._maintain_spare(now)
+                self.spares.maintain(now)
             alive = [w for w in self.workers.values() if not w.reported]
             if self._signal:
                 if not alive:
