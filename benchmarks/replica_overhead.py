@@ -1,9 +1,16 @@
-"""What the replica optimizer costs: step time, optimizer-state memory, gradient traffic.
+"""What HA costs in steady state: step time, optimizer-state memory, gradient traffic.
 
-Runs the same tiny GPT twice per repeat, interleaved (plain, replica, plain, replica, ...), each as
-a torchrun job on 127.0.0.1: "plain" is megatron-core's distributed optimizer (no HA flags),
-"replica" adds --enable-high-availability (two optimizer instances: every shard has a twin).
-Every rank of both runs is ``replica_overhead_worker.py``: the built-in trainer plus counters.
+Runs the same GPT twice per repeat, interleaved (plain, replica, plain, replica, ...), each as a
+torchrun job on 127.0.0.1: "plain" is megatron-core's distributed optimizer with HA off (no HA
+flags, none of our collective wrappers); "replica" turns the whole HA runtime on with
+--enable-high-availability --enable-hbmfault-repair: two optimizer instances (every shard has a
+twin), the processor thread and its heartbeats, the controller thread on rank 0, the step-phase
+hooks and progress board, interruptible collectives and stable process groups. Every rank of both
+runs is ``replica_overhead_worker.py``: the built-in trainer plus counters.
+
+Shapes: ``--shape tiny`` (default; 2 layers, hidden 64: communication and the optimizer dominate, the
+worst case for the replica's second Adam pass) and ``--shape compute`` (4 layers, hidden 256, seq 256:
+forward and backward dominate, as on real jobs). ``ha_runtime_ratio`` = HA-on / HA-off step time.
 
 - Step time: per run, the median of the per-step ``step_s`` in rank 0's events (warm-up steps
   skipped); the ratio is the median over the interleaved pairs of replica/plain, so that a slow
@@ -39,7 +46,12 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "replica_overhead_worker.py")
+HA_FLAGS = ["--enable-high-availability", "--enable-hbmfault-repair"]
 sys.path.insert(0, ROOT)
+
+
+SHAPES = {"tiny": dict(layers=2, hidden=64, heads=4, seq=32, mbs=2),
+          "compute": dict(layers=4, hidden=256, heads=8, seq=256, mbs=4)}
 
 
 def free_port() -> int:
@@ -67,7 +79,7 @@ def run_once(a, replica: bool, log_dir: str) -> dict:
     env.setdefault("PYTHONWARNINGS", "ignore")  # per-rank megatron-core CPU warnings would bury errors
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(a.nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), WORKER,
-           *model_args(a), "--ha-log-dir", log_dir] + (["--enable-high-availability"] if replica else [])
+           *model_args(a), "--ha-log-dir", log_dir] + (HA_FLAGS if replica else [])
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, cwd=log_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=a.timeout)
@@ -154,11 +166,13 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=80)
     p.add_argument("--warmup", type=int, default=10, help="first steps left out of timing and comm counts")
     p.add_argument("--repeats", type=int, default=3, help="plain/replica pairs, interleaved")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--mbs", type=int, default=2)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
+                   help="model preset (the flags below override it)")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--mbs", type=int, default=None)
     p.add_argument("--vocab", type=int, default=127, help="NullTokenizer vocab; padded to 128 x TP")
     p.add_argument("--fp32", action="store_true", help="fp32 params (the bf16 formulas do not apply)")
     p.add_argument("--fp32-grads", action="store_true",
@@ -166,6 +180,9 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=int, default=300, help="seconds per torchrun job")
     p.add_argument("--keep", default=None, help="keep the runs' logs in this directory")
     a = p.parse_args(argv)
+    for k, v in SHAPES[a.shape].items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
     a.warmup = min(a.warmup, max(a.iters - 2, 0))
 
     base = a.keep or tempfile.mkdtemp(prefix="replica_overhead_")
@@ -205,7 +222,7 @@ def main(argv=None) -> int:
     else:
         f_dist, f_rep, assumes = 4 + 16 / d, 4 + 32 / d, "bf16 params, bf16 grads: 4+16/d, 4+32/d"
 
-    print(f"\nconfig: {a.nproc} ranks (DP d={d}), {a.layers} layers, hidden {a.hidden}, seq {a.seq}, "
+    print(f"\nconfig: shape {a.shape}, {a.nproc} ranks (DP d={d}), {a.layers} layers, hidden {a.hidden}, seq {a.seq}, "
           f"mbs {a.mbs}, {a.iters} iters ({a.warmup} warm-up), {a.repeats} interleaved pairs; {assumes}")
     print(f"step time: plain {1000 * med['plain']:.2f} ms, replica {1000 * med['replica']:.2f} ms, "
           f"ratio {statistics.median(pair_ratios):.4f} (median of pairs: {', '.join(f'{x:.3f}' for x in pair_ratios)}; "
@@ -233,6 +250,8 @@ def main(argv=None) -> int:
     print(f"total {time.perf_counter() - t0:.1f} s")
 
     result = {
+        "shape": a.shape,
+        "ha_runtime_ratio": round(statistics.median(pair_ratios), 4),
         "step_time_ratio": round(statistics.median(pair_ratios), 4),
         "step_time_ratio_pooled": round(med["replica"] / med["plain"], 4),
         "bytes_per_param_replica": mem["replica"]["bytes_per_param"], "formula_replica": f_rep,

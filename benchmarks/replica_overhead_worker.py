@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     args = finalize(args, world)
     opts = ha_options.from_args(args)
     layout.validate(world, args, opts)
-    apply_patches(device, megatron_lm=False)
+    apply_patches(device, megatron_lm=False, ha=opts.enabled)  # HA off: none of our wrappers either
     device.set_current(local_rank)
 
     from mindspeed_ha.session import RankSession

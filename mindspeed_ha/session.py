@@ -7,6 +7,7 @@ and serves the controller's recovery orders (recovery/handlers.py) until the job
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -178,14 +179,25 @@ class RankSession:
             self.start_processor()
             log.info("rank %d: restarted worker, waiting for the controller to bring it into the job", self.rank)
         wait = max(120.0, 3 * self.options.hang_timeout_s)
-        while True:
-            action = self.processor.serve_order(timeout=wait)
-            if action == "resume":
-                self.joining = False
-            if action == until:
-                return
-            if action is None:
-                raise RuntimeError(f"rank {self.rank}: restarted, but no order from the controller for {wait:.0f} s")
+        with self._serving():
+            while True:
+                action = self.processor.serve_order(timeout=wait)
+                if action == "resume":
+                    self.joining = False
+                if action == until:
+                    return
+                if action is None:
+                    raise RuntimeError(f"rank {self.rank}: restarted, but no order from the controller for "
+                                       f"{wait:.0f} s")
+
+    @contextlib.contextmanager
+    def _serving(self):
+        """This (training) thread serves a recovery's orders: a step it ends here is a roll-forward."""
+        self.serving = True
+        try:
+            yield
+        finally:
+            self.serving = False
 
     def report_fault(self, exc: BaseException, iteration: int) -> bool:
         """An exception left the step: classify and report it at once, then serve the controller's
@@ -213,16 +225,13 @@ class RankSession:
             self.processor.report_fault(kind, f"{type(exc).__name__}: {exc}", iteration, self.phase)
             log.error("rank %d: %s fault in iteration %d (%s): %s", self.rank, kind, iteration, self.phase, exc)
         wait = max(30.0, 3 * self.options.hang_timeout_s)
-        self.serving = True
-        try:
+        with self._serving():
             while True:
                 action = self.processor.serve_order(timeout=wait)  # each order restarts the clock
                 if action == "resume":
                     return True
                 if action is None:
                     break
-        finally:
-            self.serving = False
         log.error("rank %d: no order from the controller for %.0f s after the fault", self.rank, wait)
         return False
 

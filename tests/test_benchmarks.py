@@ -7,7 +7,7 @@ import sys
 
 from helpers import REPO, clean_env
 
-REQUIRED = ("step_time_ratio", "bytes_per_param_replica", "formula_replica",
+REQUIRED = ("ha_runtime_ratio", "step_time_ratio", "bytes_per_param_replica", "formula_replica",
             "bytes_per_param_distributed", "formula_distributed")
 
 

@@ -86,7 +86,7 @@ def test_rank0_killed_backup_takes_over(tmp_path):
 
 
 def test_hang_detected(tmp_path):
-    p = launch(tmp_path, "--steps", "400", "--ha-hang-timeout", "3", "--fault", "hang:rank=1:step=3:phase=forward")
+    p = launch(tmp_path, "--steps", "400", "--ha-hang-timeout", "3", "--fault", "hang:rank=1:step=6:phase=forward")
     rc, out, err, t_end = finish(p)
     inj = _fault_time(tmp_path, 1)
     faults = [e for e in events(tmp_path, "controller") if e["event"] == "fault"]

@@ -152,11 +152,11 @@ def test_standby_takes_over_only_with_a_majority(tmp_path, monkeypatch):
         sb.close()
 
 
-def test_hang_clock_gives_a_first_step_its_warm_up():
-    """A process's first step may take seconds (allocation, group connections, a loaded host): no hang
-    before FIRST_STEP_S. Once it has moved on, the hang timeout holds, and the blame goes to the rank
-    that stopped moving, not to the one still going."""
-    from mindspeed_ha.control.ranks import FIRST_STEP_S, Rank, RankTable
+def test_hang_clock_gives_the_first_steps_their_warm_up():
+    """A process's first steps may take seconds (allocation, group connections, helpers starting, a
+    loaded host): no hang before WARM_UP_S. Once it has moved on WARM_UP_STEPS iterations, the hang
+    timeout holds, and the blame goes to the rank that stopped moving, not to the one still going."""
+    from mindspeed_ha.control.ranks import WARM_UP_S, WARM_UP_STEPS, Rank, RankTable
 
     def table():
         t = RankTable(2, heartbeat_s=0.5, hang_timeout_s=3.0)
@@ -171,10 +171,24 @@ def test_hang_clock_gives_a_first_step_its_warm_up():
     for now in (0.0, 10.0):          # ten silent seconds in the first step: still warming up
         hb(first, 0, 1, now), hb(first, 1, 1, now)
     assert first.scan(10.0, training=True) == []
-    hb(first, 0, 1, FIRST_STEP_S + 1), hb(first, 1, 1, FIRST_STEP_S + 1)
-    assert [d.kind for d in first.scan(FIRST_STEP_S + 1, training=True)] == ["hang"]
+    late = 2 * WARM_UP_S + 1         # (the whole job stood still: twice the limit, as below)
+    hb(first, 0, 1, late), hb(first, 1, 1, late)
+    assert [d.kind for d in first.scan(late, training=True)] == ["hang"]
+
+    k = 1 + WARM_UP_STEPS            # the first step past the warm-up
+    early = table()
+    for r, it, now in ((0, 1, 0.0), (1, 1, 0.0), (0, k - 1, 1.0), (1, k - 1, 1.0), (0, k, 3.0), (1, k - 1, 4.5)):
+        hb(early, r, it, now)        # rank 1 still in its warm-up: not hung yet
+    assert early.scan(4.5, training=True) == []
 
     later = table()
-    for r, it, now in ((0, 1, 0.0), (1, 1, 0.0), (0, 2, 1.0), (1, 2, 1.0), (0, 3, 3.0), (1, 2, 4.5)):
-        hb(later, r, it, now)        # rank 1 stuck in step 2 for 3.5 s, rank 0 moved 1.5 s ago
+    for r, it, now in ((0, 1, 0.0), (1, 1, 0.0), (0, k, 1.0), (1, k, 1.0), (0, k + 1, 3.0), (1, k, 4.5)):
+        hb(later, r, it, now)        # rank 1 stuck in step k for 3.5 s, rank 0 moved 1.5 s ago
     assert [(d.kind, d.ranks) for d in later.scan(4.5, training=True)] == [("hang", [1])]
+
+    everyone = table()
+    for r, it, now in ((0, 1, 0.0), (1, 1, 0.0), (0, k, 1.0), (1, k, 1.0), (0, k, 5.0), (1, k, 5.0)):
+        hb(everyone, r, it, now)     # both still at step k for 4 s: the whole job stands still
+    assert everyone.scan(5.0, training=True) == []
+    hb(everyone, 0, k, 7.5), hb(everyone, 1, k, 7.5)
+    assert [(d.kind, d.ranks) for d in everyone.scan(7.5, training=True)] == [("hang", [0, 1])]

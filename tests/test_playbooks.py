@@ -459,6 +459,20 @@ def test_first_step_closes_the_recovery():
     assert rec["strategy"] == "retry" and rec["iteration"] == 5 and rec["how"] == "rollback"
     assert rec["mttr_s"] == pytest.approx(0.01 + 100.3 - 99.0) and rec["phases"]["first_step"] == pytest.approx(0.3)
     assert rec["faults"] == [{"ranks": [2], "kind": "memory-error", "iteration": 6, "phase": "backward"}]
+    assert "first_step_interrupted" not in rec
+
+
+def test_a_new_fault_in_the_first_step_still_reports_the_recovery():
+    """The job was training again when the next fault came: that recovery is over and reported (its
+    MTTR up to the new fault), not folded into the next one's episode."""
+    port = FakePort()
+    ep = episode(port)
+    ep.plan = PB.planner.plan_repair(PB.planner.holders(4, statuses(), GROUPS))
+    ep.how = "roll-forward"
+    watch = FirstStep(ep, [UCE2], resumed_at=100.0)
+    assert watch.check(100.05, completed=False, interrupted=True) is True
+    (rec,) = port.event("recovered")
+    assert rec["first_step_interrupted"] and rec["phases"]["first_step"] == pytest.approx(0.05)
 
 
 def test_runner_goto_next_done_and_skips():

@@ -291,11 +291,12 @@ class Controller:
             self._deferred.append(rec)
             return
         if self.machine.state == S.NORMAL and self.first_step is not None:
-            # A fault past the awaited step proves that step done on every rank (its collectives needed
-            # them all), even if a rank's report of it has not come: close the last recovery first.
-            if max(iteration, self.table.newest_iteration()) > self.first_step.target:
-                self.first_step.check(time.monotonic(), True)
-                self.first_step = None
+            # Close the last recovery first. A fault past the awaited step proves that step done on
+            # every rank (its collectives needed them all), even if a rank's report of it has not
+            # come; a fault inside it interrupted a job that was training again.
+            done = max(iteration, self.table.newest_iteration()) > self.first_step.target
+            self.first_step.check(time.monotonic(), done, interrupted=not done)
+            self.first_step = None
         if kind in ("process-exit", "heartbeat-lost", "controller-lost", "node-lost"):
             self.table.mark_dead(ranks)
             for pend in self.pending.values():  # a dead rank owes no answers (nor its successor)

@@ -38,7 +38,7 @@ class ControllerLink:
         self.epoch = 0
         self.active = False          # answered by a controller that is not a standby
         self.answered = False
-        self._t_connect = self._last_heard = self._standby_since = 0.0
+        self._t_connect = self._last_heard = self._standby_since = self._last_maintain = 0.0
         self._replay: collections.deque = collections.deque(maxlen=64)
         self.drops = P.DropCounter(log)
         self.ever_active = False
@@ -75,6 +75,12 @@ class ControllerLink:
 
     def maintain(self) -> None:
         now = time.monotonic()
+        if self._last_maintain and now - self._last_maintain > self.lost_after / 2:
+            # This process did not run meanwhile (stopped, or starved of the CPU): the silence is
+            # its own, not the controller's; ask the same controller again before looking elsewhere.
+            self._last_heard = max(self._last_heard, now)
+            self._t_connect = max(self._t_connect, now)
+        self._last_maintain = now
         if self.sock is None:
             ep = self.cands.next(None)
             if ep:

@@ -307,19 +307,22 @@ class FirstStep:
         self.ep, self.faults, self.resumed_at = ep, faults, resumed_at
         self.target = ep.target + 1
 
-    def check(self, now: float, completed: bool) -> bool:
-        """``completed``: every live rank has ended step ``target`` (or a later fault proves it).
+    def check(self, now: float, completed: bool, interrupted: bool = False) -> bool:
+        """``completed``: every live rank has ended step ``target`` (or a later fault proves it);
+        ``interrupted``: a new fault struck while the job trained that step again — the recovery
+        was over (the job was training), so it is reported, its MTTR up to the new fault.
         Emits ``recovered`` and returns True once."""
-        if not completed:
+        if not (completed or interrupted):
             return False
         ep, first = self.ep, self.faults[0]
         phases = dict(ep.phases)
         phases["first_step"] = round(now - self.resumed_at, 4)
         mttr = first["detect_s"] + (now - first["t_detect"])
+        extra = {} if completed else {"first_step_interrupted": True}
         ep.port.emit("recovered", strategy=ep.strategy, iteration=ep.target, lost_steps=ep.lost_steps,
                      mttr_s=round(mttr, 4), phases=phases, how=ep.how,
                      faults=[{"ranks": f["ranks"], "kind": f["kind"], "iteration": f["iteration"],
-                              "phase": f["phase"]} for f in self.faults])
-        log.info("recovered by %s (%s) at iteration %d: MTTR %.3f s, phases %s", ep.strategy, ep.how,
-                 ep.target, mttr, phases)
+                              "phase": f["phase"]} for f in self.faults], **extra)
+        log.info("recovered by %s (%s) at iteration %d: MTTR %.3f s, phases %s%s", ep.strategy, ep.how,
+                 ep.target, mttr, phases, "" if completed else " (a new fault came in its first step)")
         return True

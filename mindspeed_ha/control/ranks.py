@@ -5,7 +5,8 @@ its launcher agent is heard from (the agent reports a death within 20 ms, so a s
 there is a thread starved of the CPU, not a dead rank) or its process still runs on this host. A
 live rank that has not moved (iteration, phase, progress) for the hang timeout is *hung*: everyone
 blocks behind a hung rank, so the blame goes to the ranks that are not waiting in a collective, and
-among them to those that got least far. A process's first step gets at least FIRST_STEP_S.
+among them to those that got least far. A process's first WARM_UP_STEPS steps get at least
+WARM_UP_S; when every rank stands still at once, twice the limit.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import socket
 
 PHASE_ORDER = {p: i for i, p in enumerate(("startup", "forward", "backward", "grad-sync", "optimizer",
                                            "param-sync", "checkpoint", "step"))}
-FIRST_STEP_S = 30.0
+WARM_UP_STEPS, WARM_UP_S = 3, 30.0
 
 
 @dataclasses.dataclass
@@ -36,7 +37,7 @@ class Rank:
     done: bool = False           # said bye / exited 0
     stopped: bool = False
     waiting: bool = False        # blocked in a collective (waiting for a peer) at its last heartbeat
-    stepped: bool = False        # seen moving on to a later iteration since this process registered
+    first_it: int = -1           # the first iteration this process was seen in
 
 
 @dataclasses.dataclass
@@ -107,7 +108,8 @@ class RankTable:
         phase, prog = msg.get("phase", info.phase), msg.get("progress", info.progress)
         if msg["it"] != info.it or phase != info.phase or prog != info.progress or msg["upd"] != info.upd:
             info.progress_at = now
-        info.stepped = info.stepped or 0 <= info.it < msg["it"]
+        if info.first_it < 0 <= msg["it"]:
+            info.first_it = msg["it"]
         info.it, info.upd, info.health, info.phase, info.progress = msg["it"], msg["upd"], msg["health"], phase, prog
         info.waiting = bool(msg.get("wait", False))
         return info
@@ -143,9 +145,11 @@ class RankTable:
         return max([i.it for i in self.ranks.values()] or [-1])
 
     def hang_limit(self, info: Rank) -> float:
-        """A process's first step also allocates, connects its groups' peers and warms caches; on a
-        loaded host that is seconds of honest work, so it gets at least FIRST_STEP_S."""
-        return self.hang_timeout if info.stepped else max(self.hang_timeout, FIRST_STEP_S)
+        """A process's first steps also allocate, connect its groups' peers, warm caches and start
+        helpers (the checkpoint writer's process): on a loaded host seconds of honest work, so until
+        it has moved WARM_UP_STEPS iterations past its first it gets at least WARM_UP_S."""
+        warm = 0 <= info.first_it and info.it >= info.first_it + WARM_UP_STEPS
+        return self.hang_timeout if warm else max(self.hang_timeout, WARM_UP_S)
 
     def scan(self, now: float, training: bool) -> list[Detected]:
         """Lost and hung ranks; ``training``: hangs are looked for only while the job trains."""
@@ -170,6 +174,12 @@ class RankTable:
             low = min((i.it, PHASE_ORDER.get(i.phase, 99)) for i in cands)
             hung = [i for i in cands if (i.it, PHASE_ORDER.get(i.phase, 99)) == low]
             first = hung[0]
+            live = [i for i in self.ranks.values() if i.alive and not i.done]
+            if len(hung) == len(live) and any(now - i.progress_at <= 2 * self.hang_limit(i) for i in hung):
+                # Every rank stands still at the same point: a stall of the whole host or network
+                # more often than a hang, and blaming them all leaves nobody to recover with.
+                # Declared only at twice the timeout.
+                return out
             out.append(Detected([i.rank for i in hung], "hang", first.it, first.phase,
                                 now - min(i.progress_at for i in hung),
                                 f"no progress for {now - first.progress_at:.1f}s (hang timeout {self.hang_timeout:g}s)",

@@ -66,7 +66,7 @@ def _free_port() -> int:
 
 
 class Worker:
-    def __init__(self, rank: int, local_rank: int, popen: subprocess.Popen):
+    def __init__(self, rank: int, local_rank: int, popen):  # a Popen, or spare.Forked
         self.rank, self.local_rank, self.popen = rank, local_rank, popen
         self.reported = False
         self.code: int | None = None
@@ -134,19 +134,13 @@ class Agent:
         return w
 
     def _restart(self, w: Worker) -> None:
-        """A new worker for ``w``'s rank: a spare when one is there (its replacement starts at
+        """A new worker for ``w``'s rank: a spare when one is there (its replacement is made at
         once), else a fresh process."""
-        taken = self.spares.take()
-        if taken is not None:
-            sp, warm = taken
-            try:
-                sp.stdin.write(spare.assignment(w.rank, w.local_rank, w.restarts + 1))
-                sp.stdin.close()
-            except OSError:
-                taken = None
+        taken = self.spares.hand_over(spare.assignment(w.rank, w.local_rank, w.restarts + 1))
         if taken is None:
             self._spawn(w.local_rank, w.restarts + 1)
             return
+        sp, warm = taken
         nw = Worker(w.rank, w.local_rank, sp)
         nw.restarts = w.restarts + 1
         self.workers[w.rank] = nw
@@ -219,7 +213,7 @@ class Agent:
         self.board_dir = tempfile.mkdtemp(prefix="mindspeed-ha-", dir=shm)
         # recover: workers started ahead of time that a restart hands a lost rank to (spare.py)
         self.spares = spare.Pool(spare.wanted(self.script_args), self._cmd(), self._env(-1, -1, 0), self.events,
-                                 f"agent {a.node_rank}")
+                                 f"agent {a.node_rank}", os.path.join(self.board_dir, "spares"))
         keys = security.Keys.load(self.log_dir, self.key_dir if not self.insecure else None, self.insecure,
                                   create=(a.node_rank == 0))
         if a.node_rank == 0 and os.environ.get("MINDSPEED_HA_CONTROLLER", "rank0") == "rank0":

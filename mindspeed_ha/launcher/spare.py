@@ -2,30 +2,37 @@
 
 Most of a restarted worker's time before it can join is Python start-up: importing torch and
 megatron-core, patching, building the dataset — seconds, on the recovery's critical path. With
-recover on, each agent keeps ``--ha-spares`` processes (default 1) that have done all of that and
-wait on their stdin; on a restart order the agent hands one the lost rank (one JSON line of
-environment variables), preferring one that said it is ready, and starts a replacement at once.
-The spare then continues exactly like a restarted worker.
+recover on, each agent keeps ``--ha-spares`` processes (default 1) that have done all of that; on a
+restart order the agent hands one the lost rank (one JSON line of environment variables) and the
+spare continues exactly like a restarted worker.
 
-A replacement starting while the job trains competes with it for the CPU. Where the agent may give
-a thread its normal priority back (root, or CAP_SYS_NICE), replacements start under SCHED_IDLE —
-they run only on otherwise idle CPU time — and are set back to SCHED_OTHER, every thread, on
-assignment. Elsewhere they start at normal priority: an idle-class process that cannot leave that
-class would train a rank at the lowest priority forever.
+Where the OS can fork (Linux), those spares come from a *template*: one more process of the job's
+script, started with the job, that does the start-up once and then only forks. Each fork is a
+ready spare within milliseconds and shares the template's memory copy-on-write, so a used spare is
+replaced at once and back-to-back deaths never wait for a Python start-up. A forked spare is the
+template's child: the template reaps it and reports its end (pid and exit code, as Popen gives
+them) to the agent, which sees it through ``Forked``, a handle with Popen's interface. Elsewhere,
+or when the template has died, spares are plain processes started by the agent.
+
+Spares report on one pipe the agent reads (``REPORT_FD``): ``spare PID`` once a spare waits for a
+rank, ``exit PID CODE`` when the template reaped one.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
-import threading
+import time
 
 from ..events import get_logger
 
 ENV = "MINDSPEED_HA_SPARE"
-READY_FD = "MINDSPEED_HA_SPARE_READY_FD"  # the spare writes one byte there once it waits for a rank
+REPORT_FD = "MINDSPEED_HA_SPARE_REPORT_FD"
+FORK_DIR = "MINDSPEED_HA_SPARE_FORK_DIR"  # set for the template: forked spares wait on FIFOs there
 
 log = get_logger("launcher.spare")
 
@@ -35,65 +42,84 @@ def is_spare() -> bool:
 
 
 def wait_for_assignment() -> None:
-    """Tell the agent this spare is ready, then block until it assigns a rank; its variables go
-    into ``os.environ``. End quietly when stdin closes without one (the job is over, or the agent
-    is gone)."""
-    fd = os.environ.pop(READY_FD, None)
-    if fd is not None:
-        try:
-            os.write(int(fd), b"1")
-            os.close(int(fd))
-        except (OSError, ValueError):
-            pass
-    line = sys.stdin.readline()
+    """Block until the agent assigns a rank; its variables go into ``os.environ``. End quietly
+    when the agent has no rank to give (the job is over, or the agent is gone). The template
+    never returns here: only its forks do, each with its own assignment."""
+    report = int(os.environ.pop(REPORT_FD, "-1"))
+    fork_dir = os.environ.pop(FORK_DIR, None)
+    if fork_dir is not None:
+        line = _serve_forks(fork_dir, report)
+    else:
+        _report(report, f"spare {os.getpid()}")
+        line = sys.stdin.readline()
     if not line.strip():
         sys.exit(0)
-    normal_priority(os.getpid())  # (the agent did it already; threads made meanwhile too)
     os.environ.update({str(k): str(v) for k, v in json.loads(line).items()})
     os.environ.pop(ENV, None)
 
 
-def may_restore_priority() -> bool:
-    """Whether this process may take a thread out of SCHED_IDLE (tried on a throwaway thread)."""
-    if not hasattr(os, "SCHED_IDLE"):
-        return False
-    ok = []
-
-    def probe():
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-            ok.append(True)
-        except OSError:
-            pass
-    t = threading.Thread(target=probe, name="mindspeed-ha-priority-probe")
-    t.start()
-    t.join()
-    return bool(ok)
-
-
-def idle_priority(pid: int) -> None:
-    """Its main thread, whose policy every thread it starts inherits."""
+def _report(fd: int, text: str) -> None:
     try:
-        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+        os.write(fd, (text + "\n").encode())  # one short write: atomic on a pipe
     except OSError:
         pass
 
 
-def normal_priority(pid: int) -> None:
-    """Every thread of ``pid`` back to SCHED_OTHER (best effort: a thread may just have ended)."""
-    if not hasattr(os, "SCHED_IDLE"):
-        return
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return
-    for tid in tids:
+def _serve_forks(fork_dir: str, report: int) -> str:
+    """The template: fork a spare for every ``spawn`` line on stdin; report each child's end. Returns
+    only in a forked spare, with its assignment; the template itself exits once stdin closes and
+    every child has ended (a worker's exit code can be reported only by its parent)."""
+    def reap(*_):
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            _report(report, f"exit {pid} {os.waitstatus_to_exitcode(status)}")
+
+    template, agent = os.getpid(), os.getppid()
+    signal.signal(signal.SIGCHLD, reap)
+    # Python's collector would walk, and so copy, every page of the template's heap in each fork:
+    # what exists now is left out of collection for good (the forks still collect what they make).
+    gc.collect()
+    gc.freeze()
+    for line in sys.stdin:
+        if line.strip() == "spawn" and os.fork() == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            return _forked_spare(fork_dir, report, template, agent)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    while True:
         try:
-            if os.sched_getscheduler(tid) == os.SCHED_IDLE:
-                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-        except OSError:
-            pass
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            sys.exit(0)
+        _report(report, f"exit {pid} {os.waitstatus_to_exitcode(status)}")
+
+
+def _forked_spare(fork_dir: str, report: int, template: int, agent: int) -> str:
+    """In a fresh fork of the template: own session (the agent signals its process group), no
+    stdin of the template's, then wait on its FIFO for the assignment — ending quietly, like a
+    spare whose stdin closed, once the template or the agent is gone."""
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    fifo = os.path.join(fork_dir, str(os.getpid()))
+    os.mkfifo(fifo, 0o600)
+    fd = os.open(fifo, os.O_RDWR)  # a writer of its own: no end-of-file while it waits
+    _report(report, f"spare {os.getpid()}")
+    os.close(report)
+    data = b""
+    while not data.endswith(b"\n"):
+        if select.select([fd], [], [], 1.0)[0]:
+            data += os.read(fd, 65536)
+        elif os.getppid() != template or not _exists(agent):
+            os._exit(0)
+    os.close(fd)
+    os.unlink(fifo)
+    return data.decode()
 
 
 def assignment(rank: int, local_rank: int, restarts: int) -> bytes:
@@ -116,85 +142,168 @@ def wanted(script_args: list[str], env=os.environ) -> int:
     return opts.spares if "recover" in opts.strategies else 0
 
 
+class Forked:
+    """Popen's interface (pid, poll, wait, returncode) for a spare the template forked: its end comes
+    from the template's report."""
+
+    def __init__(self, pid: int, pool: "Pool"):
+        self.pid, self.pool, self.returncode = pid, pool, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.pool.read_reports()
+            self.returncode = self.pool.ended.pop(self.pid, None)
+            if self.returncode is None and self.pool.template is None and not _exists(self.pid):
+                self.returncode = 1  # the template died before reporting it: its code is lost
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"spare {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 class Pool:
-    """An agent's spares: ``wanted`` processes of ``cmd``, each started with ``env`` plus the spare
-    markers, replaced the moment one is handed out or ends."""
+    """An agent's spares: ``wanted`` of them, forked by the template (or started as processes of
+    ``cmd`` with ``env``), replaced the moment one is handed out or ends."""
 
     RETRY_S = 5.0  # after a spare died on its own: not a tight loop of failing starts
 
-    def __init__(self, wanted_n: int, cmd: list[str], env: dict, events, who: str):
+    def __init__(self, wanted_n: int, cmd: list[str], env: dict, events, who: str, fork_dir: str):
         self.wanted, self.cmd, self.env, self.events, self.who = wanted_n, cmd, env, events, who
-        self.idle_class = wanted_n > 0 and may_restore_priority()
-        self.spares: list[tuple[subprocess.Popen, int]] = []  # (process, read end of its ready pipe)
-        self.ready: set[int] = set()                          # pids that said they wait for a rank
+        self.spares: list = []          # Forked or Popen, in the order they were made
+        self.ready: set[int] = set()    # pids that reported waiting for a rank
+        self.ended: dict[int, int] = {}  # forked pid -> exit code, as the template reported it
         self.retry_at = 0.0
-        self.started = 0
+        self._buf = b""
+        self._report_r, self._report_w = os.pipe()
+        os.set_blocking(self._report_r, False)
+        self.template: subprocess.Popen | None = None
+        if wanted_n > 0 and hasattr(os, "fork") and hasattr(os, "mkfifo"):
+            self.fork_dir = fork_dir
+            os.makedirs(fork_dir, exist_ok=True)
+            self.template = self._popen({FORK_DIR: fork_dir})
+            self.events.emit("spare_template_start", worker_pid=self.template.pid)
+            self._request(wanted_n)
 
     def maintain(self, now: float) -> None:
-        for p, fd in list(self.spares):
+        self.read_reports()
+        if self.template is not None and self.template.poll() is not None:
+            code = self.template.returncode
+            log.warning("%s: spare template (pid %d) ended with %s; %s", self.who, self.template.pid, code,
+                        "restarts will start new workers" if code == 0 else "spares are started as processes")
+            self.template = None
+            if code == 0:  # the script cannot use a spare (it ended without a rank)
+                self.wanted = 0
+            for p in [p for p in self.spares if isinstance(p, Forked)]:  # nobody could report their end
+                _kill_group(p.pid)
+                self._forget(p)
+        for p in list(self.spares):
             if p.poll() is None:
                 continue
-            self._forget(p, fd)
+            self._forget(p)
             log.warning("%s: spare worker (pid %d) ended with %s%s", self.who, p.pid, p.returncode,
                         "; restarts will start new workers" if p.returncode == 0 else "")
-            if p.returncode == 0:  # the script cannot use a spare (it ended without a rank)
+            if p.returncode == 0:
                 self.wanted = 0
             self.retry_at = now + self.RETRY_S
-        while len(self.spares) < self.wanted and now >= self.retry_at:
-            self._start()
+            if self.template is not None:
+                self._request(1)
+        if self.template is None:
+            while len(self.spares) < self.wanted and now >= self.retry_at:
+                p = self._popen({})
+                self.spares.append(p)
+                self.events.emit("spare_start", worker_pid=p.pid, forked=False)
 
-    def take(self) -> tuple[subprocess.Popen, bool] | None:
-        """A spare for a lost rank, a ready one first; (process, whether it was ready)."""
-        self._poll_ready()
-        live = [(p, fd) for p, fd in self.spares if p.poll() is None]
-        if not live:
-            return None
-        p, fd = max(live, key=lambda s: s[0].pid in self.ready)
-        warm = p.pid in self.ready
-        self._forget(p, fd)
-        if self.idle_class:
-            normal_priority(p.pid)  # (a no-op for one that never was idle-class)
-        return p, warm
+    def hand_over(self, line: bytes) -> tuple[object, bool] | None:
+        """Give a spare the assignment ``line``: (its process handle, whether it was ready), or None
+        when there is none. A ready spare first; one still starting is better than none."""
+        self.read_reports()
+        for p in sorted(self.spares, key=lambda p: p.pid not in self.ready):
+            warm = p.pid in self.ready
+            if p.poll() is None and self._assign(p, line):
+                self._forget(p)
+                if isinstance(p, Forked):
+                    self._request(1)
+                return p, warm
+        return None
+
+    def read_reports(self) -> None:
+        try:
+            while chunk := os.read(self._report_r, 65536):
+                self._buf += chunk
+        except BlockingIOError:
+            pass
+        *lines, self._buf = self._buf.split(b"\n")
+        for text in lines:
+            what, pid, *code = text.decode().split()
+            pid = int(pid)
+            if what == "exit":
+                self.ended[pid] = int(code[0])
+            elif what == "spare":
+                self.ready.add(pid)
+                if self.template is not None and not any(p.pid == pid for p in self.spares):
+                    self.spares.append(Forked(pid, self))
+                    self.events.emit("spare_start", worker_pid=pid, forked=True)
 
     def close(self) -> None:
-        for p, fd in self.spares:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        for p in self.spares + ([self.template] if self.template is not None else []):
+            _kill_group(p.pid)
             try:
                 p.wait(5)
             except subprocess.TimeoutExpired:
                 pass
-            os.close(fd)
         self.spares = []
+        os.close(self._report_r)
+        os.close(self._report_w)
 
-    def _start(self) -> None:
-        r, w = os.pipe()
-        os.set_blocking(r, False)
-        env = {**self.env, ENV: "1", READY_FD: str(w)}
-        p = subprocess.Popen(self.cmd, env=env, stdin=subprocess.PIPE, start_new_session=True, pass_fds=(w,))
-        os.close(w)
-        # The first spares start with the job at normal priority (it is starting up anyway); a
-        # replacement, started while the job trains, runs on idle CPU only.
-        idle = self.idle_class and self.started >= self.wanted
-        if idle:
-            idle_priority(p.pid)
-        self.started += 1
-        self.spares.append((p, r))
-        self.events.emit("spare_start", worker_pid=p.pid, idle_class=idle)
+    def _popen(self, extra: dict) -> subprocess.Popen:
+        env = {**self.env, ENV: "1", REPORT_FD: str(self._report_w), **extra}
+        return subprocess.Popen(self.cmd, env=env, stdin=subprocess.PIPE, start_new_session=True,
+                                pass_fds=(self._report_w,))
 
-    def _poll_ready(self) -> None:
-        for p, fd in self.spares:
-            if p.pid in self.ready:
-                continue
-            try:
-                if os.read(fd, 1):
-                    self.ready.add(p.pid)
-            except BlockingIOError:
-                pass
+    def _request(self, n: int) -> None:
+        try:
+            self.template.stdin.write(b"spawn\n" * n)
+            self.template.stdin.flush()
+        except OSError:
+            pass  # it died: maintain() notices
 
-    def _forget(self, p: subprocess.Popen, fd: int) -> None:
-        self.spares.remove((p, fd))
+    def _assign(self, p, line: bytes) -> bool:
+        try:
+            if isinstance(p, Forked):
+                fd = os.open(os.path.join(self.fork_dir, str(p.pid)), os.O_WRONLY | os.O_NONBLOCK)
+                try:
+                    os.write(fd, line)
+                finally:
+                    os.close(fd)
+            else:
+                p.stdin.write(line)
+                p.stdin.close()
+            return True
+        except OSError:  # gone, or not yet waiting on its FIFO
+            return False
+
+    def _forget(self, p) -> None:
+        self.spares.remove(p)
         self.ready.discard(p.pid)
-        os.close(fd)
