@@ -154,8 +154,8 @@ def test_standby_takes_over_only_with_a_majority(tmp_path, monkeypatch):
 
 def test_hang_clock_gives_the_first_steps_their_warm_up():
     """A process's first steps may take seconds (allocation, group connections, helpers starting, a
-    loaded host): no hang before WARM_UP_S. Once it has moved on WARM_UP_STEPS iterations, the hang
-    timeout holds, and the blame goes to the rank that stopped moving, not to the one still going."""
+    loaded host): no hang before WARM_UP_S. Once it has ended WARM_UP_STEPS steps, the hang timeout
+    holds, and the blame goes to the rank that stopped moving, not to the one still going."""
     from mindspeed_ha.control.ranks import WARM_UP_S, WARM_UP_STEPS, Rank, RankTable
 
     def table():
@@ -164,8 +164,9 @@ def test_hang_clock_gives_the_first_steps_their_warm_up():
             t.ranks[r] = Rank(rank=r, ident=bytes([r]), seen=0.0, progress_at=0.0)
         return t
 
-    def hb(t, r, it, now):
-        t.heard(bytes([r]), {"rank": r, "it": it, "upd": False, "health": "ok", "phase": "forward"}, now)
+    def hb(t, r, it, now):  # (in step ``it``, this process's ``it - 1``-th steps ended)
+        t.heard(bytes([r]), {"rank": r, "it": it, "upd": False, "health": "ok", "phase": "forward",
+                             "steps": it - 1}, now)
 
     first = table()
     for now in (0.0, 10.0):          # ten silent seconds in the first step: still warming up

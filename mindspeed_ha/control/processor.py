@@ -36,6 +36,7 @@ class Processor:
         self.handlers: dict[str, callable] = {}
         self.controller = None         # the Controller hosted here (rank 0, or a standby)
         self.iteration = -1
+        self.steps_done = 0   # steps this process has ended (its warm-up is the first few)
         self.updating = False
         self.phase = "startup"
         self.health = "ok"
@@ -127,6 +128,7 @@ class Processor:
 
     def step_end(self, iteration: int, loss=None) -> None:
         self.iteration = int(iteration)
+        self.steps_done += 1
         self._mark("step")
         if self._hb_on_step:
             self._hb_on_step = False
@@ -199,7 +201,7 @@ class Processor:
                     next_hb, self._hb_now = now + hb, False
                     self.link.send(P.encode("hb", rank=self.rank, it=self.iteration, upd=self.updating,
                                             health=self.health, phase=self.phase, progress=self._progress,
-                                            wait=self.in_collective(), pid=os.getpid()))
+                                            wait=self.in_collective(), pid=os.getpid(), steps=self.steps_done))
                 for msg in self.link.receive(20):
                     if msg["t"] == "do":
                         self._dispatch(msg)

@@ -98,7 +98,7 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
                  "local_rank": (_int, O), "groups": ("groups", O), "host": (_str, O), "epoch": (_int, O),
                  "iteration": (_int, O), "standby": (_str, O), "restarts": (_int, O)},
     "hb": {"rank": (_int, R), "it": (_int, R), "upd": (_bool, R), "health": (_str, R),
-           "phase": (_str, O), "progress": (_float, O), "wait": (_bool, O), "pid": (_int, O)},
+           "phase": (_str, O), "progress": (_float, O), "wait": (_bool, O), "pid": (_int, O), "steps": (_int, O)},
     "fault": {"rank": (_int, R), "kind": (_str, R), "iteration": (_int, R), "phase": (_str, R),
               "detail": (_str, O), "at": (_float, O), "pid": (_int, O)},
     "result": {"rank": (_int, R), "action": (_str, R), "id": (_int, R), "ok": (_bool, R),

@@ -37,7 +37,7 @@ class Rank:
     done: bool = False           # said bye / exited 0
     stopped: bool = False
     waiting: bool = False        # blocked in a collective (waiting for a peer) at its last heartbeat
-    first_it: int = -1           # the first iteration this process was seen in
+    steps: int = 0               # steps this process has ended, as it reports them
 
 
 @dataclasses.dataclass
@@ -108,8 +108,7 @@ class RankTable:
         phase, prog = msg.get("phase", info.phase), msg.get("progress", info.progress)
         if msg["it"] != info.it or phase != info.phase or prog != info.progress or msg["upd"] != info.upd:
             info.progress_at = now
-        if info.first_it < 0 <= msg["it"]:
-            info.first_it = msg["it"]
+        info.steps = msg.get("steps", info.steps)
         info.it, info.upd, info.health, info.phase, info.progress = msg["it"], msg["upd"], msg["health"], phase, prog
         info.waiting = bool(msg.get("wait", False))
         return info
@@ -147,9 +146,8 @@ class RankTable:
     def hang_limit(self, info: Rank) -> float:
         """A process's first steps also allocate, connect its groups' peers, warm caches and start
         helpers (the checkpoint writer's process): on a loaded host seconds of honest work, so until
-        it has moved WARM_UP_STEPS iterations past its first it gets at least WARM_UP_S."""
-        warm = 0 <= info.first_it and info.it >= info.first_it + WARM_UP_STEPS
-        return self.hang_timeout if warm else max(self.hang_timeout, WARM_UP_S)
+        it has ended WARM_UP_STEPS steps it gets at least WARM_UP_S."""
+        return self.hang_timeout if info.steps >= WARM_UP_STEPS else max(self.hang_timeout, WARM_UP_S)
 
     def scan(self, now: float, training: bool) -> list[Detected]:
         """Lost and hung ranks; ``training``: hangs are looked for only while the job trains."""
@@ -160,7 +158,7 @@ class RankTable:
                 continue
             silent = now - info.seen
             if silent > self.dead_after and ((info.rank not in watched and not runs_here(info))
-                                             or silent > max(self.dead_after, self.hang_timeout)):
+                                             or silent > max(self.dead_after, self.hang_limit(info))):
                 lost.append(info)
             elif training and info.it >= 0 and now - info.progress_at > self.hang_limit(info):
                 stuck.append(info)
