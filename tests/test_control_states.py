@@ -187,6 +187,11 @@ def test_hang_clock_gives_the_first_steps_their_warm_up():
         hb(later, r, it, now)        # rank 1 stuck in step k for 3.5 s, rank 0 moved 1.5 s ago
     assert [(d.kind, d.ranks) for d in later.scan(4.5, training=True)] == [("hang", [1])]
 
+    stale = table()
+    for r, it, now in ((0, 1, 0.0), (1, 1, 0.0), (0, k, 1.0), (1, k, 1.0), (1, k, 2.0), (0, k, 4.5)):
+        hb(stale, r, it, now)        # rank 1's heartbeats stopped coming (a starved thread): it may
+    assert [(d.kind, d.ranks) for d in stale.scan(4.5, training=True)] == [("hang", [0])]  # have moved on
+
     everyone = table()
     for r, it, now in ((0, 1, 0.0), (1, 1, 0.0), (0, k, 1.0), (1, k, 1.0), (0, k, 5.0), (1, k, 5.0)):
         hb(everyone, r, it, now)     # both still at step k for 4 s: the whole job stands still

@@ -29,7 +29,8 @@ def job(log_dir, nproc=4, inject=None, extra=(), ha=True, timeout=240):
 
 def dying_gasp(log_dir) -> dict:
     done = [e for e in events(log_dir, "controller") if e["event"] == "checkpoint" and e["kind"] == "dying_gasp"]
-    assert len(done) == 1, [e for e in events(log_dir, "controller") if e["event"] in ("dump_refused", "diagnosis")]
+    assert len(done) == 1, "\n".join(json.dumps(e) for e in events(log_dir, "controller")
+                                      if e["event"] in ("fault", "decision", "dump_refused", "diagnosis"))
     return done[0]
 
 
@@ -110,7 +111,8 @@ def test_hang_at_every_phase_under_retry_ends_in_the_dump(tmp_path, ref, phase, 
     proc = job(tmp_path / "run", inject=f"hang:rank={rank}:step=6:phase={phase}",
                extra=("--save", str(ck), "--enable-hbmfault-repair", "--ha-hang-timeout", "3"))
     saved = check_saved(proc, tmp_path / "run", ck)
-    assert rank not in saved["survivors"] and saved["iteration"] in (5, 6)
+    faults = [e for e in events(tmp_path / "run", "controller") if e["event"] == "fault"]
+    assert rank not in saved["survivors"] and saved["iteration"] in (5, 6), faults
     assert f"rank {rank} (node" in proc.stderr and "failed: hang" in proc.stderr
     if phase == "forward":
         check_resume(tmp_path / "resume", ck, ref["dp4"])

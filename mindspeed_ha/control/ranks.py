@@ -5,7 +5,8 @@ its launcher agent is heard from (the agent reports a death within 20 ms, so a s
 there is a thread starved of the CPU, not a dead rank) or its process still runs on this host. A
 live rank that has not moved (iteration, phase, progress) for the hang timeout is *hung*: everyone
 blocks behind a hung rank, so the blame goes to the ranks that are not waiting in a collective, and
-among them to those that got least far. A process's first WARM_UP_STEPS steps get at least
+among them to those that got least far — judged only from recent heartbeats: a rank whose last one is
+older than two intervals (a starved thread, a loaded host) may have moved on since, and is not blamed. A process's first WARM_UP_STEPS steps get at least
 WARM_UP_S; when every rank stands still at once, twice the limit.
 """
 from __future__ import annotations
@@ -67,6 +68,7 @@ class RankTable:
         self.world = world
         self.hang_timeout = float(hang_timeout_s)
         self.dead_after = dead_after or max(1.8 * float(heartbeat_s), 3.0)
+        self.fresh_s = max(2.0 * float(heartbeat_s), 1.0)   # a heartbeat this recent tells where a rank is now
         self.ranks: dict[int, Rank] = {}
         self.agents: dict[int, Agent] = {}
         self.by_ident: dict[bytes, int] = {}
@@ -160,19 +162,20 @@ class RankTable:
             if silent > self.dead_after and ((info.rank not in watched and not runs_here(info))
                                              or silent > max(self.dead_after, self.hang_limit(info))):
                 lost.append(info)
-            elif training and info.it >= 0 and now - info.progress_at > self.hang_limit(info):
+            elif (training and info.it >= 0 and now - info.progress_at > self.hang_limit(info)
+                  and silent <= self.fresh_s):
                 stuck.append(info)
         out = [Detected([i.rank], "heartbeat-lost", i.it, i.phase, now - i.seen,
                         f"no heartbeat for {now - i.seen:.2f}s", ("hb", i.rank, i.pid)) for i in lost]
         if stuck:
-            cands = [i for i in self.ranks.values() if i.alive and not i.done and i.it >= 0
-                     and now - i.progress_at > self.hang_timeout / 2]
+            live = [i for i in self.ranks.values() if i.alive and not i.done]
+            still = [i for i in live if i.it >= 0 and now - i.progress_at > self.hang_timeout / 2]
+            fresh = [i for i in still if now - i.seen <= self.fresh_s]
             # Ranks blocked in a collective wait for someone; those that are not are the stuck ones.
-            cands = [i for i in cands if not i.waiting] or cands
+            cands = [i for i in fresh if not i.waiting] or fresh
             low = min((i.it, PHASE_ORDER.get(i.phase, 99)) for i in cands)
             hung = [i for i in cands if (i.it, PHASE_ORDER.get(i.phase, 99)) == low]
             first = hung[0]
-            live = [i for i in self.ranks.values() if i.alive and not i.done]
             if len(hung) == len(live) and any(now - i.progress_at <= 2 * self.hang_limit(i) for i in hung):
                 # Every rank stands still at the same point: a stall of the whole host or network
                 # more often than a hang, and blaming them all leaves nobody to recover with.
