@@ -1,4 +1,4 @@
-"""``mindspeed-ha``: run | controller | status | inject | report."""
+"""``mindspeed-ha``: run | controller | status | inject | migrate | report."""
 from __future__ import annotations
 
 import argparse
@@ -87,7 +87,18 @@ def cmd_inject(args) -> int:
         fields["step"] = args.step
     if args.phase:
         fields["phase"] = args.phase
-    msg = _request(args, P.encode("inject", **fields))
+    if args.factor is not None:
+        fields["factor"] = args.factor
+    return _answer(_request(args, P.encode("inject", **fields)))
+
+
+def cmd_migrate(args) -> int:
+    from .control import protocol as P
+    return _answer(_request(args, P.encode("migrate", rank=args.rank, reason=args.reason)))
+
+
+def _answer(msg: dict | None) -> int:
+    """Print the controller's answer to a request; 0 if it took it."""
     if msg is None:
         print("no controller answered", file=sys.stderr)
         return 1
@@ -134,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--rank", type=int, required=True)
     i.add_argument("--step", type=int, default=None)
     i.add_argument("--phase", default=None, choices=INJECT_PHASES)
+    i.add_argument("--factor", type=float, default=None, help="slow: steps take FACTOR times as long (default 3)")
+    m = sub.add_parser("migrate", help="move a rank to a spare worker at the next step boundary")
+    _add_security(m)
+    m.add_argument("--rank", type=int, required=True)
+    m.add_argument("--reason", default="requested by an operator")
     r = sub.add_parser("report", help="every fault and recovery of a job, and DIR/recovery_timeline.png")
     r.add_argument("log_dir")
     r.add_argument("--json", action="store_true")
@@ -145,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "run":
         from .launcher.agent import Agent
         return Agent(args).run()
-    return {"controller": cmd_controller, "status": cmd_status, "inject": cmd_inject}[args.cmd](args)
+    return {"controller": cmd_controller, "status": cmd_status, "inject": cmd_inject,
+            "migrate": cmd_migrate}[args.cmd](args)
 
 
 if __name__ == "__main__":

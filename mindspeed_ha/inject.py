@@ -8,6 +8,8 @@
            | bitflip (flip one bit of this rank's optimizer shard, silently: a drill for
              --ha-verify-replicas-interval)
            | ecc (raise CUDA's sticky "uncorrectable ECC error encountered": process-fatal)
+           | slow (from step S on, this process's steps take FACTOR times as long: it sleeps at
+             each step's start; ``:factor=F``, default 3 — a straggler for migration drills)
     PHASE  forward (default) | backward | grad-sync | optimizer | param-sync | checkpoint
            | recovery (when the rank starts serving an in-job recovery of a fault in step S:
              a fault during recovery)
@@ -27,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -34,7 +37,7 @@ from mindspeed_ha.events import EventLog, get_logger
 from mindspeed_ha.faults import CommFault, MemoryFault
 
 ENV = "MINDSPEED_HA_INJECT"
-KINDS = ("kill", "exit", "exception", "uce", "hang", "comm", "bitflip", "ecc")
+KINDS = ("kill", "exit", "exception", "uce", "hang", "comm", "bitflip", "ecc", "slow")
 PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint", "recovery")
 DEFAULT_PHASE = "forward"
 EXAMPLE = f'{ENV}="kill:rank=1:step=3:phase=backward,hang:rank=2:step=5"'
@@ -57,10 +60,12 @@ class Fault:
     step: int | None  # None: the next phase point reached (live injection)
     phase: str = DEFAULT_PHASE
     nonce: str = ""   # distinguishes repeated live injections of the same fault
+    factor: float = 3.0  # slow: how many times as long each step takes
 
     def spec(self) -> str:
         step = "" if self.step is None else f":step={self.step}"
-        return f"{self.kind}:rank={self.rank}{step}:phase={self.phase}"
+        factor = f":factor={self.factor:g}" if self.kind == "slow" else ""
+        return f"{self.kind}:rank={self.rank}{step}:phase={self.phase}{factor}"
 
     def key(self) -> str:
         return hashlib.sha1(f"{self.spec()}#{self.nonce}".encode()).hexdigest()[:16]
@@ -73,7 +78,7 @@ def _bad(spec: str, why: str) -> InjectSpecError:
         f"e.g. {EXAMPLE}")
 
 
-def validate(kind: str, rank, step, phase: str | None, spec: str | None = None) -> Fault:
+def validate(kind: str, rank, step, phase: str | None, spec: str | None = None, factor=None) -> Fault:
     """Check one fault's fields (also the live injection path); raises InjectSpecError."""
     spec = spec or f"{kind}:rank={rank}:step={step}:phase={phase}"
     if kind not in KINDS:
@@ -86,7 +91,11 @@ def validate(kind: str, rank, step, phase: str | None, spec: str | None = None) 
             raise _bad(spec, f"{name} must be an integer >= 0, got {v!r}")
     if rank is None:
         raise _bad(spec, "rank is required")
-    return Fault(kind, rank, step, phase)
+    if factor is not None and kind != "slow":
+        raise _bad(spec, "factor is for the slow kind only")
+    if factor is not None and not (isinstance(factor, (int, float)) and 1.0 < factor <= 100.0):
+        raise _bad(spec, f"factor must be a number above 1 (at most 100), got {factor!r}")
+    return Fault(kind, rank, step, phase, factor=float(factor or 3.0))
 
 
 def parse(value: str) -> list[Fault]:
@@ -101,7 +110,7 @@ def parse(value: str) -> list[Fault]:
             key, eq, val = f.partition("=")
             if not eq or not val:
                 raise _bad(spec, f"field {f!r} is not key=value")
-            if key not in ("rank", "step", "phase"):
+            if key not in ("rank", "step", "phase", "factor"):
                 raise _bad(spec, f"unknown field {key!r}")
             if key in kv:
                 raise _bad(spec, f"field {key!r} given twice")
@@ -113,7 +122,12 @@ def parse(value: str) -> list[Fault]:
                 kv[key] = int(kv[key])
             except ValueError:
                 raise _bad(spec, f"{key} must be an integer, got {kv[key]!r}") from None
-        faults.append(validate(kind.lower(), kv["rank"], kv["step"], kv.get("phase"), spec))
+        if "factor" in kv:
+            try:
+                kv["factor"] = float(kv["factor"])
+            except ValueError:
+                raise _bad(spec, f"factor must be a number, got {kv['factor']!r}") from None
+        faults.append(validate(kind.lower(), kv["rank"], kv["step"], kv.get("phase"), spec, kv.get("factor")))
     return faults
 
 
@@ -147,6 +161,8 @@ class Injector:
         self._uce_corruptor: Callable[[], None] | None = None
         self._comm_breaker: Callable[[], None] | None = None
         self._live = 0
+        self._step_t = 0.0       # when the last step began (its forward point)
+        self._slow_s = 0.0       # slow: seconds added to every step from the one it fired in
 
     @classmethod
     def from_env(cls, rank: int, log_dir: str, events: EventLog | None,
@@ -163,12 +179,13 @@ class Injector:
         """``fn()`` aborts this rank's communicators; default: abort/destroy the process groups."""
         self._comm_breaker = fn
 
-    def add(self, kind: str, rank: int, step: int | None = None, phase: str | None = None) -> Fault:
+    def add(self, kind: str, rank: int, step: int | None = None, phase: str | None = None,
+            factor: float | None = None) -> Fault:
         """Queue a live fault (any thread). Faults for other ranks are ignored."""
         with self._lock:
             self._live += 1
-            f = validate(kind, rank, step, phase)
-            f = Fault(f.kind, f.rank, f.step, f.phase, nonce=f"live-{os.getpid()}-{time.time_ns()}-{self._live}")
+            f = validate(kind, rank, step, phase, factor=factor)
+            f = dataclasses.replace(f, nonce=f"live-{os.getpid()}-{time.time_ns()}-{self._live}")
             if rank == self.rank:
                 self._pending.append(f)
         return f
@@ -179,6 +196,11 @@ class Injector:
 
     def fire_point(self, phase: str, iteration: int) -> None:
         """Called by the trainer at each phase point; fires the faults due here (at most once per job)."""
+        last = self._step_t
+        if phase == "forward":
+            self._step_t = time.perf_counter()
+            if self._slow_s:
+                time.sleep(self._slow_s)
         if not self._pending:
             return
         if phase not in PHASES:
@@ -189,6 +211,9 @@ class Injector:
                 self._pending.remove(f)
         for f in due:
             if self._claim(f, iteration):
+                if f.kind == "slow":  # each step takes factor x the last one before it
+                    self._slow_s = (f.factor - 1) * (self._step_t - last if phase == "forward" and last else 0.1)
+                    time.sleep(self._slow_s)
                 self._fire(f, iteration)
 
     # ------------------------------------------------------------------------------------------
@@ -237,6 +262,8 @@ class Injector:
             if self._uce_corruptor is None:
                 raise InjectSpecError("bitflip needs the replica optimizer (--enable-high-availability)")
             self._uce_corruptor(bit_flip=True)  # silent: training goes on until the replica check
+        elif f.kind == "slow":
+            pass  # (set up by fire_point: it sleeps at every step's start from now on)
         elif f.kind == "hang":
             while True:  # alive, no progress; only this thread stops
                 time.sleep(3600)

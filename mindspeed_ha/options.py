@@ -47,6 +47,9 @@ class HAOptions:
     hang_timeout_s: float = 60.0
     dump_timeout_s: float | None = None  # None: from the state's size
     spares: int = 1                # recover: pre-started workers each agent keeps ready
+    straggler_ratio: float = 1.3   # a rank whose own step work is this many times the others' median...
+    straggler_steps: int = 5       # ...for this many steps in a row is a straggler
+    migrate_stragglers: bool = False
     source: str = "flags"          # where the strategies came from: flags | HIGH_AVAILABILITY | MS_ENABLE_TFT
 
     @property
@@ -87,6 +90,13 @@ def add_ha_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ha-spares", type=int, default=1,
                    help="recover: pre-started workers each launcher agent keeps ready to take a lost rank "
                         "(default 1; 0 starts a fresh process per restart)")
+    g.add_argument("--ha-straggler-ratio", type=float, default=1.3,
+                   help="A rank whose own step work (its step time less its waits for peers) is this many "
+                        "times the other ranks' median is slow (default 1.3)")
+    g.add_argument("--ha-straggler-steps", type=int, default=5,
+                   help="Slow for this many steps in a row: a straggler (a 'straggler' event; default 5)")
+    g.add_argument("--ha-migrate-stragglers", action="store_true",
+                   help="Move a straggler to a spare worker at a step boundary (needs --enable-worker-reboot)")
     g.add_argument("--no-verify-checkpoint", action="store_true",
                    help="--load reads a checkpoint without checking its files against their checksums "
                         "(for huge checkpoints; settings are still checked)")
@@ -174,6 +184,15 @@ def from_args(args: argparse.Namespace, env: dict | None = None) -> HAOptions:
                             "positive N (default 1)")
     if interval < 0:
         raise HAConfigError(f"--ha-verify-replicas-interval {interval}: use 0 (off) or a positive N")
+    ratio, steps = getattr(args, "ha_straggler_ratio", 1.3), int(getattr(args, "ha_straggler_steps", 5))
+    if not (isinstance(ratio, (int, float)) and math.isfinite(ratio) and ratio > 1):
+        raise HAConfigError(f"--ha-straggler-ratio {ratio}: give a number above 1 (default 1.3)")
+    if steps < 1:
+        raise HAConfigError(f"--ha-straggler-steps {steps}: give a positive number of steps (default 5)")
+    migrate = bool(getattr(args, "ha_migrate_stragglers", False))
+    if migrate and "recover" not in strategies:
+        raise HAConfigError("--ha-migrate-stragglers moves a rank to a spare worker, which the recover strategy "
+                            "provides: add --enable-worker-reboot (or HIGH_AVAILABILITY=...,recover) or drop it")
     if interval and (not strategies or no_replica):
         raise HAConfigError("--ha-verify-replicas-interval compares replica shards and needs the replica "
                             "optimizer: add --enable-high-availability and drop "
@@ -184,7 +203,8 @@ def from_args(args: argparse.Namespace, env: dict | None = None) -> HAOptions:
         log_dir=getattr(args, "ha_log_dir", None) or env.get("MINDSPEED_HA_LOG_DIR") or "./logs",
         key_dir=getattr(args, "ha_key_dir", None), insecure=bool(getattr(args, "ha_insecure", False)),
         heartbeat_s=_seconds(args, "ha_heartbeat_interval", 0.5), hang_timeout_s=_seconds(args, "ha_hang_timeout", 60.0),
-        dump_timeout_s=_seconds(args, "ha_dump_timeout", None), spares=spares, source=source)
+        dump_timeout_s=_seconds(args, "ha_dump_timeout", None), spares=spares, source=source,
+        straggler_ratio=float(ratio), straggler_steps=steps, migrate_stragglers=migrate)
 
 
 def check_writable(path: str | None, flag: str) -> None:

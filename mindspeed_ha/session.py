@@ -156,12 +156,14 @@ class RankSession:
                                    events=self.events)
         from mindspeed_ha.comm import interruptible
         self.processor.in_collective = interruptible.waiting
+        self.processor.waited_s = interruptible.waited_s
         self.processor.serve({"inject": self._live_inject}, training_thread=False)
         self.processor.serve(RankRecovery(self).handlers(), training_thread=True)
         self.processor.start()
 
     def _live_inject(self, args: dict) -> str:
-        return f"armed {self.injector.add(args['kind'], self.rank, args.get('step'), args.get('phase')).spec()}"
+        f = self.injector.add(args["kind"], self.rank, args.get("step"), args.get("phase"), args.get("factor"))
+        return f"armed {f.spec()}"
 
     @staticmethod
     def restarted_worker() -> bool:
@@ -309,6 +311,9 @@ class RankSession:
     def step_start(self, iteration: int) -> None:
         self._t_step = time.perf_counter()
         if self.processor is not None:
+            from mindspeed_ha.comm.interruptible import CollectiveStopped, take_park
+            if take_park():  # a planned recovery: wait for it here, between two steps
+                raise CollectiveStopped(f"parked before iteration {iteration} by the controller")
             self.processor.step_start(iteration)
 
     def report_unlogged_step(self, iteration: int, loss) -> None:

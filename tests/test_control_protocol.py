@@ -12,15 +12,16 @@ from mindspeed_ha.options import HAOptions
 
 SAMPLES = {
     "register": dict(rank=1, world=4, node="n0", pid=12, local_rank=1, groups=[[1, 3]], host="h", iteration=-1),
-    "hb": dict(rank=1, it=5, upd=False, health="ok", phase="forward", progress=1.5),
+    "hb": dict(rank=1, it=5, upd=False, health="ok", phase="forward", progress=1.5, steps=4, busy=0.05),
     "fault": dict(rank=1, kind="memory-error", iteration=3, phase="optimizer", detail="x", at=1.0),
     "result": dict(rank=1, action="stop", id=3, ok=True, data={"iteration": 3, "replica_group": [1, 3]}),
     "bye": dict(rank=2),
     "agent": dict(node="n", node_rank=0, nnodes=1, pid=5, ranks=[0, 1], pids=[7, 8]),
-    "agent_hb": dict(node_rank=0),
+    "agent_hb": dict(node_rank=0, spares=1),
     "exit": dict(node_rank=0, rank=1, pid=9, code=0, signal=9, at=2.0, iteration=4, phase="backward"),
     "status?": {},
     "inject": dict(kind="kill", rank=1, step=3, phase="forward"),
+    "migrate": dict(rank=2, reason="operator"),
     "ack": dict(epoch=1, state="normal", standby=False, backups=["tcp://127.0.0.1:1"]),
     "do": dict(action="exit", id=4, args={"code": 1, "diagnosis": "d"}, epoch=1),
     "status": dict(body={"state": "normal", "ranks": [{"rank": 0}]}),

@@ -198,3 +198,28 @@ def test_hang_clock_gives_the_first_steps_their_warm_up():
     assert everyone.scan(5.0, training=True) == []
     hb(everyone, 0, k, 7.5), hb(everyone, 1, k, 7.5)
     assert [(d.kind, d.ranks) for d in everyone.scan(7.5, training=True)] == [("hang", [0, 1])]
+
+
+def test_a_straggler_is_named_by_its_own_work_not_its_step_time():
+    """Every rank's step takes as long as the slowest one's; only a rank's own work (step time less
+    its waits for peers) tells the straggler. Slow for ``steps`` steps in a row: named, once per
+    process; a step back at speed starts the count again."""
+    from mindspeed_ha.control.ranks import Rank
+    from mindspeed_ha.control.stragglers import StragglerWatch
+    ranks = [Rank(rank=r, ident=bytes([r]), pid=100 + r, busy=0.05, busy_steps=1, steps=10) for r in range(4)]
+    watch = StragglerWatch(ratio=1.3, steps=5)
+    slow = ranks[2]
+    got = []
+    for busy, n in ((0.15, 2), (0.05, 1), (0.15, 2), (0.15, 2), (0.15, 1), (0.15, 3)):
+        slow.busy, slow.busy_steps = busy, n
+        got.append(watch.observe(slow, ranks))
+    assert got[:4] == [None] * 4 and got[4] == pytest.approx(3.0) and got[5] is None
+    assert watch.observe(ranks[0], ranks) is None  # at the others' median
+    slow.pid, slow.steps = 999, 2  # its replacement: judged afresh, once past its warm-up
+    slow.busy, slow.busy_steps = 0.15, 5
+    assert watch.observe(slow, ranks) is None
+    slow.steps = 7
+    assert watch.observe(slow, ranks) == pytest.approx(3.0)
+    calm = StragglerWatch(ratio=1.3, steps=1)
+    slow.busy, slow.busy_steps = 0.05 + 0.019, 1  # 1.4x, but 19 ms: a time slice, not a straggler
+    assert calm.observe(slow, ranks) is None

@@ -69,6 +69,9 @@ class FakePort:
         self._live -= set(ranks)
         self._lost |= set(ranks)
 
+    def closed(self, faults, now, moved_bytes, phases):
+        self.events.append(("closed", {"faults": faults, "moved_bytes": moved_bytes}))
+
     # test helpers
     def last(self):
         return self.orders[-1]
@@ -308,6 +311,30 @@ def test_recover_a_hung_rank_is_replaced_like_a_dead_one():
     port._live.add(3)
     assert runner.tick() is None and port.last()[1] == "rebuild"
     assert list(ep.plan.joiners) == [(3, 1)] and list(ep.plan.copies) == [(1, 3)]
+
+
+MIGRATE1 = {"ranks": [1], "kind": "migrate", "iteration": 6, "phase": "step", "detect_s": 0.0, "t_detect": 99.0}
+
+
+def test_migrate_replaces_a_live_rank_from_its_twin_and_counts_the_bytes():
+    """A migration is a planned recover: the moving rank is not asked its status, the restart round
+    ends it and hands its rank to a spare, the twin's shard is copied, and the first step closes it."""
+    port = FakePort()
+    ep = episode(port, "recover", faults=[MIGRATE1])
+    runner, _ = play(PB.RECOVER, S.REPAIR, ep)
+    assert port.last()[1:3] == ("ha-status", [0, 2, 3])
+    port.answer({r: s for r, s in statuses(6).items() if r != 1})
+    assert runner.tick() is None and port.restarted == [[1]] and 1 not in port.live()
+    port._restarting.clear()
+    port._live.add(1)
+    assert runner.tick() is None and port.last()[1] == "rebuild"
+    assert list(ep.plan.joiners) == [(1, 3)] and list(ep.plan.copies) == [(3, 1)]
+    port.answer({r: "ok" for r in range(4)})
+    assert runner.tick() is None and port.last()[1] == "repair"
+    port.answer({0: {"received": 0}, 1: {"received": 4096}, 2: {"received": 0}, 3: {"received": 0}})
+    assert runner.tick() == "ok" and ep.moved_bytes == 4096
+    FirstStep(ep, [MIGRATE1], resumed_at=100.0).check(100.1, completed=True)
+    assert port.event("closed") == [{"faults": [MIGRATE1], "moved_bytes": 4096}]
 
 
 def test_recover_a_rank_silent_in_a_round_is_hung_and_the_recovery_starts_over():

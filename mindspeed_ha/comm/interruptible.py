@@ -67,6 +67,42 @@ def clear_stop() -> None:
     global _reason
     _reason = ""
     _stop.clear()
+    _cancel_park()
+
+
+# ---- a stop at the next step boundary -------------------------------------------------------------
+# A planned recovery (a migration) parks every rank between two steps, so no step is interrupted and
+# nothing is rolled back. A rank that had already begun the next step when the order came waits in its
+# first collective for peers that parked: after ``grace_s`` it is stopped there instead (its partial
+# step is cleaned up by the recovery, as after any stop).
+_park = threading.Event()
+_park_timer: threading.Timer | None = None
+
+
+def request_park(reason: str, grace_s: float) -> None:
+    """Have the training thread park at its next step start (``take_park``); a stop after ``grace_s``."""
+    global _park_timer
+    _cancel_park()
+    _park.set()
+    _park_timer = threading.Timer(grace_s, lambda: _park.is_set() and request_stop(reason))
+    _park_timer.daemon = True
+    _park_timer.start()
+
+
+def take_park() -> bool:
+    """At a step start: True (once) if a park was requested; the stop that would follow is called off."""
+    if not _park.is_set():
+        return False
+    _cancel_park()
+    return True
+
+
+def _cancel_park() -> None:
+    global _park_timer
+    _park.clear()
+    if _park_timer is not None:
+        _park_timer.cancel()
+        _park_timer = None
 
 
 def stop_requested() -> bool:
@@ -89,6 +125,11 @@ def _raise_stopped():
 
 
 _waiting = 0  # threads of this process inside wait_work
+_waited_s = 0.0  # seconds this process spent blocked in collectives (a rank's own work is the rest)
+
+
+def waited_s() -> float:
+    return _waited_s
 
 
 def waiting() -> bool:
@@ -98,14 +139,16 @@ def waiting() -> bool:
 
 def wait_work(work, p2p: bool = False) -> None:
     """Wait for a c10d ``Work``, raising ``CollectiveStopped`` once a stop is requested."""
-    global _waiting
+    global _waiting, _waited_s
     if work.is_completed() or _stop.is_set():
         return _wait_work(work, p2p)
     _waiting += 1
+    t0 = time.perf_counter()
     try:
         _wait_work(work, p2p)
     finally:
         _waiting -= 1
+        _waited_s += time.perf_counter() - t0
 
 
 def _wait_work(work, p2p: bool = False) -> None:

@@ -24,6 +24,7 @@ from ..options import HAOptions
 from . import election, playbooks, protocol as P, security
 from .diagnosis import diagnosis
 from .inbox import Inbox
+from .migration import Migrations
 from .playbooks import Episode, FirstStep
 from .ranks import Agent, Rank, RankTable
 from .router import Router
@@ -76,6 +77,9 @@ class _Port:
 
     def set_note(self, text):
         self._c.strategy_note = text
+
+    def closed(self, faults, now, moved_bytes, phases):
+        self._c.migrations.closed(faults, now, moved_bytes, phases)
 
     def hung(self, ranks, detail):
         c = self._c
@@ -136,6 +140,7 @@ class Controller:
         self.router = Router(self.keys, self.host, port)
         self.port_number, self.endpoint = self.router.port, self.router.endpoint
         self.handlers = Inbox(self).handlers()
+        self.migrations = Migrations(self)
         self.actions = {S.NORMAL: self._training, S.PAUSE: self._stop_survivors, S.DECIDE: self._decide,
                         S.REPAIR: self._play, S.ROLLBACK: self._play, S.DUMP: self._play, S.EXIT: self._tell_exit}
         self._last_scan = 0.0
@@ -418,7 +423,9 @@ class Controller:
         fault = self.active_faults[-1] if self.active_faults else None
         survivors = sorted(self.table.live())  # every live rank, reporters of comm failures included
         reason = (f"{fault['kind']} on rank(s) {fault['ranks'][:8]}" if fault else "controller")[:200]
-        self._stop_id = self.order("stop", survivors, {"reason": reason})
+        # Nothing broke for a migration: the ranks park between two steps, no step is interrupted.
+        planned = bool(self.active_faults) and all(f["kind"] == "migrate" for f in self.active_faults)
+        self._stop_id = self.order("stop", survivors, {"reason": reason, **({"boundary": True} if planned else {})})
         if fault is not None:
             decide_ms = (time.monotonic() - fault["t_detect"]) * 1e3
             cpu_ms = (time.thread_time() - fault["cpu_detect"]) * 1e3  # wall minus waiting for a CPU

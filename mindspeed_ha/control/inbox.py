@@ -24,7 +24,8 @@ class Inbox:
         fenced = {"register": self.register, "hb": self.heartbeat, "fault": self.fault, "result": self.result,
                   "bye": self.bye}
         return {**{t: self._fenced(fn) for t, fn in fenced.items()}, "agent": self.agent,
-                "agent_hb": self.agent_heartbeat, "exit": self.exit, "status?": self.status, "inject": self.inject}
+                "agent_hb": self.agent_heartbeat, "exit": self.exit, "status?": self.status, "inject": self.inject,
+                "migrate": self.migrate}
 
     def _fenced(self, handle):
         """A rank's message from a process this controller declared lost — a partition that healed, a
@@ -78,9 +79,12 @@ class Inbox:
     def heartbeat(self, ident, msg) -> None:
         known = self.c.ranks.get(msg["rank"])
         reconnected = known is not None and known.ident != ident
-        if self.c.table.heard(ident, msg, time.monotonic()) is None:
+        info = self.c.table.heard(ident, msg, time.monotonic())
+        if info is None:
             self.c.router.send(ident, P.encode("refused", reason="register first"))
             return
+        if "busy" in msg:
+            self.c.migrations.observe(info)
         if reconnected:
             self.c._resend_pending(msg["rank"])
         self.c.router.send(ident, self.c._ack)
@@ -134,7 +138,7 @@ class Inbox:
         if a is None:
             self.c.router.send(ident, P.encode("refused", reason="register first"))
             return
-        a.ident, a.seen = ident, time.monotonic()
+        a.ident, a.seen, a.spares = ident, time.monotonic(), msg.get("spares", a.spares)
         self.c.router.send(ident, self.c._ack)
 
     def exit(self, ident, msg) -> None:
@@ -177,9 +181,18 @@ class Inbox:
         if msg["kind"] not in P.INJECT_KINDS or msg.get("phase", "forward") not in P.INJECT_PHASES:
             self.c.router.send(ident, P.encode("refused", reason=f"unknown fault {msg['kind']!r}/{msg.get('phase')!r}"))
             return
-        args = {k: msg[k] for k in ("kind", "step", "phase") if k in msg}
+        args = {k: msg[k] for k in ("kind", "step", "phase", "factor") if k in msg}
         oid = self.c.order("inject", [r], args)
         # Answer on delivery: the fault may kill the rank before its handler's result gets out.
         self.c.router.send(ident, P.encode("status", body={"ok": True, "rank": r, "action": "inject", "id": oid,
                                                          "detail": "delivered", **args}))
         self.c.events.emit("inject", target=r, **args)
+
+    def migrate(self, ident, msg) -> None:
+        r = self.c.table.check(msg["rank"])
+        why = self.c.migrations.request(r, msg.get("reason") or "requested")
+        if why:
+            self.c.router.send(ident, P.encode("refused", reason=why))
+            return
+        self.c.router.send(ident, P.encode("status", body={"ok": True, "rank": r, "action": "migrate",
+                                                         "detail": "at the next step boundary"}))

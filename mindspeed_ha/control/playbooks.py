@@ -60,6 +60,7 @@ class Episode:
     lost_steps: int = 0
     result: dict | None = None             # dump: the written checkpoint
     state_bytes: int = 0                   # dump: what the survivors will write (sets its time limit)
+    moved_bytes: int = 0                   # repair: shard bytes copied from the twins
     started: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
@@ -101,16 +102,21 @@ def hung(ep: Episode) -> set:
     return {r for f in ep.faults if f["kind"] == "hang" for r in f["ranks"]}
 
 
+def replaced(ep: Episode) -> set:
+    """Live ranks recover replaces: the hung, and those migrating to a spare."""
+    return {r for f in ep.faults if f["kind"] in ("hang", "migrate") for r in f["ranks"]}
+
+
 STATUS = Round("status", order="ha-status", decide=_ha_status, wait_s=ROUND_WAIT_S,
-               to=lambda ep: sorted(ep.port.live() - hung(ep)))
+               to=lambda ep: sorted(ep.port.live() - replaced(ep)))
 # recover: a rank that stops answering is hung: replaced like a dead one
 STATUS_OR_HUNG = dataclasses.replace(STATUS, silent_is_hung=True)
 
 
 def _restart(ep: Episode):
-    """Have the agents restart every lost or hung worker (the agent kills a hung one first); they
-    join at the rebuild."""
-    ep.port.condemn(sorted(hung(ep) & ep.port.live()))
+    """Have the agents restart every lost, hung or migrating worker (the agent ends a live one
+    first); they join at the rebuild."""
+    ep.port.condemn(sorted(replaced(ep) & ep.port.live()))
     lost = sorted(ep.port.lost())
     unknown = [r for r in lost if ep.replica and ep.group_of(r) is None]
     if unknown:
@@ -133,7 +139,7 @@ def _restarted(ep: Episode, ans: Answers):
 
 
 RESTART = Round("restart", act=_restart, ready=lambda ep: not ep.port.restarting(), decide=_restarted,
-                wait_s=RESTART_WAIT_S, when=lambda ep: bool(ep.port.lost() or hung(ep) & ep.port.live()))
+                wait_s=RESTART_WAIT_S, when=lambda ep: bool(ep.port.lost() or replaced(ep) & ep.port.live()))
 
 
 def _plan(ep: Episode):
@@ -184,7 +190,14 @@ def _then(name: str, step, how: str = ""):
 
 PLAN = Round("plan", act=_plan, timed=False)
 REBUILD = Round("rebuild", order="rebuild", args=_rebuild_args, decide=_then("rebuild", NEXT))
-REPAIR = Round("repair", order="repair", decide=_then("repair", DONE), when=lambda ep: ep.mode == "repair",
+def _repaired(ep: Episode, ans: Answers):
+    if ans.failed:
+        return Fail(f"repair failed ({ans.why()})")
+    ep.moved_bytes = sum(int((a or {}).get("received") or 0) for a in ans.ok.values())
+    return DONE
+
+
+REPAIR = Round("repair", order="repair", decide=_repaired, when=lambda ep: ep.mode == "repair",
                args=lambda ep: {"pairs": ep.plan.pairs_flat, "iteration": ep.target, "joiners": ep.plan.joiners_flat})
 RELOAD = Round("reload", order="reload", decide=_then("reload", DONE, how="reload"), when=lambda ep: ep.mode == "reload",
                args=lambda ep: {"ended": ep.target + ep.lost_steps})
@@ -325,4 +338,5 @@ class FirstStep:
                               "phase": f["phase"]} for f in self.faults], **extra)
         log.info("recovered by %s (%s) at iteration %d: MTTR %.3f s, phases %s%s", ep.strategy, ep.how,
                  ep.target, mttr, phases, "" if completed else " (a new fault came in its first step)")
+        ep.port.closed(self.faults, now, ep.moved_bytes, phases)
         return True

@@ -37,6 +37,12 @@ class Processor:
         self.controller = None         # the Controller hosted here (rank 0, or a standby)
         self.iteration = -1
         self.steps_done = 0   # steps this process has ended (its warm-up is the first few)
+        # A step's own work (its time less the time blocked in collectives, waiting for slower peers):
+        # what tells a straggler from the ranks it holds up. Summed between heartbeats.
+        self.step_s = 0.0
+        self._step_t0 = self._waited_t0 = 0.0
+        self._busy_sum, self._busy_n = 0.0, 0
+        self._busy_avg = 0.0   # its running average: a step far above it is reported at once
         self.updating = False
         self.phase = "startup"
         self.health = "ok"
@@ -57,6 +63,7 @@ class Processor:
         # Whether the training thread is blocked in a collective (waiting for a peer, not stuck itself):
         # the session knows, through the interruptible collectives.
         self.in_collective = lambda: False
+        self.waited_s = lambda: 0.0   # seconds blocked in collectives so far (the same)
 
     # ---- life ---------------------------------------------------------------------------------
     def start(self) -> "Processor":
@@ -119,6 +126,7 @@ class Processor:
 
     def step_start(self, iteration: int) -> None:
         self.iteration = int(iteration)
+        self._step_t0, self._waited_t0 = time.perf_counter(), self.waited_s()
         self._mark("forward")
 
     def report_next_step(self) -> None:
@@ -129,6 +137,15 @@ class Processor:
     def step_end(self, iteration: int, loss=None) -> None:
         self.iteration = int(iteration)
         self.steps_done += 1
+        if self._step_t0:
+            self.step_s = time.perf_counter() - self._step_t0
+            own = max(0.0, self.step_s - (self.waited_s() - self._waited_t0))
+            self._busy_sum, self._busy_n, self._step_t0 = self._busy_sum + own, self._busy_n + 1, 0.0
+            if self._busy_avg and own > self.options.straggler_ratio * self._busy_avg:
+                # Slower than itself lately: reported at once, alone (not averaged with the steps
+                # before it), so that the controller counts straggling steps one by one.
+                self._busy_sum, self._busy_n, self._hb_now = own, 1, True
+            self._busy_avg = 0.9 * self._busy_avg + 0.1 * own if self._busy_avg else own
         self._mark("step")
         if self._hb_on_step:
             self._hb_on_step = False
@@ -199,9 +216,12 @@ class Processor:
                 now = time.monotonic()
                 if now >= next_hb or self._hb_now:
                     next_hb, self._hb_now = now + hb, False
+                    busy, n = self._busy_sum, self._busy_n
+                    self._busy_sum, self._busy_n = 0.0, 0
                     self.link.send(P.encode("hb", rank=self.rank, it=self.iteration, upd=self.updating,
                                             health=self.health, phase=self.phase, progress=self._progress,
-                                            wait=self.in_collective(), pid=os.getpid(), steps=self.steps_done))
+                                            wait=self.in_collective(), pid=os.getpid(), steps=self.steps_done,
+                                            **({"busy": busy / n} if n else {})))
                 for msg in self.link.receive(20):
                     if msg["t"] == "do":
                         self._dispatch(msg)
@@ -266,8 +286,12 @@ class Processor:
 
     # ---- the processor's own orders -----------------------------------------------------------
     def _stop_collectives(self, args):
-        from mindspeed_ha.comm.interruptible import request_stop
-        request_stop(str(args.get("reason", "controller")))
+        from mindspeed_ha.comm.interruptible import request_park, request_stop
+        reason = str(args.get("reason", "controller"))
+        if args.get("boundary"):  # planned: between two steps; stopped mid-step only if held up there
+            request_park(reason, grace_s=max(1.0, 3 * self.step_s))
+            return "park requested"
+        request_stop(reason)
         return "stop requested"
 
     def _stand_by(self, args):

@@ -29,7 +29,7 @@ FAULT_KINDS = ("memory-error", "comm-failure", "other", "process-exit", "hang", 
                "controller-lost", "node-lost")
 PHASES = ("startup", "forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint",
           "step", "unknown", "recovery")
-INJECT_KINDS = ("kill", "exit", "exception", "uce", "hang", "comm", "ecc")
+INJECT_KINDS = ("kill", "exit", "exception", "uce", "hang", "comm", "ecc", "slow")
 INJECT_PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint", "recovery")
 
 
@@ -98,7 +98,8 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
                  "local_rank": (_int, O), "groups": ("groups", O), "host": (_str, O), "epoch": (_int, O),
                  "iteration": (_int, O), "standby": (_str, O), "restarts": (_int, O)},
     "hb": {"rank": (_int, R), "it": (_int, R), "upd": (_bool, R), "health": (_str, R),
-           "phase": (_str, O), "progress": (_float, O), "wait": (_bool, O), "pid": (_int, O), "steps": (_int, O)},
+           "phase": (_str, O), "progress": (_float, O), "wait": (_bool, O), "pid": (_int, O), "steps": (_int, O),
+           "busy": (_float, O)},
     "fault": {"rank": (_int, R), "kind": (_str, R), "iteration": (_int, R), "phase": (_str, R),
               "detail": (_str, O), "at": (_float, O), "pid": (_int, O)},
     "result": {"rank": (_int, R), "action": (_str, R), "id": (_int, R), "ok": (_bool, R),
@@ -107,12 +108,13 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     # agent -> controller
     "agent": {"node": (_str, R), "node_rank": (_int, R), "nnodes": (_int, R), "pid": (_int, R),
               "ranks": ("ints", R), "pids": ("ints", R)},
-    "agent_hb": {"node_rank": (_int, R)},
+    "agent_hb": {"node_rank": (_int, R), "spares": (_int, O)},
     "exit": {"node_rank": (_int, R), "rank": (_int, R), "pid": (_int, R), "code": (_int, O),
              "signal": (_int, O), "at": (_float, O), "iteration": (_int, O), "phase": (_str, O)},
     # cli -> controller
     "status?": {},
-    "inject": {"kind": (_str, R), "rank": (_int, R), "step": (_int, O), "phase": (_str, O)},
+    "inject": {"kind": (_str, R), "rank": (_int, R), "step": (_int, O), "phase": (_str, O), "factor": (_float, O)},
+    "migrate": {"rank": (_int, R), "reason": (_str, O)},
     # controller -> peers
     "ack": {"epoch": (_int, R), "state": (_str, R), "standby": (_bool, O), "backups": ("strs", O)},
     "do": {"action": (_str, R), "id": (_int, R), "args": ("map", O), "epoch": (_int, R)},

@@ -39,6 +39,8 @@ class Rank:
     stopped: bool = False
     waiting: bool = False        # blocked in a collective (waiting for a peer) at its last heartbeat
     steps: int = 0               # steps this process has ended, as it reports them
+    busy: float = 0.0            # its own work per step (step time less waits for peers), lately
+    busy_steps: int = 0          # the steps that figure covers (ended since the heartbeat before)
 
 
 @dataclasses.dataclass
@@ -49,6 +51,7 @@ class Agent:
     ranks: list
     pids: list
     seen: float = 0.0
+    spares: int = 0              # spare workers ready to take a rank (as of its last heartbeat)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +113,8 @@ class RankTable:
         phase, prog = msg.get("phase", info.phase), msg.get("progress", info.progress)
         if msg["it"] != info.it or phase != info.phase or prog != info.progress or msg["upd"] != info.upd:
             info.progress_at = now
+        if "busy" in msg:
+            info.busy, info.busy_steps = float(msg["busy"]), max(0, msg.get("steps", info.steps) - info.steps)
         info.steps = msg.get("steps", info.steps)
         info.it, info.upd, info.health, info.phase, info.progress = msg["it"], msg["upd"], msg["health"], phase, prog
         info.waiting = bool(msg.get("wait", False))

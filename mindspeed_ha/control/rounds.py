@@ -48,6 +48,9 @@ class Port(Protocol):
     def emit(self, event: str, **fields) -> None:
         """An event in the controller's event log."""
 
+    def closed(self, faults: list, now: float, moved_bytes: int, phases: dict) -> None:
+        """A recovery's first step ended: what the faults started (a migration) is done."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Goto:

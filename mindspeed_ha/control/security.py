@@ -37,7 +37,7 @@ class SecurityError(RuntimeError):
 # operator's CLI asks and drills.
 MAY_SEND = {
     "job": frozenset({"register", "hb", "fault", "result", "bye", "agent", "agent_hb", "exit", "status?"}),
-    "operator": frozenset({"status?", "inject"}),
+    "operator": frozenset({"status?", "inject", "migrate"}),
 }
 
 

@@ -108,11 +108,12 @@ def next_state(state: State, outcome: Outcome) -> State:
 
 
 # Which strategy can handle which fault class. retry repairs in place (the process is alive);
-# recover restarts a lost process; dump saves whatever the survivors hold; elastic drops a domain.
+# recover restarts a lost process (or moves a live one: migrate); dump saves whatever the survivors
+# hold; elastic drops a domain.
 HANDLES: dict[str, frozenset] = {
     "retry": frozenset({"memory-error", "comm-failure"}),
     "recover": frozenset({"memory-error", "comm-failure", "other", "process-exit", "hang",
-                          "heartbeat-lost", "controller-lost", "node-lost"}),
+                          "heartbeat-lost", "controller-lost", "node-lost", "migrate"}),
     "dump": frozenset({"memory-error", "comm-failure", "other", "process-exit", "hang",
                        "heartbeat-lost", "controller-lost", "node-lost"}),
     "elastic-training": frozenset({"process-exit", "heartbeat-lost", "node-lost", "controller-lost"}),

@@ -274,7 +274,7 @@ class Agent:
             now = time.monotonic()
             if now >= next_hb and self.link.sock is not None:
                 next_hb = now + self.hb
-                self.link.send(P.encode("agent_hb", node_rank=self.a.node_rank))
+                self.link.send(P.encode("agent_hb", node_rank=self.a.node_rank, spares=self.spares.warm()))
             self._poll_workers()
             if self.exit_order is None and not self._signal:
                 self.spares.maintain(now)

@@ -248,6 +248,10 @@ class Pool:
                 return p, warm
         return None
 
+    def warm(self) -> int:
+        """Spares ready to take a rank now (what a migration needs)."""
+        return sum(1 for p in self.spares if p.pid in self.ready and p.poll() is None)
+
     def read_reports(self) -> None:
         try:
             while chunk := os.read(self._report_r, 65536):

@@ -1,0 +1,104 @@
+"""Proactive migration: a live rank's work moves to a spare worker between two steps, before it fails.
+
+A migration is a planned recover. ``request`` checks that it can be done (the job trains, the rank
+has a twin to take its state from and a launcher agent with a spare ready) and records a ``migrate``
+fault: PAUSE then parks every rank at its next step boundary instead of interrupting the step in
+flight, and the recover playbook replaces the rank like a hung one — its agent ends the old process
+and hands the rank to a spare, which takes the shard, counters and RNG from the twin — with nothing
+to roll back. On request (``mindspeed-ha migrate``) or on evidence: a straggler (stragglers.py)
+when ``--ha-migrate-stragglers`` is on. The recovery's first step closes it with a ``migrated`` event.
+"""
+from __future__ import annotations
+
+from ..events import get_logger
+from .states import State as S
+from .stragglers import StragglerWatch
+
+log = get_logger("control.controller")
+
+
+class Migrations:
+    def __init__(self, controller):
+        self.c = controller
+        opts = controller.options
+        self.watch = StragglerWatch(opts.straggler_ratio, opts.straggler_steps)
+        self.moving: dict[int, dict] = {}   # rank -> what it was (pid, node) and why it moves
+
+    def refusal(self, r: int) -> str | None:
+        """Why rank ``r`` cannot be migrated now (None: it can)."""
+        c = self.c
+        info = c.ranks.get(r)
+        if c.standby:
+            return "this controller is a standby"
+        if info is None or not info.alive or info.done:
+            return f"rank {r} is not a live registered rank"
+        if c.machine.state != S.NORMAL:
+            return f"the job is in state {c.machine.state.value}; a migration starts only while it trains"
+        if "recover" not in c.options.strategies:
+            return ("migration hands the rank to a spare worker, which the recover strategy provides: start the "
+                    "job with --enable-worker-reboot (or HIGH_AVAILABILITY=...,recover)")
+        if not info.groups:
+            return ("migration takes the rank's state from its twin, and this job runs without replicas "
+                    "(--distributed-optimizer-no-replica)")
+        twins = [t for t in info.groups[0] if t != r and t in c.table.live()]
+        if not twins:
+            return f"rank {r} has no live twin to take its state from (replica group {info.groups[0]})"
+        if r == c.rank:
+            return (f"rank {r} hosts the active controller, which cannot hand itself over yet; run the controller "
+                    "as its own process (mindspeed-ha controller) to migrate every rank")
+        agent = c.table.agent_of(r)
+        if agent is None:
+            return f"rank {r} has no launcher agent to restart it (start the job with mindspeed-ha run)"
+        if agent.spares < 1:
+            return (f"no spare worker is ready on node {agent.node} (its agent keeps --ha-spares N ready and "
+                    "starts a new one after each use); training goes on")
+        return None
+
+    def request(self, r: int, reason: str) -> str | None:
+        """Start moving rank ``r`` at the next step boundary; the refusal's reason if it cannot."""
+        c = self.c
+        why = self.refusal(r)
+        if why:
+            c.events.emit("migrate_refused", rank=r, reason=reason, why=why)
+            log.warning("migration of rank %d refused: %s", r, why)
+            return why
+        info = c.ranks[r]
+        self.moving[r] = {"old_pid": info.pid, "old_node": info.node, "reason": reason}
+        c.events.emit("migrate", rank=r, old_pid=info.pid, node=info.node, reason=reason)
+        log.warning("migrating rank %d (pid %d on %s) to a spare at the next step boundary: %s",
+                    r, info.pid, info.node, reason)
+        c._fault([r], "migrate", info.it, info.phase, detail=f"{reason} (pid {info.pid} on {info.node})",
+                 key=("migrate", r, info.pid))
+        return None
+
+    def observe(self, info) -> None:
+        """A heartbeat told a rank's own work per step: a straggler is named (and moved, if asked)."""
+        c = self.c
+        if c.machine.state != S.NORMAL or c.first_step is not None:
+            return  # (a recovery's first step is slow on every rank: not evidence)
+        ratio = self.watch.observe(info, [i for i in c.ranks.values() if i.alive and not i.done])
+        if ratio is None:
+            return
+        steps = self.watch.slow.get((info.rank, info.pid), 0)
+        c.events.emit("straggler", rank=info.rank, node=info.node, rank_pid=info.pid, ratio=round(ratio, 3),
+                      steps=steps, iteration=info.it, busy_s=round(info.busy, 4))
+        log.warning("rank %d (node %s) is a straggler: its own work per step is %.2fx the others' median "
+                    "for %d steps", info.rank, info.node, ratio, steps)
+        if c.options.migrate_stragglers:
+            self.request(info.rank, f"straggler: {ratio:.2f}x the others' work per step for {steps} steps")
+
+    def closed(self, faults: list, now: float, moved_bytes: int, phases: dict) -> None:
+        """The recovery of these faults has ended its first step: each migration in it is done.
+        Its pause is the time no rank trained: from the last rank parked to the resume."""
+        pause = sum(v for k, v in phases.items() if k not in ("detect", "stop", "status", "first_step"))
+        for f in faults:
+            if f["kind"] != "migrate":
+                continue
+            r = f["ranks"][0]
+            was, info = self.moving.pop(r, {}), self.c.ranks.get(r)
+            self.c.events.emit("migrated", rank=r, old_pid=was.get("old_pid"), new_pid=info.pid if info else None,
+                               old_node=was.get("old_node"), new_node=info.node if info else None,
+                               reason=was.get("reason"), pause_s=round(pause, 4),
+                               request_to_first_step_s=round(now - f["t_detect"], 4), bytes=moved_bytes)
+            log.info("rank %d migrated: pid %s -> %s, training paused %.3f s (%.3f s from the request to the "
+                     "first step after)", r, was.get("old_pid"), info.pid if info else "?", pause, now - f["t_detect"])

@@ -1,0 +1,131 @@
+"""Proactive migration end to end under `mindspeed-ha run`: a live rank's work moves to a spare worker
+between two steps — on request (`mindspeed-ha migrate`) or because it straggles — with no step
+interrupted or recomputed, one new process for that rank, and every loss equal to the fault-free run's
+bit for bit."""
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import PRETRAIN, TINY, all_rank_events, assert_ok, clean_env, events, losses, recomputed, twins_agree
+
+MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
+ITERS = 24
+
+
+def command(log_dir, extra=()):
+    return MINDSPEED_HA + ["run", "--standalone", "--nproc-per-node", "4", PRETRAIN, *TINY, "--train-iters",
+                           str(ITERS), "--enable-worker-reboot", "--ha-log-dir", str(log_dir),
+                           "--ha-verify-replicas-interval", "1", *extra]
+
+
+def run(log_dir, extra=(), inject=None, timeout=300):
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = clean_env({"MINDSPEED_HA_INJECT": inject} if inject else {})
+    return subprocess.run(command(log_dir, extra), env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=str(log_dir))
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ref")
+    assert_ok(run(d))
+    return losses(d)
+
+
+def newest_step(log_dir) -> int:
+    return max((e["iteration"] for e in events(log_dir, "rank_0") if e["event"] == "step"), default=0)
+
+
+# Every rank's steps made slower (the same for all, so nobody straggles): a request lands mid-job.
+PACED = ",".join(f"slow:rank={r}:step=2:factor=4" for r in range(4))
+
+
+def ask(log_dir, rank) -> tuple[int, str]:
+    cli = subprocess.run(MINDSPEED_HA + ["migrate", "--log-dir", str(log_dir), "--rank", str(rank),
+                                         "--reason", "test"], env=clean_env(), capture_output=True, text=True,
+                         timeout=30)
+    return cli.returncode, cli.stdout + cli.stderr
+
+
+def migrate_live(log_dir, ranks, after_step=3, extra=(), deadline_s=180.0):
+    """Start a job, ask for the migration of each of ``ranks`` in turn once it has trained ``after_step``
+    steps (asking again while the answer is that no spare is ready yet, and only while the job
+    has more than 5 steps to go), let it finish. Returns (process result, [(rank, exit code, answer)])."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(command(log_dir, extra), env=clean_env({"MINDSPEED_HA_INJECT": PACED}),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(log_dir))
+    answers = []
+    try:
+        t0 = time.monotonic()
+        while newest_step(log_dir) < after_step and time.monotonic() - t0 < deadline_s and proc.poll() is None:
+            time.sleep(0.05)
+        for rank in ranks:
+            while proc.poll() is None and newest_step(log_dir) < ITERS - 5:
+                rc, text = ask(log_dir, rank)
+                answers.append((rank, rc, text))
+                if rc == 0 or "no spare worker is ready" not in text or "--ha-spares 0" in " ".join(extra):
+                    break
+                time.sleep(0.3)
+        out, err = proc.communicate(timeout=deadline_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), answers
+
+
+def check_migrated(proc, log_dir, ref, rank, reason_has="") -> dict:
+    """Exit 0; exactly one new process for ``rank`` (none for the others); no step recomputed; every
+    loss bit-identical; twins equal after every step; one `migrated` event."""
+    assert_ok(proc)
+    assert losses(log_dir) == ref
+    assert recomputed(log_dir) == []
+    starts = [e for e in all_rank_events(log_dir) if e["event"] == "start"]
+    pids = {r: {e["pid"] for e in starts if e["rank"] == r} for r in range(4)}
+    assert len(pids[rank]) == 2 and all(len(p) == 1 for r, p in pids.items() if r != rank), pids
+    (moved,) = [e for e in events(log_dir, "controller") if e["event"] == "migrated"]
+    assert moved["rank"] == rank and moved["old_pid"] != moved["new_pid"] and moved["new_pid"] in pids[rank]
+    assert reason_has in moved["reason"] and moved["bytes"] > 0 and moved["pause_s"] > 0
+    (rec,) = [e for e in events(log_dir, "controller") if e["event"] == "recovered"]
+    assert rec["strategy"] == "recover" and rec["lost_steps"] == 0
+    twins_agree(log_dir, [rec])
+    # No step was interrupted: every rank parked between two steps (none left a collective).
+    stopped = [e for e in all_rank_events(log_dir) if e["event"] == "exception"]
+    assert not stopped, stopped
+    return moved
+
+
+def test_migrate_on_request(tmp_path, ref):
+    proc, answers = migrate_live(tmp_path, [1])
+    assert answers and answers[-1][1] == 0, answers
+    assert all("no spare worker is ready" in a for _, _, a in answers[:-1]), answers
+    check_migrated(proc, tmp_path, ref, rank=1, reason_has="test")
+
+
+def test_a_straggler_is_found_and_migrated(tmp_path, ref):
+    """Rank 2 turns 4x slower from step 6: its own work per step (not its step time, which every rank
+    shares) gives it away within a few steps, and it moves to a spare by itself."""
+    proc = run(tmp_path, ("--ha-migrate-stragglers", "--ha-straggler-steps", "3"), inject="slow:rank=2:step=6:factor=4")
+    moved = check_migrated(proc, tmp_path, ref, rank=2, reason_has="straggler")
+    (found,) = [e for e in events(tmp_path, "controller") if e["event"] == "straggler"]
+    assert found["rank"] == 2 and found["ratio"] > 2 and 6 <= found["iteration"] <= 6 + 3 + 3, found
+    assert moved["pause_s"] < 30
+
+
+def test_migration_refused_plainly_and_training_goes_on(tmp_path, ref):
+    """Rank 0 hosts the controller; with --ha-spares 0 no spare is ready for rank 2: each request is
+    refused with the reason and what would work, nothing is stopped, the job ends as if unasked."""
+    proc, answers = migrate_live(tmp_path, [0, 2], extra=("--ha-spares", "0"))
+    assert [(r, rc) for r, rc, _ in answers] == [(0, 1), (2, 1)], answers
+    assert "hosts the active controller" in answers[0][2] and "mindspeed-ha controller" in answers[0][2]
+    assert "no spare worker is ready" in answers[1][2] and "--ha-spares" in answers[1][2]
+    assert_ok(proc)
+    assert losses(tmp_path) == ref
+    refused = [e["rank"] for e in events(tmp_path, "controller") if e["event"] == "migrate_refused"]
+    assert refused == [0, 2]
+    assert not [e for e in events(tmp_path, "controller") if e["event"] in ("fault", "migrated")]
+    cli = subprocess.run(MINDSPEED_HA + ["migrate", "--log-dir", str(tmp_path), "--rank", "1"], env=clean_env(),
+                         capture_output=True, text=True, timeout=30)  # the job is over
+    assert cli.returncode == 1 and "no controller answered" in cli.stderr
