@@ -11,8 +11,8 @@
            | slow (from step S on, this process's steps take FACTOR times as long: it sleeps at
              each step's start; ``:factor=F``, default 3 — a straggler for migration drills)
     PHASE  forward (default) | backward | grad-sync | optimizer | param-sync | checkpoint
-           | recovery (when the rank starts serving an in-job recovery of a fault in step S:
-             a fault during recovery)
+           | recovery (when the rank starts serving an in-job recovery of a fault in step S, or
+             parks before step S for a migration: a fault during recovery)
 
 The trainer calls ``fire_point(phase, iteration)`` at each phase of each step. Each fault fires once
 per *job*: before firing, the rank claims ``DIR/inject/<job id>/<hash>.fired`` with an exclusive

@@ -313,6 +313,7 @@ class RankSession:
         if self.processor is not None:
             from mindspeed_ha.comm.interruptible import CollectiveStopped, take_park
             if take_park():  # a planned recovery: wait for it here, between two steps
+                self.fire("recovery", iteration)
                 raise CollectiveStopped(f"parked before iteration {iteration} by the controller")
             self.processor.step_start(iteration)
 

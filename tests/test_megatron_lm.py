@@ -253,6 +253,26 @@ def test_megatron_lm_recover_restarts_only_the_killed_workers(tmp_path, fault_fr
     assert {p.name for p in (tmp_path / "ck").glob("iter_*")} == {"iter_0000004", "iter_0000008", "iter_0000010"}
 
 
+def test_megatron_lm_migrates_a_straggler(tmp_path, fault_free):
+    """Rank 3 turns 4x slower from step 4 of Megatron-LM's own loop: found by its own work per step,
+    it parks with the others between two steps, moves to a spare (which enters the loop where the
+    others are) and training goes on: no step recomputed, every loss the fault-free run's."""
+    proc = _mindspeed_ha_run(tmp_path, "--enable-worker-reboot", "--ha-migrate-stragglers", "--ha-straggler-steps",
+                             "2", "--ha-straggler-ratio", "2", *VERIFY, inject="slow:rank=3:step=4:factor=4")
+    assert_ok(proc)
+    assert losses(tmp_path) == fault_free and recomputed(tmp_path) == []
+    from helpers import events as read_events
+    (moved,) = [e for e in read_events(tmp_path, "controller") if e["event"] == "migrated"]
+    assert moved["rank"] == 3 and "straggler" in moved["reason"]
+    rec = [e for e in read_events(tmp_path, "controller") if e["event"] == "recovered"]
+    twins_agree(tmp_path, rec)
+    pids: dict = {}
+    for e in all_rank_events(tmp_path):
+        if e["event"] == "start":
+            pids.setdefault(e["rank"], []).append(e["pid"])
+    assert {r: len(p) for r, p in pids.items()} == {0: 1, 1: 1, 2: 1, 3: 2}
+
+
 def test_megatron_lm_no_replica_reload_in_process(tmp_path):
     """--distributed-optimizer-no-replica through Megatron-LM's loop. A uce in step 6 (retry): every
     rank reloads Megatron-LM's iteration-3 checkpoint in process, recomputes 4 and 5 inside the

@@ -358,6 +358,12 @@ class Controller:
         if st in (S.NORMAL, S.INIT) and self.ranks and self.table.all_over() and not self.active_faults:
             self._feed(O.FINISHED)
             return
+        if st in (S.PAUSE, S.REPAIR) and self.migrations.outrun():
+            # The job ended its last step as the migration began: nobody parks, there is nothing to move.
+            if self.table.all_over():
+                self.migrations.abandon()
+                self._feed(O.FINISHED)
+            return
         if st == S.PAUSE and self._stopped(now):
             self._feed(O.STOPPED)
             return

@@ -189,8 +189,9 @@ class Inbox:
         self.c.events.emit("inject", target=r, **args)
 
     def migrate(self, ident, msg) -> None:
-        r = self.c.table.check(msg["rank"])
-        why = self.c.migrations.request(r, msg.get("reason") or "requested")
+        r = msg["rank"]
+        why = (self.c.migrations.request(r, msg.get("reason") or "requested") if 0 <= r < self.c.world
+               else f"there is no rank {r} in this job (ranks 0..{self.c.world - 1})")
         if why:
             self.c.router.send(ident, P.encode("refused", reason=why))
             return

@@ -11,6 +11,7 @@ when ``--ha-migrate-stragglers`` is on. The recovery's first step closes it with
 from __future__ import annotations
 
 from ..events import get_logger
+from .ranks import WARM_UP_STEPS
 from .states import State as S
 from .stragglers import StragglerWatch
 
@@ -23,6 +24,7 @@ class Migrations:
         opts = controller.options
         self.watch = StragglerWatch(opts.straggler_ratio, opts.straggler_steps)
         self.moving: dict[int, dict] = {}   # rank -> what it was (pid, node) and why it moves
+        self.settle_until = 0               # no straggler judged up to this iteration (after a recovery)
 
     def refusal(self, r: int) -> str | None:
         """Why rank ``r`` cannot be migrated now (None: it can)."""
@@ -44,8 +46,8 @@ class Migrations:
         if not twins:
             return f"rank {r} has no live twin to take its state from (replica group {info.groups[0]})"
         if r == c.rank:
-            return (f"rank {r} hosts the active controller, which cannot hand itself over yet; run the controller "
-                    "as its own process (mindspeed-ha controller) to migrate every rank")
+            return (f"rank {r} hosts the active controller, which cannot hand itself over to a standby yet; run "
+                    "the controller as its own process (mindspeed-ha controller) to migrate every rank")
         agent = c.table.agent_of(r)
         if agent is None:
             return f"rank {r} has no launcher agent to restart it (start the job with mindspeed-ha run)"
@@ -71,11 +73,27 @@ class Migrations:
                  key=("migrate", r, info.pid))
         return None
 
+    def outrun(self) -> bool:
+        """The episode is only migrations, and a rank has finished training: the request came in the
+        job's last step (a rank parks only before a step it will run, and no rank finishes while
+        another is parked), so the job is ending, not waiting."""
+        c = self.c
+        return (bool(c.active_faults) and all(f["kind"] == "migrate" for f in c.active_faults)
+                and any(i.done for i in c.ranks.values()))
+
+    def abandon(self) -> None:
+        for r, was in sorted(self.moving.items()):
+            self.c.events.emit("migrate_abandoned", rank=r, reason=was.get("reason"),
+                               why="the job ended its last step first")
+            log.info("migration of rank %d abandoned: the job ended its last step first", r)
+        self.moving.clear()
+        self.c.active_faults.clear()
+
     def observe(self, info) -> None:
         """A heartbeat told a rank's own work per step: a straggler is named (and moved, if asked)."""
         c = self.c
-        if c.machine.state != S.NORMAL or c.first_step is not None:
-            return  # (a recovery's first step is slow on every rank: not evidence)
+        if c.machine.state != S.NORMAL or c.first_step is not None or info.it <= self.settle_until:
+            return  # (the first steps after a recovery are slow on every rank: not evidence)
         ratio = self.watch.observe(info, [i for i in c.ranks.values() if i.alive and not i.done])
         if ratio is None:
             return
@@ -91,6 +109,8 @@ class Migrations:
         """The recovery of these faults has ended its first step: each migration in it is done.
         Its pause is the time no rank trained: from the last rank parked to the resume."""
         pause = sum(v for k, v in phases.items() if k not in ("detect", "stop", "status", "first_step"))
+        self.settle_until = self.c.table.newest_iteration() + WARM_UP_STEPS
+        self.watch.slow.clear()
         for f in faults:
             if f["kind"] != "migrate":
                 continue

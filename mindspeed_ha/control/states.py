@@ -55,6 +55,8 @@ TABLE: dict[tuple[State, Outcome], State] = {
     (S.PAUSE, O.TIMEOUT): S.DECIDE,      # a survivor that won't stop is a new fault; decide anyway
     (S.PAUSE, O.FAILED): S.DECIDE,
     (S.PAUSE, O.FAULT): S.PAUSE,         # more faults while stopping: same pause, wider fault set
+    (S.PAUSE, O.FINISHED): S.DONE,       # a migration asked for as the job ended its last step
+    (S.REPAIR, O.FINISHED): S.DONE,
     (S.DECIDE, O.RETRY): S.REPAIR,
     (S.DECIDE, O.RECOVER): S.REPAIR,
     (S.DECIDE, O.DUMP): S.DUMP,
