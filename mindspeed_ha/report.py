@@ -1,7 +1,7 @@
 """``mindspeed-ha report DIR``: every fault of a job and what became of it, from its event logs.
 
 One row per episode (a fault and what followed: the strategy, then ``recovered``, a dying-gasp
-``checkpoint``, a refusal or the exit), and a timeline picture, ``DIR/recovery_timeline.png``:
+``checkpoint``, a refusal or the exit; a migration is an episode whose fault is ``migrate``), and a timeline picture, ``DIR/recovery_timeline.png``:
 training progress (iteration over time) with each episode shaded from the fault to its end and its
 recovery phases drawn as bars. The picture needs matplotlib (``pip install mindspeed-ha[report]``).
 """
@@ -30,6 +30,11 @@ def episodes(log_dir: str) -> list[dict]:
                 cur = {"start": e["time"], "faults": [], "strategy": None, "outcome": "open", "end": None}
                 out.append(cur)
             cur["faults"].append(e)
+        elif kind in ("migrated", "migrate_abandoned") and out:  # (after the episode's end)
+            ep = out[-1]
+            ep["outcome"] = (f"migrated: pid {e['old_pid']} -> {e['new_pid']}, training paused {e['pause_s']:.3f}s"
+                             if kind == "migrated" else "migration abandoned: the job ended first")
+            continue
         elif cur is None:
             continue
         elif kind == "strategy":
