@@ -50,6 +50,8 @@ class HAOptions:
     straggler_ratio: float = 1.3   # a rank whose own step work is this many times the others' median...
     straggler_steps: int = 5       # ...for this many steps in a row is a straggler
     migrate_stragglers: bool = False
+    health_cmd: str | None = None  # run by each launcher agent; a non-zero exit or a named rank: sub-healthy
+    health_interval_s: float = 30.0
     source: str = "flags"          # where the strategies came from: flags | HIGH_AVAILABILITY | MS_ENABLE_TFT
 
     @property
@@ -97,6 +99,12 @@ def add_ha_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Slow for this many steps in a row: a straggler (a 'straggler' event; default 5)")
     g.add_argument("--ha-migrate-stragglers", action="store_true",
                    help="Move a straggler to a spare worker at a step boundary (needs --enable-worker-reboot)")
+    g.add_argument("--ha-health-cmd", default=None,
+                   help="A command each launcher agent runs every --ha-health-interval seconds: a non-zero exit "
+                        "makes the node's ranks sub-healthy, a line 'sub-healthy LOCAL_RANK [why]' one of them "
+                        "(a 'sub_healthy' event; moved to a spare with --ha-migrate-stragglers)")
+    g.add_argument("--ha-health-interval", type=float, default=30.0,
+                   help="Seconds between runs of --ha-health-cmd (default 30)")
     g.add_argument("--no-verify-checkpoint", action="store_true",
                    help="--load reads a checkpoint without checking its files against their checksums "
                         "(for huge checkpoints; settings are still checked)")
@@ -204,7 +212,19 @@ def from_args(args: argparse.Namespace, env: dict | None = None) -> HAOptions:
         key_dir=getattr(args, "ha_key_dir", None), insecure=bool(getattr(args, "ha_insecure", False)),
         heartbeat_s=_seconds(args, "ha_heartbeat_interval", 0.5), hang_timeout_s=_seconds(args, "ha_hang_timeout", 60.0),
         dump_timeout_s=_seconds(args, "ha_dump_timeout", None), spares=spares, source=source,
-        straggler_ratio=float(ratio), straggler_steps=steps, migrate_stragglers=migrate)
+        straggler_ratio=float(ratio), straggler_steps=steps, migrate_stragglers=migrate,
+        health_cmd=getattr(args, "ha_health_cmd", None) or None,
+        health_interval_s=_seconds(args, "ha_health_interval", 30.0))
+
+
+def from_script_args(script_args: list[str], env=None) -> HAOptions | None:
+    """The HA options of a training script's command line (what a launcher agent needs of them);
+    None when they are invalid (the workers report that, with the flag to change)."""
+    ns, _ = add_ha_args(argparse.ArgumentParser(add_help=False)).parse_known_args(script_args)
+    try:
+        return from_args(ns, env)
+    except HAConfigError:
+        return None
 
 
 def check_writable(path: str | None, flag: str) -> None:

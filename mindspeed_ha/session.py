@@ -50,6 +50,8 @@ class RankSession:
         self._tracking = False
         self._t_step = time.perf_counter()  # start of the step in flight
         self.serving = False                # serving a recovery's orders on the training thread
+        self._releases_seen: set = set()     # communicator-release threads a resources report waited for
+        self._settlers: list = []            # the threads that make those reports
         _current = self
 
     # -- optimizer -------------------------------------------------------------------------------
@@ -275,17 +277,24 @@ class RankSession:
         if self.processor is not None:
             self.processor.health = "ok"
             self.processor.report_next_step()
-        threading.Thread(target=self._settled, name="mindspeed-ha-settled", daemon=True).start()
-
-    def _settled(self) -> None:
-        """Once the communicators this recovery replaced are released: what the process holds."""
-        self.events.emit("resources", after="recovery", **self.resources(extra_threads=1))
-
-    def resources(self, extra_threads: int = 0) -> dict:
-        """Open file descriptors and OS threads of this process, once replaced communicators are
-        released: a recovery must leave them as it found them. (``extra_threads``: the caller's own.)"""
         from mindspeed_ha.comm import groups
-        groups.released(timeout=30.0)
+        # This recovery's releases only: one an earlier recovery left for good must not hold up the report.
+        mine = [t for t in groups.releasing() if t not in self._releases_seen]
+        self._releases_seen.update(mine)
+        t = threading.Thread(target=self._settled, args=(mine,), name="mindspeed-ha-settled", daemon=True)
+        self._settlers.append(t)
+        t.start()
+
+    def _settled(self, releasing: list) -> None:
+        """Once the communicators this recovery replaced are released: what the process holds."""
+        self.events.emit("resources", after="recovery", **self.resources(extra_threads=1, releasing=releasing))
+
+    def resources(self, extra_threads: int = 0, releasing: list | None = None) -> dict:
+        """Open file descriptors and OS threads of this process, once replaced communicators
+        (``releasing``: those threads' only) are released: a recovery must leave them as it found
+        them. (``extra_threads``: the caller's own.)"""
+        from mindspeed_ha.comm import groups
+        groups.released(timeout=30.0, threads=releasing)
         out = {}
         for key, path in (("fds", "/proc/self/fd"), ("threads", "/proc/self/task")):
             try:
@@ -375,6 +384,9 @@ class RankSession:
             self.processor.close()
             from mindspeed_ha.trainer import checkpoint
             checkpoint.release_writer()
+        deadline = time.monotonic() + 5.0
+        for t in self._settlers:  # (the last recovery's report, if the job ended right after it)
+            t.join(max(0.0, deadline - time.monotonic()))
         self.events.emit("end", iteration=getattr(self.trainer, "iteration", None), **self.resources())
         self.events.close()
         if _current is self:

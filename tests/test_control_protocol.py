@@ -18,6 +18,7 @@ SAMPLES = {
     "bye": dict(rank=2),
     "agent": dict(node="n", node_rank=0, nnodes=1, pid=5, ranks=[0, 1], pids=[7, 8]),
     "agent_hb": dict(node_rank=0, spares=1),
+    "health": dict(node_rank=0, ranks=[2], detail="health check: ECC"),
     "exit": dict(node_rank=0, rank=1, pid=9, code=0, signal=9, at=2.0, iteration=4, phase="backward"),
     "status?": {},
     "inject": dict(kind="kill", rank=1, step=3, phase="forward"),

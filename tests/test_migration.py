@@ -11,19 +11,19 @@ import pytest
 from helpers import PRETRAIN, TINY, all_rank_events, assert_ok, clean_env, events, losses, recomputed, twins_agree
 
 MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
-ITERS = 24
+ITERS = 30
 
 
-def command(log_dir, extra=()):
-    return MINDSPEED_HA + ["run", "--standalone", "--nproc-per-node", "4", PRETRAIN, *TINY, "--train-iters",
+def command(log_dir, extra=(), nproc=4):
+    return MINDSPEED_HA + ["run", "--standalone", "--nproc-per-node", str(nproc), PRETRAIN, *TINY, "--train-iters",
                            str(ITERS), "--enable-worker-reboot", "--ha-log-dir", str(log_dir),
                            "--ha-verify-replicas-interval", "1", *extra]
 
 
-def run(log_dir, extra=(), inject=None, timeout=300):
+def run(log_dir, extra=(), inject=None, timeout=300, nproc=4):
     log_dir.mkdir(parents=True, exist_ok=True)
     env = clean_env({"MINDSPEED_HA_INJECT": inject} if inject else {})
-    return subprocess.run(command(log_dir, extra), env=env, capture_output=True, text=True, timeout=timeout,
+    return subprocess.run(command(log_dir, extra, nproc), env=env, capture_output=True, text=True, timeout=timeout,
                           cwd=str(log_dir))
 
 
@@ -38,8 +38,9 @@ def newest_step(log_dir) -> int:
     return max((e["iteration"] for e in events(log_dir, "rank_0") if e["event"] == "step"), default=0)
 
 
-# Every rank's steps made slower (the same for all, so nobody straggles): a request lands mid-job.
-PACED = ",".join(f"slow:rank={r}:step=2:factor=4" for r in range(4))
+def paced(nproc=4):
+    """Every rank's steps made slower (the same for all, so nobody straggles): a request lands mid-job."""
+    return ",".join(f"slow:rank={r}:step=2:factor=4" for r in range(nproc))
 
 
 def ask(log_dir, rank) -> tuple[int, str]:
@@ -49,12 +50,12 @@ def ask(log_dir, rank) -> tuple[int, str]:
     return cli.returncode, cli.stdout + cli.stderr
 
 
-def migrate_live(log_dir, ranks, after_step=3, extra=(), deadline_s=180.0, arm=None):
+def migrate_live(log_dir, ranks, after_step=3, extra=(), deadline_s=180.0, arm=None, nproc=4):
     """Start a job, ask for the migration of each of ``ranks`` in turn once it has trained ``after_step``
     steps (asking again while the answer is that no spare is ready yet or the last migration is still
     going on, and only while the job has more than 5 steps to go), let it finish. Returns (process result, [(rank, exit code, answer)])."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(command(log_dir, extra), env=clean_env({"MINDSPEED_HA_INJECT": PACED}),
+    proc = subprocess.Popen(command(log_dir, extra, nproc), env=clean_env({"MINDSPEED_HA_INJECT": paced(nproc)}),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(log_dir))
     answers = []
     try:
@@ -81,14 +82,14 @@ def migrate_live(log_dir, ranks, after_step=3, extra=(), deadline_s=180.0, arm=N
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), answers
 
 
-def check_migrated(proc, log_dir, ref, ranks, reason_has="", recoveries=-1) -> list:
+def check_migrated(proc, log_dir, ref, ranks, reason_has="", recoveries=-1, nproc=4) -> list:
     """Exit 0; exactly one new process for each of ``ranks`` (none for the others); no step recomputed;
     every loss bit-identical; twins equal after every step; every rank parked between two steps."""
     assert_ok(proc)
     assert losses(log_dir) == ref
     assert recomputed(log_dir) == []
     starts = [e for e in all_rank_events(log_dir) if e["event"] == "start"]
-    pids = {r: {e["pid"] for e in starts if e["rank"] == r} for r in range(4)}
+    pids = {r: {e["pid"] for e in starts if e["rank"] == r} for r in range(nproc)}
     assert all(len(p) == (2 if r in ranks else 1) for r, p in pids.items()), pids
     ctl = events(log_dir, "controller")
     moved = [e for e in ctl if e["event"] == "migrated"]
@@ -113,6 +114,21 @@ def test_migrate_on_request(tmp_path, ref):
     assert [m["rank"] for m in moved] == [1, 2]
 
 
+@pytest.fixture(scope="module")
+def ref_tp2(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ref_tp2")
+    assert_ok(run(d, ("--tensor-model-parallel-size", "2"), nproc=8))
+    return losses(d)
+
+
+def test_migrate_a_rank_of_a_tp2_dp4_job(tmp_path, ref_tp2):
+    """8 ranks, TP=2 x DP=4: rank 6 (TP rank 0 of the fourth DP replica; its twin is rank 2) moves."""
+    proc, answers = migrate_live(tmp_path, [6], extra=("--tensor-model-parallel-size", "2"), nproc=8)
+    assert [r for r, rc, _ in answers if rc == 0] == [6], answers
+    (moved,) = check_migrated(proc, tmp_path, ref_tp2, ranks=(6,), reason_has="test", nproc=8)
+    assert moved["rank"] == 6
+
+
 def test_the_migrating_rank_dies_on_the_way(tmp_path, ref):
     """Rank 1 is killed the moment it parks for its migration: its state comes from its twin, as it
     would have anyway (its death is reported as a fault of the recovery when its agent sees it before
@@ -135,6 +151,29 @@ def test_a_straggler_is_found_and_migrated(tmp_path, ref):
     (found,) = [e for e in events(tmp_path, "controller") if e["event"] == "straggler"]
     assert found["rank"] == 2 and found["ratio"] > 2 and 6 <= found["iteration"] <= 6 + 3 + 3, found
     assert moved["pause_s"] < 30
+
+
+def test_the_health_hook_names_a_rank_and_it_moves(tmp_path, ref):
+    """The agent's --ha-health-cmd says local rank 3 is sub-healthy once (a marker file the test drops
+    after step 3 stands for a climbing error count): a `sub_healthy` event, and with
+    --ha-migrate-stragglers the rank moves like a straggler."""
+    marker = tmp_path / "sick"
+    check = f'if [ -f {marker} ]; then rm {marker}; echo "sub-healthy 3 correctable errors climbing"; fi'
+    log_dir = tmp_path / "run"
+    log_dir.mkdir()
+    proc = subprocess.Popen(command(log_dir, ("--ha-migrate-stragglers", "--ha-straggler-ratio", "3",
+                                              "--ha-health-cmd", check, "--ha-health-interval", "0.5")),
+                            env=clean_env({"MINDSPEED_HA_INJECT": paced()}), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=str(log_dir))
+    t0 = time.monotonic()
+    while newest_step(log_dir) < 3 and time.monotonic() - t0 < 120 and proc.poll() is None:
+        time.sleep(0.05)
+    marker.touch()
+    out, err = proc.communicate(timeout=180)
+    (moved,) = check_migrated(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), log_dir, ref,
+                              ranks=(3,), reason_has="correctable errors climbing")
+    (sick,) = [e for e in events(log_dir, "controller") if e["event"] == "sub_healthy"]
+    assert sick["rank"] == 3 and sick["rank_pid"] == moved["old_pid"]
 
 
 def test_migration_refused_plainly_and_training_goes_on(tmp_path, ref):

@@ -381,13 +381,21 @@ _retired: list = []
 _releasing: list = []   # the threads releasing them
 
 
-def released(timeout: float) -> bool:
-    """Wait up to ``timeout`` seconds for every replaced communicator to be gone; True if they are.
-    (A process must not exit while one is half destroyed: its threads would be torn down under it.)"""
+def releasing() -> list:
+    """The threads releasing replaced communicators now (to wait for those of one recovery only)."""
+    return [t for t in _releasing if t.is_alive()]
+
+
+def released(timeout: float, threads: list | None = None) -> bool:
+    """Wait up to ``timeout`` seconds for every replaced communicator (or those ``threads`` release)
+    to be gone; True if they are. (A process must not exit while one is half destroyed: its threads
+    would be torn down under it.) One can stay for good: a collective abandoned by a stop in which
+    two survivors wait for each other (neither's peer is the rank that never joined) holds its
+    communicator until the process ends — a thread and a communicator's sockets, not more."""
     deadline = time.monotonic() + timeout
-    for t in list(_releasing):
+    for t in list(_releasing if threads is None else threads):
         t.join(max(0.0, deadline - time.monotonic()))
-    return not any(t.is_alive() for t in _releasing)
+    return not any(t.is_alive() for t in (_releasing if threads is None else threads))
 
 
 def _release_one() -> None:

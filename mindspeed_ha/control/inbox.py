@@ -25,7 +25,7 @@ class Inbox:
                   "bye": self.bye}
         return {**{t: self._fenced(fn) for t, fn in fenced.items()}, "agent": self.agent,
                 "agent_hb": self.agent_heartbeat, "exit": self.exit, "status?": self.status, "inject": self.inject,
-                "migrate": self.migrate}
+                "migrate": self.migrate, "health": self.health}
 
     def _fenced(self, handle):
         """A rank's message from a process this controller declared lost — a partition that healed, a
@@ -197,3 +197,8 @@ class Inbox:
             return
         self.c.router.send(ident, P.encode("status", body={"ok": True, "rank": r, "action": "migrate",
                                                          "detail": "at the next step boundary"}))
+
+    def health(self, ident, msg) -> None:
+        """An agent's health hook named ranks of its node sub-healthy."""
+        for r in msg["ranks"]:
+            self.c.migrations.sub_healthy(self.c.table.check(r), msg.get("detail") or "health check")

@@ -5,8 +5,9 @@ has a twin to take its state from and a launcher agent with a spare ready) and r
 fault: PAUSE then parks every rank at its next step boundary instead of interrupting the step in
 flight, and the recover playbook replaces the rank like a hung one — its agent ends the old process
 and hands the rank to a spare, which takes the shard, counters and RNG from the twin — with nothing
-to roll back. On request (``mindspeed-ha migrate``) or on evidence: a straggler (stragglers.py)
-when ``--ha-migrate-stragglers`` is on. The recovery's first step closes it with a ``migrated`` event.
+to roll back. On request (``mindspeed-ha migrate``), or on evidence with ``--ha-migrate-stragglers``:
+a straggler (stragglers.py) or a rank the agents' health hook names (launcher/health.py). The
+recovery's first step closes it with a ``migrated`` event.
 """
 from __future__ import annotations
 
@@ -104,6 +105,17 @@ class Migrations:
                     "for %d steps", info.rank, info.node, ratio, steps)
         if c.options.migrate_stragglers:
             self.request(info.rank, f"straggler: {ratio:.2f}x the others' work per step for {steps} steps")
+
+    def sub_healthy(self, r: int, why: str) -> None:
+        """Evidence from outside training (the agents' health hook): weighed like a straggler."""
+        c = self.c
+        info = c.ranks.get(r)
+        if info is None or not info.alive or r in self.moving:
+            return
+        c.events.emit("sub_healthy", rank=r, node=info.node, rank_pid=info.pid, detail=why)
+        log.warning("rank %d (node %s) is sub-healthy: %s", r, info.node, why)
+        if c.options.migrate_stragglers and c.machine.state == S.NORMAL:
+            self.request(r, why)
 
     def closed(self, faults: list, now: float, moved_bytes: int, phases: dict) -> None:
         """The recovery of these faults has ended its first step: each migration in it is done.

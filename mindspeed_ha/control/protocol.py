@@ -109,6 +109,7 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "agent": {"node": (_str, R), "node_rank": (_int, R), "nnodes": (_int, R), "pid": (_int, R),
               "ranks": ("ints", R), "pids": ("ints", R)},
     "agent_hb": {"node_rank": (_int, R), "spares": (_int, O)},
+    "health": {"node_rank": (_int, R), "ranks": ("ints", R), "detail": (_str, O)},
     "exit": {"node_rank": (_int, R), "rank": (_int, R), "pid": (_int, R), "code": (_int, O),
              "signal": (_int, O), "at": (_float, O), "iteration": (_int, O), "phase": (_str, O)},
     # cli -> controller

@@ -25,7 +25,9 @@ from ..control.election import read_controller_json
 from ..control.board import ProgressBoard
 from ..control.link import ControllerLink
 from ..events import EventLog, get_logger, log_dir_from_env, setup_text_log
+from ..options import from_script_args
 from . import spare
+from .health import HealthHook
 
 log = get_logger("launcher.agent")
 
@@ -184,7 +186,9 @@ class Agent:
     def _on_do(self, msg: dict) -> None:
         action, args = msg["action"], msg.get("args", {})
         self.events.emit("order", action=action, args={k: v for k, v in args.items() if k != "diagnosis"})
-        if action == "exit" and self.exit_order is None:
+        if action == "reconnect":  # the active controller handed over
+            self.link.switch(str(args["endpoint"]))
+        elif action == "exit" and self.exit_order is None:
             self.exit_order = args
             self.exit_deadline = time.monotonic() + self.a.exit_grace
         elif action == "restart":
@@ -214,6 +218,8 @@ class Agent:
         # recover: workers started ahead of time that a restart hands a lost rank to (spare.py)
         self.spares = spare.Pool(spare.wanted(self.script_args), self._cmd(), self._env(-1, -1, 0), self.events,
                                  f"agent {a.node_rank}", os.path.join(self.board_dir, "spares"))
+        opts = from_script_args(self.script_args)
+        self.health = HealthHook(opts.health_cmd, opts.health_interval_s) if opts and opts.health_cmd else None
         keys = security.Keys.load(self.log_dir, self.key_dir if not self.insecure else None, self.insecure,
                                   create=(a.node_rank == 0))
         if a.node_rank == 0 and os.environ.get("MINDSPEED_HA_CONTROLLER", "rank0") == "rank0":
@@ -241,6 +247,8 @@ class Agent:
                 except subprocess.TimeoutExpired:
                     pass
             self.spares.close()
+            if self.health is not None:
+                self.health.close()
             self.link.close()
             shutil.rmtree(self.board_dir, ignore_errors=True)
             for s, h in old.items():
@@ -278,6 +286,9 @@ class Agent:
             self._poll_workers()
             if self.exit_order is None and not self._signal:
                 self.spares.maintain(now)
+                for ranks, why in self.health.poll(now, self.workers) if self.health is not None else ():
+                    self.events.emit("health", ranks=ranks, detail=why)
+                    self.link.send(P.encode("health", node_rank=self.a.node_rank, ranks=ranks, detail=why))
             alive = [w for w in self.workers.values() if not w.reported]
             if self._signal:
                 if not alive:

@@ -130,16 +130,11 @@ def assignment(rank: int, local_rank: int, restarts: int) -> bytes:
 def wanted(script_args: list[str], env=os.environ) -> int:
     """How many spares an agent keeps: ``--ha-spares`` when the job's HA options (flags or
     environment) include recover, else 0. MINDSPEED_HA_SPARE_WORKER=0 turns them off."""
-    from mindspeed_ha.options import HAConfigError, add_ha_args, from_args
-    import argparse
+    from mindspeed_ha.options import from_script_args
     if env.get("MINDSPEED_HA_SPARE_WORKER", "1") == "0":
         return 0
-    ns, _ = add_ha_args(argparse.ArgumentParser(add_help=False)).parse_known_args(script_args)
-    try:
-        opts = from_args(ns, env)
-    except HAConfigError:
-        return 0  # the workers report it
-    return opts.spares if "recover" in opts.strategies else 0
+    opts = from_script_args(script_args, env)
+    return opts.spares if opts is not None and "recover" in opts.strategies else 0
 
 
 class Forked:
