@@ -1,4 +1,4 @@
-"""``mindspeed-ha``: run | controller | status | inject | migrate | report."""
+"""``mindspeed-ha``: run | controller | keygen | status | inject | migrate | report."""
 from __future__ import annotations
 
 import argparse
@@ -17,14 +17,31 @@ def _add_security(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ha-key-dir", default=None)
     p.add_argument("--ha-insecure", action="store_true")
     p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--job-store", default=None, metavar="HOST:PORT",
+                   help="find the controller in the job's store (its --master-addr:--master-port) instead of "
+                        "DIR/controller.json: for a node-local log dir on another node")
+
+
+def _controller_record(args, log_dir: str) -> dict | None:
+    from .control.election import read_controller_json
+    if not args.job_store:
+        return read_controller_json(log_dir)
+    from .control.discovery import CONTROLLER_KEY, JobStore
+    host, _, port = args.job_store.rpartition(":")
+    store = JobStore((host, int(port)))
+    try:
+        store.watch(CONTROLLER_KEY)
+        store.refresh(timeout=args.timeout)
+        return store.seen(CONTROLLER_KEY)
+    finally:
+        store.close()
 
 
 def _request(args, data: bytes) -> dict | None:
     """One authenticated request to the active controller; ``None`` if it does not answer."""
     from .control import protocol as P, security
-    from .control.election import read_controller_json
     log_dir = log_dir_from_env(args.log_dir)
-    info = read_controller_json(log_dir)
+    info = _controller_record(args, log_dir)
     if info is None:
         return None
     keys = security.Keys.load(log_dir, args.ha_key_dir, args.ha_insecure, timeout=0.5, job=info.get("job_id"),
@@ -122,13 +139,39 @@ def cmd_controller(args) -> int:
     return run_standalone(log_dir, args.world_size, opts, host=args.host, port=args.port)
 
 
+def cmd_keygen(args) -> int:
+    """Keys for a job whose nodes share no log dir: made once, handed to every node (a Kubernetes
+    Secret, a directory every node mounts) and named with --ha-key-dir."""
+    from .control import security
+    d = os.path.abspath(args.dir)
+    if os.path.exists(os.path.join(d, "client.key_secret")) and not args.force:
+        print(f"{d} already holds keys; --force makes new ones (every node must then get the new ones)", file=sys.stderr)
+        return 1
+    if args.force and os.path.isdir(d):
+        import shutil
+        shutil.rmtree(d)
+    security.create_keys(d)
+    print(f"CurveZMQ keys in {d} (mode 0700, secrets 0600). Give every node this directory and start each with "
+          f"--ha-key-dir {d} (or MINDSPEED_HA_KEY_DIR={d}). Kubernetes: kubectl create secret generic mindspeed-ha-keys "
+          f"--from-file={d} and mount it (defaultMode 0600; its files are flat, so the authorized/ copies are "
+          "rebuilt from the public keys).")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:
+        from .launcher.agent import main as run
+        return run(argv[1:])
     p = argparse.ArgumentParser(prog="mindspeed-ha", description="mindspeed-ha: training fault tolerance")
     sub = p.add_subparsers(dest="cmd", required=True)
     from .control.protocol import INJECT_KINDS, INJECT_PHASES
-    from .launcher.agent import build_parser
-    build_parser(sub.add_parser("run", help="launch workers on this node (torchrun's flags)"))
+    # (torchrun's parser needs torch: built only for a run; `mindspeed-ha run --help` shows it)
+    sub.add_parser("run", help="launch workers on this node (torchrun's flags; mindspeed-ha run --help)",
+                   add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
+    k = sub.add_parser("keygen", help="make CurveZMQ keys once for a job of several nodes")
+    k.add_argument("dir")
+    k.add_argument("--force", action="store_true", help="replace keys already there")
     c = sub.add_parser("controller", help="run the controller as a standalone process")
     _add_security(c)
     c.add_argument("--world-size", type=int, required=True)
@@ -158,10 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "report":
         from .report import main as report
         return report(args.log_dir, picture=not args.no_picture, as_json=args.json)
-    if args.cmd == "run":
-        from .launcher.agent import Agent
-        return Agent(args).run()
-    return {"controller": cmd_controller, "status": cmd_status, "inject": cmd_inject,
+    return {"controller": cmd_controller, "status": cmd_status, "inject": cmd_inject, "keygen": cmd_keygen,
             "migrate": cmd_migrate}[args.cmd](args)
 
 

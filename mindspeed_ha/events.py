@@ -32,6 +32,7 @@ class EventLog:
         self.rank = rank
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._lock = threading.Lock()
+        self.listeners: list = []   # called with every record emitted (the controller's metrics)
 
     @classmethod
     def for_rank(cls, log_dir: str, rank: int) -> "EventLog":
@@ -45,6 +46,8 @@ class EventLog:
         line = (json.dumps(record, default=str) + "\n").encode()
         with self._lock:
             os.write(self._fd, line)  # O_APPEND: one write, one whole line, even across processes
+        for listener in self.listeners:
+            listener(record)
         return record
 
     def close(self) -> None:

@@ -8,6 +8,10 @@ when its memory fault could otherwise be repaired in place.
 """
 from __future__ import annotations
 
+# The exit code of a rank that ends itself because its device context is poisoned: its agent
+# reports the exit, and recover replaces the process (its twin holds its shard).
+from .exitcodes import PROCESS_FATAL as PROCESS_FATAL_EXIT  # noqa: F401
+
 
 class MemoryFault(RuntimeError):
     """Hardware memory corruption (UCE). Messages carry the "UCE ERROR" marker as torch_npu's do."""
@@ -76,11 +80,6 @@ def classify(exc: BaseException) -> str:
 def fault_kind(exc: BaseException) -> str:
     """The fault's kind as the controller names it: memory-error, comm-failure or other."""
     return {"memory": "memory-error", "comm": "comm-failure"}.get(classify(exc), "other")
-
-
-# The exit code of a rank that ends itself because its device context is poisoned: its agent
-# reports the exit, and recover replaces the process (its twin holds its shard).
-PROCESS_FATAL_EXIT = 75
 
 
 def process_fatal(exc: BaseException) -> bool:

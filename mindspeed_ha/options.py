@@ -52,6 +52,10 @@ class HAOptions:
     migrate_stragglers: bool = False
     health_cmd: str | None = None  # run by each launcher agent; a non-zero exit or a named rank: sub-healthy
     health_interval_s: float = 30.0
+    register_timeout_s: float = 300.0  # every node and rank must have come up by then
+    term_grace_s: float = 60.0     # preemption: the dying gasp must be written within this
+    max_restarts: int = 5          # recover: restarts per rank, and replacements per node
+    metrics_port: int | None = None  # the active controller serves Prometheus metrics here
     source: str = "flags"          # where the strategies came from: flags | HIGH_AVAILABILITY | MS_ENABLE_TFT
 
     @property
@@ -108,6 +112,17 @@ def add_ha_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-verify-checkpoint", action="store_true",
                    help="--load reads a checkpoint without checking its files against their checksums "
                         "(for huge checkpoints; settings are still checked)")
+    g.add_argument("--ha-register-timeout", type=float, default=300.0,
+                   help="Seconds every node's agent and every rank have to come up; then the job ends with "
+                        "a diagnosis naming the missing ones (default 300)")
+    g.add_argument("--ha-term-grace", type=float, default=60.0,
+                   help="Preemption (SIGTERM, or a signal of mindspeed-ha run's --signals-to-handle): seconds "
+                        "the dying-gasp checkpoint may take before every process is killed (default 60)")
+    g.add_argument("--ha-max-restarts", type=int, default=5,
+                   help="recover: restarts of one rank, and replacements of one node, before the next strategy "
+                        "(the dump) takes over and the job ends with exit code 3, do not restart (default 5)")
+    g.add_argument("--ha-metrics-port", type=int, default=None,
+                   help="The active controller serves Prometheus metrics on http://HOST:PORT/metrics")
     g.add_argument("--ha-dump-timeout", type=float, default=None,
                    help="Seconds the dump may take (default: 120, more for a large state; extended while "
                         "the writers make progress)")
@@ -190,6 +205,13 @@ def from_args(args: argparse.Namespace, env: dict | None = None) -> HAOptions:
     if spares < 0:
         raise HAConfigError(f"--ha-spares {spares}: use 0 (no spare: a restart starts a fresh process) or a "
                             "positive N (default 1)")
+    max_restarts = int(getattr(args, "ha_max_restarts", 5))
+    if max_restarts < 0:
+        raise HAConfigError(f"--ha-max-restarts {max_restarts}: use 0 (never restart a worker) or a positive N "
+                            "(default 5)")
+    metrics_port = getattr(args, "ha_metrics_port", None)
+    if metrics_port is not None and not 0 < int(metrics_port) < 65536:
+        raise HAConfigError(f"--ha-metrics-port {metrics_port}: give a TCP port between 1 and 65535, e.g. 9400")
     if interval < 0:
         raise HAConfigError(f"--ha-verify-replicas-interval {interval}: use 0 (off) or a positive N")
     ratio, steps = getattr(args, "ha_straggler_ratio", 1.3), int(getattr(args, "ha_straggler_steps", 5))
@@ -214,7 +236,10 @@ def from_args(args: argparse.Namespace, env: dict | None = None) -> HAOptions:
         dump_timeout_s=_seconds(args, "ha_dump_timeout", None), spares=spares, source=source,
         straggler_ratio=float(ratio), straggler_steps=steps, migrate_stragglers=migrate,
         health_cmd=getattr(args, "ha_health_cmd", None) or None,
-        health_interval_s=_seconds(args, "ha_health_interval", 30.0))
+        health_interval_s=_seconds(args, "ha_health_interval", 30.0),
+        register_timeout_s=_seconds(args, "ha_register_timeout", 300.0),
+        term_grace_s=_seconds(args, "ha_term_grace", 60.0), max_restarts=max_restarts,
+        metrics_port=None if metrics_port is None else int(metrics_port))
 
 
 def from_script_args(script_args: list[str], env=None) -> HAOptions | None:

@@ -52,6 +52,8 @@ class RankSession:
         self.serving = False                # serving a recovery's orders on the training thread
         self._releases_seen: set = set()     # communicator-release threads a resources report waited for
         self._settlers: list = []            # the threads that make those reports
+        self._stopped_at = 0.0               # when this rank last left training for a recovery
+        self._recovered: tuple | None = None  # (stopped at, lost steps) until the first step after it
         _current = self
 
     # -- optimizer -------------------------------------------------------------------------------
@@ -179,6 +181,7 @@ class RankSession:
         ``until="rebuild"``: return once the groups exist (a loop that builds its own trainer, then
         calls this again to serve the rest)."""
         self.trainer, self.joining = trainer, True
+        self._stopped_at = time.monotonic()
         if self.processor is None:
             self.start_processor()
             log.info("rank %d: restarted worker, waiting for the controller to bring it into the job", self.rank)
@@ -210,6 +213,7 @@ class RankSession:
         Returns False if the controller goes silent."""
         if self.processor is None:
             return False
+        self._stopped_at = time.monotonic()
         from mindspeed_ha.comm.interruptible import CollectiveStopped
         from mindspeed_ha.faults import PROCESS_FATAL_EXIT, fault_kind, process_fatal
         from mindspeed_ha.process import exit_now
@@ -270,10 +274,11 @@ class RankSession:
             if out is not None:
                 return out
 
-    def resumed(self) -> None:
+    def resumed(self, lost_steps: int = 0) -> None:
         """Training goes on after an in-place recovery: heartbeat as soon as the next step ends (the
         controller's MTTR ends there), and say then what the process holds."""
         self.phase = "step"
+        self._recovered = (self._stopped_at, lost_steps)
         if self.processor is not None:
             self.processor.health = "ok"
             self.processor.report_next_step()
@@ -348,6 +353,11 @@ class RankSession:
             self.events.emit("step", **fields)
         if self.processor is not None:
             self.processor.step_end(iteration, loss)
+        if self._recovered is not None and self.trainer is not None and not self.serving:
+            stopped_at, lost = self._recovered
+            self._recovered = None
+            if stopped_at:
+                self.trainer.log_recovery(iteration, time.monotonic() - stopped_at, lost)
         n = self.options.verify_replicas_interval
         # Not when a recovery rolls a step forward: the check is a world collective, and ranks whose
         # own end of that step was interrupted do not run it again. The next one compares the twins.
@@ -371,6 +381,8 @@ class RankSession:
         return fields
 
     def saved(self, iteration: int, path: str, seconds: float) -> None:
+        if self.processor is not None:
+            self.processor.checkpoint = int(iteration)
         self.events.emit("checkpoint", kind="periodic", iteration=iteration, path=os.path.abspath(path), seconds=seconds)
         log.info("saved iteration %d to %s in %.2f s", iteration, path, seconds)
 

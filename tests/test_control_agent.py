@@ -99,7 +99,9 @@ def test_hang_detected(tmp_path):
 def test_two_nodes_on_loopback(tmp_path):
     port = str(_free_port())
     common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
-    env = {"MINDSPEED_HA_JOB_ID": ""}
+    keys = tmp_path / "keys"
+    subprocess.run([sys.executable, "-m", "mindspeed_ha.cli", "keygen", str(keys)], check=True, capture_output=True)
+    env = {"MINDSPEED_HA_JOB_ID": "", "MINDSPEED_HA_KEY_DIR": str(keys)}
     p0 = launch(tmp_path, "--steps", "400", "--fault", "kill:rank=3:step=3:phase=grad-sync", nproc=2,
                 agent_args=common + ["--node-rank", "0"], env=env)
     p1 = launch(tmp_path, "--steps", "400", "--fault", "kill:rank=3:step=3:phase=grad-sync", nproc=2,

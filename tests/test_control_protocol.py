@@ -12,10 +12,11 @@ from mindspeed_ha.options import HAOptions
 
 SAMPLES = {
     "register": dict(rank=1, world=4, node="n0", pid=12, local_rank=1, groups=[[1, 3]], host="h", iteration=-1),
-    "hb": dict(rank=1, it=5, upd=False, health="ok", phase="forward", progress=1.5, steps=4, busy=0.05),
+    "hb": dict(rank=1, it=5, upd=False, health="ok", phase="forward", progress=1.5, steps=4, busy=0.05, ckpt=4),
     "fault": dict(rank=1, kind="memory-error", iteration=3, phase="optimizer", detail="x", at=1.0),
     "result": dict(rank=1, action="stop", id=3, ok=True, data={"iteration": 3, "replica_group": [1, 3]}),
     "bye": dict(rank=2),
+    "preempt": dict(signal=15, rank=2, pid=7),
     "agent": dict(node="n", node_rank=0, nnodes=1, pid=5, ranks=[0, 1], pids=[7, 8]),
     "agent_hb": dict(node_rank=0, spares=1),
     "health": dict(node_rank=0, ranks=[2], detail="health check: ECC"),

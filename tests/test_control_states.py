@@ -105,6 +105,12 @@ def test_quorum_is_strict_majority():
     assert not has_quorum(1, 2) and has_quorum(2, 3) and not has_quorum(0, 0)
 
 
+def test_exact_half_takes_over_only_without_the_controllers_rank():
+    from mindspeed_ha.control.election import may_take_over
+    assert may_take_over(3, 4, True) and may_take_over(2, 4, False)   # two nodes, the controller's lost
+    assert not may_take_over(2, 4, True) and not may_take_over(1, 4, False) and not may_take_over(2, 5, False)
+
+
 def test_standby_takes_over_only_with_a_majority(tmp_path, monkeypatch):
     monkeypatch.setenv("MINDSPEED_HA_DEAD_AFTER", "0.6")
     d = str(tmp_path)

@@ -237,7 +237,9 @@ def test_node_lost_replacement_agent_joins(tmp_path, ref):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = clean_env({"MINDSPEED_HA_INJECT": "hang:rank=3:step=4:phase=forward"})
+    keys = tmp_path / "keys"
+    subprocess.run(MINDSPEED_HA + ["keygen", str(keys)], check=True, capture_output=True)
+    env = clean_env({"MINDSPEED_HA_INJECT": "hang:rank=3:step=4:phase=forward", "MINDSPEED_HA_KEY_DIR": str(keys)})
 
     def agent(node_rank: int, tag: str) -> subprocess.Popen:
         out = open(tmp_path / f"agent{tag}.out", "w")
@@ -254,7 +256,6 @@ def test_node_lost_replacement_agent_joins(tmp_path, ref):
             time.sleep(0.2)
 
     node0 = agent(0, "0")
-    wait_for(lambda: (tmp_path / "keys").exists(), "node 0's keys")
     node1 = agent(1, "1")
     workers = {}
     try:

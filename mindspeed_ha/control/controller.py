@@ -19,9 +19,11 @@ import sys
 import threading
 import time
 
+from .. import exitcodes
 from ..events import EventLog, get_logger
 from ..options import HAOptions
-from . import election, playbooks, protocol as P, security
+from . import discovery, election, playbooks, protocol as P, security
+from .budget import RestartBudget
 from .diagnosis import diagnosis
 from .inbox import Inbox
 from .migration import Migrations
@@ -97,7 +99,8 @@ class Controller:
     def __init__(self, log_dir: str, world_size: int, options: HAOptions | None = None,
                  keys: security.Keys | None = None, host: str | None = None, port: int = 0,
                  rank: int | None = None, standby: bool = False, epoch: int = 1,
-                 job_id: str | None = None, local_exit=None, write_json: bool = True):
+                 job_id: str | None = None, local_exit=None, write_json: bool = True, job_store=None,
+                 previous: int | None = None):
         self.log_dir, self.world = log_dir, int(world_size)
         self.options = options or HAOptions(strategies=frozenset({"dump"}), log_dir=log_dir)
         self.job_id = job_id or os.environ.get("MINDSPEED_HA_JOB_ID")
@@ -105,8 +108,10 @@ class Controller:
                                                                      self.options.insecure, job=self.job_id)
         self.host = host or _host_addr()
         self.rank, self.standby, self.epoch = rank, standby, epoch
+        self.previous = previous              # a standby: the rank hosting the controller it backs up
         self.local_exit = local_exit          # how the host rank exits (never through the socket)
         self.write_json = write_json
+        self.job_store = job_store            # discovery.JobStore: announcements reach every node there
         self.hb = float(self.options.heartbeat_s)
         dead_after = float(os.environ.get("MINDSPEED_HA_DEAD_AFTER", 0) or 0) or None
         self.table = RankTable(self.world, self.hb, self.options.hang_timeout_s, dead_after)
@@ -119,6 +124,8 @@ class Controller:
         self.strategy_note = ""
         self.last_diagnosis = ""
         self.restarting: set[int] = set()     # ranks restarted by their agent, not registered again yet
+        self.budget = RestartBudget(self.options.max_restarts)
+        self.started_at = time.monotonic()
         self.generation = 0                   # of the rebuild store's key space; one per rebuild or dump
         self.pending: dict[int, dict] = {}    # order id -> {action, ranks waiting, results, cli ident, frame}
         self.answered: dict[int, dict] = {}   # order id -> results, once no one is waiting any more
@@ -135,6 +142,7 @@ class Controller:
         self.done = threading.Event()
         self._thread: threading.Thread | None = None
         self.events = EventLog(log_dir, "controller")
+        self.metrics = None
         self.machine = Machine(self._on_transition)
         self.playbook_port = _Port(self)  # what the playbooks see of this controller
         self.router = Router(self.keys, self.host, port)
@@ -158,6 +166,7 @@ class Controller:
     def start(self) -> "Controller":
         if not self.standby:
             self._announce()
+            self._serve_metrics()
         self._thread = threading.Thread(target=self._run, name="mindspeed-ha-controller", daemon=True)
         self._thread.start()
         return self
@@ -166,6 +175,24 @@ class Controller:
         self._stop.set()
         if self._thread and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+
+    def _serve_metrics(self) -> None:
+        """--ha-metrics-port: the active controller (a standby from its takeover) serves /metrics."""
+        port = self.options.metrics_port
+        if not port or self.metrics is not None:
+            return
+        from .metrics import Metrics
+        try:
+            self.metrics = Metrics(self.host, port, self.world)
+        except OSError as e:  # metrics are for people: a taken port must not take the job down
+            log.error("--ha-metrics-port %d on %s: cannot serve metrics (%s)", port, self.host, e)
+            self.events.emit("metrics_failed", port=port, host=self.host, error=str(e))
+            return
+        self.metrics.set_state(self.machine.state.value)
+        self.events.listeners.append(self.metrics.on_event)
 
     def _announce(self, quiet: bool = False) -> None:
         info = {"host": self.host, "port": self.port_number, "endpoint": self.endpoint,
@@ -175,6 +202,8 @@ class Controller:
                 "backups": self.standbys.endpoints()}
         if self.write_json:
             election.write_controller_json(self.log_dir, info)
+        if self.job_store is not None:  # where nodes without this log dir find us
+            self.job_store.publish(discovery.CONTROLLER_KEY, info, epoch=self.epoch)
         if not quiet:
             log.info("controller (epoch %d) listening on %s, world %d, %s", self.epoch, self.endpoint,
                      self.world, "CurveZMQ" if self.keys.secure else "INSECURE")
@@ -272,11 +301,14 @@ class Controller:
             self.local_exit(1)
         # A node lost with its agent: its replacement (mindspeed-ha run with the same --node-rank)
         # starts its workers as joiners by itself.
-        by_agent = sorted(r for a in self.table.live_agents(time.monotonic()) for r in a.ranks if r in ranks)
+        live_agents = self.table.live_agents(time.monotonic())
+        by_agent = sorted(r for a in live_agents for r in a.ranks if r in ranks)
+        awaiting = sorted(set(ranks) - set(by_agent))
         self.restarting = set(ranks)
+        self.budget.count(by_agent, [a.node_rank for a in self.agents.values() if set(a.ranks) & set(awaiting)])
         if by_agent:
             self._to_agents("restart", {"ranks": by_agent})
-        return by_agent, sorted(set(ranks) - set(by_agent)), []
+        return by_agent, awaiting, []
 
     def _to_agents(self, action: str, args: dict) -> None:
         data = P.encode("do", action=action, id=0, args=args, epoch=self.epoch)
@@ -315,6 +347,9 @@ class Controller:
             self._feed(O.FAULT)
 
     def _scan(self, now: float) -> None:
+        if self.metrics is not None:
+            self.metrics.seen(len(self.table.live()), self.table.newest_iteration(),
+                              max([i.checkpoint for i in self.ranks.values()] or [-1]))
         if self.machine.state in (S.INIT, S.EXIT, S.DONE):
             return
         for d in self.table.scan(now, training=self.machine.state == S.NORMAL):
@@ -380,10 +415,32 @@ class Controller:
             if not others or now - self.machine.entered > TIMEOUTS[S.EXIT] - 1:
                 self._finish_exit()
                 return
+        if st == S.INIT and now - self.started_at > self.options.register_timeout_s:
+            self._not_registered()
+            return
         limit = self._limit(st, now)
         if st != S.INIT and self.machine.overdue(limit):
             log.error("state %s ran past its %.1fs time limit", st.value, limit)
             self._feed(O.TIMEOUT)
+
+    def _not_registered(self) -> None:
+        """INIT past --ha-register-timeout: the job cannot start whole; name who is missing."""
+        missing = [r for r in range(self.world) if r not in self.ranks]
+        nodes = sorted({a.node for a in self.agents.values() if set(a.ranks) & set(missing)})
+        orphans = [r for r in missing if self.table.agent_of(r) is None]
+        where = (f"; node(s) {', '.join(nodes)} run their agents, so those workers hang or fail in their set-up"
+                 if nodes else "") + (f"; no agent registered for rank(s) {orphans}" if orphans and self.agents else "")
+        detail = (f"rank(s) {missing} did not register within --ha-register-timeout "
+                  f"{self.options.register_timeout_s:g} s{where}")
+        self.strategy_note = "none: the job never started whole"
+        rec = {"ranks": missing, "kind": "not-registered", "iteration": -1, "phase": "startup", "detect_s": 0.0,
+               "detail": detail, "time": time.time(), "nodes": nodes or ["?"], "t_detect": time.monotonic(),
+               "cpu_detect": time.thread_time()}
+        self.faults.append(rec)
+        self.active_faults.append(rec)
+        self.events.emit("fault", **{k: v for k, v in rec.items() if k not in ("time", "t_detect", "cpu_detect")})
+        log.error("%s", detail)
+        self._feed(O.TIMEOUT)
 
     def _limit(self, st, now: float) -> float | None:
         """A state's time limit. The dump's is --ha-dump-timeout, or grows with the state to write
@@ -393,6 +450,8 @@ class Controller:
             return max(base, self.table.dead_after + 2.0)
         if st != S.DUMP or self.episode is None:
             return base
+        if any(f["kind"] == "preempted" for f in self.episode.faults):
+            return self.options.term_grace_s  # the scheduler kills the job after its grace: no extension
         base = self.options.dump_timeout_s or max(base, 30.0 + self.episode.state_bytes / 50e6)
         writers = [self.ranks[r] for r in self.episode.statuses if r in self.ranks and self.ranks[r].alive]
         moving = writers and now - max(i.progress_at for i in writers) < 30.0
@@ -441,13 +500,27 @@ class Controller:
 
     def _decide(self):
         kinds = {f["kind"] for f in self.active_faults}
-        outcome, why = choose_strategy(self.options.ordered_strategies(), kinds, BUILT)
+        ordered = self.options.ordered_strategies()
+        refusal = self._budget_refusal() if "recover" in ordered else None
+        if refusal:
+            ordered = [s for s in ordered if s != "recover"]
+            self.budget.spent = True
+        outcome, why = choose_strategy(ordered, kinds, BUILT)
+        if refusal:
+            why = f"recover not tried: {refusal}; {why}"
         self.strategy_note = why
         self.events.emit("strategy", outcome=outcome.value, reason=why)
         log.info("strategy for %s: %s (%s)", sorted(kinds), outcome.value, why)
         self.playbook = {O.RETRY: playbooks.RETRY, O.RECOVER: playbooks.RECOVER}.get(outcome)
         self.chosen = outcome
         return outcome
+
+    def _budget_refusal(self) -> str | None:
+        now = time.monotonic()
+        lost = {r: self.ranks[r].steps for r in self.table.lost() if r in self.ranks}
+        gone = {a.node_rank for a in self.agents.values()
+                if set(a.ranks) & set(lost) and a not in self.table.live_agents(now)}
+        return self.budget.refusal(lost, gone)
 
     def _play(self):
         """REPAIR, ROLLBACK, DUMP: the playbook's rounds for this state (a new episode on REPAIR and
@@ -470,11 +543,15 @@ class Controller:
         return None if out is None else self._outcome(out)
 
     def _tell_exit(self):
-        self.exit_code = 1 if self.faults else 0
         faults = self.active_faults or self.faults
+        kinds = {f["kind"] for f in faults}
+        self.exit_code = (exitcodes.PREEMPTED if "preempted" in kinds else
+                          exitcodes.NOT_REGISTERED if "not-registered" in kinds else
+                          exitcodes.DO_NOT_RESTART if self.budget.spent else
+                          exitcodes.FAULT if self.faults else exitcodes.OK)
         dump = self.episode.result if self.episode is not None and self.playbook is playbooks.DUMP else None
         text = self.last_diagnosis = diagnosis(faults, len(self.table.live()), self.strategy_note, dump,
-                                               self.log_dir)
+                                               self.log_dir, self.exit_code)
         self.events.emit("diagnosis", text=text, exit_code=self.exit_code)
         log.error(text)
         args = {"code": self.exit_code, "diagnosis": text}
@@ -498,7 +575,8 @@ class Controller:
             return
         lost, new = self.standbys.renew(self.ranks, self.rank)
         if new:
-            self.order("standby", new, {"world": self.world, "epoch": self.epoch})
+            self.order("standby", new, {"world": self.world, "epoch": self.epoch,
+                                        "controller": -1 if self.rank is None else self.rank})
         if lost:
             self._refresh_ack()
             self._announce(quiet=True)
@@ -509,7 +587,8 @@ class Controller:
         reachable = {r for r, i in self.ranks.items() if now - i.seen < window and i.alive}
         if self.rank is not None:
             reachable.add(self.rank)
-        if not election.has_quorum(len(reachable), self.world):
+        known_lost = self.previous is not None and self.previous >= 0 and self.previous not in reachable
+        if not election.may_take_over(len(reachable), self.world, not known_lost):
             return
         self.standby = False
         self.epoch += 1
@@ -519,6 +598,7 @@ class Controller:
             if r not in self.ranks:
                 self.ranks[r] = Rank(rank=r, ident=b"", seen=now, progress_at=now)
         self._announce()
+        self._serve_metrics()
         self.events.emit("takeover", rank=self.rank, epoch=self.epoch, reachable=len(reachable))
         log.warning("controller takeover by rank %s (epoch %d): %d of %d ranks reachable",
                     self.rank, self.epoch, len(reachable), self.world)
@@ -549,12 +629,16 @@ def run_standalone(log_dir: str, world_size: int, options: HAOptions, host: str 
     """``mindspeed-ha controller``: make the keys if needed, serve until the job is over."""
     keys = security.Keys.load(log_dir, options.key_dir, options.insecure, create=True,
                               job=os.environ.get("MINDSPEED_HA_JOB_ID"))
-    c = Controller(log_dir, world_size, options, keys, host=host, port=port).start()
+    store = discovery.JobStore.from_env()
+    c = Controller(log_dir, world_size, options, keys, host=host, port=port, job_store=store).start()
     try:
         while not c.done.wait(0.5):
             pass
     except KeyboardInterrupt:
         c.close()
+    finally:
+        if store is not None:
+            store.close()
     if c.exit_code:
         print(c.last_diagnosis or diagnosis(c.faults, len(c.table.live()), c.strategy_note, None, log_dir),
               file=sys.stderr)

@@ -4,7 +4,8 @@ Two ranks stand by (on nodes other than the controller's, and other than each ot
 are). A standby binds its own socket at once but answers ``ack(standby=True)`` until more than half
 of the world's ranks talk to it: processors only come to a standby after losing the active
 controller, so a majority there means the active one is gone for most of the job, and two standbys
-can never both hold a majority (no split brain). Clients walk the candidates in one fixed order, so
+can never both hold a majority (no split brain; an exact half counts when the controller's own
+rank is not in it, see ``may_take_over``). Clients walk the candidates in one fixed order, so
 they gather at the same standby.
 """
 from __future__ import annotations
@@ -35,6 +36,14 @@ def has_quorum(reachable: int, world: int) -> bool:
     return world > 0 and 2 * reachable > world
 
 
+def may_take_over(reachable: int, world: int, controller_reachable: bool) -> bool:
+    """A standby takes over with a quorum, or with exactly half of the world when the controller's
+    own rank is not among them: a job of two nodes that loses the controller's node keeps half its
+    ranks. (Split exactly in half by a partition, both halves could then have a controller; the
+    epochs fence the older one once it heals.)"""
+    return has_quorum(reachable, world) or (world > 0 and 2 * reachable == world and not controller_reachable)
+
+
 def read_controller_json(log_dir: str, job_id: str | None = None) -> dict | None:
     path = os.path.join(log_dir, "controller.json")
     try:
@@ -59,28 +68,39 @@ def write_controller_json(log_dir: str, info: dict) -> None:
 
 
 class Candidates:
-    """Where a client that lost its controller looks next: the newest controller.json, then the
+    """Where a client that lost its controller looks next: the newest announcement (the job store's
+    record or controller.json, whichever has the newer epoch; else MS_TFT_IP/MS_TFT_PORT), then the
     standbys in the order the controller announced them, then the old controller. A candidate that
     answers as standby is kept for ``standby_wait`` (it may be gathering a quorum), one that does not
     answer at all for ``answer_wait``."""
 
-    def __init__(self, log_dir: str, job_id: str | None, answer_wait: float = 1.0, standby_wait: float = 4.0):
-        self.log_dir, self.job_id = log_dir, job_id
+    def __init__(self, log_dir: str, job_id: str | None, answer_wait: float = 1.0, standby_wait: float = 4.0,
+                 store=None):
+        self.log_dir, self.job_id, self.store = log_dir, job_id, store
         self.answer_wait, self.standby_wait = answer_wait, standby_wait
         self.backups: list[str] = []
         self.current: str | None = None
         self.epoch = 0
         self._tried: list[str] = []
 
-    def from_file(self) -> tuple[str, int, list] | None:
-        info = read_controller_json(self.log_dir, self.job_id)
-        if info:
-            return info["endpoint"], int(info.get("epoch", 1)), list(info.get("backups") or [])
-        return None
+    def announced(self) -> tuple[str, int, list] | None:
+        """(endpoint, epoch, standbys) of the newest announcement this process can see."""
+        from .discovery import CONTROLLER_KEY, external_controller
+        found = [read_controller_json(self.log_dir, self.job_id)]
+        if self.store is not None:
+            rec = self.store.seen(CONTROLLER_KEY)
+            if rec and "endpoint" in rec and (not self.job_id or rec.get("job_id") in (None, self.job_id)):
+                found.append(rec)
+        found = [f for f in found if f]
+        if not found:
+            ext = external_controller()
+            return (ext, 1, []) if ext else None
+        info = max(found, key=lambda f: int(f.get("epoch", 1)))
+        return info["endpoint"], int(info.get("epoch", 1)), list(info.get("backups") or [])
 
     def next(self, lost: str | None) -> str | None:
         """The next endpoint to try after ``lost`` stopped answering."""
-        f = self.from_file()
+        f = self.announced()
         if f and f[1] > self.epoch and f[0] != lost:
             return f[0]
         order = [e for e in (self.backups or (f[2] if f else [])) if e != lost]

@@ -25,7 +25,7 @@ class Inbox:
                   "bye": self.bye}
         return {**{t: self._fenced(fn) for t, fn in fenced.items()}, "agent": self.agent,
                 "agent_hb": self.agent_heartbeat, "exit": self.exit, "status?": self.status, "inject": self.inject,
-                "migrate": self.migrate, "health": self.health}
+                "migrate": self.migrate, "health": self.health, "preempt": self.preempt}
 
     def _fenced(self, handle):
         """A rank's message from a process this controller declared lost — a partition that healed, a
@@ -129,9 +129,23 @@ class Inbox:
             self.c.ranks[r].seen = time.monotonic()
 
     def agent(self, ident, msg) -> None:
-        self.c.agents[msg["node_rank"]] = Agent(msg["node_rank"], ident, msg["node"], list(msg["ranks"]),
-                                              list(msg["pids"]), seen=time.monotonic())
+        n = msg["node_rank"]
+        old = self.c.agents.get(n)
+        self.c.agents[n] = Agent(n, ident, msg["node"], list(msg["ranks"]), list(msg["pids"]), seen=time.monotonic(),
+                                 pid=msg["pid"])
         self.c.router.send(ident, self.c._ack)
+        if old is not None and old.pid and old.pid != msg["pid"]:
+            # A new agent for this node: the scheduler replaced it, so the old node and its workers are gone.
+            gone = sorted(r for r in old.ranks if r in self.c.table.live())
+            if gone:
+                info = self.c.ranks[gone[0]]
+                self.c._fault(gone, "node-lost", info.it, info.phase,
+                              detail=f"node {n} came back as a new agent (pid {old.pid} -> {msg['pid']})",
+                              key=("node-replaced", n, msg["pid"]))
+        # Ranks of this node that the recovery under way waits for: this agent starts them.
+        due = sorted(r for r, pid in zip(msg["ranks"], msg["pids"]) if not pid and r in self.c.restarting)
+        if due:
+            self.c.router.send(ident, P.encode("do", action="restart", id=0, args={"ranks": due}, epoch=self.c.epoch))
 
     def agent_heartbeat(self, ident, msg) -> None:
         a = self.c.agents.get(msg["node_rank"])
@@ -197,6 +211,20 @@ class Inbox:
             return
         self.c.router.send(ident, P.encode("status", body={"ok": True, "rank": r, "action": "migrate",
                                                          "detail": "at the next step boundary"}))
+
+    def preempt(self, ident, msg) -> None:
+        """The scheduler is taking the job away: stop now, write the dying gasp, exit (once, whoever
+        got the signal first: any agent, any rank)."""
+        import signal
+        try:
+            name = signal.Signals(msg["signal"]).name
+        except ValueError:
+            name = f"signal {msg['signal']}"
+        who = f"rank {msg['rank']}" if "rank" in msg else f"node {msg.get('node_rank', '?')}'s agent"
+        ranks = [msg["rank"]] if "rank" in msg else (self.c.agents[msg["node_rank"]].ranks
+                                                     if msg.get("node_rank") in self.c.agents else [])
+        self.c._fault(ranks, "preempted", self.c.table.newest_iteration(), "step",
+                      detail=f"{name} to {who}", key=("preempted",))
 
     def health(self, ident, msg) -> None:
         """An agent's health hook named ranks of its node sub-healthy."""

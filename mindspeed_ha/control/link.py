@@ -25,11 +25,14 @@ class ControllerLink:
     controller was dying reaches its successor (controllers de-duplicate)."""
 
     def __init__(self, keys: security.Keys, log_dir: str, job_id: str | None, hello, heartbeat_s: float,
-                 name: str = "processor", ctx: zmq.Context | None = None):
+                 name: str = "processor", ctx: zmq.Context | None = None, store=None):
         self.ctx = ctx or zmq.Context.instance()
         self.keys, self.hello, self.name = keys, hello, name
         self.cands = election.Candidates(log_dir, job_id, answer_wait=max(1.0, 2 * heartbeat_s),
-                                         standby_wait=max(4.0, 8 * heartbeat_s))
+                                         standby_wait=max(4.0, 8 * heartbeat_s), store=store)
+        if store is not None:
+            from .discovery import CONTROLLER_KEY
+            store.watch(CONTROLLER_KEY)
         # A starved controller is slow, not dead, and so is a starved processor thread that did not
         # read its acks (8 ranks on 2 cores: > 3 s seen); switching then loses orders in flight.
         self.lost_after = max(6 * heartbeat_s, 6.0)

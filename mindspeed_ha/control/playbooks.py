@@ -213,7 +213,8 @@ def _rolled(ep: Episode, ans: Answers):
 
 ROLLBACK = Round("rollback", order="rollback", args=lambda ep: {"iteration": ep.target}, decide=_rolled,
                  when=lambda ep: ep.mode == "repair")  # (a reload put every rank at the checkpoint already)
-RESUME = Round("resume", order="resume", decide=_then("resume", DONE))
+RESUME = Round("resume", order="resume", decide=_then("resume", DONE),
+               args=lambda ep: {"strategy": ep.strategy, "lost_steps": ep.lost_steps})
 
 
 RETRY = Playbook("retry", {S.REPAIR: [STATUS, PLAN, REBUILD, REPAIR, RELOAD], S.ROLLBACK: [ROLLBACK, RESUME]},

@@ -20,6 +20,7 @@ from ..events import EventLog, get_logger, setup_text_log
 from ..options import HAOptions
 from . import protocol as P, security
 from .board import ProgressBoard, board_path
+from .discovery import JobStore
 from .link import ControllerLink, job_id_from_env
 
 log = get_logger("control.processor")
@@ -47,6 +48,7 @@ class Processor:
         self.phase = "startup"
         self.health = "ok"
         self.loss = None
+        self.checkpoint = -1   # the newest iteration this rank saved
         self._progress = 0.0
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._work: queue.SimpleQueue = queue.SimpleQueue()
@@ -58,6 +60,7 @@ class Processor:
         self._sent = threading.Event()
         self._thread = self._worker = None
         self.link: ControllerLink | None = None
+        self.job_store: JobStore | None = None
         self.events: EventLog | None = events  # the rank's event log, when the caller has one open
         self.board: ProgressBoard | None = None
         # Whether the training thread is blocked in a collective (waiting for a peer, not stuck itself):
@@ -81,17 +84,42 @@ class Processor:
                                        job=self.job_id if mode == "rank0" else None)
         # A restarted rank 0 (recover) finds the controller that took over from its predecessor.
         restarted = int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0) > 0
+        self.job_store = JobStore.from_env()  # where the controller is announced to every node
         if self.rank == 0 and mode == "rank0" and not restarted:
             from .controller import Controller
             self.controller = Controller(self.log_dir, self.world, self.options, self.keys, rank=0,
-                                         job_id=self.job_id, local_exit=self._exit_now).start()
+                                         job_id=self.job_id, local_exit=self._exit_now,
+                                         job_store=self.job_store).start()
         self.link = ControllerLink(self.keys, self.log_dir, self.job_id, self._hello, self.options.heartbeat_s,
-                                   name=f"rank {self.rank}")
+                                   name=f"rank {self.rank}", store=self.job_store)
         self._thread = threading.Thread(target=self._run, name="mindspeed-ha-processor", daemon=True)
         self._worker = threading.Thread(target=self._work_loop, name="mindspeed-ha-handlers", daemon=True)
         self._thread.start()
         self._worker.start()
+        self._handle_preemption()
         return self
+
+    def _handle_preemption(self) -> None:
+        """The scheduler's stop signal (SIGTERM, and mindspeed-ha run's --signals-to-handle) becomes a
+        preemption report: the controller stops the job and writes its dying gasp within
+        --ha-term-grace, then every process exits. A handler installed before ours (Megatron-LM's
+        --exit-signal-handler) still runs. Only under mindspeed-ha run, which names the signals:
+        torchrun also ends the survivors of a failed worker with SIGTERM, and that is no preemption."""
+        import signal
+        names = os.environ.get("MINDSPEED_HA_TERM_SIGNALS")
+        if not names or threading.current_thread() is not threading.main_thread():
+            return
+        for name in filter(None, (n.strip() for n in names.split(","))):
+            sig = getattr(signal, name, None)
+            if sig is None or sig in (signal.SIGINT,):  # Ctrl-C reaches the agent; a rank leaves it to it
+                continue
+            previous = signal.getsignal(sig)
+
+            def on_signal(signum, frame, previous=previous):
+                self._outbox.put((P.encode("preempt", signal=int(signum), rank=self.rank, pid=os.getpid()), True))
+                if callable(previous):
+                    previous(signum, frame)
+            signal.signal(sig, on_signal)
 
     def close(self, timeout: float = 10.0) -> None:
         """Leave cleanly: say bye (the controller then does not read our exit as a fault); the
@@ -108,6 +136,8 @@ class Processor:
         self._thread.join(2.0)
         if self.controller is not None:
             self.controller.close()
+        if self.job_store is not None:
+            self.job_store.close()
         self._thread = None
 
     def serve(self, handlers: dict, training_thread: bool) -> None:
@@ -221,7 +251,8 @@ class Processor:
                     self.link.send(P.encode("hb", rank=self.rank, it=self.iteration, upd=self.updating,
                                             health=self.health, phase=self.phase, progress=self._progress,
                                             wait=self.in_collective(), pid=os.getpid(), steps=self.steps_done,
-                                            **({"busy": busy / n} if n else {})))
+                                            **({"busy": busy / n} if n else {}),
+                                            **({"ckpt": self.checkpoint} if self.checkpoint >= 0 else {})))
                 for msg in self.link.receive(20):
                     if msg["t"] == "do":
                         self._dispatch(msg)
@@ -299,7 +330,8 @@ class Processor:
         if self.controller is None:
             self.controller = Controller(self.log_dir, self.world, self.options, self.keys, rank=self.rank,
                                          standby=True, epoch=int(args.get("epoch", 1)), job_id=self.job_id,
-                                         local_exit=self._exit_now).start()
+                                         local_exit=self._exit_now, job_store=self.job_store,
+                                         previous=int(args.get("controller", -1))).start()
         return self.controller.endpoint
 
     def _exit_now(self, code: int, flush_link: bool = False) -> None:

@@ -26,7 +26,7 @@ MAX_DEPTH = 8                   # nesting of a tree
 MAX_INT = 2 ** 62
 
 FAULT_KINDS = ("memory-error", "comm-failure", "other", "process-exit", "hang", "heartbeat-lost",
-               "controller-lost", "node-lost")
+               "controller-lost", "node-lost", "preempted")
 PHASES = ("startup", "forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint",
           "step", "unknown", "recovery")
 INJECT_KINDS = ("kill", "exit", "exception", "uce", "hang", "comm", "ecc", "slow")
@@ -99,12 +99,14 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
                  "iteration": (_int, O), "standby": (_str, O), "restarts": (_int, O)},
     "hb": {"rank": (_int, R), "it": (_int, R), "upd": (_bool, R), "health": (_str, R),
            "phase": (_str, O), "progress": (_float, O), "wait": (_bool, O), "pid": (_int, O), "steps": (_int, O),
-           "busy": (_float, O)},
+           "busy": (_float, O), "ckpt": (_int, O)},
     "fault": {"rank": (_int, R), "kind": (_str, R), "iteration": (_int, R), "phase": (_str, R),
               "detail": (_str, O), "at": (_float, O), "pid": (_int, O)},
     "result": {"rank": (_int, R), "action": (_str, R), "id": (_int, R), "ok": (_bool, R),
                "data": ("tree", O), "error": (_str, O), "pid": (_int, O)},
     "bye": {"rank": (_int, R), "pid": (_int, O)},
+    # the scheduler preempts the job (a signal to a rank or an agent): dying gasp, then exit
+    "preempt": {"signal": (_int, R), "rank": (_int, O), "node_rank": (_int, O), "pid": (_int, O)},
     # agent -> controller
     "agent": {"node": (_str, R), "node_rank": (_int, R), "nnodes": (_int, R), "pid": (_int, R),
               "ranks": ("ints", R), "pids": ("ints", R)},

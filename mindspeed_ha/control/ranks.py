@@ -41,6 +41,7 @@ class Rank:
     steps: int = 0               # steps this process has ended, as it reports them
     busy: float = 0.0            # its own work per step (step time less waits for peers), lately
     busy_steps: int = 0          # the steps that figure covers (ended since the heartbeat before)
+    checkpoint: int = -1         # the newest iteration it saved (periodic checkpoints)
 
 
 @dataclasses.dataclass
@@ -52,6 +53,7 @@ class Agent:
     pids: list
     seen: float = 0.0
     spares: int = 0              # spare workers ready to take a rank (as of its last heartbeat)
+    pid: int = 0                 # the agent's own process: a new one for a node means the node was replaced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +118,7 @@ class RankTable:
         if "busy" in msg:
             info.busy, info.busy_steps = float(msg["busy"]), max(0, msg.get("steps", info.steps) - info.steps)
         info.steps = msg.get("steps", info.steps)
+        info.checkpoint = msg.get("ckpt", info.checkpoint)
         info.it, info.upd, info.health, info.phase, info.progress = msg["it"], msg["upd"], msg["health"], phase, prog
         info.waiting = bool(msg.get("wait", False))
         return info

@@ -7,8 +7,9 @@ identity, so clients keep pinning one server key), ``client`` (the job: processo
 ``operator`` (the CLI: status, inject). ``authorized/`` has the public keys the controller's ZAP handler
 accepts. The controller knows which key a message came with, and ``may_send`` says which role may send
 what: a rank's key cannot inject a fault, the operator's cannot impersonate a rank. The dir is 0700 and
-every secret 0600; a secret that others may read is refused. Multi-node jobs need the key dir on every
-node (shared file system or copied before launch).
+every secret 0600; a secret that others may read is refused. A job of several nodes needs one key
+dir on every node: ``mindspeed-ha keygen DIR`` makes it (mounted flat, as a Kubernetes Secret is, it
+works too), ``--ha-key-dir`` names it.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ class SecurityError(RuntimeError):
 # What each role may send (the controller drops the rest): ranks and agents speak for the job, the
 # operator's CLI asks and drills.
 MAY_SEND = {
-    "job": frozenset({"register", "hb", "fault", "result", "bye", "agent", "agent_hb", "exit", "status?", "health"}),
+    "job": frozenset({"register", "hb", "fault", "result", "bye", "agent", "agent_hb", "exit", "status?", "health",
+                          "preempt"}),
     "operator": frozenset({"status?", "inject", "migrate"}),
 }
 
@@ -182,9 +184,22 @@ def start_authenticator(ctx: zmq.Context, keys: Keys) -> ThreadAuthenticator | N
     if auth is None:
         auth = ThreadAuthenticator(ctx, log=get_logger("control.zap"))
         auth.start()
-        auth.configure_curve(domain="*", location=os.path.join(keys.key_dir, "authorized"))
+        auth.configure_curve(domain="*", location=_authorized_dir(keys.key_dir))
         _auth_by_ctx[id(ctx)] = auth
     return auth
+
+
+def _authorized_dir(key_dir: str) -> str:
+    """The public keys ZAP accepts: ``authorized/``, or — a key dir mounted flat, as a Kubernetes
+    Secret is — a private copy of the job's and the operator's public keys."""
+    auth = os.path.join(key_dir, "authorized")
+    if os.path.isdir(auth):
+        return auth
+    tmp = tempfile.mkdtemp(prefix="mindspeed-ha-authorized-")
+    for name in ("client.key", "operator.key"):
+        if os.path.exists(os.path.join(key_dir, name)):
+            shutil.copy(os.path.join(key_dir, name), os.path.join(tmp, name))
+    return tmp
 
 
 def stop_authenticator(ctx: zmq.Context) -> None:

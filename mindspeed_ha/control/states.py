@@ -111,13 +111,13 @@ def next_state(state: State, outcome: Outcome) -> State:
 
 # Which strategy can handle which fault class. retry repairs in place (the process is alive);
 # recover restarts a lost process (or moves a live one: migrate); dump saves whatever the survivors
-# hold; elastic drops a domain.
+# hold (and is all a preempted job has time for); elastic drops a domain.
 HANDLES: dict[str, frozenset] = {
     "retry": frozenset({"memory-error", "comm-failure"}),
     "recover": frozenset({"memory-error", "comm-failure", "other", "process-exit", "hang",
                           "heartbeat-lost", "controller-lost", "node-lost", "migrate"}),
     "dump": frozenset({"memory-error", "comm-failure", "other", "process-exit", "hang",
-                       "heartbeat-lost", "controller-lost", "node-lost"}),
+                       "heartbeat-lost", "controller-lost", "node-lost", "preempted"}),
     "elastic-training": frozenset({"process-exit", "heartbeat-lost", "node-lost", "controller-lost"}),
 }
 STRATEGY_OUTCOME = {"retry": O.RETRY, "recover": O.RECOVER, "dump": O.DUMP, "elastic-training": O.ELASTIC}

@@ -1,15 +1,18 @@
-"""``mindspeed-ha run``: a per-node launcher agent with torchrun's flags that does not kill the job
-on its own when one worker fails: it reports the exit (pid, code, signal) to the controller at once
-and does what the controller decides (exit everyone, restart one worker, restart all).
+"""``mindspeed-ha run``: a per-node launcher agent with torchrun's command line (args.py) that does
+not kill the job on its own when one worker fails: it reports the exit (pid, code, signal) to the
+controller at once and does what the controller decides (exit everyone, restart some workers).
 
-Where the controller lives: a thread in rank 0 (the design's default). The agent on node 0 makes the
-job's keys before starting any worker; every agent learns the controller's address from
-``DIR/controller.json`` and follows takeovers like a processor does. Without any controller (HA off,
-or rank 0 died before it came up) the agent falls back to torchrun's behaviour: one failure ends all.
+Node 0's agent serves the job store at ``--master-addr:--master-port`` (torchrun's agent store: the
+workers' rendezvous meets there, and it outlives every worker). Agents meet there before any worker
+starts (rendezvous.py): a new job starts its workers; a node started again while the job runs
+replaces the lost one, its workers started by the controller's restart order. The controller (a
+thread in rank 0, the design's default) is announced in that store, so no node needs another's log
+directory. A preemption signal (SIGTERM, or ``--signals-to-handle``) becomes a dying gasp and a
+clean exit. Without any controller (HA off, or rank 0 died before it came up) the agent falls back
+to torchrun's behaviour: one failure ends all.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import socket
@@ -20,36 +23,21 @@ import tempfile
 import time
 import uuid
 
-from ..control import protocol as P, security
-from ..control.election import read_controller_json
+from .. import exitcodes
+from ..control import discovery, protocol as P, security
 from ..control.board import ProgressBoard
+from ..control.discovery import JobStore
+from ..control.election import read_controller_json
 from ..control.link import ControllerLink
 from ..events import EventLog, get_logger, log_dir_from_env, setup_text_log
 from ..options import from_script_args
-from . import spare
+from . import rendezvous, spare
+from .args import Launch, LaunchError, build_parser, resolve
 from .health import HealthHook
+from .logs import WorkerLogs
+from .rendezvous import ranks_of
 
 log = get_logger("launcher.agent")
-
-
-def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = p or argparse.ArgumentParser(prog="mindspeed-ha run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--standalone", action="store_true", help="single node, free port on 127.0.0.1")
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", "--node_rank", type=int, default=0)
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
-    p.add_argument("--master-port", "--master_port", type=int, default=29500)
-    p.add_argument("--node-host", default=None, help="address other nodes reach this one at "
-                   "(default: 127.0.0.1 when the master is loopback, else this host's address)")
-    p.add_argument("--decision-timeout", type=float, default=15.0,
-                   help="seconds to wait for the controller after a worker failed before acting alone")
-    p.add_argument("--exit-grace", type=float, default=3.0,
-                   help="seconds workers get to exit after an exit order before SIGTERM (+2s SIGKILL)")
-    p.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
-    p.add_argument("script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER)
-    return p
 
 
 def _scan(args: list[str], flag: str, has_value: bool = True):
@@ -77,33 +65,43 @@ class Worker:
 
 
 class Agent:
-    def __init__(self, a: argparse.Namespace):
-        self.a = a
-        self.script_args = list(a.script_args)
-        if self.script_args[:1] == ["--"]:
-            self.script_args = self.script_args[1:]
+    def __init__(self, launch: Launch, env=os.environ):
+        self.a = a = launch
+        self.script_args = a.script_args
         self.log_dir = os.path.abspath(_scan(self.script_args, "--ha-log-dir") or log_dir_from_env())
+        self.opts = from_script_args(self.script_args, env)   # None: HA off, or invalid (the workers say why)
+        self.ha = self.opts is not None and self.opts.enabled
         self.insecure = bool(_scan(self.script_args, "--ha-insecure", False)) or security.is_insecure()
-        kd = _scan(self.script_args, "--ha-key-dir")
+        kd = _scan(self.script_args, "--ha-key-dir") or env.get("MINDSPEED_HA_KEY_DIR")
         hb = _scan(self.script_args, "--ha-heartbeat-interval")
         self.hb = float(hb) if hb else 0.5
         if a.standalone:
             a.nnodes, a.node_rank, a.master_addr = 1, 0, "127.0.0.1"
             a.master_port = _free_port()
+        if a.nnodes > 1 and not kd and not self.insecure:
+            raise LaunchError(
+                "a job of several nodes needs CurveZMQ keys that every node reads: make them once with "
+                "`mindspeed-ha keygen /shared/or/secret/dir` (a Kubernetes Secret or a directory every node mounts) "
+                "and pass --ha-key-dir DIR (or MINDSPEED_HA_KEY_DIR=DIR) on every node; or --ha-insecure on a "
+                "trusted, isolated network")
         self.world = a.nnodes * a.nproc_per_node
         loop = a.master_addr.startswith("127.") or a.master_addr == "localhost"
         self.node_host = a.node_host or ("127.0.0.1" if loop else socket.gethostbyname(socket.gethostname()))
         self.node = f"{socket.gethostname()}:{a.node_rank}"
-        self.job_id = os.environ.get("MINDSPEED_HA_JOB_ID") or (
+        self.job_id = env.get("MINDSPEED_HA_JOB_ID") or a.job_id or (
             uuid.uuid4().hex if a.standalone or a.nnodes == 1 else f"{a.master_addr}-{a.master_port}")
         # The job's own keys; an external controller (``mindspeed-ha controller``) made its own, unnamed.
-        external = os.environ.get("MINDSPEED_HA_CONTROLLER", "rank0") != "rank0"
+        external = env.get("MINDSPEED_HA_CONTROLLER", "rank0") != "rank0"
         self.key_dir = os.path.abspath(security.key_dir_for(self.log_dir, kd, None if external else self.job_id))
+        self.register_timeout = self.opts.register_timeout_s if self.opts else 300.0
+        self.term_grace = self.opts.term_grace_s if self.opts else 60.0
         self.workers: dict[int, Worker] = {}
         self.exit_order: dict | None = None
         self.exit_deadline = 0.0
         self.first_failure = 0.0
         self._signal = 0
+        self._preempted = 0.0        # when a preemption signal was passed on to the controller
+        self._running_said = False   # our job-store record says the job has trained
 
     # ---- workers ------------------------------------------------------------------------------
     def _env(self, rank: int, local_rank: int, restarts: int) -> dict:
@@ -112,41 +110,54 @@ class Agent:
         env.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(self.world),
                    LOCAL_WORLD_SIZE=str(a.nproc_per_node), GROUP_RANK=str(a.node_rank),
                    MASTER_ADDR=a.master_addr, MASTER_PORT=str(a.master_port),
+                   # The rendezvous meets at the store this job's node 0 agent serves (torchrun's way):
+                   # it outlives any worker, rank 0 included.
+                   TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
+                   TORCHELASTIC_RUN_ID=self.job_id, MINDSPEED_HA_JOB_STORE=f"{a.master_addr}:{a.master_port}",
                    MINDSPEED_HA_LOG_DIR=self.log_dir, MINDSPEED_HA_JOB_ID=self.job_id,
                    MINDSPEED_HA_NODE=self.node, MINDSPEED_HA_NODE_HOST=self.node_host,
                    MINDSPEED_HA_RESTART_COUNT=str(restarts), MINDSPEED_HA_HEARTBEAT=str(self.hb),
-                   MINDSPEED_HA_PROGRESS_DIR=self.board_dir)
+                   MINDSPEED_HA_PROGRESS_DIR=self.board_dir,
+                   MINDSPEED_HA_TERM_SIGNALS=",".join(s.name for s in a.term_signals))
         if self.insecure:
             env["MINDSPEED_HA_INSECURE"] = "1"
         else:
             env["MINDSPEED_HA_KEY_DIR"] = self.key_dir
         return env
 
-    def _cmd(self) -> list[str]:
-        return [sys.executable, "-u"] + (["-m"] if self.a.module else []) + [self.a.script] + self.script_args
-
     def _spawn(self, local_rank: int, restarts: int = 0) -> Worker:
         rank = self.a.node_rank * self.a.nproc_per_node + local_rank
+        out, err = self.logs.open(local_rank, restarts)
         # Own session: signals reach workers only through us, and killpg also reaches their children.
-        p = subprocess.Popen(self._cmd(), env=self._env(rank, local_rank, restarts), start_new_session=True)
+        p = subprocess.Popen(self.a.cmd + self.script_args, env=self._env(rank, local_rank, restarts),
+                             start_new_session=True, stdout=out, stderr=err)
+        for f in (out, err):
+            if f is not None:
+                f.close()
         w = Worker(rank, local_rank, p)
         w.restarts = restarts
         self.workers[rank] = w
         self.events.emit("worker_start", worker_rank=rank, worker_pid=p.pid, restarts=restarts)
         return w
 
-    def _restart(self, w: Worker) -> None:
-        """A new worker for ``w``'s rank: a spare when one is there (its replacement is made at
-        once), else a fresh process."""
-        taken = self.spares.hand_over(spare.assignment(w.rank, w.local_rank, w.restarts + 1))
+    def _restart(self, rank: int) -> None:
+        """A new worker for ``rank``: a spare when one is there (its replacement is made at once),
+        else a fresh process. (A replacement node's ranks had no worker here: restart 1.)"""
+        old = self.workers.get(rank)
+        local_rank = rank - self.a.node_rank * self.a.nproc_per_node
+        restarts = old.restarts + 1 if old is not None else 1
+        taken = self.spares.hand_over(spare.assignment(rank, local_rank, restarts, self.logs.env(local_rank)))
         if taken is None:
-            self._spawn(w.local_rank, w.restarts + 1)
+            self._spawn(local_rank, restarts)
             return
+        for f in self.logs.open(local_rank, restarts):  # (the header line; the spare appends itself)
+            if f is not None:
+                f.close()
         sp, warm = taken
-        nw = Worker(w.rank, w.local_rank, sp)
-        nw.restarts = w.restarts + 1
-        self.workers[w.rank] = nw
-        self.events.emit("worker_start", worker_rank=w.rank, worker_pid=sp.pid, restarts=nw.restarts, spare=True,
+        nw = Worker(rank, local_rank, sp)
+        nw.restarts = restarts
+        self.workers[rank] = nw
+        self.events.emit("worker_start", worker_rank=rank, worker_pid=sp.pid, restarts=nw.restarts, spare=True,
                          warm=warm)
 
     def _killpg(self, w: Worker, sig: int) -> None:
@@ -178,9 +189,11 @@ class Agent:
             self._killpg(w, signal.SIGKILL)  # its own children, if any, go with it
 
     def _hello(self) -> bytes:
-        ws = sorted(self.workers.values(), key=lambda w: w.rank)
+        ranks = ranks_of(self.a.node_rank, self.a.nproc_per_node)
+        # (a replacement node's ranks have no worker until the controller orders their restart: pid 0)
+        pids = [self.workers[r].popen.pid if r in self.workers else 0 for r in ranks]
         return P.encode("agent", node=self.node, node_rank=self.a.node_rank, nnodes=self.a.nnodes,
-                        pid=os.getpid(), ranks=[w.rank for w in ws], pids=[w.popen.pid for w in ws])
+                        pid=os.getpid(), ranks=ranks, pids=pids)
 
     # ---- controller orders --------------------------------------------------------------------
     def _on_do(self, msg: dict) -> None:
@@ -192,18 +205,27 @@ class Agent:
             self.exit_order = args
             self.exit_deadline = time.monotonic() + self.a.exit_grace
         elif action == "restart":
-            ranks = args.get("ranks") or sorted(self.workers)
-            for r in ranks:
-                w = self.workers.get(int(r))
-                if w is None:
+            mine = set(ranks_of(self.a.node_rank, self.a.nproc_per_node))
+            for r in args.get("ranks") or sorted(mine):
+                r = int(r)
+                if r not in mine:
                     continue
-                self._killpg(w, signal.SIGKILL)
-                w.popen.wait()
-                self._restart(w)
+                w = self.workers.get(r)
+                if w is not None:
+                    self._killpg(w, signal.SIGKILL)
+                    w.popen.wait()
+                self._restart(r)
             self.first_failure = 0.0
             self.link.send(self._hello())
 
     def _on_signal(self, signum, frame) -> None:
+        """The scheduler preempts (SIGTERM, or one of --signals-to-handle): with HA on and a
+        controller, the job stops and writes its dying-gasp checkpoint, then exits; a second signal,
+        or no controller, ends the workers at once (torchrun's behaviour)."""
+        if self.ha and self.link.active and not self._preempted and self.exit_order is None:
+            self._preempted = time.monotonic()
+            self.link.send(P.encode("preempt", node_rank=self.a.node_rank, signal=int(signum)), replay=True)
+            return
         self._signal = signum
         for w in self.workers.values():
             self._killpg(w, signum)
@@ -215,29 +237,55 @@ class Agent:
         self.events = EventLog(self.log_dir, f"agent_{a.node_rank}")
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.board_dir = tempfile.mkdtemp(prefix="mindspeed-ha-", dir=shm)
+        self.logs = WorkerLogs(a.log_dir, a.redirects, a.tee, a.local_ranks_filter, self.job_id,
+                               a.nproc_per_node, a.node_rank, a.role)
+        self.served = None
+        if a.node_rank == 0:  # the job store: where this job's workers and agents meet
+            from ..comm.stores import serve
+            try:
+                self.served = serve(a.master_addr, a.master_port)
+            except OSError as e:
+                raise LaunchError(f"node 0's agent cannot serve the job store at {a.master_addr}:{a.master_port} "
+                                  f"({e.strerror or e}): run node 0 on the host --master-addr names, with a free "
+                                  "--master-port") from None
+        self.store = JobStore((a.master_addr, a.master_port))
+        try:
+            return self._run()
+        finally:
+            self.store.close()
+            self.logs.close()
+
+    def _run(self) -> int:
+        a = self.a
         # recover: workers started ahead of time that a restart hands a lost rank to (spare.py)
-        self.spares = spare.Pool(spare.wanted(self.script_args), self._cmd(), self._env(-1, -1, 0), self.events,
-                                 f"agent {a.node_rank}", os.path.join(self.board_dir, "spares"))
-        opts = from_script_args(self.script_args)
-        self.health = HealthHook(opts.health_cmd, opts.health_interval_s) if opts and opts.health_cmd else None
-        keys = security.Keys.load(self.log_dir, self.key_dir if not self.insecure else None, self.insecure,
-                                  create=(a.node_rank == 0))
+        self.spares = spare.Pool(spare.wanted(self.script_args), self.a.cmd + self.script_args,
+                                 self._env(-1, -1, 0), self.events, f"agent {a.node_rank}",
+                                 os.path.join(self.board_dir, "spares"))
+        self.health = HealthHook(self.opts.health_cmd, self.opts.health_interval_s) \
+            if self.opts and self.opts.health_cmd else None
+        try:
+            keys = security.Keys.load(self.log_dir, self.key_dir if not self.insecure else None, self.insecure,
+                                      create=(a.nnodes == 1), timeout=5.0)
+        except security.SecurityError as e:
+            raise LaunchError(str(e)) from None
         if a.node_rank == 0 and os.environ.get("MINDSPEED_HA_CONTROLLER", "rank0") == "rank0":
             info = read_controller_json(self.log_dir)
             if info and info.get("job_id") != self.job_id:
                 os.unlink(os.path.join(self.log_dir, "controller.json"))  # a previous job's
         self.link = ControllerLink(keys, self.log_dir, self.job_id, self._hello, self.hb,
-                                   name=f"agent {a.node_rank}")
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+                                   name=f"agent {a.node_rank}", store=self.store)
+        old = {s: signal.signal(s, self._on_signal) for s in set(a.term_signals) | {signal.SIGINT, signal.SIGTERM}}
         log.info("agent %d/%d: %d workers of %d, master %s:%d, job %s, log dir %s", a.node_rank, a.nnodes,
                  a.nproc_per_node, self.world, a.master_addr, a.master_port, self.job_id, self.log_dir)
-        # Node 0 starts the job (its rank 0 hosts the controller): only another node can be a replacement.
-        restarts = 1 if a.node_rank != 0 and self._job_running() else 0
-        for lr in range(a.nproc_per_node):
-            self._spawn(lr, restarts)
-        if restarts:
-            self.link.send(self._hello())
+        self.started = time.monotonic()
         try:
+            joining = self._meet()
+            if joining is None:
+                return exitcodes.NOT_REGISTERED
+            if not joining:
+                for lr in range(a.nproc_per_node):
+                    self._spawn(lr, 0)
+            self.link.send(self._hello())
             return self._loop()
         finally:
             for w in self.workers.values():
@@ -254,20 +302,46 @@ class Agent:
             for s, h in old.items():
                 signal.signal(s, h)
 
-    def _job_running(self, wait_s: float = 5.0) -> bool:
-        """A replacement for a lost node: this job's controller is up and past its start. Then the
-        workers start as restarted ones (they join the running job instead of its rendezvous)."""
-        if read_controller_json(self.log_dir, self.job_id) is None:
-            return False
+    def _meet(self) -> bool | None:
+        """Meet the other agents at the job store: False for a new job (start the workers), True to
+        join a running one as a lost node's replacement (its workers start when the controller
+        orders their restart), None when nodes never came (the diagnosis is out)."""
+        a = self.a
+        record = {"pid": os.getpid(), "host": self.node_host, "node": self.node}
+        try:
+            found = rendezvous.meet(self.store, a.node_rank, a.nnodes, a.nproc_per_node, self.job_id, record,
+                                    self.register_timeout)
+        except rendezvous.NotRegistered as e:
+            self._diagnose(f"mindspeed-ha agent {a.node_rank}: the job cannot start: {e}. (exit code "
+                           f"{exitcodes.NOT_REGISTERED}: restart the job when every node can come up)")
+            return None
+        if found == "running" and self._controller_running():
+            log.warning("agent %d: job %s is running: this node replaces a lost one; its workers start when the "
+                        "controller restarts them", a.node_rank, self.job_id)
+            self.events.emit("replacement", node_rank=a.node_rank)
+            return True
+        return False
+
+    def _controller_running(self, wait_s: float = 10.0) -> bool:
         t = time.monotonic()
         while time.monotonic() - t < wait_s and not self.link.active:
             self.link.maintain()
             self.link.receive(50)
-        running = self.link.active and self.link.state not in ("", "init", "done", "exit")
-        if running:
-            log.warning("agent %d: job %s is running (controller state %s): starting the workers as "
-                        "replacements that join it", self.a.node_rank, self.job_id, self.link.state)
-        return running
+        return self.link.active and self.link.state not in ("", "init", "done", "exit")
+
+    def _diagnose(self, text: str) -> None:
+        self.events.emit("diagnosis", text=text)
+        log.error("%s", text)
+        print(text, file=sys.stderr, flush=True)
+
+    def _say_running(self) -> None:
+        """Once the job trains, our job-store record says so: a replacement of node 0, meeting in
+        a new store, must join the running job, not start a second one."""
+        if not self._running_said and self.link.active and self.link.state not in ("", "init"):
+            self._running_said = True
+            self.store.publish(discovery.agent_key(self.a.node_rank),
+                               {"pid": os.getpid(), "host": self.node_host, "node": self.node,
+                                "job_id": self.job_id, "running": True})
 
     def _loop(self) -> int:
         next_hb = 0.0
@@ -283,6 +357,7 @@ class Agent:
             if now >= next_hb and self.link.sock is not None:
                 next_hb = now + self.hb
                 self.link.send(P.encode("agent_hb", node_rank=self.a.node_rank, spares=self.spares.warm()))
+                self._say_running()
             self._poll_workers()
             if self.exit_order is None and not self._signal:
                 self.spares.maintain(now)
@@ -290,6 +365,12 @@ class Agent:
                     self.events.emit("health", ranks=ranks, detail=why)
                     self.link.send(P.encode("health", node_rank=self.a.node_rank, ranks=ranks, detail=why))
             alive = [w for w in self.workers.values() if not w.reported]
+            if self._preempted and self.exit_order is None and now - self._preempted > self.term_grace + 10.0:
+                log.error("agent %d: no exit order %.0f s after the preemption signal: ending the workers",
+                          self.a.node_rank, now - self._preempted)
+                self._signal = signal.SIGTERM
+                for w in alive:
+                    self._killpg(w, signal.SIGTERM)
             if self._signal:
                 if not alive:
                     return 128 + self._signal
@@ -311,8 +392,16 @@ class Agent:
                     print(text, file=sys.stderr, flush=True)
                     return int(self.exit_order.get("code", 1)) or 0
                 continue
+            if self.ha and not self.link.ever_active and now - self.started > self.register_timeout:
+                self._diagnose(f"mindspeed-ha agent {self.a.node_rank}: no mindspeed-ha controller was reachable "
+                               f"within --ha-register-timeout {self.register_timeout:g} s (it is announced in the "
+                               f"job store at {self.a.master_addr}:{self.a.master_port} once rank 0 has built its "
+                               f"model): HA would be off, so the job ends. Events: {self.log_dir}/events.")
+                for w in alive:
+                    self._killpg(w, signal.SIGKILL)
+                return exitcodes.NOT_REGISTERED
             failed = [w for w in self.workers.values() if w.reported and (w.code or w.sig)]
-            if not alive and not failed:
+            if not alive and not failed and self.workers:
                 return 0
             if not failed:
                 continue
@@ -339,13 +428,16 @@ class Agent:
         how = f"killed by signal {first.sig}" if first.sig else f"exit code {first.code}"
         why = ("no mindspeed-ha controller was reachable" if not self.link.ever_active
                else f"the controller gave no order within {self.a.decision_timeout:g}s")
-        text = (f"mindspeed-ha agent {self.a.node_rank}: worker rank {first.rank} (pid {first.popen.pid}) "
-                f"ended with {how}; {why}, so every worker of this node was stopped "
-                f"(torchrun behaviour). Events: {self.log_dir}/events.")
-        self.events.emit("diagnosis", text=text)
-        print(text, file=sys.stderr, flush=True)
+        self._diagnose(f"mindspeed-ha agent {self.a.node_rank}: worker rank {first.rank} (pid {first.popen.pid}) "
+                       f"ended with {how}; {why}, so every worker of this node was stopped "
+                       f"(torchrun behaviour). Events: {self.log_dir}/events.")
         return 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    return Agent(build_parser().parse_args(argv)).run()
+    try:
+        agent = Agent(resolve(build_parser().parse_args(argv)))
+        return agent.run()
+    except LaunchError as e:
+        print(f"mindspeed-ha run: {e}", file=sys.stderr)
+        return exitcodes.BAD_INPUT

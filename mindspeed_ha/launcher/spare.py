@@ -56,6 +56,8 @@ def wait_for_assignment() -> None:
         sys.exit(0)
     os.environ.update({str(k): str(v) for k, v in json.loads(line).items()})
     os.environ.pop(ENV, None)
+    from .logs import redirect_from_env
+    redirect_from_env()  # (--redirects / --tee: where this rank's worker writes)
 
 
 def _report(fd: int, text: str) -> None:
@@ -122,9 +124,9 @@ def _forked_spare(fork_dir: str, report: int, template: int, agent: int) -> str:
     return data.decode()
 
 
-def assignment(rank: int, local_rank: int, restarts: int) -> bytes:
-    return (json.dumps({"RANK": rank, "LOCAL_RANK": local_rank, "MINDSPEED_HA_RESTART_COUNT": restarts})
-            + "\n").encode()
+def assignment(rank: int, local_rank: int, restarts: int, extra: dict | None = None) -> bytes:
+    return (json.dumps({"RANK": rank, "LOCAL_RANK": local_rank, "MINDSPEED_HA_RESTART_COUNT": restarts,
+                        **(extra or {})}) + "\n").encode()
 
 
 def wanted(script_args: list[str], env=os.environ) -> int:

@@ -377,6 +377,17 @@ class MegatronLMTrainer(TrainerInterface):
         finalize_model_grads.ha_phase_point = True
         config.finalize_model_grads_func = finalize_model_grads
 
+    def log_recovery(self, iteration: int, seconds: float, lost_steps: int) -> None:
+        """Megatron-LM's TensorBoard and W&B writers (on the rank that has them) get the recovery."""
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+        tb, wandb = get_tensorboard_writer(), get_wandb_writer()
+        scalars = {"ha/recovery_seconds": seconds, "ha/lost_steps": lost_steps}
+        if tb is not None:
+            for name, value in scalars.items():
+                tb.add_scalar(name, value, iteration)
+        if wandb is not None:
+            wandb.log(scalars, iteration)
+
     def init_parallel(self) -> None:
         """megatron-core's groups as Megatron-LM made them (again after an in-place rebuild)."""
         SETUP["init_parallel"]()

@@ -104,7 +104,7 @@ class RankRecovery:
         return repair.resume_at(self.trainer, int(args["iteration"]))
 
     def resume(self, args: dict) -> str:
-        self.s.resumed()
+        self.s.resumed(int(args.get("lost_steps", 0)))
         return "resumed"
 
     # ---- the dump ----------------------------------------------------------------------------

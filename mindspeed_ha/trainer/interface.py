@@ -96,6 +96,10 @@ class TrainerInterface(abc.ABC):
         self.consumed_samples = state["consumed_samples"]
         self.scheduler.load_state_dict(state["scheduler"])  # a fresh scheduler: its count is the peer's
 
+    def log_recovery(self, iteration: int, seconds: float, lost_steps: int) -> None:
+        """A recovery ended with step ``iteration``: ``seconds`` from this rank's stop to that step's
+        end, ``lost_steps`` recomputed. A trainer with its own metric writers records them there."""
+
     def after_reload(self, job_ended: int) -> None:
         """After an in-job reload (no replicas) on every rank: ``job_ended`` is the newest iteration
         any rank had completed. A trainer whose loop cannot go back catches up to it."""

@@ -1,0 +1,37 @@
+"""The restart budget of recover: how often one rank may be restarted and one node replaced
+(``--ha-max-restarts``), and crash loops — a restarted worker that dies again before it completes a
+step would only die again. Past either, recover is not tried for that fault: the next strategy
+applies (the dump), and the job ends with the exit code that tells a scheduler not to restart it.
+"""
+from __future__ import annotations
+
+import collections
+
+
+class RestartBudget:
+    def __init__(self, max_restarts: int):
+        self.max = int(max_restarts)
+        self.restarts: collections.Counter = collections.Counter()       # rank -> restarts so far
+        self.replacements: collections.Counter = collections.Counter()   # node rank -> nodes replaced
+        self.spent = False   # a fault of this job went unrecovered because of the budget
+
+    def count(self, restarted: list, awaiting_nodes: list) -> None:
+        """A recover round restarted ``restarted`` ranks and waits for replacements of ``awaiting_nodes``."""
+        self.restarts.update(restarted)
+        self.replacements.update(set(awaiting_nodes))
+
+    def refusal(self, lost: dict, nodes_lost: set) -> str | None:
+        """Why recover may not restart these ranks (None: it may). ``lost``: rank -> steps its
+        process completed; ``nodes_lost``: nodes whose agent is gone with them."""
+        over = sorted(r for r in lost if self.restarts[r] >= self.max)
+        if over:
+            return (f"rank(s) {over} were restarted {self.restarts[over[0]]} time(s) already "
+                    f"(--ha-max-restarts {self.max})")
+        looping = sorted(r for r, steps in lost.items() if self.restarts[r] and steps == 0)
+        if looping:
+            return (f"rank(s) {looping} died again before completing a step after their restart: a crash loop, "
+                    "which another restart would repeat")
+        nodes = sorted(n for n in nodes_lost if self.replacements[n] >= self.max)
+        if nodes:
+            return f"node(s) {nodes} were replaced {self.replacements[nodes[0]]} time(s) already (--ha-max-restarts {self.max})"
+        return None

@@ -1,0 +1,186 @@
+"""Where a job's controller is, without a shared file system: the job's store.
+
+The job store is the TCPStore at the job's ``--master-addr:--master-port``, served by node 0's
+launcher agent (as torchrun's agent serves its rendezvous store; the workers' own rendezvous meets
+there too). It holds, under ``mindspeed_ha/``:
+
+    controller          the active controller's record: endpoint, epoch, standbys' endpoints, rank,
+                        job id, public key (JSON)
+    agent/<node rank>   each launcher agent: pid, host, and whether it has seen the job train
+
+Publishers re-write their records whenever the store lacks them (a replacement of node 0 serves a
+new, empty store) and a controller never writes over a newer epoch's record. All store traffic
+runs on one background thread per process (``JobStore``), so a store that is down or slow never
+blocks a heartbeat or the controller's loop: readers get the newest record that thread has seen.
+
+Two other sources stay: ``DIR/controller.json`` (a shared or single-node log dir) and
+``MS_TFT_IP`` / ``MS_TFT_PORT`` (MindSpore's names for where an external controller listens). The
+control plane itself needs no torch; without it there is no store client and those two remain.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import threading
+import time
+
+from ..events import get_logger
+
+log = get_logger("control.discovery")
+ENV = "MINDSPEED_HA_JOB_STORE"      # host:port of the job store, set by mindspeed-ha run for its workers
+CONTROLLER_KEY = "mindspeed_ha/controller"
+PERIOD_S = 0.5
+
+
+def agent_key(node_rank: int) -> str:
+    return f"mindspeed_ha/agent/{int(node_rank)}"
+
+
+def store_address(env=os.environ) -> tuple[str, int] | None:
+    """The job store of this process: ``MINDSPEED_HA_JOB_STORE``, else torchrun's agent store
+    (``MASTER_ADDR:MASTER_PORT`` when the workers use it), else none."""
+    text = env.get(ENV, "")
+    if not text and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get("MASTER_ADDR"):
+        text = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}"
+    host, _, port = text.rpartition(":")
+    return (host, int(port)) if host and port.isdigit() else None
+
+
+def external_controller(env=os.environ) -> str | None:
+    """``MS_TFT_IP`` / ``MS_TFT_PORT``: an external controller (``mindspeed-ha controller``) listens there."""
+    ip, port = env.get("MS_TFT_IP"), env.get("MS_TFT_PORT")
+    return f"tcp://{ip}:{int(port)}" if ip and port and port.isdigit() else None
+
+
+class JobStore:
+    """This process's view of the job store: records it publishes (kept there) and records it
+    watches (their newest values), both maintained on one daemon thread."""
+
+    def __init__(self, address: tuple[str, int], period_s: float = PERIOD_S, connect_timeout_s: float = 2.0):
+        self.address = address
+        self.period_s, self.connect_timeout_s = period_s, connect_timeout_s
+        self._lock = threading.Lock()
+        self._own: dict[str, tuple[dict, int | None]] = {}   # key -> (record, epoch or None)
+        self._seen: dict[str, dict] = {}                      # key -> newest record read
+        self._watch: set[str] = set()
+        self._client = None
+        self.reachable = False
+        self.ever_reached = False
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mindspeed-ha-job-store", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_env(cls, env=os.environ) -> "JobStore | None":
+        addr = store_address(env)
+        if addr is None:
+            return None
+        try:
+            import torch.distributed  # noqa: F401
+        except ImportError:  # a controller on a head node without torch: the other sources remain
+            return None
+        return cls(addr)
+
+    # ---- what callers use ---------------------------------------------------------------------
+    def publish(self, key: str, record: dict, epoch: int | None = None) -> None:
+        """Keep ``record`` under ``key`` (``epoch``: never over a record of a newer epoch)."""
+        with self._lock:
+            self._own[key] = (dict(record), epoch)
+        self._wake.set()
+
+    def withdraw(self, key: str) -> None:
+        with self._lock:
+            self._own.pop(key, None)
+
+    def watch(self, *keys: str) -> None:
+        with self._lock:
+            self._watch.update(keys)
+        self._wake.set()
+
+    def seen(self, key: str) -> dict | None:
+        with self._lock:
+            return self._seen.get(key)
+
+    def refresh(self, timeout: float = 2.0) -> None:
+        """Wait until the thread has read the watched keys once more (at most ``timeout``)."""
+        with self._lock:
+            before = self._rounds
+        self._wake.set()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._rounds > before + 1:
+                    return
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(3.0)
+
+    # ---- the thread -----------------------------------------------------------------------------
+    _rounds = 0
+
+    def _connect(self):
+        import torch.distributed as dist
+        host, port = self.address
+        return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=self.connect_timeout_s),
+                             wait_for_workers=False)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self._client is None:
+                    self._client = self._connect()
+                self._round(self._client)
+                if not self.reachable:
+                    log.debug("job store %s:%d reached", *self.address)
+                self.reachable = self.ever_reached = True
+            except Exception as e:  # down, restarting, or not yet up: try again next period
+                if self.reachable:
+                    log.warning("job store %s:%d unreachable (%s); retrying", *self.address, str(e)[:120])
+                self.reachable = False
+                self._client = None
+            with self._lock:
+                self._rounds += 1
+            self._wake.wait(self.period_s)
+            self._wake.clear()
+
+    def _round(self, store) -> None:
+        with self._lock:
+            own, watch = dict(self._own), set(self._watch)
+        for key, (record, epoch) in own.items():
+            self._keep(store, key, record, epoch)
+        for key in watch:
+            value = _read(store, key)
+            with self._lock:
+                if value is None:
+                    self._seen.pop(key, None)
+                else:
+                    self._seen[key] = value
+
+    @staticmethod
+    def _keep(store, key: str, record: dict, epoch: int | None) -> None:
+        data = json.dumps(record, sort_keys=True).encode()
+        current = store.get(key) if store.check([key]) else b""
+        if current == data:
+            return
+        if epoch is not None and current:
+            try:
+                if int(json.loads(current).get("epoch", 0)) > epoch:
+                    return  # a newer controller took over: its record stands
+            except ValueError:
+                pass
+        store.compare_set(key, current, data)  # lost a race with another writer: the next round looks again
+
+
+def _read(store, key: str) -> dict | None:
+    if not store.check([key]):
+        return None
+    try:
+        value = json.loads(store.get(key))
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
