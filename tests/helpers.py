@@ -31,17 +31,35 @@ def torchrun(nproc: int, args: list[str], log_dir, env: dict | None = None, time
                           cwd=cwd or str(log_dir))
 
 
+def _dirs(log_dir) -> list:
+    """One log dir, or several (nodes with node-local log dirs): read as one."""
+    return list(log_dir) if isinstance(log_dir, (list, tuple)) else [log_dir]
+
+
+def _lines(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line a killed process was writing
+            pass
+    return out
+
+
 def events(log_dir, name: str) -> list[dict]:
-    path = Path(log_dir) / "events" / f"{name}.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for d in _dirs(log_dir):
+        path = Path(d) / "events" / f"{name}.jsonl"
+        if path.exists():
+            out += _lines(path)
+    return sorted(out, key=lambda e: e["time"]) if len(_dirs(log_dir)) > 1 else out
 
 
 def all_rank_events(log_dir) -> list[dict]:
     out = []
-    for p in sorted((Path(log_dir) / "events").glob("rank_*.jsonl")):
-        out += [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    for d in _dirs(log_dir):
+        for p in sorted((Path(d) / "events").glob("rank_*.jsonl")):
+            out += _lines(p)
     return out
 
 

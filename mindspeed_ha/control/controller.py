@@ -327,6 +327,8 @@ class Controller:
         if self.standby:
             self._deferred.append(rec)
             return
+        if self.machine.state == S.INIT:  # the job was not whole yet: who never registered must be found too
+            self.table.expect_all(time.monotonic())
         if self.machine.state == S.NORMAL and self.first_step is not None:
             # Close the last recovery first. A fault past the awaited step proves that step done on
             # every rank (its collectives needed them all), even if a rank's report of it has not
@@ -594,9 +596,7 @@ class Controller:
         self.epoch += 1
         self.machine = Machine(self._on_transition, state=S.NORMAL)
         self.table.heard_all(now)  # start the clocks now for ranks that have not come over yet
-        for r in range(self.world):
-            if r not in self.ranks:
-                self.ranks[r] = Rank(rank=r, ident=b"", seen=now, progress_at=now)
+        self.table.expect_all(now)
         self._announce()
         self._serve_metrics()
         self.events.emit("takeover", rank=self.rank, epoch=self.epoch, reachable=len(reachable))

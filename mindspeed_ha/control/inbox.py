@@ -134,14 +134,17 @@ class Inbox:
         self.c.agents[n] = Agent(n, ident, msg["node"], list(msg["ranks"]), list(msg["pids"]), seen=time.monotonic(),
                                  pid=msg["pid"])
         self.c.router.send(ident, self.c._ack)
-        if old is not None and old.pid and old.pid != msg["pid"]:
-            # A new agent for this node: the scheduler replaced it, so the old node and its workers are gone.
-            gone = sorted(r for r in old.ranks if r in self.c.table.live())
-            if gone:
-                info = self.c.ranks[gone[0]]
-                self.c._fault(gone, "node-lost", info.it, info.phase,
-                              detail=f"node {n} came back as a new agent (pid {old.pid} -> {msg['pid']})",
-                              key=("node-replaced", n, msg["pid"]))
+        # A node started again (a new agent), or an agent with no worker for a rank we think alive
+        # (a standby that took over never knew the old node): those processes are gone.
+        replaced = old is not None and old.pid and old.pid != msg["pid"]
+        live = self.c.table.live()
+        gone = sorted(r for r, pid in zip(msg["ranks"], msg["pids"])
+                      if r in live and (replaced or not pid) and r not in self.c.restarting)
+        if gone:
+            info = self.c.ranks[gone[0]]
+            self.c._fault(gone, "node-lost", info.it, info.phase,
+                          detail=f"node {n} came back as a new agent (pid {msg['pid']}) without these ranks' processes",
+                          key=("node-replaced", n, msg["pid"]))
         # Ranks of this node that the recovery under way waits for: this agent starts them.
         due = sorted(r for r, pid in zip(msg["ranks"], msg["pids"]) if not pid and r in self.c.restarting)
         if due:

@@ -140,6 +140,14 @@ class RankTable:
             i.health = "ok" if i.alive else i.health
             i.progress_at = max(i.progress_at, now)
 
+    def expect_all(self, now: float) -> None:
+        """Every rank of the world has a record from now: one that never registered (a standby that
+        took over, a fault before the job had registered whole) is lost if it stays silent, like
+        any other, unless it registers meanwhile."""
+        for r in range(self.world):
+            if r not in self.ranks:
+                self.ranks[r] = Rank(rank=r, ident=b"", seen=now, progress_at=now)
+
     def heard_all(self, now: float) -> None:
         """Detection clocks start now (training begins, or a standby took over)."""
         for i in self.ranks.values():
@@ -162,7 +170,8 @@ class RankTable:
     def scan(self, now: float, training: bool) -> list[Detected]:
         """Lost and hung ranks; ``training``: hangs are looked for only while the job trains."""
         lost, stuck = [], []
-        watched = {r for a in self.live_agents(now) for r in a.ranks}
+        # (ranks a live agent runs a worker for: one it lists without a process is not watched over)
+        watched = {r for a in self.live_agents(now) for r, pid in zip(a.ranks, a.pids) if pid}
         for info in self.ranks.values():
             if not info.alive or info.done:
                 continue

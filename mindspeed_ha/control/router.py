@@ -31,8 +31,13 @@ class Router:
         self.sock.backlog = 65535  # (capped by net.core.somaxconn) a full accept queue drops SYNs: 1-7 s retries
         security.start_authenticator(self.ctx, keys)
         security.secure_server(self.sock, keys)
-        bind_host = "127.0.0.1" if host.startswith("127.") or host == "localhost" else host
-        self.sock.bind(f"tcp://{bind_host}:{port or '*'}")
+        try:  # the address it was given: a node's own (127.0.0.2 stands in for another host)
+            self.sock.bind(f"tcp://{host}:{port or '*'}")
+        except zmq.ZMQError:
+            if not (host.startswith("127.") or host == "localhost"):
+                raise
+            self.sock.bind(f"tcp://127.0.0.1:{port or '*'}")  # (a system with only 127.0.0.1 on its loopback)
+            host = "127.0.0.1"
         self.port = int(self.sock.last_endpoint.decode().rsplit(":", 1)[1])
         self.endpoint = f"tcp://{host}:{self.port}"
         self.drops = P.DropCounter(log)

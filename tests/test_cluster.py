@@ -1,0 +1,231 @@
+"""A cluster on loopback: two nodes of two ranks, each node with a log dir of its own (no shared file
+system; node 1 listens on 127.0.0.2), keys made once with `mindspeed-ha keygen`. Nodes are lost with
+their agents and started again on fresh, empty directories, as a scheduler would; the job is
+preempted; it never starts whole. Every loss is compared with a fault-free run, bit for bit."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from helpers import PRETRAIN, TINY, assert_ok, clean_env, events, losses
+
+pytestmark = pytest.mark.timeout(420)
+MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
+ITERS = 100
+FLAGS = [*TINY, "--train-iters", str(ITERS), "--enable-hbmfault-repair", "--enable-worker-reboot",
+         "--ha-verify-replicas-interval", "1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ref")
+    proc = subprocess.run(MINDSPEED_HA + ["run", "--standalone", "--nproc-per-node", "4", PRETRAIN, *FLAGS,
+                                          "--ha-log-dir", str(d)], env=clean_env(), capture_output=True, text=True,
+                          timeout=300, cwd=str(d))
+    assert_ok(proc)
+    return losses(d)
+
+
+@pytest.fixture
+def keys(tmp_path):
+    d = tmp_path / "keys"
+    subprocess.run(MINDSPEED_HA + ["keygen", str(d)], check=True, capture_output=True, env=clean_env())
+    return d
+
+
+class Cluster:
+    """Agents started and killed like nodes: each incarnation of a node has its own fresh log dir."""
+
+    def __init__(self, tmp_path, keys, port, env=None, flags=(), slurm=False):
+        self.tmp, self.port, self.flags, self.slurm = tmp_path, port, list(flags), slurm
+        self.env = clean_env({"MINDSPEED_HA_KEY_DIR": str(keys), **(env or {})})
+        self.agents: dict[int, subprocess.Popen] = {}
+        self.dirs: list = []
+        self.node_dir: dict[int, object] = {}
+
+    def start(self, node: int) -> subprocess.Popen:
+        d = self.tmp / f"node{node}-{len(self.dirs)}"
+        d.mkdir()
+        self.dirs.append(d)
+        self.node_dir[node] = d
+        env = dict(self.env)
+        if self.slurm:  # only Slurm's variables and the master's address
+            env.update(SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_NODEID=str(node), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(self.port))
+            shape = []
+        else:
+            shape = ["--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
+                     "--master-port", str(self.port)]
+        cmd = MINDSPEED_HA + ["run", *shape, "--nproc-per-node", "2", "--local-addr", f"127.0.0.{node + 1}",
+                              PRETRAIN, *FLAGS, *self.flags, "--ha-log-dir", str(d)]
+        out = open(d / "agent.out", "w")
+        p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(d))
+        self.agents[node] = p
+        return p
+
+    def lose(self, node: int) -> None:
+        """The node is gone: its agent and its workers (spares too), killed at once."""
+        self.agents[node].kill()
+        _kill(_processes(self.node_dir[node], node))
+        self.agents[node].wait(30)
+
+    def out(self, node: int) -> str:
+        return (self.node_dir[node] / "agent.out").read_text()[-4000:]
+
+    def wait(self, pred, what: str, timeout: float = 180.0):
+        t = time.monotonic()
+        while True:
+            v = pred()
+            if v:
+                return v
+            assert time.monotonic() - t < timeout, f"timed out waiting for {what}: " + \
+                " | ".join(f"node {n}: {self.out(n)[-1500:]}" for n in self.agents)
+            time.sleep(0.2)
+
+    def controller(self, event: str) -> list:
+        return [e for e in events(self.dirs, "controller") if e["event"] == event]
+
+    def iteration(self) -> int:
+        return max([e["iteration"] for e in events(self.dirs, "rank_0") if e["event"] == "step"] or [0])
+
+    def close(self) -> None:
+        for p in self.agents.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        for n, d in enumerate(self.dirs):  # (a killed agent's workers would train on by themselves)
+            _kill(_processes(d, int(d.name[4])))
+
+
+def _processes(log_dir, node: int) -> list:
+    return [e["worker_pid"] for e in events(log_dir, f"agent_{node}")
+            if e["event"] in ("worker_start", "spare_template_start", "spare_start")]
+
+
+def _kill(pids) -> None:
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)  # (each worker leads a session of its own)
+        except (ProcessLookupError, PermissionError):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def metrics(port: int) -> dict:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+
+
+def test_slurm_nodes_with_own_log_dirs_node_lost_then_preempted(tmp_path, keys, ref):
+    """Agents that know the job only from Slurm's variables. Node 1 is lost with its agent; its
+    replacement starts on an empty log dir and joins through the job store; /metrics shows the
+    recovery as it happens. Then the scheduler preempts node 0's agent (SIGTERM): the dying gasp is
+    written and every process exits with 200; `--load` goes on bit-identical."""
+    mport = free_port()
+    ck = tmp_path / "ck"  # checkpoints on shared storage; logs node-local
+    c = Cluster(tmp_path, keys, free_port(), slurm=True,
+                flags=["--save", str(ck), "--save-interval", "1000", "--ha-metrics-port", str(mport)])
+    try:
+        c.start(0)
+        c.start(1)
+        c.wait(lambda: c.iteration() >= 4 and len(c.controller("standby")) >= 2, "training")
+        assert metrics(mport)["mindspeed_ha_ranks_alive"] == 4
+        c.lose(1)
+        c.wait(lambda: c.controller("restart"), "the recovery")
+        assert c.controller("restart")[0]["awaiting_node"] == [2, 3]
+        during = metrics(mport)
+        assert during["mindspeed_ha_ranks_alive"] == 2 and during['mindspeed_ha_state{state="repair"}'] == 1
+        # An operator on node 1, whose log dir knows nothing of the controller, asks through the store.
+        st = subprocess.run(MINDSPEED_HA + ["status", "--log-dir", str(tmp_path / "empty"), "--job-store",
+                                            f"127.0.0.1:{c.port}", "--ha-key-dir", str(keys), "--json"],
+                            env=clean_env(), capture_output=True, text=True, timeout=60)
+        assert st.returncode == 0, st.stdout + st.stderr
+        assert [r["alive"] for r in json.loads(st.stdout)["ranks"]] == [True, True, False, False]
+        c.start(1)
+        c.wait(lambda: c.controller("recovered"), "the replacement node's recovery")
+        after = c.wait(lambda: (m := metrics(mport))["mindspeed_ha_ranks_alive"] == 4 and m, "4 ranks alive")
+        assert after['mindspeed_ha_recoveries_total{strategy="recover"}'] == 1
+        assert after['mindspeed_ha_faults_total{kind="heartbeat-lost"}'] >= 1
+        at = c.controller("recovered")[0]["iteration"]
+        c.wait(lambda: c.iteration() >= at + 2, "training after the recovery")
+        c.agents[0].send_signal(signal.SIGTERM)
+        assert c.agents[0].wait(120) == 200, c.out(0)
+        assert c.agents[1].wait(60) == 200, c.out(1)
+    finally:
+        c.close()
+    gasp = c.controller("checkpoint")
+    assert gasp and gasp[0]["kind"] == "dying_gasp", c.controller("diagnosis")
+    assert "preempted" in c.controller("diagnosis")[-1]["text"]
+    saved = gasp[0]["iteration"]
+    got = losses(c.dirs)
+    assert got == {i: ref[i] for i in got} and saved >= max(got) - 1  # (a step may be logged, not all saved)
+    # Resume from the dying gasp on one node: the rest of the run, bit for bit.
+    d = tmp_path / "resume"
+    d.mkdir()
+    proc = subprocess.run(MINDSPEED_HA + ["run", "--standalone", "--nproc-per-node", "4", PRETRAIN, *FLAGS,
+                                          "--load", str(ck), "--ha-log-dir", str(d)],
+                          env=clean_env(), capture_output=True, text=True, timeout=300, cwd=str(d))
+    assert_ok(proc)
+    assert losses(d) == {i: h for i, h in ref.items() if i > saved}
+
+
+def test_controller_node_lost_three_times(tmp_path, keys, ref):
+    """Node 0 (rank 0 hosts the controller, node 0's agent serves the job store) is lost; its
+    replacement serves a new, empty store that the running job fills again, and joins. A standby on
+    node 1 took over and named new standbys; then node 1, now the controller's, is lost; then node 0
+    again. Each time the controller's node goes and comes back; the job ends whole, bit-identical."""
+    c = Cluster(tmp_path, keys, free_port())
+    try:
+        c.start(0)
+        c.start(1)
+        step = 3
+        for n, node in enumerate((0, 1, 0), start=1):
+            c.wait(lambda: c.iteration() >= step, f"iteration {step}")
+            # (the controller's node can be lost once its standbys stand by: 2 named by each controller)
+            c.wait(lambda: len(c.controller("standby")) >= 2 * n, f"the standbys of controller {n}")
+            time.sleep(1.5)  # every rank hears of them in its next heartbeat's answer (0.5 s)
+            c.lose(node)
+            c.start(node)
+            c.wait(lambda: len(c.controller("recovered")) >= n, f"recovery {n} (node {node})", timeout=240)
+            step = c.controller("recovered")[-1]["iteration"] + 3
+        assert c.agents[0].wait(240) == 0, c.out(0)
+        assert c.agents[1].wait(60) == 0, c.out(1)
+    finally:
+        c.close()
+    assert len(c.controller("takeover")) == 3
+    assert [e["strategy"] for e in c.controller("recovered")] == ["recover"] * 3
+    assert losses(c.dirs) == ref
+
+
+def test_a_node_that_never_comes_ends_the_job_with_its_name(tmp_path, keys):
+    port = free_port()
+    c = Cluster(tmp_path, keys, port, flags=["--ha-register-timeout", "4"])
+    try:
+        p = c.start(0)
+        assert p.wait(120) == 201, c.out(0)
+    finally:
+        c.close()
+    text = c.out(0)
+    assert "node(s) 1 (rank(s) 2, 3) did not come up within --ha-register-timeout 4 s" in text, text
+
+
+def test_several_nodes_without_keys_are_refused(tmp_path):
+    p = subprocess.run(MINDSPEED_HA + ["run", "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "2",
+                                       PRETRAIN, *FLAGS, "--ha-log-dir", str(tmp_path)],
+                       env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "mindspeed-ha keygen" in p.stderr and "--ha-key-dir" in p.stderr and "Traceback" not in p.stderr
