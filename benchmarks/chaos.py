@@ -78,7 +78,8 @@ def run(log_dir: str, iters: int, a, inject: str | None) -> subprocess.Completed
            "--micro-batch-size", "2", "--use-distributed-optimizer", "--mock-data", "--lr-warmup-iters", "2",
            "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--train-iters", str(iters),
            "--enable-hbmfault-repair", "--enable-worker-reboot", "--ha-hang-timeout", str(HANG_TIMEOUT_S),
-           "--ha-spares", str(a.spares), "--ha-log-dir", log_dir]
+           "--ha-spares", str(a.spares), "--ha-log-dir", log_dir,
+           "--ha-max-restarts", "1000"]  # (a drill of many kills: not a crash-looping node)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MINDSPEED_HA_", "HIGH_AVAILABILITY"))}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     if inject:

@@ -63,6 +63,7 @@ def free_port() -> int:
 def model_args(a) -> list[str]:
     return ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads),
             "--seq-length", str(a.seq), "--micro-batch-size", str(a.mbs), "--vocab-size", str(a.vocab),
+            "--global-batch-size", str(a.mbs * a.nproc * a.micro_batches),
             "--train-iters", str(a.iters), "--lr-warmup-iters", "0", "--log-interval", str(10 ** 6),
             "--use-distributed-optimizer", "--mock-data", "--bench-warmup", str(a.warmup)] + \
            (["--bf16"] + ([] if a.fp32_grads else ["--grad-reduce-in-bf16"]) if not a.fp32 else [])
@@ -173,6 +174,9 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=None)
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--mbs", type=int, default=None)
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="micro-batches per rank per step (gradient accumulation, as real jobs have: the "
+                        "gradient sync and the optimizer are paid once per step)")
     p.add_argument("--vocab", type=int, default=127, help="NullTokenizer vocab; padded to 128 x TP")
     p.add_argument("--fp32", action="store_true", help="fp32 params (the bf16 formulas do not apply)")
     p.add_argument("--fp32-grads", action="store_true",
@@ -223,7 +227,7 @@ def main(argv=None) -> int:
         f_dist, f_rep, assumes = 4 + 16 / d, 4 + 32 / d, "bf16 params, bf16 grads: 4+16/d, 4+32/d"
 
     print(f"\nconfig: shape {a.shape}, {a.nproc} ranks (DP d={d}), {a.layers} layers, hidden {a.hidden}, seq {a.seq}, "
-          f"mbs {a.mbs}, {a.iters} iters ({a.warmup} warm-up), {a.repeats} interleaved pairs; {assumes}")
+          f"mbs {a.mbs} x {a.micro_batches} micro-batch(es), {a.iters} iters ({a.warmup} warm-up), {a.repeats} interleaved pairs; {assumes}")
     print(f"step time: plain {1000 * med['plain']:.2f} ms, replica {1000 * med['replica']:.2f} ms, "
           f"ratio {statistics.median(pair_ratios):.4f} (median of pairs: {', '.join(f'{x:.3f}' for x in pair_ratios)}; "
           f"pooled {med['replica'] / med['plain']:.4f})")
@@ -250,7 +254,7 @@ def main(argv=None) -> int:
     print(f"total {time.perf_counter() - t0:.1f} s")
 
     result = {
-        "shape": a.shape,
+        "shape": a.shape, "micro_batches": a.micro_batches,
         "ha_runtime_ratio": round(statistics.median(pair_ratios), 4),
         "step_time_ratio": round(statistics.median(pair_ratios), 4),
         "step_time_ratio_pooled": round(med["replica"] / med["plain"], 4),

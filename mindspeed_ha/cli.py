@@ -136,7 +136,10 @@ def cmd_controller(args) -> int:
     opts = HAOptions(strategies=frozenset({"dump"}), log_dir=log_dir, key_dir=args.ha_key_dir,
                      insecure=args.ha_insecure, heartbeat_s=args.ha_heartbeat_interval,
                      hang_timeout_s=args.ha_hang_timeout)
-    return run_standalone(log_dir, args.world_size, opts, host=args.host, port=args.port)
+    # MindSpore's names for where an external controller listens, when the flags do not say
+    host = args.host or os.environ.get("MS_TFT_IP") or None
+    port = args.port or int(os.environ.get("MS_TFT_PORT") or 0)
+    return run_standalone(log_dir, args.world_size, opts, host=host, port=port)
 
 
 def cmd_keygen(args) -> int:
@@ -194,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--rank", type=int, required=True)
     m.add_argument("--reason", default="requested by an operator")
     r = sub.add_parser("report", help="every fault and recovery of a job, and DIR/recovery_timeline.png")
-    r.add_argument("log_dir")
+    r.add_argument("log_dir", nargs="+", help="the job's log dir (node-local dirs: every node's)")
     r.add_argument("--json", action="store_true")
     r.add_argument("--no-picture", action="store_true")
     args = p.parse_args(argv)

@@ -1,4 +1,6 @@
-"""``mindspeed-ha report DIR``: every fault of a job and what became of it, from its event logs.
+"""``mindspeed-ha report DIR [DIR ...]``: every fault of a job and what became of it, from its event
+logs (nodes with their own log dirs: name them all; the controller's events may be in several, one
+per controller that was active).
 
 One row per episode (a fault and what followed: the strategy, then ``recovered``, a dying-gasp
 ``checkpoint``, a refusal or the exit; a migration is an episode whose fault is ``migrate``), and a timeline picture, ``DIR/recovery_timeline.png``:
@@ -18,12 +20,25 @@ PHASE_COLORS = {"detect": "tab:gray", "stop": "tab:orange", "status": "tab:olive
                 "first_step": "tab:blue"}
 
 
-def episodes(log_dir: str) -> list[dict]:
-    path = os.path.join(log_dir, "events", "controller.jsonl")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no controller events (was the job run with HA on and --ha-log-dir {log_dir}?)")
+def _events(log_dirs, prefix: str) -> list[dict]:
+    """Events of every ``events/<prefix>*.jsonl`` in the dirs, in time order."""
+    out = []
+    for d in log_dirs:
+        ev = os.path.join(d, "events")
+        for name in sorted(os.listdir(ev)) if os.path.isdir(ev) else ():
+            if name.startswith(prefix):
+                out += read_events(os.path.join(ev, name))
+    return sorted(out, key=lambda e: e["time"])
+
+
+def episodes(log_dirs) -> list[dict]:
+    log_dirs = [log_dirs] if isinstance(log_dirs, str) else list(log_dirs)
+    events = _events(log_dirs, "controller.jsonl")
+    if not events:
+        raise FileNotFoundError(f"no controller events in {', '.join(log_dirs)} (was the job run with HA on and "
+                                "--ha-log-dir there? with node-local dirs, name every node's)")
     out, cur = [], None
-    for e in read_events(path):
+    for e in events:
         kind = e["event"]
         if kind == "fault":
             if cur is None:
@@ -74,14 +89,12 @@ def table(eps: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def timeline(log_dir: str, eps: list[dict], path: str) -> str:
+def timeline(log_dirs, eps: list[dict], path: str) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    steps = []
-    for name in sorted(os.listdir(os.path.join(log_dir, "events"))):
-        if name.startswith("rank_"):
-            steps += [e for e in read_events(os.path.join(log_dir, "events", name)) if e["event"] == "step"]
+    log_dirs = [log_dirs] if isinstance(log_dirs, str) else list(log_dirs)
+    steps = [e for e in _events(log_dirs, "rank_") if e["event"] == "step"]
     t0 = min([e["time"] for e in steps] + [ep["start"] for ep in eps] or [0.0])
     fig, ax = plt.subplots(figsize=(10, 4))
     steps.sort(key=lambda e: e["time"])
@@ -103,22 +116,24 @@ def timeline(log_dir: str, eps: list[dict], path: str) -> str:
     ax.legend(fontsize=7, loc="upper left", ncol=2)
     ax.set_xlabel("seconds since the first step")
     ax.set_ylabel("iteration")
-    ax.set_title(f"mindspeed-ha: {len(eps)} fault episode(s) in {os.path.abspath(log_dir)}", fontsize=9)
+    ax.set_title(f"mindspeed-ha: {len(eps)} fault episode(s) in {', '.join(map(os.path.abspath, log_dirs))}"[:150],
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
-def main(log_dir: str, picture: bool = True, as_json: bool = False) -> int:
-    eps = episodes(log_dir)
+def main(log_dirs, picture: bool = True, as_json: bool = False) -> int:
+    log_dirs = [log_dirs] if isinstance(log_dirs, str) else list(log_dirs)
+    eps = episodes(log_dirs)
     if as_json:
         print(json.dumps([{k: v for k, v in ep.items() if k != "dump"} for ep in eps], default=str))
     else:
         print(table(eps))
     if picture:
         try:
-            path = timeline(log_dir, eps, os.path.join(log_dir, "recovery_timeline.png"))
+            path = timeline(log_dirs, eps, os.path.join(log_dirs[0], "recovery_timeline.png"))
             print(f"timeline: {path}")
         except ImportError:
             print("timeline picture skipped: matplotlib is not installed (pip install 'mindspeed-ha[report]')")

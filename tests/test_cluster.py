@@ -209,6 +209,11 @@ def test_controller_node_lost_three_times(tmp_path, keys, ref):
     assert len(c.controller("takeover")) == 3
     assert [e["strategy"] for e in c.controller("recovered")] == ["recover"] * 3
     assert losses(c.dirs) == ref
+    # The report reads every node's dirs: each controller's events are where it ran.
+    rep = subprocess.run(MINDSPEED_HA + ["report", *map(str, c.dirs), "--no-picture"], env=clean_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert rep.returncode == 0, rep.stderr
+    assert len([ln for ln in rep.stdout.splitlines() if "recovered" in ln and "recover " in ln]) == 3, rep.stdout
 
 
 def test_a_node_that_never_comes_ends_the_job_with_its_name(tmp_path, keys):

@@ -175,18 +175,23 @@ NO_TORCH = ("import sys; sys.modules['torch'] = None\n"
 
 
 def test_standalone_controller(tmp_path):
+    """`mindspeed-ha controller` on a head node without torch, where MindSpore's MS_TFT_IP/MS_TFT_PORT
+    say it listens: the job finds it there (its controller.json is removed), no rank hosts one."""
+    tft = {"MS_TFT_IP": "127.0.0.1", "MS_TFT_PORT": str(_free_port())}
     ctl = subprocess.Popen([sys.executable, "-c", NO_TORCH, "controller", "--log-dir", str(tmp_path),
-                            "--world-size", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            "--world-size", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, **tft})
     try:
         assert wait_for(lambda: (tmp_path / "controller.json").exists(), 30)
-        p = launch(tmp_path, "--steps", "400", "--fault", "exit:rank=1:step=3:phase=optimizer",
-                   env={"MINDSPEED_HA_CONTROLLER": "external"})
+        assert json.load(open(tmp_path / "controller.json"))["port"] == int(tft["MS_TFT_PORT"])
+        os.unlink(tmp_path / "controller.json")
+        p = launch(tmp_path, "--steps", "400", "--fault", "exit:rank=1:step=3:phase=optimizer", env=tft)
         rc, out, err, t_end = finish(p)
         text = _check_clean_end(tmp_path, rc, err, t_end, 1, "process-exit", "optimizer")
         assert "exit code 1" in text
         _, cerr = ctl.communicate(timeout=20)
         assert ctl.returncode == 1 and text in cerr
-        assert json.load(open(tmp_path / "controller.json"))["rank"] is None
+        assert not [e for e in events(tmp_path, "rank_0") if e["event"] == "takeover"]
     finally:
         if ctl.poll() is None:
             ctl.kill()
@@ -249,3 +254,21 @@ def test_agent_reports_exits_and_obeys_restart(tmp_path):
         srv.close()
         security.stop_authenticator(ctx)
         ctx.term()
+
+
+def test_per_rank_log_files_and_prefixed_console(tmp_path):
+    """torchrun's --log-dir and --tee: each rank's stdout and stderr in its own file (torch's layout),
+    and on the agent's console with the rank in front of every line."""
+    script = tmp_path / "hello.py"
+    script.write_text("import os, sys\nprint('hello from', os.environ['RANK'])\n"
+                      "print('warning from', os.environ['RANK'], file=sys.stderr)\n")
+    p = subprocess.run([sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", "--nproc-per-node", "2",
+                        "--log-dir", str(tmp_path / "out"), "--tee", "3", str(script), "--ha-log-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    for r in (0, 1):
+        out = list((tmp_path / "out").glob(f"*/attempt_0/{r}/stdout.log"))
+        err = list((tmp_path / "out").glob(f"*/attempt_0/{r}/stderr.log"))
+        assert out and out[0].read_text() == f"hello from {r}\n"
+        assert err and err[0].read_text() == f"warning from {r}\n"
+        assert f"[default{r}]:hello from {r}" in p.stdout and f"[default{r}]:warning from {r}" in p.stderr

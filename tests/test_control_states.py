@@ -229,3 +229,18 @@ def test_a_straggler_is_named_by_its_own_work_not_its_step_time():
     calm = StragglerWatch(ratio=1.3, steps=1)
     slow.busy, slow.busy_steps = 0.05 + 0.019, 1  # 1.4x, but 19 ms: a time slice, not a straggler
     assert calm.observe(slow, ranks) is None
+
+
+def test_restart_budget_counts_restarts_replacements_and_crash_loops():
+    from mindspeed_ha.control.budget import RestartBudget
+    b = RestartBudget(2)
+    assert b.refusal({1: 5}, set()) is None
+    b.count({1: 5}, [])                               # died in step 5, restarted
+    assert b.refusal({1: 6}, set()) is None           # got past step 5 before dying again: may go again
+    assert "crash loop" in b.refusal({1: 5}, set())   # died again in (or before) the step its predecessor did
+    b.count({1: 6}, [])
+    assert "restarted 2 time(s) already (--ha-max-restarts 2)" in b.refusal({1: 9}, set())
+    b.count({}, [1, 1])
+    assert b.refusal({2: 3}, {1}) is None             # one replacement of node 1 so far
+    b.count({}, [1])
+    assert "node(s) [1] were replaced 2 time(s)" in b.refusal({2: 3}, {1})

@@ -383,3 +383,19 @@ def alive_pid(pid: int) -> bool:
             return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_restart_budget_spent_ends_the_job_with_do_not_restart(tmp_path, ref):
+    """--ha-max-restarts 1: rank 1 killed in step 3 is restarted (its one restart) and the job goes on;
+    killed again in step 6, it is not restarted: the dump applies (nowhere to write here) and every
+    process exits with 3, the code that tells a scheduler not to restart the job as it is."""
+    proc = job(tmp_path, inject="kill:rank=1:step=3:phase=backward,kill:rank=1:step=6:phase=forward",
+               extra=ARF + ("--ha-max-restarts", "1"))
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    rec = [e for e in events(tmp_path, "controller") if e["event"] == "recovered"]
+    assert [e["strategy"] for e in rec] == ["recover"]
+    strategy = [e for e in events(tmp_path, "controller") if e["event"] == "strategy"][-1]
+    assert "recover not tried: rank(s) [1] were restarted 1 time(s) already (--ha-max-restarts 1)" in strategy["reason"]
+    diag = [e for e in events(tmp_path, "controller") if e["event"] == "diagnosis"][-1]
+    assert diag["exit_code"] == 3 and "--ha-max-restarts 1" in diag["text"] and diag["text"] in proc.stderr
+    assert {i: h for i, h in losses(tmp_path).items() if i < 6} == {i: h for i, h in ref["dp4"].items() if i < 6}

@@ -235,7 +235,8 @@ def test_megatron_lm_recover_restarts_only_the_killed_workers(tmp_path, fault_fr
     faults = ("kill:rank=1:step=3:phase=optimizer,kill:rank=2:step=5:phase=backward,"
               "uce:rank=3:step=8:phase=backward")
     proc = _mindspeed_ha_run(tmp_path, "--enable-worker-reboot", "--enable-hbmfault-repair",
-                             "--save", str(tmp_path / "ck"), "--save-interval", "4", *VERIFY, inject=faults)
+                             "--save", str(tmp_path / "ck"), "--save-interval", "4", *VERIFY,
+                             "--tensorboard-dir", str(tmp_path / "tb"), inject=faults)
     assert_ok(proc)
     got = losses(tmp_path)
     assert sorted(got) == list(range(1, 11)) and got == fault_free
@@ -243,6 +244,14 @@ def test_megatron_lm_recover_restarts_only_the_killed_workers(tmp_path, fault_fr
     rec = [e for e in read_events(tmp_path, "controller") if e["event"] == "recovered"]
     assert [(e["strategy"], e["iteration"], e["how"], e["lost_steps"]) for e in rec] == [
         ("recover", 3, "roll-forward", 0), ("recover", 4, "rollback", 0), ("retry", 7, "rollback", 0)]
+    # Megatron-LM's TensorBoard writer (the last rank's) got each recovery at the step that closed it.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tb = EventAccumulator(str(tmp_path / "tb"))
+    tb.Reload()
+    seconds = tb.Scalars("ha/recovery_seconds")
+    assert [s.step for s in seconds] == [e["iteration"] + 1 for e in rec]
+    assert all(0 < s.value < 30 for s in seconds)
+    assert [s.value for s in tb.Scalars("ha/lost_steps")] == [0.0] * 3
     assert all(e["mttr_s"] < 10 for e in rec)
     twins_agree(tmp_path, rec)
     pids: dict = {}

@@ -32,6 +32,7 @@ from .ranks import Agent, Rank, RankTable
 from .router import Router
 from .rounds import Runner
 from .states import TABLE, TIMEOUTS, Machine, Outcome as O, State as S, choose_strategy
+from .succession import Succession
 
 log = get_logger("control.controller")
 BUILT = {"dump", "retry", "recover"}
@@ -125,6 +126,7 @@ class Controller:
         self.last_diagnosis = ""
         self.restarting: set[int] = set()     # ranks restarted by their agent, not registered again yet
         self.budget = RestartBudget(self.options.max_restarts)
+        self.died_in: dict[int, int] = {}     # rank -> the iteration its process was lost in
         self.started_at = time.monotonic()
         self.generation = 0                   # of the rebuild store's key space; one per rebuild or dump
         self.pending: dict[int, dict] = {}    # order id -> {action, ranks waiting, results, cli ident, frame}
@@ -149,6 +151,7 @@ class Controller:
         self.port_number, self.endpoint = self.router.port, self.router.endpoint
         self.handlers = Inbox(self).handlers()
         self.migrations = Migrations(self)
+        self.succession = Succession(self)    # standbys, takeovers, a handover before the host migrates
         self.actions = {S.NORMAL: self._training, S.PAUSE: self._stop_survivors, S.DECIDE: self._decide,
                         S.REPAIR: self._play, S.ROLLBACK: self._play, S.DUMP: self._play, S.EXIT: self._tell_exit}
         self._last_scan = 0.0
@@ -233,8 +236,9 @@ class Controller:
         now = time.monotonic()
         try:
             if self.standby:
-                self._maybe_promote(now)
+                self.succession.maybe_promote(now)
                 return
+            self.succession.migrate_when_ready(now)
             if now - self._last_scan >= self.hb / 10:
                 self._last_scan = now
                 self._scan(now)
@@ -305,7 +309,8 @@ class Controller:
         by_agent = sorted(r for a in live_agents for r in a.ranks if r in ranks)
         awaiting = sorted(set(ranks) - set(by_agent))
         self.restarting = set(ranks)
-        self.budget.count(by_agent, [a.node_rank for a in self.agents.values() if set(a.ranks) & set(awaiting)])
+        self.budget.count({r: self.died_in.get(r, -1) for r in ranks},
+                          [a.node_rank for a in self.agents.values() if set(a.ranks) & set(awaiting)])
         if by_agent:
             self._to_agents("restart", {"ranks": by_agent})
         return by_agent, awaiting, []
@@ -338,6 +343,7 @@ class Controller:
             self.first_step = None
         if kind in ("process-exit", "heartbeat-lost", "controller-lost", "node-lost"):
             self.table.mark_dead(ranks)
+            self.died_in.update({r: int(iteration) for r in ranks})
             for pend in self.pending.values():  # a dead rank owes no answers (nor its successor)
                 pend["waiting"].difference_update(ranks)
         self.faults.append(rec)
@@ -482,7 +488,7 @@ class Controller:
             self.first_step = FirstStep(self.episode, list(self.active_faults), now)
             self.active_faults.clear()
             self.table.moved(now)
-        self._name_standbys()
+        self.succession.name_standbys()
         return None
 
     def _stop_survivors(self):
@@ -506,7 +512,7 @@ class Controller:
         refusal = self._budget_refusal() if "recover" in ordered else None
         if refusal:
             ordered = [s for s in ordered if s != "recover"]
-            self.budget.spent = True
+            self.budget.spent = f"recover not tried: {refusal}"
         outcome, why = choose_strategy(ordered, kinds, BUILT)
         if refusal:
             why = f"recover not tried: {refusal}; {why}"
@@ -519,7 +525,7 @@ class Controller:
 
     def _budget_refusal(self) -> str | None:
         now = time.monotonic()
-        lost = {r: self.ranks[r].steps for r in self.table.lost() if r in self.ranks}
+        lost = {r: self.died_in.get(r, self.ranks[r].it) for r in self.table.lost() if r in self.ranks}
         gone = {a.node_rank for a in self.agents.values()
                 if set(a.ranks) & set(lost) and a not in self.table.live_agents(now)}
         return self.budget.refusal(lost, gone)
@@ -552,8 +558,11 @@ class Controller:
                           exitcodes.DO_NOT_RESTART if self.budget.spent else
                           exitcodes.FAULT if self.faults else exitcodes.OK)
         dump = self.episode.result if self.episode is not None and self.playbook is playbooks.DUMP else None
-        text = self.last_diagnosis = diagnosis(faults, len(self.table.live()), self.strategy_note, dump,
-                                               self.log_dir, self.exit_code)
+        note = self.strategy_note
+        if self.budget.spent and self.budget.spent not in note:
+            note = f"{self.budget.spent}; {note}"
+        text = self.last_diagnosis = diagnosis(faults, len(self.table.live()), note, dump, self.log_dir,
+                                               self.exit_code)
         self.events.emit("diagnosis", text=text, exit_code=self.exit_code)
         log.error(text)
         args = {"code": self.exit_code, "diagnosis": text}
@@ -569,44 +578,12 @@ class Controller:
             finally:
                 self.local_exit(self.exit_code)
 
-    # ---- standbys -----------------------------------------------------------------------------
-    def _name_standbys(self) -> None:
-        """Name the standbys; after a recovery, replace those whose process was lost (a restarted
-        rank runs no standby), so that the controller's own loss stays survivable."""
-        if self.machine.state != S.NORMAL or self.world < 2:
-            return
-        lost, new = self.standbys.renew(self.ranks, self.rank)
-        if new:
-            self.order("standby", new, {"world": self.world, "epoch": self.epoch,
-                                        "controller": -1 if self.rank is None else self.rank})
-        if lost:
-            self._refresh_ack()
-            self._announce(quiet=True)
-            log.info("standby controller(s) on rank(s) %s lost; new standby on %s", lost, new)
-
-    def _maybe_promote(self, now: float) -> None:
-        window = 3.0 * max(self.hb, 0.5)
-        reachable = {r for r, i in self.ranks.items() if now - i.seen < window and i.alive}
-        if self.rank is not None:
-            reachable.add(self.rank)
-        known_lost = self.previous is not None and self.previous >= 0 and self.previous not in reachable
-        if not election.may_take_over(len(reachable), self.world, not known_lost):
-            return
-        self.standby = False
-        self.epoch += 1
-        self.machine = Machine(self._on_transition, state=S.NORMAL)
-        self.table.heard_all(now)  # start the clocks now for ranks that have not come over yet
-        self.table.expect_all(now)
-        self._announce()
-        self._serve_metrics()
-        self.events.emit("takeover", rank=self.rank, epoch=self.epoch, reachable=len(reachable))
-        log.warning("controller takeover by rank %s (epoch %d): %d of %d ranks reachable",
-                    self.rank, self.epoch, len(reachable), self.world)
-        self._refresh_ack()
-        deferred, self._deferred = self._deferred, []
-        for rec in deferred:
-            self._fault(rec["ranks"], rec["kind"], rec["iteration"], rec["phase"], rec["detect_s"],
-                        rec["detail"], key=("deferred", tuple(rec["ranks"]), rec["kind"], rec["time"]))
+    def retire(self) -> None:
+        """Handed over to a standby: stop controlling (the router flushes what was sent as it closes)."""
+        self._stop.set()
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
 
     # ---- status -------------------------------------------------------------------------------
     def status(self) -> dict:

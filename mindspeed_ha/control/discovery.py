@@ -47,6 +47,12 @@ def store_address(env=os.environ) -> tuple[str, int] | None:
     return (host, int(port)) if host and port.isdigit() else None
 
 
+def controller_is_external(env=os.environ) -> bool:
+    """The job's controller runs as its own process (``mindspeed-ha controller``), not in rank 0:
+    ``MINDSPEED_HA_CONTROLLER=external``, or MindSpore's ``MS_TFT_IP`` naming where it listens."""
+    return env.get("MINDSPEED_HA_CONTROLLER", "rank0") != "rank0" or bool(env.get("MS_TFT_IP"))
+
+
 def external_controller(env=os.environ) -> str | None:
     """``MS_TFT_IP`` / ``MS_TFT_PORT``: an external controller (``mindspeed-ha controller``) listens there."""
     ip, port = env.get("MS_TFT_IP"), env.get("MS_TFT_PORT")

@@ -110,6 +110,12 @@ class Inbox:
         pend["results"][r] = (msg["ok"], msg.get("data") if msg["ok"] else msg.get("error", ""))
         if msg["action"] == "stop" and r in self.c.ranks:
             self.c.ranks[r].stopped = True
+        if msg["action"] == "takeover":
+            if msg["ok"]:
+                self.c.succession.taken_over(str(msg.get("data") or ""))
+            else:
+                self.c.succession.handing_to = None
+                self.c.events.emit("migrate_refused", rank=self.c.rank, why=f"handover failed: {msg.get('error')}")
         if msg["action"] == "standby" and msg["ok"]:
             self.c.standbys.up(r, msg.get("data") or "")
             self.c._refresh_ack()

@@ -103,6 +103,12 @@ class ControllerLink:
             if ep:
                 self._connect(ep)
 
+    def switch(self, endpoint: str) -> None:
+        """The controller handed over to ``endpoint``: connect there now."""
+        if endpoint and endpoint != self.endpoint:
+            log.info("%s: the controller moved to %s", self.name, endpoint)
+            self._connect(endpoint)
+
     def receive(self, timeout_ms: int) -> list[dict]:
         if self.sock is None:
             time.sleep(timeout_ms / 1000)

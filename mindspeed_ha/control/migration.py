@@ -37,6 +37,8 @@ class Migrations:
             return f"rank {r} is not a live registered rank"
         if c.machine.state != S.NORMAL:
             return f"the job is in state {c.machine.state.value}; a migration starts only while it trains"
+        if c.first_step is not None:  # (a planned move can wait for the last recovery to settle)
+            return "the last recovery has not completed its first step yet; a migration starts only while it trains"
         if "recover" not in c.options.strategies:
             return ("migration hands the rank to a spare worker, which the recover strategy provides: start the "
                     "job with --enable-worker-reboot (or HIGH_AVAILABILITY=...,recover)")
@@ -46,9 +48,6 @@ class Migrations:
         twins = [t for t in info.groups[0] if t != r and t in c.table.live()]
         if not twins:
             return f"rank {r} has no live twin to take its state from (replica group {info.groups[0]})"
-        if r == c.rank:
-            return (f"rank {r} hosts the active controller, which cannot hand itself over to a standby yet; run "
-                    "the controller as its own process (mindspeed-ha controller) to migrate every rank")
         agent = c.table.agent_of(r)
         if agent is None:
             return f"rank {r} has no launcher agent to restart it (start the job with mindspeed-ha run)"
@@ -64,6 +63,11 @@ class Migrations:
         if why:
             c.events.emit("migrate_refused", rank=r, reason=reason, why=why)
             log.warning("migration of rank %d refused: %s", r, why)
+            return why
+        if r == c.rank:  # this controller's host: a standby takes over first, then migrates it
+            why = c.succession.hand_over(r, reason)
+            if why:
+                c.events.emit("migrate_refused", rank=r, reason=reason, why=why)
             return why
         info = c.ranks[r]
         self.moving[r] = {"old_pid": info.pid, "old_node": info.node, "reason": reason}

@@ -20,7 +20,7 @@ from ..events import EventLog, get_logger, setup_text_log
 from ..options import HAOptions
 from . import protocol as P, security
 from .board import ProgressBoard, board_path
-from .discovery import JobStore
+from .discovery import JobStore, controller_is_external
 from .link import ControllerLink, job_id_from_env
 
 log = get_logger("control.processor")
@@ -78,14 +78,13 @@ class Processor:
                 self.board = ProgressBoard(path)
             except OSError as e:
                 log.warning("no progress board at %s: %s", path, e)
-        mode = os.environ.get("MINDSPEED_HA_CONTROLLER", "rank0")
+        in_rank0 = not controller_is_external()
         self.keys = security.Keys.load(self.log_dir, self.options.key_dir, self.options.insecure,
-                                       create=(self.rank == 0 and mode == "rank0"),
-                                       job=self.job_id if mode == "rank0" else None)
+                                       create=(self.rank == 0 and in_rank0), job=self.job_id if in_rank0 else None)
         # A restarted rank 0 (recover) finds the controller that took over from its predecessor.
         restarted = int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0) > 0
         self.job_store = JobStore.from_env()  # where the controller is announced to every node
-        if self.rank == 0 and mode == "rank0" and not restarted:
+        if self.rank == 0 and in_rank0 and not restarted:
             from .controller import Controller
             self.controller = Controller(self.log_dir, self.world, self.options, self.keys, rank=0,
                                          job_id=self.job_id, local_exit=self._exit_now,
@@ -276,7 +275,7 @@ class Processor:
                 log.error("%s", args["diagnosis"])
             self._result(action, aid, True, data="exiting")
             self._exit_now(int(args.get("code", 1)), flush_link=True)
-        elif action in ("stop", "standby"):
+        elif action in ("stop", "standby", "takeover", "reconnect"):
             self._run_handler(action, aid, args)
         elif action in self._main_actions:
             self._main.put((action, aid, args))
@@ -284,7 +283,8 @@ class Processor:
             self._work.put((action, aid, args))
 
     def _run_handler(self, action, aid, args) -> None:
-        fn = self.handlers.get(action) or {"stop": self._stop_collectives, "standby": self._stand_by}.get(action)
+        fn = self.handlers.get(action) or {"stop": self._stop_collectives, "standby": self._stand_by,
+                                           "takeover": self._take_over, "reconnect": self._reconnect}.get(action)
         if fn is None:
             self._result(action, aid, False, error=f"no handler for {action!r} on rank {self.rank}")
             return
@@ -333,6 +333,18 @@ class Processor:
                                          local_exit=self._exit_now, job_store=self.job_store,
                                          previous=int(args.get("controller", -1))).start()
         return self.controller.endpoint
+
+    def _take_over(self, args):
+        """The active controller hands itself over to this standby (its host is to be migrated)."""
+        if self.controller is None or not self.controller.standby:
+            raise RuntimeError(f"rank {self.rank} runs no standby controller")
+        self.controller.succession.ordered = dict(args)  # (its own thread promotes it)
+        return self.controller.endpoint
+
+    def _reconnect(self, args):
+        """The controller moved (a handover): go there now."""
+        self.link.switch(str(args["endpoint"]))
+        return "reconnecting"
 
     def _exit_now(self, code: int, flush_link: bool = False) -> None:
         from mindspeed_ha.process import exit_now

@@ -91,7 +91,7 @@ class Agent:
         self.job_id = env.get("MINDSPEED_HA_JOB_ID") or a.job_id or (
             uuid.uuid4().hex if a.standalone or a.nnodes == 1 else f"{a.master_addr}-{a.master_port}")
         # The job's own keys; an external controller (``mindspeed-ha controller``) made its own, unnamed.
-        external = env.get("MINDSPEED_HA_CONTROLLER", "rank0") != "rank0"
+        external = discovery.controller_is_external(env)
         self.key_dir = os.path.abspath(security.key_dir_for(self.log_dir, kd, None if external else self.job_id))
         self.register_timeout = self.opts.register_timeout_s if self.opts else 300.0
         self.term_grace = self.opts.term_grace_s if self.opts else 60.0
@@ -268,7 +268,7 @@ class Agent:
                                       create=(a.nnodes == 1), timeout=5.0)
         except security.SecurityError as e:
             raise LaunchError(str(e)) from None
-        if a.node_rank == 0 and os.environ.get("MINDSPEED_HA_CONTROLLER", "rank0") == "rank0":
+        if a.node_rank == 0 and not discovery.controller_is_external():
             info = read_controller_json(self.log_dir)
             if info and info.get("job_id") != self.job_id:
                 os.unlink(os.path.join(self.log_dir, "controller.json"))  # a previous job's
