@@ -5,10 +5,11 @@ import os
 import sys
 from typing import NoReturn
 
+from mindspeed_ha import exitcodes
 from mindspeed_ha.options import HAConfigError
 
 
-def _fail(msg: str, code: int = 2) -> NoReturn:
+def _fail(msg: str, code: int = exitcodes.BAD_INPUT) -> NoReturn:
     rank = os.environ.get("RANK", "0")
     sys.stderr.write(f"mindspeed-ha: error (rank {rank}): {msg}\n")
     sys.stderr.flush()
@@ -75,7 +76,7 @@ def run(argv: list[str] | None = None) -> int:
         # A fault inside: reported, the recovery served, and on (from where the recovery left it).
         session.survive(trainer.train, lambda: trainer.iteration + 1)
     except ReplicaMismatchError as e:
-        _fail(str(e), code=3)
+        _fail(str(e), code=exitcodes.REPLICA_MISMATCH)
     except CheckpointError as e:  # --load refused before any tensor was read
         _fail(str(e))
     finally:
