@@ -33,6 +33,7 @@ from ..events import EventLog, get_logger, log_dir_from_env, setup_text_log
 from ..options import from_script_args
 from . import rendezvous, spare
 from .args import Launch, LaunchError, build_parser, resolve
+from .devices import DeviceHealth
 from .health import HealthHook
 from .logs import WorkerLogs
 from .rendezvous import ranks_of
@@ -261,8 +262,12 @@ class Agent:
         self.spares = spare.Pool(spare.wanted(self.script_args), self.a.cmd + self.script_args,
                                  self._env(-1, -1, 0), self.events, f"agent {a.node_rank}",
                                  os.path.join(self.board_dir, "spares"))
-        self.health = HealthHook(self.opts.health_cmd, self.opts.health_interval_s) \
+        # evidence of sub-healthy ranks from outside training: the user's hook and the GPUs' driver
+        hook = HealthHook(self.opts.health_cmd, self.opts.health_interval_s) \
             if self.opts and self.opts.health_cmd else None
+        gpus = DeviceHealth.open(a.nproc_per_node, self.opts.health_interval_s, time.monotonic()) \
+            if self.opts else None
+        self.health = [h for h in (hook, gpus) if h is not None]
         try:
             keys = security.Keys.load(self.log_dir, self.key_dir if not self.insecure else None, self.insecure,
                                       create=(a.nnodes == 1), timeout=5.0)
@@ -295,8 +300,8 @@ class Agent:
                 except subprocess.TimeoutExpired:
                     pass
             self.spares.close()
-            if self.health is not None:
-                self.health.close()
+            for h in self.health:
+                h.close()
             self.link.close()
             shutil.rmtree(self.board_dir, ignore_errors=True)
             for s, h in old.items():
@@ -361,7 +366,7 @@ class Agent:
             self._poll_workers()
             if self.exit_order is None and not self._signal:
                 self.spares.maintain(now)
-                for ranks, why in self.health.poll(now, self.workers) if self.health is not None else ():
+                for ranks, why in (f for h in self.health for f in h.poll(now, self.workers)):
                     self.events.emit("health", ranks=ranks, detail=why)
                     self.link.send(P.encode("health", node_rank=self.a.node_rank, ranks=ranks, detail=why))
             alive = [w for w in self.workers.values() if not w.reported]
