@@ -80,7 +80,7 @@ def simulate(a) -> None:
             data = {"replica": True, "rank": r, "iteration": 10, "updating": False, "touched": True,
                     "replica_group": sorted([r, (r + half) % a.world]), "trainer_iteration": 10, "ended": 10}
         elif action in ("stop", "rebuild", "repair", "rollback", "resume"):
-            data = {"rollback": "rollback"}.get(action, "ok")
+            data = {"rollback": "rollback", "repair": {"received": 0}}.get(action, "ok")
         else:
             return
         socks[r].send(P.encode("result", rank=r, action=action, id=msg["id"], ok=True, data=data), zmq.NOBLOCK)

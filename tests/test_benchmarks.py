@@ -48,3 +48,15 @@ def test_chaos_schedule_covers_every_kind_at_every_phase():
         close = [(a, b) for a, b in zip(plan, plan[1:]) if b[2] - a[2] <= 2]
         assert close and all(b[1] != chaos.twin(a[1]) for a, b in close)
     assert chaos.schedule(7) == chaos.schedule(7) != chaos.schedule(8)
+
+
+def test_controller_scale_recovery_smoke():
+    """benchmarks/controller_scale.py at 64 simulated ranks: its simulators answer every round as real ranks
+    do today (a changed answer would turn its figure into a failed recovery), and status reads the job."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "controller_scale.py"), "--ranks", "64",
+                           "--recovery"], env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["recovery_ok"] and result["status_ok"], proc.stdout[-3000:]
+    assert result["stop_received"] == 64 and result["dropped"] == 0
+    assert set(result["recovery_phases"]) >= {"stop", "status", "rebuild", "repair", "rollback", "resume"}
