@@ -76,3 +76,43 @@ def test_a_crash_at_any_step_of_publishing_leaves_a_checkpoint_to_load(tmp_path,
     data = open(os.path.join(C.iter_dir(root, 5), "__0_0.distcp"), "rb").read()
     assert data in (b"old", b"new")
     assert json.load(open(os.path.join(C.iter_dir(root, 5), C.MANIFEST)))["files"]
+
+
+def _trainer_at(iteration: int, gbs: int = 16):
+    """What ``checkpoint.at_iteration`` reads of a trainer: counters and megatron-core's own scheduler."""
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.0)
+    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-5, lr_warmup_steps=3 * gbs,
+                                    lr_decay_steps=20 * gbs, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
+                                    wd_incr_steps=20 * gbs, wd_incr_style="constant")
+    sched.step(iteration * gbs)
+    return SimpleNamespace(iteration=iteration, consumed_samples=iteration * gbs, global_batch_size=gbs,
+                           scheduler=sched)
+
+
+def _described(trainer, iteration: int) -> dict:
+    from types import SimpleNamespace
+
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from mindspeed_ha.trainer import checkpoint
+    sd = {"args": SimpleNamespace(), "rng_state": ShardedObject("rng_state", [None], (1, 1), (0, 0))}
+    checkpoint.at_iteration(sd, trainer, iteration, {"rng": iteration})
+    return {"iteration": sd["iteration"], "consumed": sd["consumed_samples"], "args": sd["args"].consumed_train_samples,
+            "sched": sd["opt_param_scheduler"], "rng": sd["rng_state"].data}
+
+
+@pytest.mark.parametrize("trainer_at", [4, 5, 6])
+def test_a_survivor_describes_the_iteration_before_its_own_as_its_twins_do(trainer_at):
+    """A dying gasp at iteration 5 written by survivors whose trainers are at 4 (update done, bookkeeping
+    not yet), 5, or 6 (their instance finished a step the other instance did not): the checkpoint's
+    counters and scheduler are the same in each case."""
+    assert _described(_trainer_at(trainer_at), 5) == _described(_trainer_at(5), 5)
+
+
+def test_a_survivor_two_steps_away_cannot_describe_the_iteration():
+    from mindspeed_ha.trainer import checkpoint
+    with pytest.raises(ValueError, match="trainer at iteration 7 cannot describe iteration 5"):
+        checkpoint.at_iteration({}, _trainer_at(7), 5, None)

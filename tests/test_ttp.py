@@ -81,9 +81,13 @@ def test_kill_each_phase_dp4(tmp_path, ref, phase):
     proc = job(tmp_path / "run", inject=f"kill:rank=1:step=6:phase={phase}", extra=("--save", str(ck)))
     saved = check_saved(proc, tmp_path / "run", ck)
     # Nothing of a completed step is lost: 6 if every shard's update of step 6 finished somewhere, else 5.
-    assert saved["iteration"] in (5, 6) and 1 not in saved["survivors"]
+    # (Or 4, when rank 1 took the last message of step 5's collective with it: its twin was still
+    # inside step 5, so that shard exists at 4 only, and the survivors that finished step 5 step back.)
+    plan = [e for e in events(tmp_path / "run", "controller") if e["event"] == "dump_plan"][-1]
+    assert saved["iteration"] in (5, 6) or (saved["iteration"] == 4 and plan["ahead"])
+    assert 1 not in saved["survivors"]
     if phase in ("forward", "backward", "grad-sync"):
-        assert saved["iteration"] == 5  # the fault came before any update of step 6
+        assert saved["iteration"] == 5 - bool(plan["ahead"])  # the fault came before any update of step 6
     if phase == "param-sync":
         assert saved["iteration"] == 6  # every update of step 6 had finished
     check_resume(tmp_path / "resume", ck, ref["dp4"])

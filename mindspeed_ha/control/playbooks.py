@@ -250,15 +250,19 @@ def _dump_statuses(ep: Episode, ans: Answers):
 def _plan_dump(ep: Episode):
     live = ep.port.live()
     statuses = {r: s for r, s in ep.statuses.items() if r in live}
-    plan = planner.plan_dump(planner.holders(ep.world, statuses, ep.groups), ep.fallback)
+    holders = planner.holders(ep.world, statuses, ep.groups)
+    plan = planner.plan_dump(holders, ep.fallback)
     if not plan.ok:
         ep.plan = plan
         return Fail(plan.message())
     ep.plan, ep.generation = plan, ep.port.new_generation()
     ep.statuses = statuses
     writing = sorted(statuses)
+    # Survivors whose own shard is newer than the plan: another shard's newest state died (a lost rank
+    # can take the last message of a step with it, leaving its twin inside that step).
+    ahead = sorted(r for r in writing if max(planner.servable(holders[r]), default=-1) > plan.iteration)
     ep.port.emit("dump_plan", iteration=plan.iteration, writers=sorted(plan.writers.values()),
-                 survivors=writing, generation=ep.generation, finishing=list(plan.finishing))
+                 survivors=writing, generation=ep.generation, finishing=list(plan.finishing), ahead=ahead)
     log.info("dump: %s; %d survivor(s) write (generation %d)", plan.message(), len(writing), ep.generation)
     return NEXT
 

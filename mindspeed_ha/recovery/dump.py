@@ -138,7 +138,7 @@ def _normalize(prep: Prepared, plan: DumpPlan) -> bool:
         state = prep.sd["rng_state"].data[0]  # untracked: the live RNG, right only if no forward ran since
     try:
         checkpoint.at_iteration(prep.sd, trainer, plan.iteration, state)
-    except ValueError as e:  # the trainer's counters move right after optimizer.step(): a survivor is at T or T-1
+    except ValueError as e:  # a survivor's trainer is at T-1, T or T+1 (see at_iteration)
         raise DumpError(f"rank {prep.status['rank']}: {e}") from None
     return state is not None
 

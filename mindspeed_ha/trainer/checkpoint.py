@@ -63,10 +63,14 @@ def state_dict(trainer, is_loading: bool = False, optimizer: bool = True) -> dic
 
 
 def at_iteration(sd: dict, trainer, iteration: int, rng_state) -> None:
-    """Make the non-sharded part of ``sd`` describe ``iteration``: the trainer's own, or the one after
-    it when its update has finished but its bookkeeping (counters, scheduler) has not run yet."""
+    """Make the non-sharded part of ``sd`` describe ``iteration``: the trainer's own, the one after it
+    when its update has finished but its bookkeeping (counters, scheduler) has not run yet, or the one
+    before it. A replica instance can finish a step the other instance has not: a rank killed just
+    after it can take the last message of that step's collective with it, so the twins of its shard
+    are still inside the step and the newest iteration every shard has is the one before. The
+    counters and the scheduler are functions of the iteration, so they step back exactly."""
     ahead = iteration - trainer.iteration
-    if ahead not in (0, 1):
+    if ahead not in (-1, 0, 1):
         raise ValueError(f"trainer at iteration {trainer.iteration} cannot describe iteration {iteration}")
     gbs = trainer.global_batch_size
     sd["iteration"] = iteration
