@@ -57,6 +57,7 @@ class DeviceHealth:
         self.nvml, self.handles, self.interval = nvml, handles, float(interval_s)
         self.next_at = now + self.interval
         self.last = {lr: self._read(h) for lr, h in handles.items()}
+        self.local_rank_of = {nvml.nvmlDeviceGetUUID(h): lr for lr, h in handles.items()}  # for XID events
         self.events = self._register()
 
     @classmethod
@@ -74,14 +75,11 @@ class DeviceHealth:
         except nvml.NVMLError as e:
             log.info("device health: off (NVML: %s)", e)
             return None
-        visible = visible_devices()
+        ids = visible_devices()
+        ids = [str(i) for i in range(count)] if ids is None else ids
         handles = {}
         try:
-            for lr in range(local_ranks):
-                ids = visible if visible is not None else [str(i) for i in range(count)]
-                if lr >= len(ids):
-                    break
-                d = ids[lr]
+            for lr, d in enumerate(ids[:local_ranks]):
                 handles[lr] = (nvml.nvmlDeviceGetHandleByIndex(int(d)) if d.isdigit()
                                else nvml.nvmlDeviceGetHandleByUUID(d))
         except nvml.NVMLError as e:
@@ -157,12 +155,11 @@ class DeviceHealth:
         nv, got = self.nvml, {}
         if self.events is None:
             return got
-        by_handle = {nv.nvmlDeviceGetUUID(h): lr for lr, h in self.handles.items()}
         while True:
             try:
                 ev = nv.nvmlEventSetWait_v2(self.events, 0)
             except nv.NVMLError:  # a timeout: nothing (more) is waiting
                 return got
-            lr = by_handle.get(nv.nvmlDeviceGetUUID(ev.device))
+            lr = self.local_rank_of.get(nv.nvmlDeviceGetUUID(ev.device))
             if lr is not None:
                 got.setdefault(lr, []).append(int(ev.eventData))
