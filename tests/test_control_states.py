@@ -198,6 +198,14 @@ def test_hang_clock_gives_the_first_steps_their_warm_up():
         hb(stale, r, it, now)        # rank 1's heartbeats stopped coming (a starved thread): it may
     assert [(d.kind, d.ranks) for d in stale.scan(4.5, training=True)] == [("hang", [0])]  # have moved on
 
+    late_hb = table()
+    for r, it, now in ((0, 1, 0.0), (1, 1, 0.0), (0, k, 1.0), (1, k, 1.0), (0, k, 2.5), (1, k, 4.0)):
+        hb(late_hb, r, it, now)      # rank 0 stuck in step k, its heartbeat late; rank 1 waits for it
+    late_hb.ranks[1].waiting = True  # in a collective
+    assert late_hb.scan(4.2, training=True) == []
+    hb(late_hb, 0, k, 4.3)           # rank 0 is heard again, still in step k: it is the hung one
+    assert [(d.kind, d.ranks) for d in late_hb.scan(4.3, training=True)] == [("hang", [0])]
+
     everyone = table()
     for r, it, now in ((0, 1, 0.0), (1, 1, 0.0), (0, k, 1.0), (1, k, 1.0), (0, k, 5.0), (1, k, 5.0)):
         hb(everyone, r, it, now)     # both still at step k for 4 s: the whole job stands still

@@ -189,7 +189,13 @@ class RankTable:
             still = [i for i in live if i.it >= 0 and now - i.progress_at > self.hang_timeout / 2]
             fresh = [i for i in still if now - i.seen <= self.fresh_s]
             # Ranks blocked in a collective wait for someone; those that are not are the stuck ones.
-            cands = [i for i in fresh if not i.waiting] or fresh
+            cands = [i for i in fresh if not i.waiting]
+            if not cands and len(fresh) < len(live):
+                # Everyone heard from waits in a collective, for a rank whose heartbeat is late
+                # (a loaded host): blaming the waiters would leave only that rank to recover with.
+                # Its next heartbeat, or its loss, will say where it is.
+                return out
+            cands = cands or fresh
             low = min((i.it, PHASE_ORDER.get(i.phase, 99)) for i in cands)
             hung = [i for i in cands if (i.it, PHASE_ORDER.get(i.phase, 99)) == low]
             first = hung[0]
