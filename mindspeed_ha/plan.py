@@ -13,6 +13,8 @@ with tables. Its input is one *holder* per rank of the job (``holders`` builds i
   holder not at the target gets it from that shard's writer) and who brings a restarted rank its
   counters (its twin).
 * ``plan_reload``: without replicas, the periodic checkpoint every rank reloads.
+* ``plan_elastic``: scale-in without a spare: which whole data-parallel replicas train on, at which
+  data-parallel size and iteration, and which of them serves each shard to the new layout.
 """
 from __future__ import annotations
 
@@ -203,3 +205,84 @@ def plan_reload(statuses: dict) -> ReloadPlan:
     iteration, path = ckpts.pop()
     lost = max(int(s["ended"]) for s in statuses.values()) - int(iteration)
     return ReloadPlan(True, int(iteration), str(path), lost)
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticPlan:
+    ok: bool
+    iteration: int | None = None
+    dp: int = 0                # the new data-parallel size
+    instances: int = 1         # optimizer instances at the new size (2: every shard has a twin)
+    kept: tuple = ()           # the replicas that train on, in their new data-parallel order
+    parked: tuple = ()         # live ranks left out (a replica with a lost rank, or one too many)
+    writers: dict = dataclasses.field(default_factory=dict)  # shard (sorted replica group) -> kept rank
+    microbatches: int = 0      # per rank and step at the new size (the global batch is unchanged)
+    reason: str = ""
+
+    @property
+    def redundancy(self) -> bool:
+        return self.instances > 1
+
+    def message(self) -> str:
+        if not self.ok:
+            return f"scale-in refused: {self.reason}"
+        twins = "two optimizer instances" if self.redundancy else \
+            "one optimizer instance (no twins until the job scales out again)"
+        return (f"scale in to data-parallel size {self.dp} at iteration {self.iteration}: replicas "
+                f"{[list(r) for r in self.kept]}, {self.microbatches} micro-batches per rank, {twins}"
+                + (f"; ranks {list(self.parked)} parked" if self.parked else ""))
+
+
+def plan_elastic(holders: dict, replicas, global_batch: int, micro_batch: int,
+                 instances: int = 2) -> ElasticPlan:
+    """Scale in: train on the whole data-parallel replicas that survive, without a spare.
+
+    ``holders``: as for ``plan_dump`` (lost ranks ``alive`` False). ``replicas``: the job's current
+    data-parallel replicas in order, each the job ranks of one full TP x PP slice (after a scale-in
+    they are no longer contiguous). A replica is whole when none of its ranks is lost; only whole
+    replicas train on, so every kept rank keeps its TP/PP position and no weight moves.
+
+    The new size is the largest that the whole replicas and the global batch allow (the global
+    batch divisible by micro-batch x size), and at least the number of distinct shards: in this
+    version every shard is served by a kept replica (one holding it at the target iteration; its
+    twins that are dropped could serve it too, but would need a side channel). ``instances``
+    optimizer instances when the new size divides by it, else one (no twins until scale-out).
+    Replicas are kept in this order: a holder for each shard (the lowest replica that has one),
+    then the rest by old order; the new order is the old order of the kept ones."""
+    dump = plan_dump(holders)
+    if not dump.ok:
+        return ElasticPlan(False, reason=dump.reason)
+    target = dump.iteration
+    replicas = [tuple(int(r) for r in rep) for rep in replicas]
+    whole = [i for i, rep in enumerate(replicas) if all(holders[r].get("alive", True) for r in rep)]
+
+    def shards(i):  # the shards replica i holds: twins hold the same set
+        return frozenset(tuple(sorted(holders[r]["replica_group"])) for r in replicas[i])
+
+    needed = {shards(i) for i in range(len(replicas))}
+    serving = {}
+    for i in whole:
+        if all(target in servable(holders[r]) for r in replicas[i]):
+            serving.setdefault(shards(i), i)
+    unserved = [k for k in needed if k not in serving]
+    if unserved:
+        lost = ", ".join(str(sorted(list(g) for g in k)) for k in unserved)
+        return ElasticPlan(False, reason=f"no whole surviving replica holds shard(s) {lost} at iteration "
+                                         f"{target}: the dying gasp writes them from the holders left")
+    sizes = [d for d in range(len(whole), 0, -1) if global_batch % (micro_batch * d) == 0]
+    dp = next((d for d in sizes if d >= len(needed)), None)
+    if dp is None:
+        return ElasticPlan(False, reason=f"{len(whole)} whole replica(s) survive; no data-parallel size from "
+                                         f"{len(needed)} (one per shard) to {len(whole)} divides the global batch "
+                                         f"{global_batch} into micro-batches of {micro_batch}")
+    first = sorted(serving.values())
+    chosen = first + [i for i in whole if i not in first][:dp - len(first)]
+    kept = tuple(replicas[i] for i in sorted(chosen))
+    in_kept = {r for rep in kept for r in rep}
+    parked = tuple(sorted(r for r, h in holders.items() if h.get("alive", True) and r not in in_kept))
+    writers = {}
+    for key, i in serving.items():
+        for r in replicas[i]:
+            writers[tuple(sorted(holders[r]["replica_group"]))] = r
+    return ElasticPlan(True, target, dp, instances if dp % instances == 0 else 1, kept, parked, writers,
+                       global_batch // (micro_batch * dp))

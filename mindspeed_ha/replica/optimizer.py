@@ -115,6 +115,20 @@ class ReplicaMixin:
         return {name: (p, dense if getattr(p, "allreduce", True) else expert)
                 for inner in _inner_optimizers(self) for p, name in inner.param_to_name.items()}
 
+    def ha_state_ranges(self) -> dict:
+        """This shard in parameter coordinates, what a reshard moves: ((position, parameter name),
+        start, end) -> (main values, exp_avg, exp_avg_sq) of those flattened elements (live views:
+        copy into them to install). ``step`` is not here: every entry shares its value."""
+        self.ha_ensure_state()
+        where = {name: position for name, (_, position) in self.ha_param_positions().items()}
+        out = {}
+        for _, main, model_param, inner in self._ha_entries():
+            name = inner._param_name(model_param)
+            rng = inner._get_model_param_range_map(model_param)["param"]
+            st = inner.optimizer.state[main]
+            out[((where[name], name), rng.start, rng.end)] = (main, st["exp_avg"], st["exp_avg_sq"])
+        return out
+
     def ha_ensure_state(self) -> None:
         """Allocate Adam state (a newcomer's optimizer has none until its first step)."""
         for inner in _inner_optimizers(self):
