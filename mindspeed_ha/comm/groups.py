@@ -376,6 +376,29 @@ def survivor_world(survivors: Sequence[int], rank: int, store_host: str, store_p
     return World(tuple(survivors), rank)
 
 
+def new_epoch(kept: Sequence[int], rank: int, store_host: str, store_port: int, generation: int,
+              timeout: datetime.timedelta = datetime.timedelta(seconds=60), backend: str = "gloo",
+              host_rank: int | None = None) -> World:
+    """A new layout (elastic resize): every group of the old one is released and forgotten — their
+    member lists no longer exist — and the default group becomes ``kept`` in that order. The groups
+    made next (megatron-core's, initialised again) are the new layout's set-up; ``seal`` ends it.
+    Call before ``parallel_state.destroy_model_parallel`` (which then destroys nothing: the old
+    groups are no longer registered, and destroying one would connect it first)."""
+    global _sealed
+    with _lock:
+        for g in _groups:
+            if g._inner is not None:
+                g._swap(None)
+            _unregister(g)
+        _groups.clear()
+        _counts.clear()
+        _sealed = 0
+    world = survivor_world(kept, rank, store_host, store_port, generation, timeout, backend, host_rank)
+    with _lock:
+        _groups.insert(0, c10d._world.default_pg)
+    return world
+
+
 # ---- release of replaced communicators -----------------------------------------------------------
 _retired: list = []
 _releasing: list = []   # the threads releasing them
