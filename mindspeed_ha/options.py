@@ -1,7 +1,7 @@
 """HA switches: one options object from command-line flags, ``HIGH_AVAILABILITY`` and MindIO aliases.
 
 Precedence: ``HIGH_AVAILABILITY`` (comma list) > ``MS_ENABLE_TFT`` > flags. Strategies are tried in
-the order retry -> recover -> dump; dump (the dying-gasp checkpoint) is always on when HA is on.
+the order retry -> recover -> elastic-training -> dump; dump (the dying-gasp checkpoint) is always on when HA is on.
 """
 from __future__ import annotations
 
@@ -12,14 +12,11 @@ import os
 import re
 
 STRATEGIES = ("dump", "retry", "recover", "elastic-training")
-PREFERENCE = ("retry", "recover", "dump")  # the controller tries them in this order
+PREFERENCE = ("retry", "recover", "elastic-training", "dump")  # the controller tries them in this order
 
 # What each strategy needs before this build can honour it. A strategy listed here is refused with
 # this message instead of being silently ignored.
-NOT_BUILT: dict[str, str] = {
-    "elastic-training": "elastic scale-in/out (--enable-elastic-training, "
-                        "HIGH_AVAILABILITY=elastic-training) is not built in this version of mindspeed-ha",
-}
+NOT_BUILT: dict[str, str] = {}
 
 _FLAG_TO_STRATEGY = {
     "enable_high_availability": "dump",
@@ -195,6 +192,9 @@ def from_args(args: argparse.Namespace, env: dict | None = None) -> HAOptions:
     no_replica = bool(getattr(args, "distributed_optimizer_no_replica", False))
     replica_num = int(getattr(args, "optimizer_replica_num", 2))
     interval = int(getattr(args, "ha_verify_replicas_interval", 0))
+    if no_replica and "elastic-training" in strategies:
+        raise HAConfigError("--enable-elastic-training moves optimizer shards from their twins, which "
+                            "--distributed-optimizer-no-replica turns off; drop one of the two")
     if no_replica and not strategies:
         raise HAConfigError("--distributed-optimizer-no-replica only has a meaning with high availability "
                             "on; add --enable-high-availability (or HIGH_AVAILABILITY=dump) or drop it")

@@ -223,6 +223,21 @@ class ElasticPlan:
     def redundancy(self) -> bool:
         return self.instances > 1
 
+    def to_wire(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["kept"] = [list(r) for r in self.kept]
+        d["parked"] = list(self.parked)
+        d["writers"] = {",".join(map(str, g)): r for g, r in self.writers.items()}
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "ElasticPlan":
+        d = dict(d)
+        d["kept"] = tuple(tuple(int(r) for r in rep) for rep in d["kept"])
+        d["parked"] = tuple(d["parked"])
+        d["writers"] = {tuple(int(r) for r in g.split(",")): int(w) for g, w in d["writers"].items()}
+        return cls(**d)
+
     def message(self) -> str:
         if not self.ok:
             return f"scale-in refused: {self.reason}"

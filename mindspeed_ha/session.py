@@ -92,11 +92,16 @@ class RankSession:
         if sorted(pg_ranks) != sorted(self.topology.replica_group):
             raise RuntimeError(f"rank {self.rank}: megatron-core's inter-instance group {pg_ranks} is not "
                                f"the replica group {self.topology.replica_group}")
-        # The seeds' line (MindIO's wording), then the same as an event.
-        log.info("rank:%d, report group list: %s", self.rank, self.topology.replica_group)
-        self.events.emit("replica_groups", replica_group=self.topology.replica_group,
+        # The seeds' line (MindIO's wording), then the same as an event; in job ranks (an elastic
+        # resize renumbers the default group, not the job).
+        from mindspeed_ha.comm.groups import job_rank
+        group = [job_rank(r) for r in self.topology.replica_group]
+        if self.processor is not None:
+            self.processor.groups = [group]
+        log.info("rank:%d, report group list: %s", self.rank, group)
+        self.events.emit("replica_groups", replica_group=group,
                          instance=self.topology.instance, shard_index=self.topology.shard_index,
-                         dp_ranks=list(self.topology.dp_ranks), replica_num=R,
+                         dp_ranks=[job_rank(r) for r in self.topology.dp_ranks], replica_num=R,
                          expert_replica_group=self.expert_topology.replica_group if self.expert_topology else None,
                          expert_dp_ranks=list(self.expert_topology.dp_ranks) if self.expert_topology else None,
                          shard_tensors=len(optimizer.ha_shard_description()))

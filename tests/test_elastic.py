@@ -34,3 +34,37 @@ def test_dp4_scales_in_to_dp2_in_process_bit_identical_to_a_dp2_job_from_the_che
     assert sorted(got) == list(range(1, LAST + 1))
     assert {i: got[i] for i in range(1, K + 1)} == before
     assert {i: got[i] for i in range(K + 1, LAST + 1)} == after
+
+
+def test_a_lost_rank_without_a_spare_scales_the_job_in_under_the_controller(tmp_path):
+    """``--enable-elastic-training`` alone, rank 1 killed in step 6 (no recover, so no spare): the
+    controller plans, the kept ranks 0 and 3 scale in, rank 2 is parked (it exits 0), and the job ends
+    with exit 0. Steps 1..5 equal the DP=4 job's, 6..10 a DP=2 job's from the step-5 checkpoint."""
+    import subprocess
+    import sys
+    from helpers import PRETRAIN, clean_env, events
+    for d in ("ref4", "ref2", "run"):
+        (tmp_path / d).mkdir()
+    ck = tmp_path / "ck"
+    with ThreadPoolExecutor(1) as pool:
+        ref4 = pool.submit(torchrun, 4, args("--train-iters", str(K), "--save", str(ck), "--save-interval", str(K)),
+                           tmp_path / "ref4")
+        cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", "--nproc-per-node", "4", PRETRAIN,
+               *args("--train-iters", str(LAST), "--ha-log-dir", str(tmp_path / "run"))]
+        cmd.remove("--enable-high-availability")
+        cmd.append("--enable-elastic-training")
+        proc = subprocess.run(cmd, env=clean_env({"MINDSPEED_HA_INJECT": f"kill:rank=1:step={K + 1}:phase=forward"}),
+                              capture_output=True, text=True, timeout=300, cwd=str(tmp_path / "run"))
+        assert_ok(ref4.result())
+    assert_ok(torchrun(2, args("--train-iters", str(LAST), "--load", str(ck)), tmp_path / "ref2"))
+    assert_ok(proc)
+    ctl = events(tmp_path / "run", "controller")
+    scaled = [e for e in ctl if e["event"] == "scaled_in"]
+    assert len(scaled) == 1, [e for e in ctl if e["event"] in ("fault", "strategy", "repair_failed", "diagnosis")]
+    assert (scaled[0]["old_dp"], scaled[0]["dp"], scaled[0]["dropped"], scaled[0]["redundancy"]) == (4, 2, [1, 2], True)
+    rec = [e for e in ctl if e["event"] == "recovered"]
+    assert len(rec) == 1 and rec[0]["strategy"] == "elastic-training" and rec[0]["lost_steps"] == 0
+    got, before, after = losses(tmp_path / "run"), losses(tmp_path / "ref4"), losses(tmp_path / "ref2")
+    assert sorted(got) == list(range(1, LAST + 1))
+    assert {i: got[i] for i in range(1, K + 1)} == before
+    assert {i: got[i] for i in range(K + 1, LAST + 1)} == after

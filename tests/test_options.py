@@ -54,14 +54,18 @@ def test_bad_env_values(env, needle):
     assert needle in str(e.value)
 
 
-@pytest.mark.parametrize("argv,env,needle", [
-    (["--enable-elastic-training"], {}, "--enable-elastic-training"),
-    ([], {"HIGH_AVAILABILITY": "elastic-training"}, "HIGH_AVAILABILITY=elastic-training"),
+@pytest.mark.parametrize("argv,env,order", [
+    (["--enable-elastic-training"], {}, ["elastic-training", "dump"]),
+    ([], {"HIGH_AVAILABILITY": "elastic-training,recover"}, ["recover", "elastic-training", "dump"]),
 ])
-def test_unbuilt_strategies_are_refused_not_ignored(argv, env, needle):
+def test_elastic_comes_after_recover_and_before_the_dump(argv, env, order):
+    assert opts(argv, env).ordered_strategies() == order
+
+
+def test_elastic_needs_the_replica_optimizer():
     with pytest.raises(HAConfigError) as e:
-        opts(argv, env)
-    assert needle in str(e.value) and "not built" in str(e.value)
+        opts(["--enable-elastic-training", "--distributed-optimizer-no-replica"], {})
+    assert "--enable-elastic-training" in str(e.value) and "--distributed-optimizer-no-replica" in str(e.value)
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -46,6 +46,7 @@ _groups: list["StableGroup"] = []          # in creation order: the order every 
 _counts: dict[tuple, int] = {}             # (description, ranks) -> groups made so far
 _sealed = 0                                 # len(_groups) when set-up ended
 _joining = False
+_job: tuple | None = None                   # after an elastic resize: the job rank of each rank of the default group
 _lock = threading.RLock()
 
 
@@ -384,7 +385,7 @@ def new_epoch(kept: Sequence[int], rank: int, store_host: str, store_port: int, 
     made next (megatron-core's, initialised again) are the new layout's set-up; ``seal`` ends it.
     Call before ``parallel_state.destroy_model_parallel`` (which then destroys nothing: the old
     groups are no longer registered, and destroying one would connect it first)."""
-    global _sealed
+    global _sealed, _job
     with _lock:
         for g in _groups:
             if g._inner is not None:
@@ -396,7 +397,19 @@ def new_epoch(kept: Sequence[int], rank: int, store_host: str, store_port: int, 
     world = survivor_world(kept, rank, store_host, store_port, generation, timeout, backend, host_rank)
     with _lock:
         _groups.insert(0, c10d._world.default_pg)
+        _job = tuple(int(r) for r in kept)
     return world
+
+
+def job_rank(rank: int) -> int:
+    """The job's rank (what the controller, the events and the launcher call a rank) of ``rank`` of
+    the default group: the same number until an elastic resize renumbers the default group."""
+    return rank if _job is None else _job[rank]
+
+
+def dist_rank(job: int) -> int:
+    """The default group's rank of the job's rank ``job``."""
+    return job if _job is None else _job.index(job)
 
 
 # ---- release of replaced communicators -----------------------------------------------------------

@@ -35,7 +35,7 @@ from .states import TABLE, TIMEOUTS, Machine, Outcome as O, State as S, choose_s
 from .succession import Succession
 
 log = get_logger("control.controller")
-BUILT = {"dump", "retry", "recover"}
+BUILT = {"dump", "retry", "recover", "elastic-training"}
 
 
 def _host_addr() -> str:
@@ -89,6 +89,25 @@ class _Port:
         c._fault(list(ranks), "hang", c.table.newest_iteration(), "recovery", detail=detail,
                  key=("hang-in-recovery", tuple(ranks), c.generation))
 
+    def scaled(self, dp, replica_groups):
+        """elastic: the job runs at data-parallel size ``dp`` now; the kept ranks' new replica groups."""
+        self._c.scaled_in = int(dp)
+        for r, group in replica_groups.items():
+            if int(r) in self._c.ranks:
+                self._c.ranks[int(r)].groups = [list(group)]
+
+    def leave(self, ranks, reason):
+        """elastic: these ranks are out of the job's layout for good — the lost ones are not
+        restarted, the live ones (parked) are told to exit 0."""
+        c = self._c
+        live = sorted(set(ranks) & c.table.live())
+        for r in ranks:
+            if r in c.ranks:
+                c.ranks[r].done = True
+        if live:
+            c.order("exit", live, {"code": 0, "diagnosis": f"mindspeed-ha: rank(s) {live} leave the job: {reason}"})
+        c._to_agents("leave", {"ranks": sorted(ranks)})
+
     def condemn(self, ranks):
         """recover: hung ranks are replaced like dead ones (their agent kills and restarts them)."""
         self._c.table.mark_dead(ranks)
@@ -133,6 +152,7 @@ class Controller:
         self.answered: dict[int, dict] = {}   # order id -> results, once no one is waiting any more
         self._next_id = 1
         self.chosen: O | None = None          # the strategy DECIDE picked for the episode
+        self.scaled_in = 0                     # elastic: the data-parallel size the job runs at now (0: its own)
         self.playbook = None
         self.episode: Episode | None = None
         self.runner: Runner | None = None
@@ -153,7 +173,8 @@ class Controller:
         self.migrations = Migrations(self)
         self.succession = Succession(self)    # standbys, takeovers, a handover before the host migrates
         self.actions = {S.NORMAL: self._training, S.PAUSE: self._stop_survivors, S.DECIDE: self._decide,
-                        S.REPAIR: self._play, S.ROLLBACK: self._play, S.DUMP: self._play, S.EXIT: self._tell_exit}
+                        S.REPAIR: self._play, S.ROLLBACK: self._play, S.DUMP: self._play, S.DOWNGRADE: self._play,
+                        S.EXIT: self._tell_exit}
         self._last_scan = 0.0
         self._refresh_ack()
 
@@ -410,7 +431,7 @@ class Controller:
         if st == S.PAUSE and self._stopped(now):
             self._feed(O.STOPPED)
             return
-        if st in (S.REPAIR, S.ROLLBACK, S.DUMP) and self.runner is not None:
+        if st in (S.REPAIR, S.ROLLBACK, S.DUMP, S.DOWNGRADE) and self.runner is not None:
             runner = self.runner
             out = runner.tick()
             if self.machine.state != st or self.runner is not runner:
@@ -513,15 +534,34 @@ class Controller:
         if refusal:
             ordered = [s for s in ordered if s != "recover"]
             self.budget.spent = f"recover not tried: {refusal}"
+        if "elastic-training" in ordered:
+            ordered, why_not = self._elastic_order(ordered)
+            refusal = "; ".join(x for x in (refusal, why_not) if x) or None
         outcome, why = choose_strategy(ordered, kinds, BUILT)
         if refusal:
             why = f"recover not tried: {refusal}; {why}"
         self.strategy_note = why
         self.events.emit("strategy", outcome=outcome.value, reason=why)
         log.info("strategy for %s: %s (%s)", sorted(kinds), outcome.value, why)
-        self.playbook = {O.RETRY: playbooks.RETRY, O.RECOVER: playbooks.RECOVER}.get(outcome)
+        self.playbook = {O.RETRY: playbooks.RETRY, O.RECOVER: playbooks.RECOVER,
+                         O.ELASTIC: playbooks.ELASTIC}.get(outcome)
         self.chosen = outcome
         return outcome
+
+    def _elastic_order(self, ordered: list) -> tuple[list, str]:
+        """With elastic on, recover only where a spare can take the lost ranks (their agent is
+        alive); once the job has scaled in, neither retry nor recover (a restarted worker, or
+        repaired ranks, would meet the job's original layout): a fault scales in again, or dumps."""
+        now = time.monotonic()
+        if self.scaled_in:
+            return [s for s in ordered if s not in ("retry", "recover")], \
+                f"the job runs scaled in (data-parallel size {self.scaled_in}): retry and recover not tried"
+        lost = self.table.lost()
+        agents = self.table.live_agents(now)
+        stranded = sorted(r for r in lost if not any(r in a.ranks for a in agents))
+        if stranded and "recover" in ordered:
+            return [s for s in ordered if s != "recover"], f"no spare for rank(s) {stranded} (their node is lost)"
+        return ordered, ""
 
     def _budget_refusal(self) -> str | None:
         now = time.monotonic()
@@ -534,15 +574,16 @@ class Controller:
         """REPAIR, ROLLBACK, DUMP: the playbook's rounds for this state (a new episode on REPAIR and
         DUMP; ROLLBACK goes on with REPAIR's)."""
         st = self.machine.state
-        if st in (S.REPAIR, S.DUMP):
+        if st in (S.REPAIR, S.DUMP, S.DOWNGRADE):
             if st == S.DUMP:
                 self.playbook = playbooks.DUMP
-            strategy = {O.RECOVER: "recover"}.get(self.chosen, "retry") if st == S.REPAIR else "dump"
+            strategy = ({O.RECOVER: "recover"}.get(self.chosen, "retry") if st == S.REPAIR else
+                        "elastic-training" if st == S.DOWNGRADE else "dump")
             first = self.active_faults[0] if self.active_faults else None
             replica = all(i.groups for i in self.ranks.values() if i.alive)  # (no replicas: groups are not sent)
             self.episode = Episode(self.playbook_port, strategy, self.world, self.active_faults,
                                    {r: i.groups[0] for r, i in self.ranks.items() if i.groups}, replica=replica)
-            if first is not None and st == S.REPAIR:
+            if first is not None and st in (S.REPAIR, S.DOWNGRADE):
                 self.episode.phases["detect"] = first["detect_s"]
                 # detection -> every survivor stopped and the strategy chosen
                 self.episode.phases["stop"] = round(time.monotonic() - first["t_detect"], 4)

@@ -3,6 +3,7 @@
     retry    REPAIR: status -> plan -> rebuild -> repair | reload     ROLLBACK: [rollback] -> resume
     recover  REPAIR: status -> [restart] -> plan -> rebuild -> repair | reload   ROLLBACK: [rollback] -> resume
     dump     DUMP:   status -> plan -> write  (a writer lost: the others stop, plan again, write again)
+    elastic  DOWNGRADE: status -> plan -> scale-in    ROLLBACK: rollback -> resume (the kept ranks)
 
 What each round asks of a rank is in ``mindspeed_ha.recovery.handlers`` (same names). After
 ROLLBACK the job trains again; ``FirstStep`` closes the recovery (the ``recovered`` event, MTTR)
@@ -61,6 +62,8 @@ class Episode:
     result: dict | None = None             # dump: the written checkpoint
     state_bytes: int = 0                   # dump: what the survivors will write (sets its time limit)
     moved_bytes: int = 0                   # repair: shard bytes copied from the twins
+    dropped: list = dataclasses.field(default_factory=list)   # elastic: ranks out of the new layout
+    old_dp: int = 0                        # elastic: the data-parallel size before
     started: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
@@ -223,6 +226,74 @@ RECOVER = Playbook("recover", {S.REPAIR: [STATUS_OR_HUNG, RESTART, *(dataclasses
                                                                       for r in (PLAN, REBUILD, REPAIR, RELOAD))],
                                S.ROLLBACK: [dataclasses.replace(r, silent_is_hung=True) for r in (ROLLBACK, RESUME)]},
                    "repair_failed")
+
+
+# ---- elastic-training: DOWNGRADE (scale in without a spare) ---------------------------------------------
+def _replicas(ep: Episode) -> list:
+    """The job's data-parallel replicas now, from the ranks' data-parallel groups (job ranks): the
+    d-th member of every group, the groups in their members' order (TP, then PP position)."""
+    dp_groups = sorted({tuple(st["layout"]["dp_ranks"]) for st in ep.statuses.values() if st.get("layout")})
+    return [[g[d] for g in dp_groups] for d in range(len(dp_groups[0]))] if dp_groups else []
+
+
+def _plan_elastic(ep: Episode):
+    layout = next((st["layout"] for st in ep.statuses.values() if st.get("layout")), None)
+    replicas = _replicas(ep)
+    if layout is None or not replicas:
+        return Fail("no rank reported the job's layout (elastic needs the replica optimizer)")
+    members = {r for rep in replicas for r in rep}
+    groups = {r: ep.group_of(r) for r in members if ep.group_of(r)}
+    holders = {r: h for r, h in planner.holders(ep.world, ep.statuses, groups).items() if r in members}
+    plan = planner.plan_elastic(holders, replicas, layout["global_batch"], layout["micro_batch"],
+                                layout["replica_num"])
+    if not plan.ok:
+        return Fail(plan.message())
+    if plan.dp == len(replicas):
+        return Fail("no rank is lost: nothing to scale in")
+    if plan.instances != layout["replica_num"]:
+        return Fail(f"{plan.message()}: changing the optimizer instance count in process is not built "
+                    f"(a global batch that divides by micro-batch x an even size keeps the twins)")
+    ep.plan, ep.generation = plan, ep.port.new_generation()
+    ep.dropped = sorted(members - {r for rep in plan.kept for r in rep})
+    ep.old_dp = len(replicas)
+    ep.port.emit("elastic_plan", iteration=plan.iteration, dp=plan.dp, old_dp=ep.old_dp,
+                 kept=[list(r) for r in plan.kept], parked=list(plan.parked), dropped=ep.dropped,
+                 writers=sorted(set(plan.writers.values())), redundancy=plan.redundancy, generation=ep.generation)
+    log.info("elastic: %s", plan.message())
+    return NEXT
+
+
+def _scale_in_args(ep: Episode) -> dict:
+    host, port = ep.port.store()
+    return {"plan": ep.plan.to_wire(), "store_host": host, "store_port": port, "generation": ep.generation}
+
+
+def _scaled_in(ep: Episode, ans: Answers):
+    if ans.failed:
+        return Fail(f"scale-in failed ({ans.why()})")
+    ep.moved_bytes = sum(int((a or {}).get("received") or 0) for a in ans.ok.values())
+    ep.port.scaled(ep.plan.dp, {r: a["replica_group"] for r, a in ans.ok.items() if a and a.get("replica_group")})
+    ep.port.leave(ep.dropped, f"the job scaled in to data-parallel size {ep.plan.dp} without them")
+    seconds = max(float((a or {}).get("seconds") or 0) for a in ans.ok.values())
+    ep.how = f"data-parallel size {ep.old_dp} -> {ep.plan.dp}"
+    ep.port.emit("scaled_in", old_dp=ep.old_dp, dp=ep.plan.dp, iteration=ep.plan.iteration,
+                 kept=[list(r) for r in ep.plan.kept], dropped=ep.dropped, parked=list(ep.plan.parked),
+                 redundancy=ep.plan.redundancy, microbatches=ep.plan.microbatches, bytes=ep.moved_bytes,
+                 seconds=round(seconds, 4))
+    return DONE
+
+
+def _kept(ep: Episode) -> list:
+    return sorted(r for rep in ep.plan.kept for r in rep)
+
+
+ELASTIC = Playbook("elastic-training", {
+    S.DOWNGRADE: [STATUS, Round("plan", act=_plan_elastic, timed=False),
+                  Round("scale-in", order="scale-in", to=_kept, args=_scale_in_args, decide=_scaled_in)],
+    S.ROLLBACK: [dataclasses.replace(ROLLBACK, args=lambda ep: {"iteration": ep.target, "fresh_data": True},
+                                     when=None, to=_kept),
+                 dataclasses.replace(RESUME, to=_kept)],
+}, "repair_failed")
 
 
 # ---- dump (the dying-gasp checkpoint) -----------------------------------------------------------------

@@ -51,6 +51,12 @@ class Port(Protocol):
     def closed(self, faults: list, now: float, moved_bytes: int, phases: dict) -> None:
         """A recovery's first step ended: what the faults started (a migration) is done."""
 
+    def scaled(self, dp: int, replica_groups: dict) -> None:
+        """elastic: the job runs at data-parallel size ``dp``; the kept ranks' new replica groups."""
+
+    def leave(self, ranks: list[int], reason: str) -> None:
+        """elastic: these ranks are out of the layout for good (live ones are told to exit 0)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Goto:

@@ -118,7 +118,10 @@ HANDLES: dict[str, frozenset] = {
                           "heartbeat-lost", "controller-lost", "node-lost", "migrate"}),
     "dump": frozenset({"memory-error", "comm-failure", "other", "process-exit", "hang",
                        "heartbeat-lost", "controller-lost", "node-lost", "preempted"}),
-    "elastic-training": frozenset({"process-exit", "heartbeat-lost", "node-lost", "controller-lost"}),
+    # (communication failures: the survivors' view of a lost peer; without a lost rank the plan
+    # has nothing to drop and the dump follows)
+    "elastic-training": frozenset({"process-exit", "heartbeat-lost", "node-lost", "controller-lost",
+                                   "comm-failure"}),
 }
 STRATEGY_OUTCOME = {"retry": O.RETRY, "recover": O.RECOVER, "dump": O.DUMP, "elastic-training": O.ELASTIC}
 

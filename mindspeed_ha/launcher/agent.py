@@ -219,6 +219,16 @@ class Agent:
             self.first_failure = 0.0
             self.link.send(self._hello())
 
+        elif action == "leave":
+            # elastic: these ranks are out of the job for good; a failed one is no longer a failure
+            # to wait on (the job trains on without it), and none of them is restarted.
+            for r in args.get("ranks") or ():
+                w = self.workers.get(int(r))
+                if w is not None and w.reported:
+                    w.code, w.sig = 0, 0
+            if not [w for w in self.workers.values() if w.reported and (w.code or w.sig)]:
+                self.first_failure = 0.0
+
     def _on_signal(self, signum, frame) -> None:
         """The scheduler preempts (SIGTERM, or one of --signals-to-handle): with HA on and a
         controller, the job stops and writes its dying-gasp checkpoint, then exits; a second signal,

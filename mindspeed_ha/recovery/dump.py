@@ -37,12 +37,14 @@ class DumpError(RuntimeError):
 def local_status(trainer) -> dict:
     """This rank's shard for the plan (``mindspeed_ha.plan``): a few scalars and its replica group,
     whatever the job's size."""
+    from mindspeed_ha.comm.groups import job_rank
     opt = trainer.optimizer
     topo = getattr(opt, "ha_topology", None)
     rank = dist.get_rank() if topo is None else topo.rank
-    return {"rank": rank, "iteration": int(getattr(opt, "ha_iteration", trainer.iteration)),
+    return {"rank": job_rank(rank), "iteration": int(getattr(opt, "ha_iteration", trainer.iteration)),
             "updating": bool(getattr(opt, "ha_updating", False)), "touched": bool(getattr(opt, "ha_touched", True)),
-            "replica_group": list(topo.replica_group) if topo else [rank], "trainer_iteration": trainer.iteration}
+            "replica_group": [job_rank(r) for r in (topo.replica_group if topo else [rank])],
+            "trainer_iteration": trainer.iteration}
 
 
 # ================================================================================================

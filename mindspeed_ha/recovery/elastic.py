@@ -38,8 +38,10 @@ def _step(optimizer) -> float:
 
 
 def scale_in(trainer, plan, rank: int, store_host: str, store_port: int, generation: int,
-             backend: str = "gloo") -> dict:
-    """This kept rank's part of ``plan`` (an ok ``ElasticPlan``). Returns timings and bytes moved."""
+             backend: str = "gloo", host_store: bool = False) -> dict:
+    """This kept rank's part of ``plan`` (an ok ``ElasticPlan``), meeting the others over the store
+    at ``store_host:store_port`` (the controller's; ``host_store``: the first kept rank serves it).
+    Returns timings and bytes moved."""
     from mindspeed_ha.comm import groups
     t = {"start": time.perf_counter()}
     order = [r for rep in plan.kept for r in rep]
@@ -47,7 +49,7 @@ def scale_in(trainer, plan, rank: int, store_host: str, store_port: int, generat
     old_ranges = old.ha_state_ranges()
     writer = rank in plan.writers.values()
     world = groups.new_epoch(order, rank, store_host, store_port, generation, backend=backend,
-                             host_rank=order[0])
+                             host_rank=order[0] if host_store else None)
     t["group"] = time.perf_counter()
     trainer.relayout()
     new = trainer.optimizer

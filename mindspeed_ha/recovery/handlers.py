@@ -9,6 +9,7 @@ answers with a msgpack tree — an exception is a failed answer.
     repair     shards from their twins; a restarted rank's counters and RNG; weights re-gathered
     reload     without replicas: the newest periodic checkpoint, in process
     rollback   back to the start of the failed step, or finish it
+    scale-in   elastic: this kept rank trains on at a smaller data-parallel size, in process
     resume     train on
     dump-status, dump   the dying-gasp checkpoint: prepare this rank's part, then write it
 """
@@ -34,7 +35,7 @@ class RankRecovery:
 
     def handlers(self) -> dict:
         return {"ha-status": self.ha_status, "rebuild": self.rebuild, "repair": self.repair,
-                "reload": self.reload, "rollback": self.rollback, "resume": self.resume,
+                "reload": self.reload, "rollback": self.rollback, "resume": self.resume, "scale-in": self.scale_in,
                 "dump-status": self.dump_status, "dump": self.dump}
 
     @property
@@ -56,7 +57,15 @@ class RankRecovery:
         found = {"ended": self.trainer.ended, "checkpoint": list(newest) if newest else None}
         if self.s.optimizer is None:  # --distributed-optimizer-no-replica
             return {"replica": False, **found}
-        return {"replica": True, **repair.status(self.trainer), **found}
+        return {"replica": True, **repair.status(self.trainer), **found, "layout": self.layout()}
+
+    def layout(self) -> dict:
+        """What an elastic plan needs of the job's layout: this rank's data-parallel group (job
+        ranks, in order), the batch sizes and the optimizer instance count."""
+        from mindspeed_ha.comm.groups import job_rank
+        topo, a = self.s.topology, self.trainer.args
+        return {"dp_ranks": [job_rank(r) for r in topo.dp_ranks], "global_batch": int(a.global_batch_size),
+                "micro_batch": int(a.micro_batch_size), "replica_num": int(topo.replica_num)}
 
     def rebuild(self, args: dict) -> str:
         from mindspeed_ha.comm import groups
@@ -101,7 +110,21 @@ class RankRecovery:
 
     def rollback(self, args: dict) -> str:
         from mindspeed_ha.recovery import repair
-        return repair.resume_at(self.trainer, int(args["iteration"]))
+        how = repair.resume_at(self.trainer, int(args["iteration"]))
+        if args.get("fresh_data"):  # a new layout: the data position at the new data-parallel rank and size
+            self.trainer.restart_from(self.trainer.iteration)
+        return how
+
+    def scale_in(self, args: dict) -> dict:
+        from mindspeed_ha.comm.interruptible import clear_stop
+        from mindspeed_ha.plan import ElasticPlan
+        from mindspeed_ha.recovery import elastic
+        clear_stop()
+        self.trainer.clean_partial_step()
+        plan = ElasticPlan.from_wire(args["plan"])
+        out = elastic.scale_in(self.trainer, plan, self.s.rank, args["store_host"], int(args["store_port"]),
+                               int(args["generation"]), backend=self.s.device.backend)
+        return {**out, "replica_group": self.s.processor.groups[0] if self.s.processor else None}
 
     def resume(self, args: dict) -> str:
         self.s.resumed(int(args.get("lost_steps", 0)))

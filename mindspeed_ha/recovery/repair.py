@@ -35,9 +35,10 @@ def status(trainer) -> dict:
 
 
 def transfer_shards(optimizer, pairs: list[tuple[int, int]], rank: int, iteration: int) -> int:
-    """Point to point over the rebuilt default group: for each (src, dst), src sends its shard state
-    (fp32 main params, exp_avg, exp_avg_sq, step), dst overwrites its own. Every rank walks the pairs
-    in the same order. Returns the bytes this rank received."""
+    """Point to point over the rebuilt default group: for each (src, dst) (job ranks), src sends its
+    shard state (fp32 main params, exp_avg, exp_avg_sq, step), dst overwrites its own. Every rank
+    walks the pairs in the same order. Returns the bytes this rank received."""
+    from mindspeed_ha.comm.groups import dist_rank
     got = 0
     for src, dst in pairs:
         if rank not in (src, dst):
@@ -46,11 +47,11 @@ def transfer_shards(optimizer, pairs: list[tuple[int, int]], rank: int, iteratio
         mine = optimizer.ha_export_shard()
         if rank == src:
             for t in mine.values():
-                dist.send(t.detach().contiguous(), dst)
+                dist.send(t.detach().contiguous(), dist_rank(dst))
         else:
             fresh = {k: torch.empty_like(t) for k, t in mine.items()}
             for t in fresh.values():
-                dist.recv(t, src)
+                dist.recv(t, dist_rank(src))
                 got += t.numel() * t.element_size()
             optimizer.ha_import_shard(fresh)
     if any(dst == rank for _, dst in pairs):
@@ -63,14 +64,15 @@ def transfer_bookkeeping(trainer, joiners: dict[int, int], rank: int) -> dict | 
     """``joiners``: restarted rank -> the twin that sends it what is not in the optimizer shard: the
     trainer's counters, scheduler and pending loss, the RNG now and as of recent iterations (so that
     ``resume_at`` rolls back or forward exactly as on the twin). Returns what this rank received."""
+    from mindspeed_ha.comm.groups import dist_rank
     received = None
     for dst, src in sorted(joiners.items()):
         if rank == src:
             box = [{"trainer": trainer.bookkeeping(), "rng_now": rng.snapshot(), "rng": trainer.rng.export()}]
-            dist.send_object_list(box, dst)
+            dist.send_object_list(box, dist_rank(dst))
         elif rank == dst:
             box = [None]
-            dist.recv_object_list(box, src)
+            dist.recv_object_list(box, dist_rank(src))
             received = box[0]
             trainer.install_bookkeeping(received["trainer"])
             rng.restore(received["rng_now"])

@@ -146,7 +146,8 @@ def scale_in(trainer, rank, world):
         trainer.session.events.emit("harness_exit", iteration=trainer.iteration, parked=rank in plan.parked)
         trainer.session.events.close()
         os._exit(0 if plan.ok else 3)
-    out = elastic.scale_in(trainer, plan, rank, "127.0.0.1", int(os.environ["DUMP_STORE_PORT"]), generation=1)
+    out = elastic.scale_in(trainer, plan, rank, "127.0.0.1", int(os.environ["DUMP_STORE_PORT"]), generation=1,
+                           host_store=True)
     train_to(trainer, trainer.args.train_iters)
     if out["new_rank"] == 0:
         print("DUMP_RESULT " + json.dumps({**out, "message": plan.message()}), flush=True)
