@@ -46,6 +46,11 @@ def validate(world: int, args, options: HAOptions) -> None:
             f"context-parallel size must be at least 2 and divisible by --optimizer-replica-num {R}; with "
             f"{world} ranks, --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"
             + (f" --context-parallel-size {cp}" if cp > 1 else "") + f" it is {dp * cp}" + hint)
+    if "elastic-training" in options.strategies and (pp > 1 or cp > 1 or getattr(args, "num_experts", None)):
+        raise HAConfigError(
+            "elastic scale-in keeps every TP position and drops whole data-parallel replicas; it is built for "
+            "TP x DP layouts: with --pipeline-model-parallel-size, --context-parallel-size or --num-experts "
+            "drop --enable-elastic-training (or HIGH_AVAILABILITY=elastic-training)")
     experts = getattr(args, "num_experts", None)
     if experts:
         ep = getattr(args, "expert_model_parallel_size", 1)

@@ -85,6 +85,8 @@ class RankSession:
                     "replica optimizer (try another --expert-model-parallel-size)")
         make_replica(optimizer, self.topology)
         optimizer.ha_add_listener(self._on_update)
+        if self._tracking:  # an optimizer rebuilt in a running job (elastic resize)
+            self._track_rng(optimizer)
         self.injector.set_uce_corruptor(optimizer.ha_corrupt)
         self.optimizer = optimizer
         self._replica_pg = ps.get_inter_distributed_optimizer_instance_group()
@@ -147,12 +149,15 @@ class RankSession:
         if self.optimizer is None or self._tracking:
             return
         self._tracking = True
-        history = self.trainer.rng
-        history.record(self.trainer.iteration)  # after setup/--load, before any forward: the current RNG
-        self.optimizer.ha_add_listener(lambda event, it: history.record(it) if event == "update_end" else None)
+        self.trainer.rng.record(self.trainer.iteration)  # after setup/--load, before any forward: the current RNG
+        self._track_rng(self.optimizer)
         if self.processor is not None and self.trainer.save_dir:
             from mindspeed_ha.trainer import checkpoint
             checkpoint.prewarm_writer()
+
+    def _track_rng(self, optimizer) -> None:
+        history = self.trainer.rng
+        optimizer.ha_add_listener(lambda event, it: history.record(it) if event == "update_end" else None)
 
     # -- control plane ---------------------------------------------------------------------------
     def start_processor(self) -> None:

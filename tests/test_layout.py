@@ -38,6 +38,12 @@ def test_bad_layouts(world, argv, needles):
         assert n in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("argv", [["--pipeline-model-parallel-size", "2"], ["--num-experts", "4"]])
+def test_elastic_refuses_layouts_it_cannot_shrink(argv):
+    with pytest.raises(HAConfigError, match="elastic scale-in keeps every TP position"):
+        check(8, ["--enable-elastic-training", "--use-distributed-optimizer", *argv])
+
+
 def test_replica_needs_distributed_optimizer():
     with pytest.raises(HAConfigError, match="--use-distributed-optimizer"):
         args = finalize(build_parser().parse_args(["--enable-high-availability"]), 4)

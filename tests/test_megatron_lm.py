@@ -307,3 +307,12 @@ def test_megatron_lm_no_replica_reload_in_process(tmp_path):
         ("retry", "reload", 3, 2), ("recover", "reload", 6, 1)]
     assert sorted(e["iteration"] for e in evs if e["event"] == "load") == [3] * 4 + [6] * 4
     assert "consumed samples:           72" in proc.stdout  # Megatron-LM's own log counted each step once
+
+
+def test_megatron_lm_elastic_is_refused_naming_the_trainer_that_has_it(tmp_path):
+    proc = run(tmp_path, "--train-iters", "2", "--enable-elastic-training", nproc=2)
+    assert proc.returncode != 0
+    err = proc.stdout + proc.stderr
+    lines = [ln for ln in err.splitlines() if ln.startswith("mindspeed-ha: error (rank ")]
+    assert len(lines) == 2 and "not yet for Megatron-LM's loop" in lines[0], err[-3000:]
+    assert "[rank0]: Traceback" not in err

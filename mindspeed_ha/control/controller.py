@@ -100,7 +100,8 @@ class _Port:
         """elastic: these ranks are out of the job's layout for good — the lost ones are not
         restarted, the live ones (parked) are told to exit 0."""
         c = self._c
-        live = sorted(set(ranks) & c.table.live())
+        # (the process hosting this controller stays, parked, until the job ends)
+        live = sorted((set(ranks) & c.table.live()) - {c.rank})
         for r in ranks:
             if r in c.ranks:
                 c.ranks[r].done = True

@@ -67,6 +67,12 @@ def on_parse_args(original, extra_args_provider=None, ignore_unknown_args=False)
     try:
         opts = ha_options.from_args(ns)
         layout.validate(ns.world_size, ns, opts)
+        if "elastic-training" in opts.strategies:
+            raise HAConfigError(
+                "elastic scale-in (--enable-elastic-training, HIGH_AVAILABILITY=elastic-training) is built for "
+                "mindspeed-ha's built-in megatron-core trainer (examples/pretrain_gpt.py without Megatron-LM's "
+                "megatron.training on the path), not yet for Megatron-LM's loop; drop it here "
+                "(--enable-worker-reboot restarts a lost rank instead)")
         ha_options.check_writable(opts.log_dir, "--ha-log-dir" if ns.ha_log_dir else "MINDSPEED_HA_LOG_DIR")
         ha_options.check_writable(ns.save, "--save")
         inject.check_reachable(inject.parse(os.environ.get(inject.ENV, "")), ns.world_size, ns.train_iters)

@@ -8,8 +8,6 @@ DUMP_STEPS=K iterations, then, by DUMP_MODE:
   hosted by the lowest survivor on 127.0.0.1:DUMP_STORE_PORT, exchange their shard status (the
   controller would collect it over its own channel), plan, and write the dying-gasp checkpoint into
   ``--save``. Exit 0 when written, 3 on a refusal.
-* ``elastic``: the ranks in DUMP_KILL are lost (DP only); the rest scale in without a spare
-  (``mindspeed_ha.recovery.elastic``) and train on to ``--train-iters``.
 * ``rebuild``: every rank gives its groups new communicators (same world, a new store hosted by rank
   0 on 127.0.0.1:DUMP_STORE_PORT), then trains on to ``--train-iters``; losses must continue as if
   nothing happened.
@@ -127,33 +125,6 @@ def reconnect(trainer, rank, world):
     return 0
 
 
-def scale_in(trainer, rank, world):
-    """``elastic``: the ranks in DUMP_KILL are lost; the plan keeps whole replicas, the others park
-    (here: exit); the kept ones scale in over a store the first of them hosts, then train on to
-    ``--train-iters``."""
-    from mindspeed_ha import plan as planner
-    from mindspeed_ha.recovery import elastic
-    kill = {int(r) for r in os.environ.get("DUMP_KILL", "").split(",") if r}
-    topo = trainer.optimizer.ha_topology
-    st = trainer.optimizer  # every rank is at rest at the same iteration here: its own status stands for all
-    holders = {r: {"iteration": st.ha_iteration, "updating": False, "alive": r not in kill,
-                   "replica_group": topo.__class__(r, topo.dp_ranks, topo.replica_num).replica_group}
-               for r in range(world)}
-    plan = planner.plan_elastic(holders, [[r] for r in topo.dp_ranks], trainer.args.global_batch_size,
-                                trainer.args.micro_batch_size, topo.replica_num)
-    kept = [r for rep in plan.kept for r in rep]
-    if not plan.ok or rank not in kept:
-        trainer.session.events.emit("harness_exit", iteration=trainer.iteration, parked=rank in plan.parked)
-        trainer.session.events.close()
-        os._exit(0 if plan.ok else 3)
-    out = elastic.scale_in(trainer, plan, rank, "127.0.0.1", int(os.environ["DUMP_STORE_PORT"]), generation=1,
-                           host_store=True)
-    train_to(trainer, trainer.args.train_iters)
-    if out["new_rank"] == 0:
-        print("DUMP_RESULT " + json.dumps({**out, "message": plan.message()}), flush=True)
-    return 0
-
-
 def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     trainer = build(sys.argv[1:])
@@ -161,7 +132,7 @@ def main():
     if not os.environ.get("DUMP_NO_PREWARM"):
         checkpoint.prewarm_writer()
     train_to(trainer, int(os.environ["DUMP_STEPS"]))
-    code = {"dump": write_dump, "rebuild": reconnect, "elastic": scale_in}[os.environ.get("DUMP_MODE", "dump")](trainer, rank, world)
+    code = {"dump": write_dump, "rebuild": reconnect}[os.environ.get("DUMP_MODE", "dump")](trainer, rank, world)
     trainer.session.close()
     sys.stdout.flush()
     sys.stderr.flush()
