@@ -9,9 +9,9 @@ from helpers import PRETRAIN, TINY, assert_ok, clean_env, events, losses, torchr
 K, LAST = 5, 10
 
 
-def elastic_job(log_dir, nproc, inject, timeout=300):
+def elastic_job(log_dir, nproc, inject, timeout=300, extra=()):
     cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", "--nproc-per-node", str(nproc), PRETRAIN,
-           *args("--train-iters", str(LAST), "--ha-log-dir", str(log_dir))]
+           *args("--train-iters", str(LAST), "--ha-log-dir", str(log_dir), *extra)]
     cmd[cmd.index("--enable-high-availability")] = "--enable-elastic-training"
     return subprocess.run(cmd, env=clean_env({"MINDSPEED_HA_INJECT": inject}), capture_output=True, text=True,
                           timeout=timeout, cwd=str(log_dir))
@@ -63,6 +63,28 @@ def test_scale_in_twice_dp8_to_4_to_2(tmp_path):
     ctl = events(tmp_path / "run", "controller")
     scaled = [(e["old_dp"], e["dp"], e["dropped"]) for e in ctl if e["event"] == "scaled_in"]
     assert scaled == [(8, 4, [1, 4, 6, 7]), (4, 2, [3, 5])], scaled
+    got, want = losses(tmp_path / "run"), losses(tmp_path / "ref")
+    assert sorted(got) == list(range(1, LAST + 1))
+    assert {i: got[i] for i in range(1, 4)} == {i: want[i] for i in range(1, 4)}
+    rel = max(abs(float.fromhex(got[i]) / float.fromhex(want[i]) - 1) for i in range(4, LAST + 1))
+    assert rel < 1e-6, rel
+
+
+def test_tp2_dp4_scales_in_to_tp2_dp2(tmp_path):
+    """TP=2 x DP=4, rank 3 (TP rank 1 of replica 1) lost: the whole replica goes, and with it the one
+    its shards' twins would leave unpaired; replicas (0, 1) and (6, 7) train on at DP=2 with their TP
+    positions. Before the fault bit-identical to the fault-free job, after it within the bound."""
+    for d in ("ref", "run"):
+        (tmp_path / d).mkdir()
+    tp2 = ("--tensor-model-parallel-size", "2")
+    with ThreadPoolExecutor(1) as pool:
+        ref = pool.submit(torchrun, 8, args("--train-iters", str(LAST), *tp2), tmp_path / "ref", None, 400)
+        proc = elastic_job(tmp_path / "run", 8, "kill:rank=3:step=4:phase=forward", timeout=400, extra=tp2)
+        assert_ok(ref.result())
+    assert_ok(proc)
+    ctl = events(tmp_path / "run", "controller")
+    scaled = [(e["old_dp"], e["dp"], e["kept"], e["dropped"]) for e in ctl if e["event"] == "scaled_in"]
+    assert scaled == [(4, 2, [[0, 1], [6, 7]], [2, 3, 4, 5])], scaled
     got, want = losses(tmp_path / "run"), losses(tmp_path / "ref")
     assert sorted(got) == list(range(1, LAST + 1))
     assert {i: got[i] for i in range(1, 4)} == {i: want[i] for i in range(1, 4)}

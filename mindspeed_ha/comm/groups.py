@@ -47,6 +47,7 @@ _counts: dict[tuple, int] = {}             # (description, ranks) -> groups made
 _sealed = 0                                 # len(_groups) when set-up ended
 _joining = False
 _job: tuple | None = None                   # after an elastic resize: the job rank of each rank of the default group
+_reusable: dict[tuple, "StableGroup"] = {}  # resize: old groups whose members all stay, by (desc, job ranks, n)
 _lock = threading.RLock()
 
 
@@ -231,8 +232,12 @@ def new_group(original, ranks=None, timeout=None, backend=None, pg_options=None,
     me = world.rank()
     if me not in ranks:
         return c10d.GroupMember.NON_GROUP_MEMBER
-    group = StableGroup(_key(desc, ranks, n), ranks, ranks.index(me), _backend_name(backend),
-                        timeout or world.timeout, desc)
+    group = _reusable.pop((desc, tuple(job_rank(r) for r in ranks), n), None)
+    if group is not None:  # the same members as before a resize: the same object, renumbered
+        group.key, group.ranks, group.group_rank = _key(desc, ranks, n), tuple(ranks), ranks.index(me)
+    else:
+        group = StableGroup(_key(desc, ranks, n), ranks, ranks.index(me), _backend_name(backend),
+                            timeout or world.timeout, desc)
     _register(group, group.backend, _gen.store)
     with _lock:
         _groups.append(group)
@@ -380,17 +385,27 @@ def survivor_world(survivors: Sequence[int], rank: int, store_host: str, store_p
 def new_epoch(kept: Sequence[int], rank: int, store_host: str, store_port: int, generation: int,
               timeout: datetime.timedelta = datetime.timedelta(seconds=60), backend: str = "gloo",
               host_rank: int | None = None) -> World:
-    """A new layout (elastic resize): every group of the old one is released and forgotten — their
-    member lists no longer exist — and the default group becomes ``kept`` in that order. The groups
-    made next (megatron-core's, initialised again) are the new layout's set-up; ``seal`` ends it.
-    Call before ``parallel_state.destroy_model_parallel`` (which then destroys nothing: the old
-    groups are no longer registered, and destroying one would connect it first)."""
+    """A new layout (elastic resize): the default group becomes ``kept`` (job ranks) in that order,
+    and every group of the old layout is released and unregistered. The groups made next
+    (megatron-core's, initialised again) are the new layout's set-up; ``seal`` ends it. One of them
+    with the same description and the same members as an old one (a TP group of a kept replica)
+    *is* that old object, renumbered: the model's layers hold it and keep working, nothing has to
+    find and re-point them. Call before ``parallel_state.destroy_model_parallel`` (which then
+    destroys nothing: the old groups are no longer registered, and destroying one would connect it)."""
     global _sealed, _job
+    kept_set = set(int(r) for r in kept)
     with _lock:
+        seen: dict[tuple, int] = {}
+        _reusable.clear()
         for g in _groups:
             if g._inner is not None:
                 g._swap(None)
             _unregister(g)
+            members = tuple(job_rank(r) for r in g.ranks)
+            n = seen.get((g._desc, members), 0)
+            seen[(g._desc, members)] = n + 1
+            if g._desc not in ("default_pg", "survivors") and set(members) <= kept_set:
+                _reusable[(g._desc, members, n)] = g
         _groups.clear()
         _counts.clear()
         _sealed = 0
