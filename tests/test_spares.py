@@ -60,3 +60,17 @@ def test_without_its_template_the_pool_starts_processes(tmp_path):
         assert isinstance(proc, subprocess.Popen) and warm and proc.wait(10) == 13
     finally:
         p.close()
+
+
+def test_an_exited_agent_not_yet_reaped_is_gone_for_its_spares():
+    """A spare waits for its assignment only while its agent runs: an agent that has exited but
+    whose parent has not reaped it yet (it waits on the output pipes the spare holds) counts as gone,
+    or the two would wait for each other for good."""
+    import psutil
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while psutil.Process(p.pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not spare._exists(p.pid)
+    p.wait()
+    assert not spare._exists(p.pid) and spare._exists(os.getpid())

@@ -171,12 +171,15 @@ def _kill_group(pid: int) -> None:
 
 
 def _exists(pid: int) -> bool:
+    """A running process (an exited one its parent has not reaped yet is not: a spare waiting on a
+    zombie agent would hold the agent's output pipes open, and whoever waits to reap the agent
+    would wait on those pipes first)."""
+    import psutil
     try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.AccessDenied:
         return True
 
 
