@@ -234,3 +234,28 @@ def test_several_nodes_without_keys_are_refused(tmp_path):
                        env=clean_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "mindspeed-ha keygen" in p.stderr and "--ha-key-dir" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_lost_node_without_a_replacement_scales_the_job_in(tmp_path, keys, ref):
+    """Recover and elastic both on; node 1 is lost and no replacement comes: no spare can take its
+    ranks, so the controller scales in (recover is not tried) — ranks 0 and 1 train on at DP=2 to
+    the end. Bit-identical before the loss, within the bound of another data-parallel size after it."""
+    c = Cluster(tmp_path, keys, free_port(), flags=["--enable-elastic-training"])
+    try:
+        c.start(0)
+        c.start(1)
+        c.wait(lambda: c.iteration() >= 3, "iteration 3")
+        c.lose(1)
+        c.wait(lambda: c.controller("scaled_in"), "the scale-in", timeout=120)
+        assert c.agents[0].wait(240) == 0, c.out(0)
+    finally:
+        c.close()
+    strategy = c.controller("strategy")
+    assert "no spare for rank(s) [2, 3]" in strategy[0]["reason"], strategy
+    scaled = c.controller("scaled_in")
+    assert [(e["old_dp"], e["dp"], e["kept"], e["dropped"]) for e in scaled] == [(4, 2, [[0], [1]], [2, 3])]
+    got, first = losses(c.dirs), scaled[0]["iteration"]
+    assert sorted(got) == sorted(ref)
+    assert {i: got[i] for i in ref if i <= first} == {i: ref[i] for i in ref if i <= first}
+    rel = max(abs(float.fromhex(got[i]) / float.fromhex(ref[i]) - 1) for i in ref if i > first)
+    assert rel < 1e-6, rel
