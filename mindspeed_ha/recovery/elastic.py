@@ -10,7 +10,8 @@ Every kept rank, in step (the plan is ``mindspeed_ha.plan.plan_elastic``'s):
 4. moves fp32 main values and Adam moments from the plan's writers into the new shards, point to
    point (``replica.reshard``), and gives every new entry the old ``step``.
 
-What is not built yet: the controller's side (deciding, the round, parked ranks, events), scale-out,
+The controller decides and plays it (``control/playbooks.ELASTIC``): the ranks left out are told to
+exit, the kept ones then roll back to the plan's iteration at the new layout. Not built yet: scale-out,
 Megatron-LM's loop, PP > 1 (the new order assumes data-parallel ranks outermost after TP), and a new
 size at which the optimizer instance count changes.
 """
