@@ -72,6 +72,16 @@ class FakePort:
     def closed(self, faults, now, moved_bytes, phases):
         self.events.append(("closed", {"faults": faults, "moved_bytes": moved_bytes}))
 
+    def scaled(self, dp, replica_groups):
+        self.events.append(("scaled", {"dp": dp, "groups": dict(replica_groups)}))
+
+    def leave(self, ranks, reason):
+        self.left = (list(ranks), reason)
+        self._live -= set(ranks)
+
+    def host_rank(self):
+        return 0
+
     # test helpers
     def last(self):
         return self.orders[-1]
@@ -114,6 +124,77 @@ def play(playbook, state, ep, clock=None):
 
 UCE2 = {"ranks": [2], "kind": "memory-error", "iteration": 6, "phase": "backward", "detect_s": 0.01, "t_detect": 99.0}
 KILL1 = {"ranks": [1], "kind": "process-exit", "iteration": 6, "phase": "optimizer", "detect_s": 0.0, "t_detect": 99.0}
+
+
+# ---- elastic-training --------------------------------------------------------------------------------
+LAYOUT = {"dp_ranks": [0, 1, 2, 3], "global_batch": 16, "micro_batch": 2, "replica_num": 2}
+
+
+def elastic_statuses(ranks=(0, 2, 3), layout=LAYOUT):
+    return {r: {**shard(5, rank=r), "layout": dict(layout)} for r in ranks}
+
+
+def test_elastic_every_round_in_order():
+    """Rank 1 lost: status from the live ranks, the plan keeps ranks 0 and 3 (a holder of each shard)
+    at DP=2, they scale in; rank 2 and the lost rank 1 leave; the kept ranks roll back and resume."""
+    port = FakePort(live=(0, 2, 3), lost=(1,))
+    ep = episode(port, strategy="elastic-training", faults=[KILL1])
+    runner, out = play(PB.ELASTIC, S.DOWNGRADE, ep)
+    assert out is None and port.last()[1:3] == ("ha-status", [0, 2, 3])
+    port.answer(elastic_statuses())
+    assert runner.tick() is None
+    oid, action, ranks, args = port.last()
+    assert (action, ranks) == ("scale-in", [0, 3])
+    assert args["plan"]["kept"] == [[0], [3]] and args["plan"]["dp"] == 2 and args["generation"] == 1
+    assert port.event("elastic_plan")[0]["dropped"] == [1, 2]
+    port.answer({0: {"received": 12, "seconds": 0.3, "replica_group": [0, 3]},
+                 3: {"received": 12, "seconds": 0.2, "replica_group": [0, 3]}})
+    assert runner.tick() == "ok"
+    assert port.left[0] == [1, 2] and port.event("scaled") == [{"dp": 2, "groups": {0: [0, 3], 3: [0, 3]}}]
+    done = port.event("scaled_in")[0]
+    assert (done["old_dp"], done["dp"], done["bytes"], done["seconds"]) == (4, 2, 24, 0.3)
+    runner, out = play(PB.ELASTIC, S.ROLLBACK, ep)
+    assert out is None and port.last()[1:] == ("rollback", [0, 3], {"iteration": 5, "fresh_data": True})
+    port.answer({0: "rollback", 3: "rollback"})
+    assert runner.tick() is None and port.last()[1:3] == ("resume", [0, 3])
+    port.answer({0: "resumed", 3: "resumed"})
+    assert runner.tick() == "ok"
+
+
+@pytest.mark.parametrize("live,lost,layout,why", [
+    ((0, 1, 2, 3), (), LAYOUT, "no rank is lost"),
+    ((0, 2, 3), (1,), {**LAYOUT, "global_batch": 12}, "changing the optimizer instance count in process is not built"),
+    ((0, 2, 3), (1,), {**LAYOUT, "micro_batch": 16}, "scale-in refused: "),
+], ids=["nothing lost", "odd size", "no size divides the batch"])
+def test_elastic_plan_refusals_fail_the_state(live, lost, layout, why):
+    port = FakePort(live=live, lost=lost)
+    runner, _ = play(PB.ELASTIC, S.DOWNGRADE, episode(port, strategy="elastic-training", faults=[KILL1]))
+    port.answer(elastic_statuses(live, layout))
+    out = runner.tick()
+    assert out[0] == "failed" and why in out[1], out
+    assert not [o for o in port.orders if o[1] == "scale-in"]
+
+
+def test_elastic_refused_when_the_controllers_own_rank_would_leave():
+    """Rank 0 (hosting the controller) stopped before its update, so its twin 2 serves the shard:
+    the plan would keep replicas 2 and 3 and park rank 0 — refused (the dump follows)."""
+    port = FakePort(live=(0, 2, 3), lost=(1,))
+    runner, _ = play(PB.ELASTIC, S.DOWNGRADE, episode(port, strategy="elastic-training", faults=[KILL1]))
+    st = elastic_statuses()
+    st[0].update(iteration=4, updating=True, touched=False)
+    port.answer(st)
+    out = runner.tick()
+    assert out[0] == "failed" and "the controller's own rank 0 would leave the job" in out[1], out
+
+
+def test_elastic_a_failed_scale_in_fails_the_state_and_nobody_leaves():
+    port = FakePort(live=(0, 2, 3), lost=(1,))
+    runner, _ = play(PB.ELASTIC, S.DOWNGRADE, episode(port, strategy="elastic-training", faults=[KILL1]))
+    port.answer(elastic_statuses())
+    runner.tick()
+    port.answer({0: {"received": 1, "seconds": 0.1, "replica_group": [0, 3]}, 3: RuntimeError("reshard: no holder")})
+    out = runner.tick()
+    assert out[0] == "failed" and "scale-in failed" in out[1] and not hasattr(port, "left")
 
 
 # ---- retry -------------------------------------------------------------------------------------------

@@ -96,12 +96,14 @@ class _Port:
             if int(r) in self._c.ranks:
                 self._c.ranks[int(r)].groups = [list(group)]
 
+    def host_rank(self):
+        return self._c.rank
+
     def leave(self, ranks, reason):
         """elastic: these ranks are out of the job's layout for good — the lost ones are not
         restarted, the live ones (parked) are told to exit 0."""
         c = self._c
-        # (the process hosting this controller stays, parked, until the job ends)
-        live = sorted((set(ranks) & c.table.live()) - {c.rank})
+        live = sorted(set(ranks) & c.table.live())
         for r in ranks:
             if r in c.ranks:
                 c.ranks[r].done = True

@@ -250,6 +250,9 @@ def _plan_elastic(ep: Episode):
         return Fail(plan.message())
     if plan.dp == len(replicas):
         return Fail("no rank is lost: nothing to scale in")
+    if ep.port.host_rank() in plan.parked:
+        return Fail(f"{plan.message()}: the controller's own rank {ep.port.host_rank()} would leave the job "
+                    "(handing the controller over first is not built)")
     if plan.instances != layout["replica_num"]:
         return Fail(f"{plan.message()}: changing the optimizer instance count in process is not built "
                     f"(a global batch that divides by micro-batch x an even size keeps the twins)")

@@ -57,6 +57,9 @@ class Port(Protocol):
     def leave(self, ranks: list[int], reason: str) -> None:
         """elastic: these ranks are out of the layout for good (live ones are told to exit 0)."""
 
+    def host_rank(self) -> int | None:
+        """The rank whose process runs this controller (None: a process of its own)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Goto:
