@@ -57,15 +57,16 @@ class RankRecovery:
         found = {"ended": self.trainer.ended, "checkpoint": list(newest) if newest else None}
         if self.s.optimizer is None:  # --distributed-optimizer-no-replica
             return {"replica": False, **found}
-        return {"replica": True, **repair.status(self.trainer), **found, "layout": self.layout()}
+        elastic = {"layout": self.layout()} if "elastic-training" in self.s.options.strategies else {}
+        return {"replica": True, **repair.status(self.trainer), **found, **elastic}
 
     def layout(self) -> dict:
-        """What an elastic plan needs of the job's layout: this rank's data-parallel group (job
-        ranks, in order), the batch sizes and the optimizer instance count."""
+        """What an elastic plan needs of the job's layout (built-in trainer): this rank's data-parallel
+        group (job ranks, in order), the batch sizes and the optimizer instance count."""
         from mindspeed_ha.comm.groups import job_rank
-        topo, a = self.s.topology, self.trainer.args
-        return {"dp_ranks": [job_rank(r) for r in topo.dp_ranks], "global_batch": int(a.global_batch_size),
-                "micro_batch": int(a.micro_batch_size), "replica_num": int(topo.replica_num)}
+        topo = self.s.topology
+        return {"dp_ranks": [job_rank(r) for r in topo.dp_ranks], "global_batch": int(self.trainer.global_batch_size),
+                "micro_batch": int(self.trainer.args.micro_batch_size), "replica_num": int(topo.replica_num)}
 
     def rebuild(self, args: dict) -> str:
         from mindspeed_ha.comm import groups
