@@ -375,10 +375,12 @@ class RankSession:
             self.verify_replicas(iteration)
 
     def verify_replicas(self, iteration: int) -> dict:
+        from mindspeed_ha.comm.groups import job_rank
         from mindspeed_ha.replica.verify import ReplicaMismatchError, check_replicas
         t0 = time.perf_counter()
         try:
-            fields = check_replicas(self.optimizer, iteration, self._replica_pg, self.device.torch_device(self.local_rank))
+            fields = check_replicas(self.optimizer, iteration, self._replica_pg, self.device.torch_device(self.local_rank),
+                                    job_rank)
         except ReplicaMismatchError as e:
             self.events.emit("replica_check", iteration=iteration, ok=False, error=str(e))
             log.error("%s", e)

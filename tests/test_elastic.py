@@ -51,18 +51,24 @@ def test_scale_in_twice_dp8_to_4_to_2(tmp_path):
     """Rank 1 lost in step 4 (8 -> 4: ranks 0, 2, 3, 5 train on), then rank 5, a kept one, in step 7
     (4 -> 2): every iteration logged once, bit-identical to the fault-free DP=8 run before the first
     fault, within the measured bound of another data-parallel size after it (fp32: the same samples
-    per step, only the sums' grouping differs)."""
+    per step, only the sums' grouping differs). The resized job checks its twins after every step
+    and saves every 3 steps as any job does."""
     for d in ("ref", "run"):
         (tmp_path / d).mkdir()
     with ThreadPoolExecutor(1) as pool:
         ref = pool.submit(torchrun, 8, args("--train-iters", str(LAST)), tmp_path / "ref", None, 400)
         proc = elastic_job(tmp_path / "run", 8, "kill:rank=1:step=4:phase=forward,kill:rank=5:step=7:phase=backward",
-                           timeout=400)
+                           timeout=400, extra=("--ha-verify-replicas-interval", "1", "--save", str(tmp_path / "ck"),
+                                               "--save-interval", "3"))
         assert_ok(ref.result())
     assert_ok(proc)
     ctl = events(tmp_path / "run", "controller")
     scaled = [(e["old_dp"], e["dp"], e["dropped"]) for e in ctl if e["event"] == "scaled_in"]
     assert scaled == [(8, 4, [1, 4, 6, 7]), (4, 2, [3, 5])], scaled
+    checks = [e for e in events(tmp_path / "run", "rank_2") if e["event"] == "replica_check"]
+    assert [e["iteration"] for e in checks] == list(range(1, LAST + 1)) and all(e["ok"] for e in checks)
+    assert [e["replica_group"] for e in checks][-1] == [0, 2]   # job ranks, at DP=2
+    assert {p.name for p in (tmp_path / "ck").iterdir()} >= {"iter_0000009", "iter_0000010"}
     got, want = losses(tmp_path / "run"), losses(tmp_path / "ref")
     assert sorted(got) == list(range(1, LAST + 1))
     assert {i: got[i] for i in range(1, 4)} == {i: want[i] for i in range(1, 4)}

@@ -13,8 +13,9 @@ class ReplicaMismatchError(RuntimeError):
     pass
 
 
-def check_replicas(optimizer, iteration: int, replica_group_pg, device) -> dict:
-    """Returns the ``replica_check`` event fields; raises ReplicaMismatchError on every rank on a mismatch."""
+def check_replicas(optimizer, iteration: int, replica_group_pg, device, job_rank=lambda r: r) -> dict:
+    """Returns the ``replica_check`` event fields; raises ReplicaMismatchError on every rank on a mismatch.
+    ``job_rank``: the job's name of a rank of the default group (they differ after an elastic resize)."""
     topo = optimizer.ha_topology
     fp = optimizer.ha_fingerprint()
     names = list(fp)
@@ -27,7 +28,7 @@ def check_replicas(optimizer, iteration: int, replica_group_pg, device) -> dict:
             continue
         diff = (theirs != mine).nonzero()
         if diff.numel():
-            problem = {"ranks": sorted([topo.rank, peer]), "tensor": names[int(diff[0, 0])],
+            problem = {"ranks": sorted([job_rank(topo.rank), job_rank(peer)]), "tensor": names[int(diff[0, 0])],
                        "differing_tensors": int(diff.numel())}
             break
     flag = torch.tensor([1 if problem else 0], dtype=torch.int64, device=device)
@@ -40,4 +41,5 @@ def check_replicas(optimizer, iteration: int, replica_group_pg, device) -> dict:
                f"hold different optimizer shards; first differing tensor {first['tensor']} "
                f"({first['differing_tensors']} tensors differ). Silent data corruption: training stopped.")
         raise ReplicaMismatchError(msg) from None
-    return {"iteration": iteration, "ok": True, "replica_group": topo.replica_group, "tensors": len(names)}
+    return {"iteration": iteration, "ok": True, "replica_group": [job_rank(r) for r in topo.replica_group],
+            "tensors": len(names)}
