@@ -218,6 +218,13 @@ class ElasticPlan:
     writers: dict = dataclasses.field(default_factory=dict)  # shard (sorted replica group) -> kept rank
     microbatches: int = 0      # per rank and step at the new size (the global batch is unchanged)
     reason: str = ""
+    sources: dict = dataclasses.field(default_factory=dict)  # scale-out: newcomer -> the kept rank it copies
+    direction: str = "in"      # in: whole replicas dropped; out: newcomer replicas added
+
+    @property
+    def order(self) -> list:
+        """The job ranks of the new layout in their new default-group order."""
+        return [r for rep in self.kept for r in rep]
 
     @property
     def redundancy(self) -> bool:
@@ -228,6 +235,7 @@ class ElasticPlan:
         d["kept"] = [list(r) for r in self.kept]
         d["parked"] = list(self.parked)
         d["writers"] = {",".join(map(str, g)): r for g, r in self.writers.items()}
+        d["sources"] = [x for pair in sorted(self.sources.items()) for x in pair]
         return d
 
     @classmethod
@@ -236,14 +244,16 @@ class ElasticPlan:
         d["kept"] = tuple(tuple(int(r) for r in rep) for rep in d["kept"])
         d["parked"] = tuple(d["parked"])
         d["writers"] = {tuple(int(r) for r in g.split(",")): int(w) for g, w in d["writers"].items()}
+        flat = [int(x) for x in d.get("sources", ())]
+        d["sources"] = dict(zip(flat[0::2], flat[1::2]))
         return cls(**d)
 
     def message(self) -> str:
         if not self.ok:
-            return f"scale-in refused: {self.reason}"
+            return f"scale-{self.direction} refused: {self.reason}"
         twins = "two optimizer instances" if self.redundancy else \
             "one optimizer instance (no twins until the job scales out again)"
-        return (f"scale in to data-parallel size {self.dp} at iteration {self.iteration}: replicas "
+        return (f"scale {self.direction} to data-parallel size {self.dp} at iteration {self.iteration}: replicas "
                 f"{[list(r) for r in self.kept]}, {self.microbatches} micro-batches per rank, {twins}"
                 + (f"; ranks {list(self.parked)} parked" if self.parked else ""))
 
@@ -301,3 +311,51 @@ def plan_elastic(holders: dict, replicas, global_batch: int, micro_batch: int,
             writers[tuple(sorted(holders[r]["replica_group"]))] = r
     return ElasticPlan(True, target, dp, instances if dp % instances == 0 else 1, kept, parked, writers,
                        global_batch // (micro_batch * dp))
+
+
+def plan_scale_out(holders: dict, replicas, joiners, global_batch: int, micro_batch: int,
+                   instances: int = 2) -> ElasticPlan:
+    """Scale out: ranks that registered again (``joiners``, job ranks; fresh processes holding
+    nothing) rejoin the job's ``replicas`` (as for ``plan_elastic``, every one live) as whole
+    data-parallel replicas.
+
+    A newcomer replica is the job's original slice of ``len(replica)`` consecutive ranks (the TP x PP
+    slices are laid out data-parallel outermost), and only a whole one of joiners can come in. The
+    new size is the largest that the global batch allows (divisible by micro-batch x size) and
+    that keeps the optimizer instance count of the current size; newcomers beyond it are parked.
+    Every replica of the new layout is ordered by its lowest rank, so a job back at its full size
+    has its original layout again. The state comes from one current holder of each shard at the
+    newest iteration every shard has (``writers``); each newcomer copies counters, scheduler and RNG
+    from the kept rank at its TP/PP position (``sources``)."""
+    replicas = [tuple(int(r) for r in rep) for rep in replicas]
+    dump = plan_dump(holders)
+    if not dump.ok:
+        return ElasticPlan(False, reason=dump.reason, direction="out")
+    target, width = dump.iteration, len(replicas[0])
+    joined = {int(r) for r in joiners}
+    incoming = sorted({r // width for r in joined})
+    whole = [tuple(range(d * width, (d + 1) * width)) for d in incoming
+             if set(range(d * width, (d + 1) * width)) <= joined]
+    current = len(replicas)
+    now_instances = instances if current % instances == 0 else 1
+    sizes = [d for d in range(current + len(whole), current, -1)
+             if global_batch % (micro_batch * d) == 0 and (d % instances == 0) == (now_instances == instances)]
+    if not sizes:
+        return ElasticPlan(False, target, direction="out", reason=(
+            f"{len(whole)} whole replica(s) of newcomers ({sorted(joined)}) and {current} running; no larger "
+            f"data-parallel size up to {current + len(whole)} divides the global batch {global_batch} into "
+            f"micro-batches of {micro_batch} with the same optimizer instance count"))
+    dp = sizes[0]
+    added = whole[:dp - current]
+    kept = tuple(sorted(replicas + added, key=min))
+    writers = {}
+    for rep in replicas:  # the first (lowest) replica holding a shard at the target serves it
+        for r in rep:
+            key = tuple(sorted(holders[r]["replica_group"]))
+            if key not in writers and target in servable(holders[r]):
+                writers[key] = r
+    position = {r % width: r for r in replicas[0]}
+    sources = {r: position[r % width] for rep in added for r in rep}
+    parked = tuple(sorted(joined - set(sources)))
+    return ElasticPlan(True, target, dp, now_instances, kept, parked, writers,
+                       global_batch // (micro_batch * dp), sources=sources, direction="out")

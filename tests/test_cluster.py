@@ -50,6 +50,7 @@ class Cluster:
 
     def __init__(self, tmp_path, keys, port, env=None, flags=(), slurm=False):
         self.tmp, self.port, self.flags, self.slurm = tmp_path, port, list(flags), slurm
+        self.base = FLAGS
         self.env = clean_env({"MINDSPEED_HA_KEY_DIR": str(keys), **(env or {})})
         self.agents: dict[int, subprocess.Popen] = {}
         self.dirs: list = []
@@ -69,7 +70,7 @@ class Cluster:
             shape = ["--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
                      "--master-port", str(self.port)]
         cmd = MINDSPEED_HA + ["run", *shape, "--nproc-per-node", "2", "--local-addr", f"127.0.0.{node + 1}",
-                              PRETRAIN, *FLAGS, *self.flags, "--ha-log-dir", str(d)]
+                              PRETRAIN, *self.base, *self.flags, "--ha-log-dir", str(d)]
         out = open(d / "agent.out", "w")
         p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(d))
         self.agents[node] = p
@@ -259,3 +260,39 @@ def test_a_lost_node_without_a_replacement_scales_the_job_in(tmp_path, keys, ref
     assert {i: got[i] for i in ref if i <= first} == {i: ref[i] for i in ref if i <= first}
     rel = max(abs(float.fromhex(got[i]) / float.fromhex(ref[i]) - 1) for i in ref if i > first)
     assert rel < 1e-6, rel
+
+
+def test_elastic_node_lost_twice_and_back_twice(tmp_path, keys, ref):
+    """HIGH_AVAILABILITY=elastic-training only: node 1 is lost (no spare: DP 4 -> 2), its replacement
+    comes (DP 2 -> 4, its ranks take weights, shards, counters and RNG from the kept ones), then
+    the same again. Every iteration is logged once; bit-identical up to the first loss, within the
+    bound of another data-parallel size after it."""
+    # rank 0 (never lost) paces the job at a few tenths of a second a step, so that a node can start in time
+    c = Cluster(tmp_path, keys, free_port(), env={"HIGH_AVAILABILITY": "elastic-training",
+                                                  "MINDSPEED_HA_INJECT": "slow:rank=0:step=6:factor=8"})
+    c.base = [*TINY, "--train-iters", str(ITERS), "--ha-verify-replicas-interval", "1"]
+    try:
+        c.start(0)
+        c.start(1)
+        for n in (1, 2):
+            back = c.controller("scaled_out")
+            c.wait(lambda: c.iteration() >= (back[-1]["iteration"] if back else 0) + 3, "3 steps at DP=4")
+            c.lose(1)
+            c.wait(lambda: len(c.controller("scaled_in")) >= n, f"scale-in {n}", timeout=120)
+            c.wait(lambda: c.iteration() >= c.controller("scaled_in")[-1]["iteration"] + 3, "3 steps at DP=2")
+            c.start(1)
+            c.wait(lambda: len(c.controller("scaled_out")) >= n, f"scale-out {n}", timeout=120)
+        assert c.agents[0].wait(300) == 0, c.out(0)
+        assert c.agents[1].wait(60) == 0, c.out(1)
+    finally:
+        c.close()
+    scaled_in, scaled_out = c.controller("scaled_in"), c.controller("scaled_out")
+    assert [(e["old_dp"], e["dp"], e["dropped"]) for e in scaled_in] == [(4, 2, [2, 3])] * 2
+    assert [(e["old_dp"], e["dp"], e["added"], e["redundancy"]) for e in scaled_out] == [(4 // 2, 4, [2, 3], True)] * 2
+    steps = [e["iteration"] for e in events(c.dirs, "rank_0") if e["event"] == "step"]
+    assert sorted(steps) == sorted(set(steps)) == list(range(1, ITERS + 1))
+    got, first = losses(c.dirs), scaled_in[0]["iteration"]
+    assert sorted(got) == sorted(ref)
+    assert {i: got[i] for i in ref if i <= first} == {i: ref[i] for i in ref if i <= first}
+    rel = max(abs(float.fromhex(got[i]) / float.fromhex(ref[i]) - 1) for i in ref if i > first)
+    assert rel < 1e-4, rel

@@ -25,6 +25,7 @@ from ..options import HAOptions
 from . import discovery, election, playbooks, protocol as P, security
 from .budget import RestartBudget
 from .diagnosis import diagnosis
+from .growth import Growth
 from .inbox import Inbox
 from .migration import Migrations
 from .playbooks import Episode, FirstStep
@@ -90,8 +91,10 @@ class _Port:
                  key=("hang-in-recovery", tuple(ranks), c.generation))
 
     def scaled(self, dp, replica_groups):
-        """elastic: the job runs at data-parallel size ``dp`` now; the kept ranks' new replica groups."""
-        self._c.scaled_in = int(dp)
+        """elastic: the job runs at data-parallel size ``dp`` now; the new layout's replica groups
+        (every rank of it answers: all of the job's ranks when it is whole again)."""
+        self._c.scaled_in = 0 if len(replica_groups) == self._c.world else int(dp)
+        self._c.growth.joined([int(r) for r in replica_groups])
         for r, group in replica_groups.items():
             if int(r) in self._c.ranks:
                 self._c.ranks[int(r)].groups = [list(group)]
@@ -107,6 +110,7 @@ class _Port:
         for r in ranks:
             if r in c.ranks:
                 c.ranks[r].done = True
+        c.growth.leave(ranks)
         if live:
             c.order("exit", live, {"code": 0, "diagnosis": f"mindspeed-ha: rank(s) {live} leave the job: {reason}"})
         c._to_agents("leave", {"ranks": sorted(ranks)})
@@ -174,10 +178,11 @@ class Controller:
         self.port_number, self.endpoint = self.router.port, self.router.endpoint
         self.handlers = Inbox(self).handlers()
         self.migrations = Migrations(self)
+        self.growth = Growth(self)             # elastic: scale out onto a node that came back
         self.succession = Succession(self)    # standbys, takeovers, a handover before the host migrates
         self.actions = {S.NORMAL: self._training, S.PAUSE: self._stop_survivors, S.DECIDE: self._decide,
                         S.REPAIR: self._play, S.ROLLBACK: self._play, S.DUMP: self._play, S.DOWNGRADE: self._play,
-                        S.EXIT: self._tell_exit}
+                        S.UPGRADE: self._play, S.EXIT: self._tell_exit}
         self._last_scan = 0.0
         self._refresh_ack()
 
@@ -339,6 +344,9 @@ class Controller:
             self._to_agents("restart", {"ranks": by_agent})
         return by_agent, awaiting, []
 
+    def _to_agent(self, agent, action: str, args: dict) -> None:
+        self.router.send(agent.ident, P.encode("do", action=action, id=0, args=args, epoch=self.epoch))
+
     def _to_agents(self, action: str, args: dict) -> None:
         data = P.encode("do", action=action, id=0, args=args, epoch=self.epoch)
         self.router.fan_out((a.ident for a in self.agents.values()), data)
@@ -425,6 +433,8 @@ class Controller:
         if st in (S.NORMAL, S.INIT) and self.ranks and self.table.all_over() and not self.active_faults:
             self._feed(O.FINISHED)
             return
+        if st == S.NORMAL and self.growth.offered:
+            self.growth.retry()
         if st in (S.PAUSE, S.REPAIR) and self.migrations.outrun():
             # The job ended its last step as the migration began: nobody parks, there is nothing to move.
             if self.table.all_over():
@@ -434,7 +444,7 @@ class Controller:
         if st == S.PAUSE and self._stopped(now):
             self._feed(O.STOPPED)
             return
-        if st in (S.REPAIR, S.ROLLBACK, S.DUMP, S.DOWNGRADE) and self.runner is not None:
+        if st in (S.REPAIR, S.ROLLBACK, S.DUMP, S.DOWNGRADE, S.UPGRADE) and self.runner is not None:
             runner = self.runner
             out = runner.tick()
             if self.machine.state != st or self.runner is not runner:
@@ -518,10 +528,12 @@ class Controller:
     def _stop_survivors(self):
         """Stop every survivor; decision latency is fault detection -> last stop sent."""
         fault = self.active_faults[-1] if self.active_faults else None
-        survivors = sorted(self.table.live())  # every live rank, reporters of comm failures included
+        # every live rank, reporters of comm failures included; not a newcomer waiting to scale out
+        survivors = sorted(self.table.live() - self.growth.newcomers())
         reason = (f"{fault['kind']} on rank(s) {fault['ranks'][:8]}" if fault else "controller")[:200]
-        # Nothing broke for a migration: the ranks park between two steps, no step is interrupted.
-        planned = bool(self.active_faults) and all(f["kind"] == "migrate" for f in self.active_faults)
+        # Nothing broke for a migration or a scale-out: the ranks park between two steps, no step
+        # is interrupted.
+        planned = bool(self.active_faults) and all(f["kind"] in ("migrate", "scale-out") for f in self.active_faults)
         self._stop_id = self.order("stop", survivors, {"reason": reason, **({"boundary": True} if planned else {})})
         if fault is not None:
             decide_ms = (time.monotonic() - fault["t_detect"]) * 1e3
@@ -532,6 +544,14 @@ class Controller:
 
     def _decide(self):
         kinds = {f["kind"] for f in self.active_faults}
+        if kinds == {"scale-out"}:
+            self.strategy_note = "scale-out onto returned rank(s)"
+            self.events.emit("strategy", outcome=O.SCALE_OUT.value, reason=self.strategy_note)
+            self.playbook, self.chosen = playbooks.SCALE_OUT, O.SCALE_OUT
+            return O.SCALE_OUT
+        if "scale-out" in kinds:  # a fault came first: its recovery; the newcomers are asked again after it
+            self.active_faults[:] = [f for f in self.active_faults if f["kind"] != "scale-out"]
+            kinds.discard("scale-out")
         ordered = self.options.ordered_strategies()
         refusal = self._budget_refusal() if "recover" in ordered else None
         if refusal:
@@ -577,16 +597,16 @@ class Controller:
         """REPAIR, ROLLBACK, DUMP: the playbook's rounds for this state (a new episode on REPAIR and
         DUMP; ROLLBACK goes on with REPAIR's)."""
         st = self.machine.state
-        if st in (S.REPAIR, S.DUMP, S.DOWNGRADE):
+        if st in (S.REPAIR, S.DUMP, S.DOWNGRADE, S.UPGRADE):
             if st == S.DUMP:
                 self.playbook = playbooks.DUMP
             strategy = ({O.RECOVER: "recover"}.get(self.chosen, "retry") if st == S.REPAIR else
-                        "elastic-training" if st == S.DOWNGRADE else "dump")
+                        {S.DOWNGRADE: "elastic-training", S.UPGRADE: "scale-out"}.get(st, "dump"))
             first = self.active_faults[0] if self.active_faults else None
             replica = all(i.groups for i in self.ranks.values() if i.alive)  # (no replicas: groups are not sent)
             self.episode = Episode(self.playbook_port, strategy, self.world, self.active_faults,
                                    {r: i.groups[0] for r, i in self.ranks.items() if i.groups}, replica=replica)
-            if first is not None and st in (S.REPAIR, S.DOWNGRADE):
+            if first is not None and st in (S.REPAIR, S.DOWNGRADE, S.UPGRADE):
                 self.episode.phases["detect"] = first["detect_s"]
                 # detection -> every survivor stopped and the strategy chosen
                 self.episode.phases["stop"] = round(time.monotonic() - first["t_detect"], 4)

@@ -4,6 +4,7 @@
     recover  REPAIR: status -> [restart] -> plan -> rebuild -> repair | reload   ROLLBACK: [rollback] -> resume
     dump     DUMP:   status -> plan -> write  (a writer lost: the others stop, plan again, write again)
     elastic  DOWNGRADE: status -> plan -> scale-in    ROLLBACK: rollback -> resume (the kept ranks)
+    scale-out UPGRADE: status -> plan -> scale-out    ROLLBACK: rollback -> resume (the new layout)
 
 What each round asks of a rank is in ``mindspeed_ha.recovery.handlers`` (same names). After
 ROLLBACK the job trains again; ``FirstStep`` closes the recovery (the ``recovered`` event, MTTR)
@@ -64,6 +65,7 @@ class Episode:
     moved_bytes: int = 0                   # repair: shard bytes copied from the twins
     dropped: list = dataclasses.field(default_factory=list)   # elastic: ranks out of the new layout
     old_dp: int = 0                        # elastic: the data-parallel size before
+    running: list = dataclasses.field(default_factory=list)   # scale-out: the ranks training before
     started: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
@@ -299,6 +301,63 @@ ELASTIC = Playbook("elastic-training", {
 }, "repair_failed")
 
 
+# ---- elastic-training: UPGRADE (scale out when a lost node's ranks registered again) ---------------------
+def _plan_scale_out(ep: Episode):
+    """Newcomers (``ep.joiners``: the returned ranks, registered, holding nothing) join as whole
+    replicas; a plan that cannot be made leaves them out and the job trains on as it was."""
+    layout = next((st["layout"] for st in ep.statuses.values() if st.get("layout")), None)
+    replicas = _replicas(ep)
+    if layout is None or not replicas:
+        return Fail("no rank reported the job's layout (elastic needs the replica optimizer)")
+    ep.running = sorted(r for rep in replicas for r in rep)
+    groups = {r: ep.group_of(r) for r in ep.running if ep.group_of(r)}
+    holders = {r: h for r, h in planner.holders(ep.world, ep.statuses, groups).items() if r in ep.running}
+    ep.plan = planner.plan_scale_out(holders, replicas, ep.joiners, layout["global_batch"], layout["micro_batch"],
+                                     layout["replica_num"])
+    ep.old_dp = len(replicas)
+    ep.dropped = sorted(ep.plan.parked) if ep.plan.ok else list(ep.joiners)
+    if not ep.plan.ok:
+        if ep.plan.iteration is None:
+            return Fail(ep.plan.message())
+        ep.port.emit("scale_out_refused", reason=ep.plan.reason, newcomers=list(ep.joiners), dp=ep.old_dp)
+        log.warning("elastic: %s; training goes on at data-parallel size %d", ep.plan.message(), ep.old_dp)
+        ep.port.leave(ep.dropped, ep.plan.message())
+        return NEXT
+    ep.generation = ep.port.new_generation()
+    ep.port.emit("elastic_plan", iteration=ep.plan.iteration, dp=ep.plan.dp, old_dp=ep.old_dp,
+                 kept=[list(r) for r in ep.plan.kept], parked=ep.dropped, added=sorted(ep.plan.sources),
+                 writers=sorted(set(ep.plan.writers.values())), redundancy=ep.plan.redundancy,
+                 generation=ep.generation)
+    log.info("elastic: %s", ep.plan.message())
+    return NEXT
+
+
+def _scaled_out(ep: Episode, ans: Answers):
+    if ans.failed:
+        return Fail(f"scale-out failed ({ans.why()})")
+    ep.moved_bytes = sum(int((a or {}).get("received") or 0) for a in ans.ok.values())
+    ep.port.scaled(ep.plan.dp, {r: a["replica_group"] for r, a in ans.ok.items() if a and a.get("replica_group")})
+    if ep.dropped:
+        ep.port.leave(ep.dropped, f"the job scaled out to data-parallel size {ep.plan.dp} without them")
+    ep.phases["resize"] = round(max(float((a or {}).get("seconds") or 0) for a in ans.ok.values()), 4)
+    ep.how = f"data-parallel size {ep.old_dp} -> {ep.plan.dp}"
+    return DONE
+
+
+def _new_layout(ep: Episode) -> list:
+    return _kept(ep) if ep.plan.ok else ep.running
+
+
+SCALE_OUT = Playbook("scale-out", {
+    S.UPGRADE: [STATUS, Round("plan", act=_plan_scale_out, timed=False),
+                Round("scale-out", order="scale-out", to=_kept, args=_scale_in_args, decide=_scaled_out,
+                      when=lambda ep: ep.plan.ok)],
+    S.ROLLBACK: [dataclasses.replace(ROLLBACK, args=lambda ep: {"iteration": ep.target, "fresh_data": True},
+                                     when=None, to=_new_layout),
+                 dataclasses.replace(RESUME, to=_new_layout)],
+}, "repair_failed")
+
+
 # ---- dump (the dying-gasp checkpoint) -----------------------------------------------------------------
 def _dump_status_to(ep: Episode) -> list:
     # A poisoned shard must not be saved; a hung rank will not answer.
@@ -391,9 +450,9 @@ def failed(playbook: Playbook, ep: Episode, reason: str) -> str:
 
 # ---- after the recovery: the first step closes it -----------------------------------------------------
 class FirstStep:
-    """In NORMAL after a retry, recover or reload: the recovery ends when every live rank has
-    completed the step after the iteration it resumed at (``recovered``, with the MTTR from the
-    first fault's detection)."""
+    """In NORMAL after a retry, recover, reload or resize: the recovery ends when every live rank
+    has completed the step after the iteration it resumed at (``recovered``, with the MTTR from the
+    first fault's detection; a scale-out: ``scaled_out``, timed from the newcomers' registration)."""
 
     def __init__(self, ep: Episode, faults: list, resumed_at: float):
         self.ep, self.faults, self.resumed_at = ep, faults, resumed_at
@@ -411,6 +470,18 @@ class FirstStep:
         phases["first_step"] = round(now - self.resumed_at, 4)
         mttr = first["detect_s"] + (now - first["t_detect"])
         extra = {} if completed else {"first_step_interrupted": True}
+        if ep.strategy == "scale-out":  # no fault: the time from the newcomers' registration
+            if not ep.plan.ok:  # refused (said so then): the job went on as it was
+                ep.port.closed(self.faults, now, 0, phases)
+                return True
+            ep.port.emit("scaled_out", old_dp=ep.old_dp, dp=ep.plan.dp, iteration=ep.target,
+                         added=sorted(ep.plan.sources), parked=ep.dropped, kept=[list(r) for r in ep.plan.kept],
+                         redundancy=ep.plan.redundancy, microbatches=ep.plan.microbatches, bytes=ep.moved_bytes,
+                         seconds=round(mttr, 4), phases=phases, **extra)
+            log.info("scaled out (%s) at iteration %d in %.3f s from the newcomers' registration, phases %s",
+                     ep.how, ep.target, mttr, phases)
+            ep.port.closed(self.faults, now, ep.moved_bytes, phases)
+            return True
         ep.port.emit("recovered", strategy=ep.strategy, iteration=ep.target, lost_steps=ep.lost_steps,
                      mttr_s=round(mttr, 4), phases=phases, how=ep.how,
                      faults=[{"ranks": f["ranks"], "kind": f["kind"], "iteration": f["iteration"],

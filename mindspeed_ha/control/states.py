@@ -1,7 +1,9 @@
 """The recovery state machine: one table, state x outcome -> next state.
 
 The life of a fault reads down the table: NORMAL -fault-> PAUSE (stop every survivor) -stopped->
-DECIDE (pick the strategy) -> REPAIR -> ROLLBACK -> NORMAL (retry, recover), or DUMP -> EXIT. The
+DECIDE (pick the strategy) -> REPAIR -> ROLLBACK -> NORMAL (retry, recover), DOWNGRADE -> ROLLBACK
+(elastic: scale in), or DUMP -> EXIT. Capacity coming back takes the same road without a fault:
+NORMAL -scale-out-> PAUSE (at a step boundary) -> DECIDE -> UPGRADE -> ROLLBACK -> NORMAL. The
 controller does a state's work when it enters it (REPAIR, ROLLBACK and DUMP play the chosen
 playbook's rounds, playbooks.py) and feeds the outcome back here. A state whose work raises feeds
 FAILED.
@@ -39,7 +41,7 @@ class Outcome(str, enum.Enum):
     OK = "ok"                    # the state's action succeeded
     FAILED = "failed"            # the state's action failed
     TIMEOUT = "timeout"          # the state's action ran past its timeout
-    SCALE_OUT = "scale-out"      # a spare is available again
+    SCALE_OUT = "scale-out"      # elastic: ranks of a returned node registered (NORMAL), scale out (DECIDE)
 
 
 S, O = State, Outcome
@@ -50,7 +52,7 @@ TABLE: dict[tuple[State, Outcome], State] = {
     (S.INIT, O.TIMEOUT): S.EXIT,
     (S.NORMAL, O.FAULT): S.PAUSE,
     (S.NORMAL, O.FINISHED): S.DONE,
-    (S.NORMAL, O.SCALE_OUT): S.UPGRADE,
+    (S.NORMAL, O.SCALE_OUT): S.PAUSE,    # returned ranks registered: every rank parks at a step boundary
     (S.PAUSE, O.STOPPED): S.DECIDE,
     (S.PAUSE, O.TIMEOUT): S.DECIDE,      # a survivor that won't stop is a new fault; decide anyway
     (S.PAUSE, O.FAILED): S.DECIDE,
@@ -61,6 +63,7 @@ TABLE: dict[tuple[State, Outcome], State] = {
     (S.DECIDE, O.RECOVER): S.REPAIR,
     (S.DECIDE, O.DUMP): S.DUMP,
     (S.DECIDE, O.ELASTIC): S.DOWNGRADE,
+    (S.DECIDE, O.SCALE_OUT): S.UPGRADE,
     (S.DECIDE, O.NO_STRATEGY): S.EXIT,
     (S.DECIDE, O.FAILED): S.EXIT,
     (S.DECIDE, O.TIMEOUT): S.EXIT,
@@ -78,8 +81,8 @@ TABLE: dict[tuple[State, Outcome], State] = {
     (S.DOWNGRADE, O.TIMEOUT): S.DUMP,
     (S.DOWNGRADE, O.FAULT): S.PAUSE,
     (S.UPGRADE, O.OK): S.ROLLBACK,
-    (S.UPGRADE, O.FAILED): S.NORMAL,     # the spare did not come up: keep training scaled in
-    (S.UPGRADE, O.TIMEOUT): S.NORMAL,
+    (S.UPGRADE, O.FAILED): S.DUMP,       # (a plan refused leaves the newcomers out and ends OK)
+    (S.UPGRADE, O.TIMEOUT): S.DUMP,
     (S.UPGRADE, O.FAULT): S.PAUSE,
     (S.DUMP, O.OK): S.EXIT,
     (S.DUMP, O.FAILED): S.EXIT,

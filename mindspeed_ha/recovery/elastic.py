@@ -1,19 +1,24 @@
-"""The rank side of an elastic scale-in: the same processes train on at a smaller data-parallel size.
+"""The rank side of an elastic resize: the job trains on at another data-parallel size, in process.
 
-Every kept rank, in step (the plan is ``mindspeed_ha.plan.plan_elastic``'s):
+Every rank of the new layout, in step (the plan is ``mindspeed_ha.plan``'s ``plan_elastic`` for a
+scale-in, ``plan_scale_out`` for a scale-out):
 
-1. notes its optimizer shard in parameter coordinates (``ha_state_ranges``) — the old layout's;
-2. makes the kept ranks the job's default group, in their new order, forgetting every old group
-   (``comm.groups.new_epoch``);
-3. has the trainer rebuild megatron-core's groups, DDP around the same model and a new optimizer at
-   the new size (``relayout``): weights never move, every kept rank keeps its TP/PP position;
-4. moves fp32 main values and Adam moments from the plan's writers into the new shards, point to
-   point (``replica.reshard``), and gives every new entry the old ``step``.
+1. a rank already training notes its optimizer shard in parameter coordinates
+   (``ha_state_ranges``) — the old layout's; a newcomer (a fresh process) holds nothing;
+2. the new layout's ranks become the job's default group, in their new order, every old group
+   forgotten (``comm.groups.new_epoch``);
+3. megatron-core's groups, DDP and a new optimizer at the new size: a running rank re-wraps the
+   model it has (``relayout``: its weights never move, it keeps its TP/PP position); a newcomer
+   sets itself up from scratch, without a ``--load``;
+4. fp32 main values and Adam moments move from the plan's writers into the new shards, point to
+   point (``replica.reshard``), every new entry gets the old ``step``; each newcomer takes counters,
+   scheduler, data position and RNG from the kept rank at its TP/PP position; the weights are
+   gathered from the new shards, as the end of an optimizer step does.
 
-The controller decides and plays it (``control/playbooks.ELASTIC``): the ranks left out are told to
-exit, the kept ones then roll back to the plan's iteration at the new layout. Not built yet: scale-out,
-Megatron-LM's loop, PP > 1 (the new order assumes data-parallel ranks outermost after TP), and a new
-size at which the optimizer instance count changes.
+The controller decides and plays it (``control/playbooks.ELASTIC`` and ``SCALE_OUT``): ranks left
+out are told to exit; the new layout then rolls back to the plan's iteration and trains on. Not
+built: Megatron-LM's loop, PP > 1 (the new order assumes data-parallel ranks outermost after TP),
+and a new size at which the optimizer instance count changes.
 """
 from __future__ import annotations
 
@@ -38,27 +43,33 @@ def _step(optimizer) -> float:
     return 0.0
 
 
-def scale_in(trainer, plan, rank: int, store_host: str, store_port: int, generation: int,
-             backend: str = "gloo", host_store: bool = False) -> dict:
-    """This kept rank's part of ``plan`` (an ok ``ElasticPlan``), meeting the others over the store
-    at ``store_host:store_port`` (the controller's; ``host_store``: the first kept rank serves it).
+def resize(trainer, plan, rank: int, store_host: str, store_port: int, generation: int,
+           backend: str = "gloo", host_store: bool = False) -> dict:
+    """This rank's part of ``plan`` (an ok ``ElasticPlan``), meeting the others over the store at
+    ``store_host:store_port`` (the controller's; ``host_store``: the first rank of the new layout
+    serves it). ``trainer``: a running one, or a newcomer's not set up yet (no optimizer).
     Returns timings and bytes moved."""
     from mindspeed_ha.comm import groups
+    from mindspeed_ha.recovery.repair import transfer_bookkeeping
     t = {"start": time.perf_counter()}
-    order = [r for rep in plan.kept for r in rep]
+    order = plan.order
     old = trainer.optimizer
-    old_ranges = old.ha_state_ranges()
+    newcomer = old is None
+    old_ranges = {} if newcomer else old.ha_state_ranges()
     writer = rank in plan.writers.values()
     world = groups.new_epoch(order, rank, store_host, store_port, generation, backend=backend,
                              host_rank=order[0] if host_store else None)
     t["group"] = time.perf_counter()
-    trainer.relayout()
+    if newcomer:
+        trainer.setup(joining=True)
+    else:
+        trainer.relayout()
     new = trainer.optimizer
     t["relayout"] = time.perf_counter()
     new_ranges = new.ha_state_ranges()
     every = [None] * len(order)
     dist.all_gather_object(every, {"held": described(old_ranges) if writer else [],
-                                   "wanted": described(new_ranges), "step": _step(old)})
+                                   "wanted": described(new_ranges), "step": 0.0 if newcomer else _step(old)})
     steps = {e["step"] for e in every if e["held"]}
     if len(steps) != 1:
         raise RuntimeError(f"the writers' Adam step counts differ: {sorted(steps)}")
@@ -72,10 +83,11 @@ def scale_in(trainer, plan, rank: int, store_host: str, store_port: int, generat
         for st in inner.optimizer.state.values():
             st["step"] = torch.tensor(step, dtype=torch.float32)
     new.ha_iteration = plan.iteration
+    transfer_bookkeeping(trainer, plan.sources, rank)
     trainer.resync_weights()
     t["moved"] = time.perf_counter()
-    out = {"dp": plan.dp, "new_rank": world.new_rank, "received": got,
+    out = {"dp": plan.dp, "new_rank": world.new_rank, "received": got, "newcomer": newcomer,
            "group_s": round(t["group"] - t["start"], 4), "relayout_s": round(t["relayout"] - t["group"], 4),
            "move_s": round(t["moved"] - t["relayout"], 4), "seconds": round(t["moved"] - t["start"], 4)}
-    log.info("scaled in to data-parallel size %d: %s", plan.dp, out)
+    log.info("scaled %s to data-parallel size %d: %s", plan.direction, plan.dp, out)
     return out

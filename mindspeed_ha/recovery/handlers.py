@@ -10,6 +10,7 @@ answers with a msgpack tree — an exception is a failed answer.
     reload     without replicas: the newest periodic checkpoint, in process
     rollback   back to the start of the failed step, or finish it
     scale-in   elastic: this kept rank trains on at a smaller data-parallel size, in process
+    scale-out  elastic: the same toward a larger size; a newcomer sets itself up in the new layout
     resume     train on
     dump-status, dump   the dying-gasp checkpoint: prepare this rank's part, then write it
 """
@@ -35,7 +36,8 @@ class RankRecovery:
 
     def handlers(self) -> dict:
         return {"ha-status": self.ha_status, "rebuild": self.rebuild, "repair": self.repair,
-                "reload": self.reload, "rollback": self.rollback, "resume": self.resume, "scale-in": self.scale_in,
+                "reload": self.reload, "rollback": self.rollback, "resume": self.resume, "scale-in": self.resize,
+                "scale-out": self.resize,
                 "dump-status": self.dump_status, "dump": self.dump}
 
     @property
@@ -116,15 +118,16 @@ class RankRecovery:
             self.trainer.restart_from(self.trainer.iteration)
         return how
 
-    def scale_in(self, args: dict) -> dict:
+    def resize(self, args: dict) -> dict:
         from mindspeed_ha.comm.interruptible import clear_stop
         from mindspeed_ha.plan import ElasticPlan
         from mindspeed_ha.recovery import elastic
         clear_stop()
-        self.trainer.clean_partial_step()
+        if self.trainer.optimizer is not None:
+            self.trainer.clean_partial_step()
         plan = ElasticPlan.from_wire(args["plan"])
-        out = elastic.scale_in(self.trainer, plan, self.s.rank, args["store_host"], int(args["store_port"]),
-                               int(args["generation"]), backend=self.s.device.backend)
+        out = elastic.resize(self.trainer, plan, self.s.rank, args["store_host"], int(args["store_port"]),
+                             int(args["generation"]), backend=self.s.device.backend)
         return {**out, "replica_group": self.s.processor.groups[0] if self.s.processor else None}
 
     def resume(self, args: dict) -> str:

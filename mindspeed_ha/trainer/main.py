@@ -64,11 +64,12 @@ def run(argv: list[str] | None = None) -> int:
     device.set_current(local_rank)
     session = RankSession(opts, device, rank, world, local_rank)
     trainer = BuiltinTrainer(args, session)
-    joining = "recover" in opts.strategies and session.restarted_worker()
+    # recover restarts lost workers; elastic starts a returned node's workers to scale out
+    joining = bool({"recover", "elastic-training"} & opts.strategies) and session.restarted_worker()
     if not joining:
         init_distributed(args.distributed_backend or device.backend, args.distributed_timeout_minutes)
     try:
-        if joining:  # recover: the job runs on; the controller brings this worker in
+        if joining:  # the job runs on; the controller brings this worker in
             trainer.prepare_join(dataset)
             session.join_running_job(trainer)
         else:
