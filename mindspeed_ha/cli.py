@@ -87,6 +87,11 @@ def cmd_status(args) -> int:
         print(f"state {st['state']}  epoch {st['epoch']}  world {st['world_size']}  "
               f"controller rank {c['rank']} pid {c['pid']} at {c['endpoint']}")
         print("backups: " + (", ".join(f"rank {b['rank']} at {b['endpoint']}" for b in st["backups"]) or "none"))
+        if st.get("layout"):  # elastic: the job was resized
+            lay = st["layout"]
+            print(f"layout: data-parallel size {lay['data_parallel_size']}, ranks {lay['ranks']}"
+                  + (f"; out of the layout {lay['left']}" if lay["left"] else "")
+                  + (f"; joining {lay['joining']}" if lay["joining"] else ""))
         print(f"{'rank':>5} {'pid':>8} {'node':<20} {'iter':>6} {'phase':<11} {'health':<8} alive  replica groups")
         for r in st["ranks"]:
             print(f"{r['rank']:>5} {r['pid']:>8} {r['node']:<20} {r['iteration']:>6} {r['phase']:<11} "

@@ -3,7 +3,9 @@ logs (nodes with their own log dirs: name them all; the controller's events may 
 per controller that was active).
 
 One row per episode (a fault and what followed: the strategy, then ``recovered``, a dying-gasp
-``checkpoint``, a refusal or the exit; a migration is an episode whose fault is ``migrate``), and a timeline picture, ``DIR/recovery_timeline.png``:
+``checkpoint``, a refusal or the exit; a migration is an episode whose fault is ``migrate``; an elastic
+scale-in is a recovery, "data-parallel size 4 -> 2", and a scale-out an episode of its own, from the
+returned ranks' registration to ``scaled_out``), and a timeline picture, ``DIR/recovery_timeline.png``:
 training progress (iteration over time) with each episode shaded from the fault to its end and its
 recovery phases drawn as bars. The picture needs matplotlib (``pip install mindspeed-ha[report]``).
 """
@@ -14,10 +16,10 @@ import os
 
 from mindspeed_ha.events import read_events
 
-END_EVENTS = ("recovered", "diagnosis")
+END_EVENTS = ("recovered", "scaled_out", "diagnosis")
 PHASE_COLORS = {"detect": "tab:gray", "stop": "tab:orange", "status": "tab:olive", "rebuild": "tab:red",
                 "repair": "tab:purple", "reload": "tab:purple", "rollback": "tab:pink", "resume": "tab:cyan",
-                "first_step": "tab:blue"}
+                "first_step": "tab:blue", "scale-in": "tab:brown", "scale-out": "tab:brown"}
 
 
 def _events(log_dirs, prefix: str) -> list[dict]:
@@ -40,7 +42,9 @@ def episodes(log_dirs) -> list[dict]:
     out, cur = [], None
     for e in events:
         kind = e["event"]
-        if kind == "fault":
+        if kind == "scale_out_requested":  # no fault: returned ranks; an episode of its own
+            e = {**e, "kind": "scale-out", "phase": "boundary"}
+        if kind in ("fault", "scale_out_requested"):
             if cur is None:
                 cur = {"start": e["time"], "faults": [], "strategy": None, "outcome": "open", "end": None}
                 out.append(cur)
@@ -54,6 +58,9 @@ def episodes(log_dirs) -> list[dict]:
             continue
         elif kind == "strategy":
             cur["strategy"] = e["reason"].replace("strategy ", "") if e["outcome"] != "no-strategy" else "none"
+        elif kind == "scaled_out":
+            cur.update(outcome=f"scaled out (data-parallel size {e['old_dp']} -> {e['dp']})", end=e["time"],
+                       mttr_s=e["seconds"], lost_steps=0, phases=e["phases"], iteration=e["iteration"])
         elif kind == "recovered":
             cur.update(outcome=f"recovered ({e.get('how', '')})", end=e["time"], mttr_s=e["mttr_s"],
                        lost_steps=e["lost_steps"], phases=e["phases"], iteration=e["iteration"])
@@ -100,7 +107,7 @@ def timeline(log_dirs, eps: list[dict], path: str) -> str:
     steps.sort(key=lambda e: e["time"])
     ax.plot([e["time"] - t0 for e in steps], [e["iteration"] for e in steps], ".-", lw=1, label="step completed")
     top = max([e["iteration"] for e in steps] or [1])
-    colors = {"retry": "tab:green", "dump": "tab:orange"}
+    colors = {"retry": "tab:green", "dump": "tab:orange", "scale-out": "tab:blue"}
     labelled: set = set()
     for n, ep in enumerate(eps, 1):
         start, end = ep["start"] - t0, (ep["end"] or ep["start"]) - t0

@@ -360,6 +360,8 @@ class RankSession:
                 fields["grad_norm"] = float(gn)
             if extra.get("lr") is not None:
                 fields["lr"] = float(extra["lr"])
+            if extra.get("samples_hash"):
+                fields["samples_hash"] = extra["samples_hash"]
             self.events.emit("step", **fields)
         if self.processor is not None:
             self.processor.step_end(iteration, loss)

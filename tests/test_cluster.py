@@ -29,13 +29,27 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def ref(tmp_path_factory):
+def ref_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("ref")
     proc = subprocess.run(MINDSPEED_HA + ["run", "--standalone", "--nproc-per-node", "4", PRETRAIN, *FLAGS,
                                           "--ha-log-dir", str(d)], env=clean_env(), capture_output=True, text=True,
                           timeout=300, cwd=str(d))
     assert_ok(proc)
-    return losses(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def ref(ref_dir):
+    return losses(ref_dir)
+
+
+def sample_hashes(dirs) -> dict:
+    """iteration -> the samples_hash of every report of it (rank 0's step events)."""
+    out = {}
+    for e in events(dirs, "rank_0"):
+        if e["event"] == "step" and not e.get("late"):
+            out.setdefault(e["iteration"], set()).add(e["samples_hash"])
+    return out
 
 
 @pytest.fixture
@@ -262,7 +276,7 @@ def test_a_lost_node_without_a_replacement_scales_the_job_in(tmp_path, keys, ref
     assert rel < 1e-6, rel
 
 
-def test_elastic_node_lost_twice_and_back_twice(tmp_path, keys, ref):
+def test_elastic_node_lost_twice_and_back_twice(tmp_path, keys, ref, ref_dir):
     """HIGH_AVAILABILITY=elastic-training only: node 1 is lost (no spare: DP 4 -> 2), its replacement
     comes (DP 2 -> 4, its ranks take weights, shards, counters and RNG from the kept ones), then
     the same again. Every iteration is logged once; bit-identical up to the first loss, within the
@@ -296,3 +310,7 @@ def test_elastic_node_lost_twice_and_back_twice(tmp_path, keys, ref):
     assert {i: got[i] for i in ref if i <= first} == {i: ref[i] for i in ref if i <= first}
     rel = max(abs(float.fromhex(got[i]) / float.fromhex(ref[i]) - 1) for i in ref if i > first)
     assert rel < 1e-4, rel
+    # every global batch, at DP=4 or 2, held exactly the fault-free run's samples of that iteration
+    want = sample_hashes(ref_dir)
+    assert len({h for v in want.values() for h in v}) == ITERS
+    assert sample_hashes(c.dirs) == want

@@ -52,6 +52,18 @@ def test_fault_life_reads_as_one_sequence():
     assert [h[2] for h in m.history] == [S.NORMAL, S.PAUSE, S.DECIDE, S.REPAIR, S.ROLLBACK, S.NORMAL]
 
 
+def test_elastic_in_and_out_read_as_sequences():
+    """Scale-in is a recovery; scale-out takes the same road without a fault (a planned pause)."""
+    m = Machine()
+    for o in (O.REGISTERED, O.FAULT, O.STOPPED, O.ELASTIC, O.OK, O.OK, O.SCALE_OUT, O.STOPPED, O.SCALE_OUT,
+              O.OK, O.OK):
+        m.feed(o)
+    assert [h[2] for h in m.history] == [S.NORMAL, S.PAUSE, S.DECIDE, S.DOWNGRADE, S.ROLLBACK, S.NORMAL,
+                                         S.PAUSE, S.DECIDE, S.UPGRADE, S.ROLLBACK, S.NORMAL]
+    # a scale-out that fails once ranks have changed layout saves what they hold
+    assert next_state(S.UPGRADE, O.FAILED) == S.DUMP
+
+
 def test_strategy_order_and_fault_class():
     all_on = list(PREFERENCE)
     built = {"retry", "recover", "dump"}

@@ -1,8 +1,10 @@
-"""Scale-in planning (``plan_elastic``): which whole data-parallel replicas train on, at which size and
-iteration, and who serves each shard, as table tests."""
+"""Elastic planning as table tests: scale-in (``plan_elastic``: which whole data-parallel replicas train
+on, at which size and iteration, and who serves each shard) and scale-out (``plan_scale_out``: which
+newcomers come in, where, and whom they copy)."""
 import pytest
 
-from mindspeed_ha.plan import plan_elastic
+from mindspeed_ha.plan import plan_elastic, plan_scale_out
+from mindspeed_ha.trainer.data import sample_fingerprint
 
 DEAD = dict(alive=False)
 
@@ -80,3 +82,72 @@ def test_plan_elastic_refusals(tp, states, gbs, mbs, why):
     plan = plan_elastic(holders, replicas, gbs, mbs)
     assert not plan.ok and why in plan.reason, plan.reason
     assert plan.message().startswith("scale-in refused: ")
+
+
+# ---- scale-out ---------------------------------------------------------------------------------------
+def scaled_in(tp, kept, states=None):
+    """The job after a scale-in to the replicas ``kept`` (old data-parallel indices) of TP x DP=4 with
+    two instances: replica groups pair kept replica i with i + size/2. Returns (holders, replicas)."""
+    replicas = [[d * tp + t for t in range(tp)] for d in kept]
+    half = len(replicas) // 2
+    holders = {}
+    for i, rep in enumerate(replicas):
+        for t, r in enumerate(rep):
+            twin = replicas[(i + half) % len(replicas)][t]
+            holders[r] = {**(states or {}).get(r, H(9)), "replica_group": sorted([r, twin])}
+    return holders, replicas
+
+
+SCALE_OUT = [
+    # (name, tp, kept, joiners, global batch, micro batch) -> (dp, kept, parked, sources, writers)
+    ("DP 2 -> 4: the original layout again", 1, (0, 1), (2, 3), 16, 2,
+     (4, ((0,), (1,), (2,), (3,)), (), {2: 0, 3: 0}, {(0, 1): 0})),
+    ("the kept replicas were 0 and 3: the newcomers fill 1 and 2 in order", 1, (0, 3), (1, 2), 16, 2,
+     (4, ((0,), (1,), (2,), (3,)), (), {1: 0, 2: 0}, {(0, 3): 0})),
+    ("TP=2: a newcomer copies the kept rank at its TP position", 2, (0, 1), (4, 5, 6, 7), 16, 2,
+     (4, ((0, 1), (2, 3), (4, 5), (6, 7)), (), {4: 0, 5: 1, 6: 0, 7: 1}, {(0, 2): 0, (1, 3): 1})),
+    ("TP=2, half a replica came: it waits parked", 2, (0, 1), (4, 5, 6, 7, 8), 24, 2,
+     (4, ((0, 1), (2, 3), (4, 5), (6, 7)), (8,), {4: 0, 5: 1, 6: 0, 7: 1}, {(0, 2): 0, (1, 3): 1})),
+    ("a fifth replica would make the size odd: it waits parked", 1, (0, 1), (2, 3, 4), 24, 2,
+     (4, ((0,), (1,), (2,), (3,)), (4,), {2: 0, 3: 0}, {(0, 1): 0})),
+    ("one whole replica only (3 would drop the twins): parked", 1, (0, 1), (2,), 16, 2, None),
+    ("a batch that allows 4 but not 6: two of four newcomers", 1, (0, 1), (2, 3, 4, 5), 8, 2,
+     (4, ((0,), (1,), (2,), (3,)), (4, 5), {2: 0, 3: 0}, {(0, 1): 0})),
+]
+
+
+@pytest.mark.parametrize("name,tp,kept,joiners,gbs,mbs,want", SCALE_OUT, ids=[c[0] for c in SCALE_OUT])
+def test_plan_scale_out_table(name, tp, kept, joiners, gbs, mbs, want):
+    holders, replicas = scaled_in(tp, kept)
+    plan = plan_scale_out(holders, replicas, joiners, gbs, mbs)
+    if want is None:
+        assert not plan.ok and plan.message().startswith("scale-out refused: ") and plan.iteration == 9
+        return
+    assert plan.ok, plan.reason
+    assert (plan.dp, plan.kept, plan.parked, plan.sources, plan.writers) == want
+    assert plan.iteration == 9 and plan.direction == "out" and plan.redundancy
+    assert plan.microbatches * plan.dp * mbs == gbs
+    assert plan.order == [r for rep in want[1] for r in rep]
+    assert type(plan).from_wire(plan.to_wire()) == plan
+
+
+def test_plan_scale_out_at_the_iteration_every_shard_has():
+    """A kept rank stopped inside its update finishes it: the newcomers join at the next iteration."""
+    holders, replicas = scaled_in(1, (0, 1), {0: H(8, True), 1: H(8, True)})
+    plan = plan_scale_out(holders, replicas, (2, 3), 16, 2)
+    assert plan.ok and plan.iteration == 9
+
+
+def test_a_global_batch_has_one_fingerprint_however_it_is_split():
+    """samples_hash: the data-parallel ranks' parts add up to the same value at any size."""
+    gbs, mbs, start = 16, 2, 48
+
+    def split(dp):
+        total = 0
+        for rank in range(dp):
+            for step in range(gbs // (mbs * dp)):
+                first = start + step * mbs * dp + rank * mbs
+                total += sample_fingerprint(range(first, first + mbs))
+        return total
+    assert split(1) == split(2) == split(4) == split(8) == sample_fingerprint(range(start, start + gbs))
+    assert sample_fingerprint(range(start, start + gbs)) != sample_fingerprint(range(start + 1, start + gbs + 1))

@@ -197,6 +197,59 @@ def test_elastic_a_failed_scale_in_fails_the_state_and_nobody_leaves():
     assert out[0] == "failed" and "scale-in failed" in out[1] and not hasattr(port, "left")
 
 
+SCALE = {"ranks": [2, 3], "kind": "scale-out", "iteration": 9, "phase": "boundary", "detect_s": 0.0,
+         "t_detect": 99.0}
+SCALED_IN = {**LAYOUT, "dp_ranks": [0, 1]}
+
+
+def scaled_in_statuses():
+    return {r: {**shard(9, rank=r), "replica_group": [0, 1], "layout": dict(SCALED_IN)} for r in (0, 1)}
+
+
+def test_scale_out_every_round_in_order():
+    """Ranks 0 and 1 train at DP=2; ranks 2 and 3 came back (registered, holding nothing): status
+    (the newcomers answer "joining"), the plan grows to DP=4 in the original order, every rank of it
+    scales out, then rolls back to the plan's iteration and resumes; the first step emits scaled_out."""
+    port = FakePort(live=(0, 1, 2, 3))
+    ep = Episode(port, "scale-out", 4, [SCALE], {0: [0, 1], 1: [0, 1]})
+    runner, out = play(PB.SCALE_OUT, S.UPGRADE, ep)
+    assert out is None and port.last()[1:3] == ("ha-status", [0, 1, 2, 3])
+    port.answer({**scaled_in_statuses(), 2: {"replica": True, "joining": True}, 3: {"replica": True, "joining": True}})
+    assert runner.tick() is None
+    oid, action, ranks, args = port.last()
+    assert (action, ranks) == ("scale-out", [0, 1, 2, 3])
+    assert args["plan"]["kept"] == [[0], [1], [2], [3]] and args["plan"]["sources"] == [2, 0, 3, 0]
+    assert port.event("elastic_plan")[0]["added"] == [2, 3]
+    port.answer({r: {"received": 10, "seconds": 0.2, "replica_group": [r % 2, r % 2 + 2]} for r in range(4)})
+    assert runner.tick() == "ok"
+    assert port.event("scaled")[0]["dp"] == 4 and not hasattr(port, "left")
+    runner, out = play(PB.SCALE_OUT, S.ROLLBACK, ep)
+    assert port.last()[1:] == ("rollback", [0, 1, 2, 3], {"iteration": 9, "fresh_data": True})
+    port.answer({r: "rollback" for r in range(4)})
+    assert runner.tick() is None and port.last()[1:3] == ("resume", [0, 1, 2, 3])
+    port.answer({r: "resumed" for r in range(4)})
+    assert runner.tick() == "ok"
+    assert PB.FirstStep(ep, [SCALE], 100.0).check(101.0, True)
+    done = port.event("scaled_out")[0]
+    assert (done["old_dp"], done["dp"], done["added"], done["bytes"], done["seconds"]) == (2, 4, [2, 3], 40, 2.0)
+    assert not port.event("recovered")
+
+
+def test_scale_out_refused_leaves_the_newcomers_out_and_trains_on():
+    """Only rank 2 came back (DP=3 would drop the twins): it is told to leave; the running ranks
+    roll back to where they parked and resume at DP=2."""
+    port = FakePort(live=(0, 1, 2))
+    ep = Episode(port, "scale-out", 4, [SCALE], {0: [0, 1], 1: [0, 1]})
+    runner, _ = play(PB.SCALE_OUT, S.UPGRADE, ep)
+    port.answer({**scaled_in_statuses(), 2: {"replica": True, "joining": True}})
+    assert runner.tick() == "ok"
+    assert port.left[0] == [2] and "scale-out refused" in port.left[1]
+    assert port.event("scale_out_refused")[0]["newcomers"] == [2]
+    assert not [o for o in port.orders if o[1] == "scale-out"]
+    runner, _ = play(PB.SCALE_OUT, S.ROLLBACK, ep)
+    assert port.last()[1:] == ("rollback", [0, 1], {"iteration": 9, "fresh_data": True})
+
+
 # ---- retry -------------------------------------------------------------------------------------------
 def test_retry_every_round_in_order():
     port = FakePort()

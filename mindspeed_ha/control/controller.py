@@ -94,6 +94,7 @@ class _Port:
         """elastic: the job runs at data-parallel size ``dp`` now; the new layout's replica groups
         (every rank of it answers: all of the job's ranks when it is whole again)."""
         self._c.scaled_in = 0 if len(replica_groups) == self._c.world else int(dp)
+        self._c.layout = {"data_parallel_size": int(dp), "ranks": sorted(int(r) for r in replica_groups)}
         self._c.growth.joined([int(r) for r in replica_groups])
         for r, group in replica_groups.items():
             if int(r) in self._c.ranks:
@@ -160,6 +161,7 @@ class Controller:
         self._next_id = 1
         self.chosen: O | None = None          # the strategy DECIDE picked for the episode
         self.scaled_in = 0                     # elastic: the data-parallel size the job runs at now (0: its own)
+        self.layout: dict | None = None        # elastic: the layout of the last resize
         self.playbook = None
         self.episode: Episode | None = None
         self.runner: Runner | None = None
@@ -662,6 +664,8 @@ class Controller:
                        for a in self.agents.values()],
             "faults": [{k: v for k, v in f.items() if k not in ("t_detect", "cpu_detect")} for f in self.faults],
             "dropped": dict(self.router.drops.counts),
+            **({"layout": {**self.layout, "left": sorted(self.growth.left), "joining": sorted(self.growth.offered)}}
+               if self.layout else {}),
         }
 
 

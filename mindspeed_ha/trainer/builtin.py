@@ -250,11 +250,16 @@ class BuiltinTrainer(TrainerInterface):
             micro_batch_size=a.micro_batch_size, decoder_seq_length=a.seq_length, forward_only=False)
         # The DP-reduced loss, before the update: a roll-forward then needs no collective, and a
         # restarted worker can be handed it by its peer. (Same arithmetic as after the update.)
-        self._step_loss = None
+        # With it, the global batch's samples (whatever the data-parallel size): ``samples_hash``.
+        self._step_loss = self._samples_hash = None
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             mean = torch.stack([x["lm loss"] for x in losses]).mean().reshape(1)
             dist.all_reduce(mean, group=ps.get_data_parallel_group())
             self._step_loss = float(mean.item() / ps.get_data_parallel_world_size())
+            seen = torch.tensor([self._data_iter.fingerprint], dtype=torch.int64)
+            dist.all_reduce(seen, group=ps.get_data_parallel_group())
+            self._samples_hash = f"{int(seen.item()):016x}"
+        self._data_iter.fingerprint = 0
         if s.optimizer is None:
             s.fire("optimizer", it)  # the replica optimizer fires it inside its update window
         ok, grad_norm, _ = self.optimizer.step()
@@ -275,7 +280,8 @@ class BuiltinTrainer(TrainerInterface):
             dt = time.perf_counter() - self._t_step
             print(f" iteration {it:8d}/{a.train_iters:8d} | lm loss: {loss:.6E} | step time: {dt * 1000:.1f} ms",
                   flush=True)
-        s.step_end(it, loss, grad_norm=grad_norm, lr=self.scheduler.get_lr(self.optimizer.param_groups[0]))
+        s.step_end(it, loss, grad_norm=grad_norm, lr=self.scheduler.get_lr(self.optimizer.param_groups[0]),
+                   samples_hash=getattr(self, "_samples_hash", None))
         return loss
 
     def restart_from(self, iteration: int) -> None:
@@ -287,11 +293,13 @@ class BuiltinTrainer(TrainerInterface):
     def bookkeeping(self) -> dict:
         """Counters and scheduler (the interface's), the loss of a step whose update finished, and the
         last periodic save (one a fault interrupted is redone by every rank, the newcomer too)."""
-        return {**super().bookkeeping(), "step_loss": getattr(self, "_step_loss", None), "saved": self._saved}
+        return {**super().bookkeeping(), "step_loss": getattr(self, "_step_loss", None), "saved": self._saved,
+                "samples_hash": getattr(self, "_samples_hash", None)}
 
     def install_bookkeeping(self, state: dict) -> None:
         super().install_bookkeeping(state)
         self._step_loss = state["step_loss"]
+        self._samples_hash = state.get("samples_hash")
         self._saved = state["saved"]
         self._data_iter = self.data_iterator(self.consumed_samples)
 

@@ -70,13 +70,31 @@ def build_train_dataset(args, train_samples: int):
     return train
 
 
+_MASK40 = (1 << 40) - 1
+
+
+def sample_fingerprint(indices) -> int:
+    """An order-free fingerprint of sample indices: a sum of 40-bit mixes (splitmix64's finaliser),
+    so that the data-parallel ranks' parts add up (one int64 all-reduce, no overflow below 2^23
+    samples) to the same value whichever way a global batch is split among them."""
+    total = 0
+    for i in indices:
+        z = (i + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        total += (z ^ (z >> 31)) & _MASK40
+    return total
+
+
 class SampleIterator:
-    """Micro-batches for one DP rank, starting at ``consumed_samples``."""
+    """Micro-batches for one DP rank, starting at ``consumed_samples``. ``fingerprint``: of the
+    samples read since the caller last reset it (a step's, for its ``samples_hash``)."""
 
     def __init__(self, dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int):
         self.dataset = dataset
         self.next_index = consumed_samples
         self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+        self.fingerprint = 0
 
     def __iter__(self):
         return self
@@ -84,5 +102,6 @@ class SampleIterator:
     def __next__(self):
         start = self.next_index + self.dp_rank * self.mbs
         samples = [self.dataset[i] for i in range(start, start + self.mbs)]
+        self.fingerprint += sample_fingerprint(range(start, start + self.mbs))
         self.next_index += self.mbs * self.dp_size
         return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in ("tokens", "labels", "loss_mask", "position_ids")}
