@@ -52,6 +52,7 @@ class HAOptions:
     register_timeout_s: float = 300.0  # every node and rank must have come up by then
     term_grace_s: float = 60.0     # preemption: the dying gasp must be written within this
     max_restarts: int = 5          # recover: restarts per rank, and replacements per node
+    spare_wait_s: float = 30.0     # recover + elastic: how long a lost node's replacement is waited for
     metrics_port: int | None = None  # the active controller serves Prometheus metrics here
     source: str = "flags"          # where the strategies came from: flags | HIGH_AVAILABILITY | MS_ENABLE_TFT
 
@@ -118,6 +119,9 @@ def add_ha_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ha-max-restarts", type=int, default=5,
                    help="recover: restarts of one rank, and replacements of one node, before the next strategy "
                         "(the dump) takes over and the job ends with exit code 3, do not restart (default 5)")
+    g.add_argument("--ha-spare-wait", type=float, default=30.0, metavar="SECONDS",
+                   help="recover with elastic training: seconds a lost node's replacement is waited for before "
+                        "the job scales in without it (0: scale in at once; default 30)")
     g.add_argument("--ha-metrics-port", type=int, default=None,
                    help="The active controller serves Prometheus metrics on http://HOST:PORT/metrics")
     g.add_argument("--ha-dump-timeout", type=float, default=None,
@@ -205,6 +209,10 @@ def from_args(args: argparse.Namespace, env: dict | None = None) -> HAOptions:
     if spares < 0:
         raise HAConfigError(f"--ha-spares {spares}: use 0 (no spare: a restart starts a fresh process) or a "
                             "positive N (default 1)")
+    spare_wait = getattr(args, "ha_spare_wait", 30.0)
+    if not (isinstance(spare_wait, (int, float)) and 0 <= spare_wait < float("inf")):
+        raise HAConfigError(f"--ha-spare-wait {spare_wait}: give the seconds to wait for a lost node's replacement "
+                            "before scaling in, 0 or more (0: at once)")
     max_restarts = int(getattr(args, "ha_max_restarts", 5))
     if max_restarts < 0:
         raise HAConfigError(f"--ha-max-restarts {max_restarts}: use 0 (never restart a worker) or a positive N "
@@ -238,7 +246,7 @@ def from_args(args: argparse.Namespace, env: dict | None = None) -> HAOptions:
         health_cmd=getattr(args, "ha_health_cmd", None) or None,
         health_interval_s=_seconds(args, "ha_health_interval", 30.0),
         register_timeout_s=_seconds(args, "ha_register_timeout", 300.0),
-        term_grace_s=_seconds(args, "ha_term_grace", 60.0), max_restarts=max_restarts,
+        term_grace_s=_seconds(args, "ha_term_grace", 60.0), max_restarts=max_restarts, spare_wait_s=spare_wait,
         metrics_port=None if metrics_port is None else int(metrics_port))
 
 

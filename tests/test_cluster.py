@@ -96,6 +96,10 @@ class Cluster:
         _kill(_processes(self.node_dir[node], node))
         self.agents[node].wait(30)
 
+    def whole(self) -> None:
+        """Every rank and agent registered with the controller: the job trains under HA."""
+        self.wait(lambda: any(e["to"] == "normal" for e in self.controller("state")), "the job to register whole")
+
     def out(self, node: int) -> str:
         return (self.node_dir[node] / "agent.out").read_text()[-4000:]
 
@@ -252,21 +256,25 @@ def test_several_nodes_without_keys_are_refused(tmp_path):
 
 
 def test_a_lost_node_without_a_replacement_scales_the_job_in(tmp_path, keys, ref):
-    """Recover and elastic both on; node 1 is lost and no replacement comes: no spare can take its
-    ranks, so the controller scales in (recover is not tried) — ranks 0 and 1 train on at DP=2 to
-    the end. Bit-identical before the loss, within the bound of another data-parallel size after it."""
-    c = Cluster(tmp_path, keys, free_port(), flags=["--enable-elastic-training"])
+    """Recover and elastic both on; node 1 is lost and no replacement comes within --ha-spare-wait:
+    recover waits for one, then the episode scales in — ranks 0 and 1 train on at DP=2 to the end.
+    Bit-identical before the loss, within the bound of another data-parallel size after it."""
+    c = Cluster(tmp_path, keys, free_port(), flags=["--enable-elastic-training", "--ha-spare-wait", "2"])
     try:
         c.start(0)
         c.start(1)
+        c.whole()
         c.wait(lambda: c.iteration() >= 3, "iteration 3")
         c.lose(1)
         c.wait(lambda: c.controller("scaled_in"), "the scale-in", timeout=120)
         assert c.agents[0].wait(240) == 0, c.out(0)
     finally:
         c.close()
-    strategy = c.controller("strategy")
-    assert "no spare for rank(s) [2, 3]" in strategy[0]["reason"], strategy
+    strategy = [e["reason"] for e in c.controller("strategy")]
+    assert strategy[0].startswith("strategy recover; lost node(s) of rank(s) [2, 3]: their replacement is waited "
+                                  "for up to 2 s"), strategy
+    assert strategy[1] == "no replacement for rank(s) [2, 3] within --ha-spare-wait 2 s: the job scales in " \
+                          "without them", strategy
     scaled = c.controller("scaled_in")
     assert [(e["old_dp"], e["dp"], e["kept"], e["dropped"]) for e in scaled] == [(4, 2, [[0], [1]], [2, 3])]
     got, first = losses(c.dirs), scaled[0]["iteration"]
@@ -288,6 +296,7 @@ def test_elastic_node_lost_twice_and_back_twice(tmp_path, keys, ref, ref_dir):
     try:
         c.start(0)
         c.start(1)
+        c.whole()
         for n in (1, 2):
             back = c.controller("scaled_out")
             c.wait(lambda: c.iteration() >= (back[-1]["iteration"] if back else 0) + 3, "3 steps at DP=4")

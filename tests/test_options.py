@@ -74,6 +74,8 @@ def test_elastic_needs_the_replica_optimizer():
     (["--ha-verify-replicas-interval", "5"], "--ha-verify-replicas-interval"),
     (["--enable-high-availability", "--distributed-optimizer-no-replica", "--ha-verify-replicas-interval", "2"],
      "needs the replica"),
+    (["--enable-elastic-training", "--ha-spare-wait", "-1"], "--ha-spare-wait -1"),
+    (["--enable-elastic-training", "--ha-spare-wait", "inf"], "0 or more"),
 ])
 def test_inconsistent_flags(argv, needle):
     with pytest.raises(HAConfigError) as e:

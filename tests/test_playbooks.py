@@ -393,6 +393,25 @@ def test_recover_restarts_the_lost_rank_and_it_joins():
     assert ep.phases["restart"] == 1.0
 
 
+def test_recover_waits_out_the_spare_wait_then_switches_to_elastic():
+    """recover with elastic on: rank 1's node is lost, no replacement registers within --ha-spare-wait
+    (0 s here): the episode switches to elastic-training, nothing was rebuilt or repaired."""
+    port, clock = FakePort(live=(0, 2, 3), lost=(1,)), Clock()
+    ep = episode(port, "recover", faults=[KILL1])
+    ep.spare_wait = 0.0
+    runner, _ = play(PB.RECOVER, S.REPAIR, ep, clock)
+    port.answer({r: s for r, s in statuses(6).items() if r != 1})
+    assert runner.tick() is None and port.restarted == [[1]]  # asked; nobody came
+    out = runner.tick()
+    assert out == ("switch", "elastic-training", "no replacement for rank(s) [1] within --ha-spare-wait 0 s: "
+                   "the job scales in without them"), out
+    assert [o[1] for o in port.orders] == ["ha-status"]
+    ep2 = episode(FakePort(live=(0, 2, 3), lost=(1,)), "recover", faults=[KILL1])  # no wait: recover as ever
+    runner, _ = play(PB.RECOVER, S.REPAIR, ep2, clock)
+    ep2.port.answer({r: s for r, s in statuses(6).items() if r != 1})
+    assert runner.tick() is None and runner.current.name == "restart"
+
+
 def test_recover_a_rank_restarted_earlier_still_joining_holds_nothing():
     port = FakePort()
     ep = episode(port, "recover")

@@ -161,6 +161,7 @@ class Controller:
         self._next_id = 1
         self.chosen: O | None = None          # the strategy DECIDE picked for the episode
         self.scaled_in = 0                     # elastic: the data-parallel size the job runs at now (0: its own)
+        self.spare_wait: float | None = None   # recover with elastic: seconds a lost node is waited for
         self.layout: dict | None = None        # elastic: the layout of the last resize
         self.playbook = None
         self.episode: Episode | None = None
@@ -512,6 +513,15 @@ class Controller:
     def _outcome(self, out) -> O:
         if out == "ok":
             return O.OK
+        if out[0] == "switch":  # recover waited out the spare wait: the same episode scales in
+            stranded = sorted(self.restarting)
+            self.restarting.clear()
+            self.strategy_note = out[2]
+            self.events.emit("strategy", outcome=O.ELASTIC.value, reason=out[2])
+            log.warning("recover: %s", out[2])
+            self._to_agents("leave", {"ranks": stranded})  # (their agents are gone; a late one must not wait)
+            self.playbook, self.chosen = playbooks.ELASTIC, O.ELASTIC
+            return O.ELASTIC
         self.strategy_note = playbooks.failed(self.playbook, self.episode, out[1])
         return O.FAILED
 
@@ -546,6 +556,7 @@ class Controller:
 
     def _decide(self):
         kinds = {f["kind"] for f in self.active_faults}
+        self.spare_wait = None
         if kinds == {"scale-out"}:
             self.strategy_note = "scale-out onto returned rank(s)"
             self.events.emit("strategy", outcome=O.SCALE_OUT.value, reason=self.strategy_note)
@@ -565,6 +576,9 @@ class Controller:
         outcome, why = choose_strategy(ordered, kinds, BUILT)
         if refusal:
             why = f"recover not tried: {refusal}; {why}"
+        if self.spare_wait and outcome == O.RECOVER:
+            why += (f"; lost node(s) of rank(s) {sorted(self.table.lost())}: their replacement is waited for up to "
+                    f"{self.spare_wait:g} s (--ha-spare-wait), then the job scales in without them")
         self.strategy_note = why
         self.events.emit("strategy", outcome=outcome.value, reason=why)
         log.info("strategy for %s: %s (%s)", sorted(kinds), outcome.value, why)
@@ -585,6 +599,9 @@ class Controller:
         agents = self.table.live_agents(now)
         stranded = sorted(r for r in lost if not any(r in a.ranks for a in agents))
         if stranded and "recover" in ordered:
+            if self.options.spare_wait_s > 0:  # a replacement node may come: recover waits, then scales in
+                self.spare_wait = self.options.spare_wait_s
+                return ordered, ""
             return [s for s in ordered if s != "recover"], f"no spare for rank(s) {stranded} (their node is lost)"
         return ordered, ""
 
@@ -607,7 +624,8 @@ class Controller:
             first = self.active_faults[0] if self.active_faults else None
             replica = all(i.groups for i in self.ranks.values() if i.alive)  # (no replicas: groups are not sent)
             self.episode = Episode(self.playbook_port, strategy, self.world, self.active_faults,
-                                   {r: i.groups[0] for r, i in self.ranks.items() if i.groups}, replica=replica)
+                                   {r: i.groups[0] for r, i in self.ranks.items() if i.groups}, replica=replica,
+                                   spare_wait=self.spare_wait if strategy == "recover" else None)
             if first is not None and st in (S.REPAIR, S.DOWNGRADE, S.UPGRADE):
                 self.episode.phases["detect"] = first["detect_s"]
                 # detection -> every survivor stopped and the strategy chosen

@@ -32,7 +32,7 @@ from typing import Any
 
 from ..events import get_logger
 from .. import plan as planner
-from .rounds import DONE, NEXT, Answers, Fail, Goto, Round
+from .rounds import DONE, NEXT, Answers, Fail, Goto, Round, Switch
 from .states import State as S
 
 log = get_logger("control.playbooks")
@@ -66,6 +66,8 @@ class Episode:
     dropped: list = dataclasses.field(default_factory=list)   # elastic: ranks out of the new layout
     old_dp: int = 0                        # elastic: the data-parallel size before
     running: list = dataclasses.field(default_factory=list)   # scale-out: the ranks training before
+    spare_wait: float | None = None        # recover with elastic on: seconds a lost node is waited for
+    restart_at: float = 0.0                # when the restart round asked for the replacements
     started: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
@@ -131,19 +133,30 @@ def _restart(ep: Episode):
         return Fail(f"rank(s) {sorted(orphans)} have no launcher agent to restart them "
                     "(start the job with mindspeed-ha run)")
     ep.joiners = sorted(set(ep.joiners) | set(lost))
+    ep.restart_at = time.monotonic()
     ep.port.emit("restart", ranks=restarted, awaiting_node=awaiting)
     log.info("recover: restarting rank(s) %s%s", restarted, f"; waiting for a replacement node for rank(s) "
              f"{awaiting} (mindspeed-ha run with its --node-rank)" if awaiting else "")
     return None
 
 
+def _waited_out(ep: Episode) -> bool:
+    """recover with elastic on: the lost node's replacement did not come within --ha-spare-wait."""
+    return ep.spare_wait is not None and time.monotonic() - ep.restart_at > ep.spare_wait
+
+
 def _restarted(ep: Episode, ans: Answers):
+    waiting = sorted(ep.port.restarting())
+    if waiting and ep.spare_wait is not None and (ans.failed or _waited_out(ep)):
+        return Switch("elastic-training", f"no replacement for rank(s) {waiting} within --ha-spare-wait "
+                                          f"{ep.spare_wait:g} s: the job scales in without them")
     if ans.failed:
         return Fail(f"restart failed ({', '.join(f'rank {r}: did not come back' for r in sorted(ep.port.restarting()))})")
     return NEXT
 
 
-RESTART = Round("restart", act=_restart, ready=lambda ep: not ep.port.restarting(), decide=_restarted,
+RESTART = Round("restart", act=_restart, ready=lambda ep: not ep.port.restarting() or _waited_out(ep),
+                decide=_restarted,
                 wait_s=RESTART_WAIT_S, when=lambda ep: bool(ep.port.lost() or replaced(ep) & ep.port.live()))
 
 

@@ -71,6 +71,14 @@ class Fail:
     reason: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    """Nothing failed, but another strategy takes the recovery over (the runner returns
+    ``("switch", strategy)``)."""
+    strategy: str
+    reason: str
+
+
 NEXT, DONE = object(), object()
 
 
@@ -166,6 +174,8 @@ class Runner:
             return next(i for i, x in enumerate(self.rounds) if x.name == step.name)
         if isinstance(step, Fail):
             return ("failed", step.reason)
+        if isinstance(step, Switch):
+            return ("switch", step.strategy, step.reason)
         raise TypeError(f"round {r.name}: decision {step!r}")
 
     def tick(self):

@@ -69,6 +69,7 @@ TABLE: dict[tuple[State, Outcome], State] = {
     (S.DECIDE, O.TIMEOUT): S.EXIT,
     (S.DECIDE, O.FAULT): S.PAUSE,
     (S.REPAIR, O.OK): S.ROLLBACK,
+    (S.REPAIR, O.ELASTIC): S.DOWNGRADE,  # recover waited out --ha-spare-wait for a lost node: scale in
     (S.REPAIR, O.FAILED): S.DUMP,        # could not repair: save what we have
     (S.REPAIR, O.TIMEOUT): S.DUMP,
     (S.REPAIR, O.FAULT): S.PAUSE,
