@@ -96,3 +96,32 @@ def test_tp2_dp4_scales_in_to_tp2_dp2(tmp_path):
     assert {i: got[i] for i in range(1, 4)} == {i: want[i] for i in range(1, 4)}
     rel = max(abs(float.fromhex(got[i]) / float.fromhex(want[i]) - 1) for i in range(4, LAST + 1))
     assert rel < 1e-6, rel
+
+
+def test_a_loss_the_resized_job_cannot_absorb_ends_in_the_dying_gasp(tmp_path):
+    """DP=4 loses rank 1 in step 4 (-> DP=2, ranks 0 and 3), then rank 3 in step 8: a DP=1 job would
+    have one optimizer instance, which is refused, so the dump follows. Rank 0 alone holds every
+    shard (at DP=2 its twin was rank 3) and writes the dying gasp of iteration 7 at the resized
+    layout; a fresh DP=4 job loads it and trains to the end within the bound of the data-parallel
+    sizes it went through (the fault-free run's losses)."""
+    for d in ("ref", "run", "again"):
+        (tmp_path / d).mkdir()
+    ck = tmp_path / "ck"
+    with ThreadPoolExecutor(1) as pool:
+        ref = pool.submit(torchrun, 4, args("--train-iters", str(LAST)), tmp_path / "ref")
+        proc = elastic_job(tmp_path / "run", 4, "kill:rank=1:step=4:phase=forward,kill:rank=3:step=8:phase=forward",
+                           extra=("--save", str(ck)))
+        assert_ok(ref.result())
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    ctl = events(tmp_path / "run", "controller")
+    assert [(e["old_dp"], e["dp"]) for e in ctl if e["event"] == "scaled_in"] == [(4, 2)]
+    failed = [e["reason"] for e in ctl if e["event"] == "repair_failed"]
+    assert failed and "changing the optimizer instance count in process is not built" in failed[0], failed
+    dump = [e for e in ctl if e["event"] == "checkpoint" and e["kind"] == "dying_gasp"]
+    assert len(dump) == 1 and dump[0]["iteration"] == 7 and dump[0]["ranks"] == [0], dump
+    assert_ok(torchrun(4, args("--train-iters", str(LAST), "--load", str(ck)), tmp_path / "again"))
+    got, want = {**losses(tmp_path / "run"), **losses(tmp_path / "again")}, losses(tmp_path / "ref")
+    assert sorted(got) == list(range(1, LAST + 1))
+    assert {i: got[i] for i in range(1, 4)} == {i: want[i] for i in range(1, 4)}
+    rel = max(abs(float.fromhex(got[i]) / float.fromhex(want[i]) - 1) for i in range(4, LAST + 1))
+    assert rel < 1e-6, rel

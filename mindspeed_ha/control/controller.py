@@ -625,7 +625,8 @@ class Controller:
             replica = all(i.groups for i in self.ranks.values() if i.alive)  # (no replicas: groups are not sent)
             self.episode = Episode(self.playbook_port, strategy, self.world, self.active_faults,
                                    {r: i.groups[0] for r, i in self.ranks.items() if i.groups}, replica=replica,
-                                   spare_wait=self.spare_wait if strategy == "recover" else None)
+                                   spare_wait=self.spare_wait if strategy == "recover" else None,
+                                   left=frozenset(self.growth.left))
             if first is not None and st in (S.REPAIR, S.DOWNGRADE, S.UPGRADE):
                 self.episode.phases["detect"] = first["detect_s"]
                 # detection -> every survivor stopped and the strategy chosen

@@ -68,6 +68,7 @@ class Episode:
     running: list = dataclasses.field(default_factory=list)   # scale-out: the ranks training before
     spare_wait: float | None = None        # recover with elastic on: seconds a lost node is waited for
     restart_at: float = 0.0                # when the restart round asked for the replacements
+    left: frozenset = frozenset()          # elastic: ranks out of the layout since a scale-in (no shard)
     started: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
@@ -396,7 +397,7 @@ def _dump_statuses(ep: Episode, ans: Answers):
 def _plan_dump(ep: Episode):
     live = ep.port.live()
     statuses = {r: s for r, s in ep.statuses.items() if r in live}
-    holders = planner.holders(ep.world, statuses, ep.groups)
+    holders = {r: h for r, h in planner.holders(ep.world, statuses, ep.groups).items() if r not in ep.left}
     plan = planner.plan_dump(holders, ep.fallback)
     if not plan.ok:
         ep.plan = plan
