@@ -117,6 +117,14 @@ class RankSession:
                 return getattr(chunk, "config", None)
         return None
 
+    def relaid_out(self) -> None:
+        """The layout is set (or changed: an elastic resize can make another rank data-parallel rank 0):
+        the first data-parallel rank of the last stage and TP rank 0 writes the step losses."""
+        from megatron.core import parallel_state as ps
+        self._writes_loss = (ps.is_pipeline_last_stage(ignore_virtual=True)
+                             and ps.get_tensor_model_parallel_rank() == 0
+                             and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
+
     def before_param_sync(self) -> None:
         """The parameter all-gather is about to start: this rank's shard update is complete."""
         opt = self.optimizer
@@ -134,9 +142,7 @@ class RankSession:
     def attach_trainer(self, trainer) -> None:
         from megatron.core import parallel_state as ps
         self.trainer = trainer
-        self._writes_loss = (ps.is_pipeline_last_stage(ignore_virtual=True)
-                             and ps.get_tensor_model_parallel_rank() == 0
-                             and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
+        self.relaid_out()
         self.events.emit("start", world_size=self.world_size, device=self.device.kind,
                          backend=self.device.backend, strategies=sorted(self.options.strategies),
                          replica=self.options.use_replica_optimizer)

@@ -323,3 +323,30 @@ def test_elastic_node_lost_twice_and_back_twice(tmp_path, keys, ref, ref_dir):
     want = sample_hashes(ref_dir)
     assert len({h for v in want.values() for h in v}) == ITERS
     assert sample_hashes(c.dirs) == want
+
+
+def test_elastic_rank_0s_node_lost_a_standby_scales_the_job_in(tmp_path, keys, ref):
+    """elastic-training only; node 0 — rank 0, which hosts the controller, and the agent serving the job
+    store — is lost for good: the standby controller on node 1 takes over and scales the job in to
+    ranks 2 and 3, which train to the end (rank 2 writes the losses now)."""
+    c = Cluster(tmp_path, keys, free_port(), env={"HIGH_AVAILABILITY": "elastic-training",
+                                                  "MINDSPEED_HA_INJECT": "slow:rank=2:step=6:factor=4"})
+    c.base = [*TINY, "--train-iters", str(ITERS)]
+    try:
+        c.start(0)
+        c.start(1)
+        c.whole()
+        c.wait(lambda: c.controller("standby"), "a standby controller")
+        c.wait(lambda: c.iteration() >= 10, "iteration 10")
+        c.lose(0)
+        c.wait(lambda: c.controller("scaled_in"), "the scale-in", timeout=120)
+        assert c.agents[1].wait(300) == 0, c.out(1)
+    finally:
+        c.close()
+    scaled = c.controller("scaled_in")
+    assert [(e["old_dp"], e["dp"], e["kept"], e["dropped"]) for e in scaled] == [(4, 2, [[2], [3]], [0, 1])]
+    got, first = losses(c.dirs), scaled[0]["iteration"]
+    assert sorted(got) == sorted(ref)
+    assert {i: got[i] for i in ref if i <= first} == {i: ref[i] for i in ref if i <= first}
+    rel = max(abs(float.fromhex(got[i]) / float.fromhex(ref[i]) - 1) for i in ref if i > first)
+    assert rel < 1e-4, rel

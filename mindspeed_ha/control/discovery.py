@@ -122,9 +122,12 @@ class JobStore:
             time.sleep(0.02)
 
     def close(self) -> None:
+        """Stop the thread and wait for it: a process must not exit while the thread is inside
+        TCPStore's connect to a store that is gone (C++ would terminate the process). A connect
+        retries once within its timeout, so two timeouts and a margin bound the wait."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(3.0)
+        self._thread.join(3 * self.connect_timeout_s + 1.0)
 
     # ---- the thread -----------------------------------------------------------------------------
     _rounds = 0

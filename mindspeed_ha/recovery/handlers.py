@@ -128,6 +128,7 @@ class RankRecovery:
         plan = ElasticPlan.from_wire(args["plan"])
         out = elastic.resize(self.trainer, plan, self.s.rank, args["store_host"], int(args["store_port"]),
                              int(args["generation"]), backend=self.s.device.backend)
+        self.s.relaid_out()
         return {**out, "replica_group": self.s.processor.groups[0] if self.s.processor else None}
 
     def resume(self, args: dict) -> str:
