@@ -303,6 +303,12 @@ def test_elastic_node_lost_twice_and_back_twice(tmp_path, keys, ref, ref_dir):
             c.lose(1)
             c.wait(lambda: len(c.controller("scaled_in")) >= n, f"scale-in {n}", timeout=120)
             c.wait(lambda: c.iteration() >= c.controller("scaled_in")[-1]["iteration"] + 3, "3 steps at DP=2")
+            if n == 1:  # an operator sees the layout through the job store
+                st = subprocess.run(MINDSPEED_HA + ["status", "--log-dir", str(tmp_path / "empty"), "--job-store",
+                                                    f"127.0.0.1:{c.port}", "--ha-key-dir", str(keys)],
+                                    env=clean_env(), capture_output=True, text=True, timeout=60)
+                assert "layout: data-parallel size 2, ranks [0, 1]; out of the layout [2, 3]" in st.stdout, \
+                    st.stdout + st.stderr
             c.start(1)
             c.wait(lambda: len(c.controller("scaled_out")) >= n, f"scale-out {n}", timeout=120)
         assert c.agents[0].wait(300) == 0, c.out(0)
@@ -319,6 +325,10 @@ def test_elastic_node_lost_twice_and_back_twice(tmp_path, keys, ref, ref_dir):
     assert {i: got[i] for i in ref if i <= first} == {i: ref[i] for i in ref if i <= first}
     rel = max(abs(float.fromhex(got[i]) / float.fromhex(ref[i]) - 1) for i in ref if i > first)
     assert rel < 1e-4, rel
+    rep = subprocess.run(MINDSPEED_HA + ["report", *map(str, c.dirs), "--no-picture"], env=clean_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert rep.stdout.count("recovered (data-parallel size 4 -> 2)") == 2, rep.stdout + rep.stderr
+    assert rep.stdout.count("scaled out (data-parallel size 2 -> 4)") == 2, rep.stdout
     # every global batch, at DP=4 or 2, held exactly the fault-free run's samples of that iteration
     want = sample_hashes(ref_dir)
     assert len({h for v in want.values() for h in v}) == ITERS

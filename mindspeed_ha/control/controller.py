@@ -25,7 +25,7 @@ from ..options import HAOptions
 from . import discovery, election, playbooks, protocol as P, security
 from .budget import RestartBudget
 from .diagnosis import diagnosis
-from .growth import Growth
+from .elastic import Elastic
 from .inbox import Inbox
 from .migration import Migrations
 from .playbooks import Episode, FirstStep
@@ -91,30 +91,13 @@ class _Port:
                  key=("hang-in-recovery", tuple(ranks), c.generation))
 
     def scaled(self, dp, replica_groups):
-        """elastic: the job runs at data-parallel size ``dp`` now; the new layout's replica groups
-        (every rank of it answers: all of the job's ranks when it is whole again)."""
-        self._c.scaled_in = 0 if len(replica_groups) == self._c.world else int(dp)
-        self._c.layout = {"data_parallel_size": int(dp), "ranks": sorted(int(r) for r in replica_groups)}
-        self._c.growth.joined([int(r) for r in replica_groups])
-        for r, group in replica_groups.items():
-            if int(r) in self._c.ranks:
-                self._c.ranks[int(r)].groups = [list(group)]
+        self._c.elastic.scaled(dp, replica_groups)
 
     def host_rank(self):
         return self._c.rank
 
     def leave(self, ranks, reason):
-        """elastic: these ranks are out of the job's layout for good — the lost ones are not
-        restarted, the live ones (parked) are told to exit 0."""
-        c = self._c
-        live = sorted(set(ranks) & c.table.live())
-        for r in ranks:
-            if r in c.ranks:
-                c.ranks[r].done = True
-        c.growth.leave(ranks)
-        if live:
-            c.order("exit", live, {"code": 0, "diagnosis": f"mindspeed-ha: rank(s) {live} leave the job: {reason}"})
-        c._to_agents("leave", {"ranks": sorted(ranks)})
+        self._c.elastic.leave(ranks, reason)
 
     def condemn(self, ranks):
         """recover: hung ranks are replaced like dead ones (their agent kills and restarts them)."""
@@ -160,9 +143,6 @@ class Controller:
         self.answered: dict[int, dict] = {}   # order id -> results, once no one is waiting any more
         self._next_id = 1
         self.chosen: O | None = None          # the strategy DECIDE picked for the episode
-        self.scaled_in = 0                     # elastic: the data-parallel size the job runs at now (0: its own)
-        self.spare_wait: float | None = None   # recover with elastic: seconds a lost node is waited for
-        self.layout: dict | None = None        # elastic: the layout of the last resize
         self.playbook = None
         self.episode: Episode | None = None
         self.runner: Runner | None = None
@@ -181,7 +161,7 @@ class Controller:
         self.port_number, self.endpoint = self.router.port, self.router.endpoint
         self.handlers = Inbox(self).handlers()
         self.migrations = Migrations(self)
-        self.growth = Growth(self)             # elastic: scale out onto a node that came back
+        self.elastic = Elastic(self)           # when to scale in, wait for a node, or grow onto one
         self.succession = Succession(self)    # standbys, takeovers, a handover before the host migrates
         self.actions = {S.NORMAL: self._training, S.PAUSE: self._stop_survivors, S.DECIDE: self._decide,
                         S.REPAIR: self._play, S.ROLLBACK: self._play, S.DUMP: self._play, S.DOWNGRADE: self._play,
@@ -436,8 +416,8 @@ class Controller:
         if st in (S.NORMAL, S.INIT) and self.ranks and self.table.all_over() and not self.active_faults:
             self._feed(O.FINISHED)
             return
-        if st == S.NORMAL and self.growth.offered:
-            self.growth.retry()
+        if st == S.NORMAL and self.elastic.offered:
+            self.elastic.retry()
         if st in (S.PAUSE, S.REPAIR) and self.migrations.outrun():
             # The job ended its last step as the migration began: nobody parks, there is nothing to move.
             if self.table.all_over():
@@ -514,14 +494,7 @@ class Controller:
         if out == "ok":
             return O.OK
         if out[0] == "switch":  # recover waited out the spare wait: the same episode scales in
-            stranded = sorted(self.restarting)
-            self.restarting.clear()
-            self.strategy_note = out[2]
-            self.events.emit("strategy", outcome=O.ELASTIC.value, reason=out[2])
-            log.warning("recover: %s", out[2])
-            self._to_agents("leave", {"ranks": stranded})  # (their agents are gone; a late one must not wait)
-            self.playbook, self.chosen = playbooks.ELASTIC, O.ELASTIC
-            return O.ELASTIC
+            return self.elastic.switched(out[2])
         self.strategy_note = playbooks.failed(self.playbook, self.episode, out[1])
         return O.FAILED
 
@@ -541,7 +514,7 @@ class Controller:
         """Stop every survivor; decision latency is fault detection -> last stop sent."""
         fault = self.active_faults[-1] if self.active_faults else None
         # every live rank, reporters of comm failures included; not a newcomer waiting to scale out
-        survivors = sorted(self.table.live() - self.growth.newcomers())
+        survivors = sorted(self.table.live() - self.elastic.newcomers())
         reason = (f"{fault['kind']} on rank(s) {fault['ranks'][:8]}" if fault else "controller")[:200]
         # Nothing broke for a migration or a scale-out: the ranks park between two steps, no step
         # is interrupted.
@@ -556,7 +529,6 @@ class Controller:
 
     def _decide(self):
         kinds = {f["kind"] for f in self.active_faults}
-        self.spare_wait = None
         if kinds == {"scale-out"}:
             self.strategy_note = "scale-out onto returned rank(s)"
             self.events.emit("strategy", outcome=O.SCALE_OUT.value, reason=self.strategy_note)
@@ -571,14 +543,13 @@ class Controller:
             ordered = [s for s in ordered if s != "recover"]
             self.budget.spent = f"recover not tried: {refusal}"
         if "elastic-training" in ordered:
-            ordered, why_not = self._elastic_order(ordered)
+            ordered, why_not = self.elastic.order(ordered)
             refusal = "; ".join(x for x in (refusal, why_not) if x) or None
         outcome, why = choose_strategy(ordered, kinds, BUILT)
         if refusal:
             why = f"recover not tried: {refusal}; {why}"
-        if self.spare_wait and outcome == O.RECOVER:
-            why += (f"; lost node(s) of rank(s) {sorted(self.table.lost())}: their replacement is waited for up to "
-                    f"{self.spare_wait:g} s (--ha-spare-wait), then the job scales in without them")
+        if self.elastic.spare_wait and outcome == O.RECOVER:
+            why += self.elastic.waiting_note()
         self.strategy_note = why
         self.events.emit("strategy", outcome=outcome.value, reason=why)
         log.info("strategy for %s: %s (%s)", sorted(kinds), outcome.value, why)
@@ -586,24 +557,6 @@ class Controller:
                          O.ELASTIC: playbooks.ELASTIC}.get(outcome)
         self.chosen = outcome
         return outcome
-
-    def _elastic_order(self, ordered: list) -> tuple[list, str]:
-        """With elastic on, recover only where a spare can take the lost ranks (their agent is
-        alive); once the job has scaled in, neither retry nor recover (a restarted worker, or
-        repaired ranks, would meet the job's original layout): a fault scales in again, or dumps."""
-        now = time.monotonic()
-        if self.scaled_in:
-            return [s for s in ordered if s not in ("retry", "recover")], \
-                f"the job runs scaled in (data-parallel size {self.scaled_in}): retry and recover not tried"
-        lost = self.table.lost()
-        agents = self.table.live_agents(now)
-        stranded = sorted(r for r in lost if not any(r in a.ranks for a in agents))
-        if stranded and "recover" in ordered:
-            if self.options.spare_wait_s > 0:  # a replacement node may come: recover waits, then scales in
-                self.spare_wait = self.options.spare_wait_s
-                return ordered, ""
-            return [s for s in ordered if s != "recover"], f"no spare for rank(s) {stranded} (their node is lost)"
-        return ordered, ""
 
     def _budget_refusal(self) -> str | None:
         now = time.monotonic()
@@ -625,8 +578,8 @@ class Controller:
             replica = all(i.groups for i in self.ranks.values() if i.alive)  # (no replicas: groups are not sent)
             self.episode = Episode(self.playbook_port, strategy, self.world, self.active_faults,
                                    {r: i.groups[0] for r, i in self.ranks.items() if i.groups}, replica=replica,
-                                   spare_wait=self.spare_wait if strategy == "recover" else None,
-                                   left=frozenset(self.growth.left))
+                                   spare_wait=self.elastic.spare_wait if strategy == "recover" else None,
+                                   left=frozenset(self.elastic.left))
             if first is not None and st in (S.REPAIR, S.DOWNGRADE, S.UPGRADE):
                 self.episode.phases["detect"] = first["detect_s"]
                 # detection -> every survivor stopped and the strategy chosen
@@ -683,8 +636,7 @@ class Controller:
                        for a in self.agents.values()],
             "faults": [{k: v for k, v in f.items() if k not in ("t_detect", "cpu_detect")} for f in self.faults],
             "dropped": dict(self.router.drops.counts),
-            **({"layout": {**self.layout, "left": sorted(self.growth.left), "joining": sorted(self.growth.offered)}}
-               if self.layout else {}),
+            **self.elastic.status(),
         }
 
 

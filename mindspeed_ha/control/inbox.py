@@ -74,7 +74,7 @@ class Inbox:
         if old is not None and old.ident != ident and old.pid in (info.pid, 0):  # 0: placeholder of a takeover
             self.c._resend_pending(r)
         if info.alive:
-            self.c.growth.registered(r)
+            self.c.elastic.registered(r)
         if self.c.machine.state == S.INIT and not self.c.standby and self.c.table.all_in():
             self.c._feed(O.REGISTERED)
 
@@ -153,7 +153,7 @@ class Inbox:
             self.c._fault(gone, "node-lost", info.it, info.phase,
                           detail=f"node {n} came back as a new agent (pid {msg['pid']}) without these ranks' processes",
                           key=("node-replaced", n, msg["pid"]))
-        self.c.growth.offer(self.c.agents[n])
+        self.c.elastic.offer(self.c.agents[n])
         # Ranks of this node that the recovery under way waits for: this agent starts them.
         due = sorted(r for r, pid in zip(msg["ranks"], msg["pids"]) if not pid and r in self.c.restarting)
         if due:

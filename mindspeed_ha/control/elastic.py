@@ -1,0 +1,147 @@
+"""Elastic training, the controller's side: when to scale in, when to wait for a node, when to grow.
+
+Scale-in is a strategy (``playbooks.ELASTIC``). With elastic on, ``order`` adjusts the strategy
+preference for a fault: recover only where a spare can take the lost ranks — their agent is alive,
+or, for a lost node, a replacement comes within --ha-spare-wait (``spare_wait``: recover waits for
+it, then switches the episode to elastic, ``switched``); once the job runs scaled in, neither retry
+nor recover (a restarted worker or repaired ranks would meet the original layout).
+
+Scale-out (``playbooks.SCALE_OUT``) has no fault. After a scale-in the ranks left out (``left``) are
+neither restarted nor waited for. When a new launcher agent registers for a node that holds some of
+them (``mindspeed-ha run`` started again with that --node-rank: a replacement node), it is told to
+start those ranks as joiners (``offer``). Once every one of them has registered, the controller asks
+for a scale-out (``registered``): the job parks at its next step boundary like a migration, and the
+scale-out playbook brings the newcomers into a larger layout. A request that comes while a recovery
+runs waits for the job to train again (``retry``). An agent that only restarts (the same process)
+offers nothing: ranks parked by a scale-in on a live node stay out, or a batch size that forbids
+their size would start, refuse and park them forever.
+"""
+from __future__ import annotations
+
+import time
+
+from ..events import get_logger
+from . import playbooks
+from .states import Outcome as O, State as S
+
+log = get_logger("control.controller")
+
+
+class Elastic:
+    def __init__(self, controller):
+        self.c = controller
+        self.dp = 0                           # the data-parallel size the job runs at, scaled in (0: its own)
+        self.layout: dict | None = None       # the layout of the last resize (for status)
+        self.spare_wait: float | None = None  # this episode: seconds recover waits for a lost node
+        self.left: set[int] = set()           # ranks out of the layout since a scale-in
+        self.agent_pid: dict[int, int] = {}   # node -> its agent's pid when its ranks left
+        self.offered: set[int] = set()        # newcomers told to start, not yet in the layout
+        self.at = 0.0                          # when the last newcomer registered
+
+    # ---- scale-in: the strategy choice ------------------------------------------------------------
+    def order(self, ordered: list) -> tuple[list, str]:
+        """The strategies to try, in order, for the faults of this episode, and why one was dropped."""
+        c, self.spare_wait = self.c, None
+        if self.dp:
+            return [s for s in ordered if s not in ("retry", "recover")], \
+                f"the job runs scaled in (data-parallel size {self.dp}): retry and recover not tried"
+        agents = c.table.live_agents(time.monotonic())
+        stranded = sorted(r for r in c.table.lost() if not any(r in a.ranks for a in agents))
+        if stranded and "recover" in ordered:
+            if c.options.spare_wait_s > 0:  # a replacement node may come: recover waits, then scales in
+                self.spare_wait = c.options.spare_wait_s
+                return ordered, ""
+            return [s for s in ordered if s != "recover"], f"no spare for rank(s) {stranded} (their node is lost)"
+        return ordered, ""
+
+    def waiting_note(self) -> str:
+        return (f"; lost node(s) of rank(s) {sorted(self.c.table.lost())}: their replacement is waited for up to "
+                f"{self.spare_wait:g} s (--ha-spare-wait), then the job scales in without them")
+
+    def switched(self, reason: str) -> O:
+        """recover waited out the spare wait: the same episode scales in."""
+        c = self.c
+        stranded = sorted(c.restarting)
+        c.restarting.clear()
+        c.strategy_note = reason
+        c.events.emit("strategy", outcome=O.ELASTIC.value, reason=reason)
+        log.warning("recover: %s", reason)
+        c._to_agents("leave", {"ranks": stranded})  # (their agents are gone; a late one must not wait)
+        c.playbook, c.chosen = playbooks.ELASTIC, O.ELASTIC
+        return O.ELASTIC
+
+    # ---- after a resize ---------------------------------------------------------------------------
+    def scaled(self, dp: int, replica_groups: dict) -> None:
+        """The job runs at data-parallel size ``dp``; ``replica_groups``: every rank of the new layout
+        (all of the job's ranks when it is whole again) -> its replica group."""
+        c = self.c
+        self.dp = 0 if len(replica_groups) == c.world else int(dp)
+        self.layout = {"data_parallel_size": int(dp), "ranks": sorted(int(r) for r in replica_groups)}
+        self.left -= {int(r) for r in replica_groups}
+        self.offered -= {int(r) for r in replica_groups}
+        for r, group in replica_groups.items():
+            if int(r) in c.ranks:
+                c.ranks[int(r)].groups = [list(group)]
+
+    def leave(self, ranks, reason: str) -> None:
+        """These ranks are out of the layout — the lost ones are not restarted, the live ones
+        (parked) are told to exit 0."""
+        c = self.c
+        live = sorted(set(ranks) & c.table.live())
+        for r in ranks:
+            if r in c.ranks:
+                c.ranks[r].done = True
+        self.left |= set(ranks)
+        self.offered -= set(ranks)
+        for a in c.agents.values():
+            if set(a.ranks) & set(ranks):
+                self.agent_pid[a.node_rank] = a.pid
+        if live:
+            c.order("exit", live, {"code": 0, "diagnosis": f"mindspeed-ha: rank(s) {live} leave the job: {reason}"})
+        c._to_agents("leave", {"ranks": sorted(ranks)})
+
+    def status(self) -> dict:
+        if not self.layout:
+            return {}
+        return {"layout": {**self.layout, "left": sorted(self.left), "joining": sorted(self.offered)}}
+
+    # ---- scale-out ----------------------------------------------------------------------------------
+
+    def offer(self, agent) -> None:
+        """A node's agent registered: if it is a new one holding ranks that left, start them."""
+        c = self.c
+        mine = sorted(set(agent.ranks) & self.left - self.offered)
+        if not mine or not self.dp or self.agent_pid.get(agent.node_rank) == agent.pid:
+            return
+        self.offered |= set(mine)
+        c.restarting |= set(mine)
+        c.events.emit("scale_out_offer", node_rank=agent.node_rank, node=agent.node, ranks=mine)
+        log.info("elastic: node %s (agent %d) is back: starting rank(s) %s to scale out", agent.node,
+                 agent.node_rank, mine)
+        c._to_agent(agent, "restart", {"ranks": mine})
+
+    def registered(self, r: int) -> None:
+        """Rank ``r`` registered; once every newcomer has, ask for the scale-out."""
+        if r not in self.offered:
+            return
+        self.at = time.monotonic()
+        self.retry()
+
+    def retry(self) -> None:
+        c = self.c
+        live = c.table.live()
+        if not self.offered or not self.offered <= live or c.machine.state != S.NORMAL or c.first_step is not None:
+            return
+        if any(f["kind"] == "scale-out" for f in c.active_faults):
+            return
+        rec = {"ranks": sorted(self.offered), "kind": "scale-out", "iteration": c.table.newest_iteration(),
+               "phase": "boundary", "detect_s": 0.0, "detail": "returned ranks registered", "time": time.time(),
+               "nodes": [c.ranks[r].node for r in sorted(self.offered)], "t_detect": self.at or time.monotonic(),
+               "cpu_detect": time.thread_time()}
+        c.active_faults.append(rec)
+        c.events.emit("scale_out_requested", ranks=rec["ranks"], iteration=rec["iteration"])
+        c._feed(O.SCALE_OUT)
+
+    def newcomers(self) -> set:
+        """Registered newcomers: no stop for them (they train nothing yet)."""
+        return self.offered & self.c.table.live()
