@@ -140,7 +140,6 @@ class RankSession:
 
     # -- trainer hooks ---------------------------------------------------------------------------
     def attach_trainer(self, trainer) -> None:
-        from megatron.core import parallel_state as ps
         self.trainer = trainer
         self.relaid_out()
         self.events.emit("start", world_size=self.world_size, device=self.device.kind,

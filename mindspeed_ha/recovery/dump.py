@@ -15,11 +15,9 @@ plain ``--load`` resumes from it, with any DP size.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import time
-import zlib
 
 import torch
 import torch.distributed as dist
