@@ -303,9 +303,9 @@ def test_elastic_node_lost_twice_and_back_twice(tmp_path, keys, ref, ref_dir):
             c.lose(1)
             c.wait(lambda: len(c.controller("scaled_in")) >= n, f"scale-in {n}", timeout=120)
             c.wait(lambda: c.iteration() >= c.controller("scaled_in")[-1]["iteration"] + 3, "3 steps at DP=2")
-            if n == 1:  # an operator sees the layout through the job store
-                st = subprocess.run(MINDSPEED_HA + ["status", "--log-dir", str(tmp_path / "empty"), "--job-store",
-                                                    f"127.0.0.1:{c.port}", "--ha-key-dir", str(keys)],
+            if n == 1:  # an operator on node 0 sees the layout
+                st = subprocess.run(MINDSPEED_HA + ["status", "--log-dir", str(c.node_dir[0]), "--ha-key-dir", str(keys),
+                                                    "--timeout", "15"],
                                     env=clean_env(), capture_output=True, text=True, timeout=60)
                 assert "layout: data-parallel size 2, ranks [0, 1]; out of the layout [2, 3]" in st.stdout, \
                     st.stdout + st.stderr

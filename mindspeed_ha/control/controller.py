@@ -327,9 +327,6 @@ class Controller:
             self._to_agents("restart", {"ranks": by_agent})
         return by_agent, awaiting, []
 
-    def _to_agent(self, agent, action: str, args: dict) -> None:
-        self.router.send(agent.ident, P.encode("do", action=action, id=0, args=args, epoch=self.epoch))
-
     def _to_agents(self, action: str, args: dict) -> None:
         data = P.encode("do", action=action, id=0, args=args, epoch=self.epoch)
         self.router.fan_out((a.ident for a in self.agents.values()), data)

@@ -108,7 +108,10 @@ class Elastic:
     # ---- scale-out ----------------------------------------------------------------------------------
 
     def offer(self, agent) -> None:
-        """A node's agent registered: if it is a new one holding ranks that left, start them."""
+        """A node's agent registered: if it is a new one holding ranks that left, they are to be started
+        (counted in ``restarting``: the agent is told to start them — again on each of its hellos that
+        shows them without a process, as for recover, since a first order can go to a link that is
+        still being set up)."""
         c = self.c
         mine = sorted(set(agent.ranks) & self.left - self.offered)
         if not mine or not self.dp or self.agent_pid.get(agent.node_rank) == agent.pid:
@@ -118,7 +121,6 @@ class Elastic:
         c.events.emit("scale_out_offer", node_rank=agent.node_rank, node=agent.node, ranks=mine)
         log.info("elastic: node %s (agent %d) is back: starting rank(s) %s to scale out", agent.node,
                  agent.node_rank, mine)
-        c._to_agent(agent, "restart", {"ranks": mine})
 
     def registered(self, r: int) -> None:
         """Rank ``r`` registered; once every newcomer has, ask for the scale-out."""

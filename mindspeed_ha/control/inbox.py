@@ -155,6 +155,7 @@ class Inbox:
                           key=("node-replaced", n, msg["pid"]))
         self.c.elastic.offer(self.c.agents[n])
         # Ranks of this node that the recovery under way waits for: this agent starts them.
+        # (a scale-out's newcomers too: the offer above counts them in)
         due = sorted(r for r, pid in zip(msg["ranks"], msg["pids"]) if not pid and r in self.c.restarting)
         if due:
             self.c.router.send(ident, P.encode("do", action="restart", id=0, args={"ranks": due}, epoch=self.c.epoch))

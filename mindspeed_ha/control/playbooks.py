@@ -302,6 +302,12 @@ def _scaled_in(ep: Episode, ans: Answers):
     return DONE
 
 
+def _fresh_rollback(ep: Episode) -> dict:
+    """A new layout: back to the plan's iteration, data read at the new data-parallel rank and size.
+    (Its decision keeps the episode's ``how``: the resize, "data-parallel size 4 -> 2".)"""
+    return {"iteration": ep.target, "fresh_data": True}
+
+
 def _kept(ep: Episode) -> list:
     return sorted(r for rep in ep.plan.kept for r in rep)
 
@@ -309,7 +315,7 @@ def _kept(ep: Episode) -> list:
 ELASTIC = Playbook("elastic-training", {
     S.DOWNGRADE: [STATUS, Round("plan", act=_plan_elastic, timed=False),
                   Round("scale-in", order="scale-in", to=_kept, args=_scale_in_args, decide=_scaled_in)],
-    S.ROLLBACK: [dataclasses.replace(ROLLBACK, args=lambda ep: {"iteration": ep.target, "fresh_data": True},
+    S.ROLLBACK: [dataclasses.replace(ROLLBACK, args=_fresh_rollback, decide=_then("rollback", NEXT),
                                      when=None, to=_kept),
                  dataclasses.replace(RESUME, to=_kept)],
 }, "repair_failed")
@@ -366,7 +372,7 @@ SCALE_OUT = Playbook("scale-out", {
     S.UPGRADE: [STATUS, Round("plan", act=_plan_scale_out, timed=False),
                 Round("scale-out", order="scale-out", to=_kept, args=_scale_in_args, decide=_scaled_out,
                       when=lambda ep: ep.plan.ok)],
-    S.ROLLBACK: [dataclasses.replace(ROLLBACK, args=lambda ep: {"iteration": ep.target, "fresh_data": True},
+    S.ROLLBACK: [dataclasses.replace(ROLLBACK, args=_fresh_rollback, decide=_then("rollback", NEXT),
                                      when=None, to=_new_layout),
                  dataclasses.replace(RESUME, to=_new_layout)],
 }, "repair_failed")
