@@ -2,6 +2,7 @@
 process restarts, the broken rank's shard comes back from its twin. Recover (a killed worker): only
 that worker is restarted and joins the running job. Either way the failed step is recomputed (or
 finished) and every iteration's loss equals the fault-free run's bit for bit."""
+import statistics
 import subprocess
 import sys
 from collections import Counter
@@ -302,8 +303,10 @@ def test_fault_during_recovery_restarts_it_with_both_faults(tmp_path, ref):
 def test_twelve_repairs_leave_fds_and_threads_flat(tmp_path):
     """Twelve in-place repairs in one job (memory errors on every rank at every phase, and broken
     communicators): each replaces every communicator, and the replaced ones are released, so each
-    rank ends with the open files and threads it had after its first repair. Losses stay the
-    fault-free run's."""
+    rank ends with no more open files and threads than it typically had after a repair (the median of
+    the twelve snapshots: each is taken while replaced communicators may still be going, so any one
+    of them, the first too, can sit a few dozen low or high; a leak of one file per repair would put
+    the end six above the median). Losses stay the fault-free run's."""
     phases = ["forward", "backward", "grad-sync", "optimizer", "param-sync"]
     steps = range(2, 26, 2)  # each fault two steps after the last: twelve recoveries, not merged ones
     faults = [f"comm:rank={i % 4}:step={s}:phase=backward" if i % 4 == 3 else
@@ -321,9 +324,9 @@ def test_twelve_repairs_leave_fds_and_threads_flat(tmp_path):
         after = [e for e in evs if e["event"] == "resources"]
         end = [e for e in evs if e["event"] == "end"][-1]
         assert len(after) == 12, after
-        first = after[0]  # (in between they swing by a few dozen while communicators are torn down)
-        assert end["fds"] <= first["fds"] + 4, (r, [(e["fds"], e["threads"]) for e in after], end)
-        assert end["threads"] <= first["threads"] + 2, (r, [(e["fds"], e["threads"]) for e in after], end)
+        fds, threads = (statistics.median(e[k] for e in after) for k in ("fds", "threads"))
+        assert end["fds"] <= fds + 4, (r, [(e["fds"], e["threads"]) for e in after], end)
+        assert end["threads"] <= threads + 2, (r, [(e["fds"], e["threads"]) for e in after], end)
 
 
 def test_a_fault_in_a_periodic_save_is_recovered_and_the_save_redone(tmp_path, ref):
