@@ -11,6 +11,7 @@ answers with a msgpack tree — an exception is a failed answer.
     rollback   back to the start of the failed step, or finish it
     scale-in   elastic: this kept rank trains on at a smaller data-parallel size, in process
     scale-out  elastic: the same toward a larger size; a newcomer sets itself up in the new layout
+               (one whose loop builds its model, Megatron-LM's, answers after that: ``Later``)
     resume     train on
     dump-status, dump   the dying-gasp checkpoint: prepare this rank's part, then write it
 """
@@ -63,12 +64,12 @@ class RankRecovery:
         return {"replica": True, **repair.status(self.trainer), **found, **elastic}
 
     def layout(self) -> dict:
-        """What an elastic plan needs of the job's layout (built-in trainer): this rank's data-parallel
+        """What an elastic plan needs of the job's layout: this rank's data-parallel
         group (job ranks, in order), the batch sizes and the optimizer instance count."""
         from mindspeed_ha.comm.groups import job_rank
         topo = self.s.topology
         return {"dp_ranks": [job_rank(r) for r in topo.dp_ranks], "global_batch": int(self.trainer.global_batch_size),
-                "micro_batch": int(self.trainer.args.micro_batch_size), "replica_num": int(topo.replica_num)}
+                "micro_batch": int(self.trainer.micro_batch_size), "replica_num": int(topo.replica_num)}
 
     def rebuild(self, args: dict) -> str:
         from mindspeed_ha.comm import groups
@@ -118,18 +119,29 @@ class RankRecovery:
             self.trainer.restart_from(self.trainer.iteration)
         return how
 
-    def resize(self, args: dict) -> dict:
+    def resize(self, args: dict):
         from mindspeed_ha.comm.interruptible import clear_stop
+        from mindspeed_ha.control.processor import Later
         from mindspeed_ha.plan import ElasticPlan
         from mindspeed_ha.recovery import elastic
         clear_stop()
         if self.trainer.optimizer is not None:
             self.trainer.clean_partial_step()
         plan = ElasticPlan.from_wire(args["plan"])
-        out = elastic.resize(self.trainer, plan, self.s.rank, args["store_host"], int(args["store_port"]),
-                             int(args["generation"]), backend=self.s.device.backend)
-        self.s.relaid_out()
-        return {**out, "replica_group": self.s.processor.groups[0] if self.s.processor else None}
+        entered = elastic.enter_layout(self.trainer, plan, self.s.rank, args["store_host"], int(args["store_port"]),
+                                       int(args["generation"]), backend=self.s.device.backend)
+
+        def rest(trainer=None) -> dict:
+            out = elastic.move_state(trainer or self.trainer, plan, self.s.rank, entered)
+            self.s.relaid_out()
+            return {**out, "replica_group": self.s.processor.groups[0] if self.s.processor else None}
+        if self.trainer.optimizer is not None:
+            return rest()
+        # A newcomer whose loop builds its model itself (Megatron-LM's): the answer comes once it has
+        # (the kept ranks wait in the state exchange meanwhile).
+        later = Later()
+        self.s.after_setup = lambda trainer: later.finish(lambda: rest(trainer))
+        return later
 
     def resume(self, args: dict) -> str:
         self.s.resumed(int(args.get("lost_steps", 0)))

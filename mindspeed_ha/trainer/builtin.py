@@ -19,8 +19,7 @@ from megatron.core import parallel_state as ps, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.num_microbatches_calculator import (get_num_microbatches, init_num_microbatches_calculator,
-                                                       reconfigure_num_microbatches_calculator)
+from megatron.core.num_microbatches_calculator import get_num_microbatches, init_num_microbatches_calculator
 from megatron.core import optimizer as megatron_optimizer
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -64,7 +63,7 @@ class BuiltinTrainer(TrainerInterface):
                                          ps.get_data_parallel_world_size())
         set_seed(a.seed)
         self.model_chunks = [self._build_model(replicas, broadcast=not joining)]
-        self.optimizer = megatron_optimizer.get_megatron_optimizer(self._optimizer_config(), self.model_chunks)
+        self.optimizer = self._build_optimizer()
         self.scheduler = self._build_scheduler()
         if not joining:
             self.dataset = data.build_train_dataset(a, a.train_iters * a.global_batch_size)
@@ -93,6 +92,10 @@ class BuiltinTrainer(TrainerInterface):
     @property
     def global_batch_size(self) -> int:
         return self.args.global_batch_size
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.args.micro_batch_size
 
     def init_parallel(self) -> None:
         """megatron-core's groups for this layout: the ones a recovery reconnects first."""
@@ -187,28 +190,16 @@ class BuiltinTrainer(TrainerInterface):
         ns.data_parallel_size = a.data_parallel_size
         return ns
 
-    def relayout(self):
-        """The default group is a new layout's now (elastic resize, ``comm.groups.new_epoch``):
-        megatron-core's groups again, the same model in a new DDP, a new optimizer (its state is
-        the caller's to move in), the scheduler pointed at it, the micro-batch count and the data
-        position at the new data-parallel size (the global batch stays). Returns the old optimizer,
-        the state's source; the old DDP is emptied so that its buffers can go."""
-        a = self.args
-        old_ddp, old_opt = self.model_chunks[0], self.optimizer
-        ps.destroy_model_parallel()
-        self.init_parallel()
-        dp = ps.get_data_parallel_world_size()
-        reconfigure_num_microbatches_calculator(dist.get_rank(), None, a.global_batch_size, a.micro_batch_size, dp,
-                                                decrease_batch_size_if_needed=False)
-        a.data_parallel_size = dp
+    def _rewrap(self, ddp):
         replicas = self.session.options.replica_num if self.session.options.use_replica_optimizer else 1
-        self.model_chunks = [self._wrap(old_ddp.module, replicas, broadcast=False)]
-        release_ddp(old_ddp)
-        self.optimizer = megatron_optimizer.get_megatron_optimizer(self._optimizer_config(), self.model_chunks)
-        self.scheduler.optimizer = self.optimizer
-        self.scheduler.step(increment=0)  # the current lr and weight decay into the new param groups
+        return self._wrap(ddp.module, replicas, broadcast=False)
+
+    def _build_optimizer(self):
+        return megatron_optimizer.get_megatron_optimizer(self._optimizer_config(), self.model_chunks)
+
+    def _relaid_out(self, dp: int) -> None:
+        self.args.data_parallel_size = dp
         self._data_iter = self.data_iterator(self.consumed_samples)
-        return old_opt
 
     # -- data ------------------------------------------------------------------------------------
     def data_iterator(self, consumed_samples: int):
@@ -330,15 +321,6 @@ class BuiltinTrainer(TrainerInterface):
             self.train_step()
         if a.save and self._saved != self.iteration:
             self.save_checkpoint(a.save)
-
-
-def release_ddp(ddp) -> None:
-    """A DDP replaced by another around the same module. Its gradient hooks stay on the parameters'
-    AccumulateGrad nodes (megatron-core keeps no handle to remove them): with no bucket group left
-    they do nothing, and with its buffers dropped nothing large stays reachable through them."""
-    ddp.param_to_bucket_group = {}
-    ddp.buffers, ddp.bucket_groups, ddp.params_with_grad = [], [], []
-    ddp.expert_parallel_buffers, ddp.expert_parallel_bucket_groups = [], []
 
 
 def init_distributed(backend: str, timeout_minutes: int) -> None:

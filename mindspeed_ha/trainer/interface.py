@@ -23,6 +23,7 @@ class TrainerInterface(abc.ABC):
     consumed_samples: int       # data position: samples consumed by the whole job
     save_dir: str | None        # --save (where a dying-gasp checkpoint goes)
     global_batch_size: int      # samples per iteration (scheduler and data position steps)
+    micro_batch_size: int       # samples per micro-batch and data-parallel rank
 
     def __init__(self):
         self.model_chunks, self.optimizer, self.scheduler = [], None, None  # until setup()
@@ -81,6 +82,42 @@ class TrainerInterface(abc.ABC):
         for m in self.model_chunks:
             m.start_param_sync(force_sync=True)
 
+    # -- elastic resize ----------------------------------------------------------------------------
+    def relayout(self) -> None:
+        """The default group is a new layout's now (elastic resize, ``comm.groups.new_epoch``):
+        megatron-core's groups again, the same model in a new DDP, a new optimizer (its state is the
+        caller's to move in), the scheduler pointed at it, the micro-batch count and the data position
+        at the new data-parallel size (the global batch stays). The model list is changed in place (a
+        loop holding it sees the new DDP); the old DDP is emptied so that its buffers can go."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from megatron.core.num_microbatches_calculator import reconfigure_num_microbatches_calculator
+        ps.destroy_model_parallel()
+        self.init_parallel()
+        dp = ps.get_data_parallel_world_size()
+        reconfigure_num_microbatches_calculator(dist.get_rank(), None, self.global_batch_size, self.micro_batch_size,
+                                                dp, decrease_batch_size_if_needed=False)
+        old = list(self.model_chunks)
+        self.model_chunks[:] = [self._rewrap(m) for m in old]
+        for m in old:
+            release_ddp(m)
+        self.optimizer = self._build_optimizer()
+        self.scheduler.optimizer = self.optimizer
+        self.scheduler.step(increment=0)  # the current lr and weight decay into the new param groups
+        self._relaid_out(dp)
+
+    def _rewrap(self, ddp):
+        """The module of ``ddp`` in a new DDP of the current layout (no broadcast: the weights are
+        the job's already)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot change its layout")
+
+    def _build_optimizer(self):
+        """A new optimizer over ``model_chunks``, as the trainer's set-up built its first."""
+        raise NotImplementedError(f"{type(self).__name__} cannot change its layout")
+
+    def _relaid_out(self, dp: int) -> None:
+        """What else follows the data-parallel size ``dp`` (arguments, the data iterator)."""
+
     # What a restarted worker takes from its twin besides the optimizer shard. Each trainer extends
     # these two with what its own loop keeps (a loss, flags in args, ...).
     def bookkeeping(self) -> dict:
@@ -116,3 +153,12 @@ class TrainerInterface(abc.ABC):
     @abc.abstractmethod
     def load_checkpoint(self, load_dir: str) -> int:
         """Restore model, optimizer, scheduler, RNG and data position; return the iteration."""
+
+
+def release_ddp(ddp) -> None:
+    """A DDP replaced by another around the same module. Its gradient hooks stay on the parameters'
+    AccumulateGrad nodes (megatron-core keeps no handle to remove them): with no bucket group left
+    they do nothing, and with its buffers dropped nothing large stays reachable through them."""
+    ddp.param_to_bucket_group = {}
+    ddp.buffers, ddp.bucket_groups, ddp.params_with_grad = [], [], []
+    ddp.expert_parallel_buffers, ddp.expert_parallel_bucket_groups = [], []
