@@ -46,7 +46,8 @@ class RankSession:
         self._replica_pg = None
         self._writes_loss = False
         self.phase = "startup"
-        self.joining = False  # a restarted worker until it has resumed (recover)
+        self.joining = False  # a restarted worker until it has resumed (recover, elastic scale-out)
+        self.after_setup = None  # a newcomer's scale-out, to finish once its loop has built the model
         self._tracking = False
         self._t_step = time.perf_counter()  # start of the step in flight
         self.serving = False                # serving a recovery's orders on the training thread
@@ -189,12 +190,13 @@ class RankSession:
         """Started by the agent in place of a failed worker (``mindspeed-ha run`` counts restarts)."""
         return int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0) > 0
 
-    def join_running_job(self, trainer, until: str = "resume") -> None:
-        """A restarted worker under recover: register (no env:// rendezvous — that world is gone),
-        then serve the controller's orders on this thread: ``rebuild`` builds the groups and the
-        trainer, ``repair`` brings the state from the peers, ``rollback``/``resume`` as everywhere.
-        ``until="rebuild"``: return once the groups exist (a loop that builds its own trainer, then
-        calls this again to serve the rest)."""
+    def join_running_job(self, trainer, until: tuple = ("resume",)) -> None:
+        """A restarted worker under recover or elastic: register (no env:// rendezvous — that world
+        is gone), then serve the controller's orders on this thread: ``rebuild`` (recover) or
+        ``scale-out`` builds the groups and the trainer, ``repair`` brings the state from the peers
+        (a scale-out moves it itself), ``rollback``/``resume`` as everywhere. ``until``: the orders
+        after which to return (a loop that builds its own trainer returns once its groups exist,
+        then calls this again to serve the rest)."""
         self.trainer, self.joining = trainer, True
         self._stopped_at = time.monotonic()
         if self.processor is None:
@@ -206,7 +208,7 @@ class RankSession:
                 action = self.processor.serve_order(timeout=wait)
                 if action == "resume":
                     self.joining = False
-                if action == until:
+                if action in until:
                     return
                 if action is None:
                     raise RuntimeError(f"rank {self.rank}: restarted, but no order from the controller for "

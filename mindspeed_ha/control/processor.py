@@ -26,6 +26,25 @@ from .link import ControllerLink, job_id_from_env
 log = get_logger("control.processor")
 
 
+class Later:
+    """A handler's answer that is sent after the handler returns: the training loop has to run on
+    first (a newcomer of Megatron-LM's loop builds its model before it can finish a scale-out).
+    ``finish(fn)`` runs the rest and answers with its result (or its exception)."""
+
+    def __init__(self):
+        self._send = None
+
+    def finish(self, fn) -> bool:
+        try:
+            data = fn()
+        except Exception as e:
+            log.exception("the rest of a handler failed")
+            self._send(False, error=f"{type(e).__name__}: {e}")
+            return False
+        self._send(True, data=data)
+        return True
+
+
 class Processor:
     def __init__(self, rank: int, world_size: int, local_rank: int, node: str, options: HAOptions,
                  replica_groups: list[list[int]], events: EventLog | None = None):
@@ -293,6 +312,9 @@ class Processor:
         except Exception as e:
             log.exception("handler %s failed", action)
             self._result(action, aid, False, error=f"{type(e).__name__}: {e}")
+            return
+        if isinstance(answer, Later):
+            answer._send = lambda ok, data=None, error="": self._result(action, aid, ok, data=data, error=error)
             return
         self._result(action, aid, True, data=answer)
 

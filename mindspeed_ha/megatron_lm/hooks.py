@@ -16,7 +16,7 @@ from mindspeed_ha.events import get_logger
 
 from .entry import CPU_ARGS, _detect, _fail, close_session
 from . import entry
-from .trainer import SETUP, MegatronLMTrainer
+from .trainer import SETUP, LoopOptimizer, MegatronLMTrainer, unwrap_optimizer
 
 log = get_logger("megatron_lm")
 # A restarted worker's set-up (Megatron-LM's initialize, model, optimizer, data loaders) runs while the
@@ -67,12 +67,6 @@ def on_parse_args(original, extra_args_provider=None, ignore_unknown_args=False)
     try:
         opts = ha_options.from_args(ns)
         layout.validate(ns.world_size, ns, opts)
-        if "elastic-training" in opts.strategies:
-            raise HAConfigError(
-                "elastic scale-in (--enable-elastic-training, HIGH_AVAILABILITY=elastic-training) is built for "
-                "mindspeed-ha's built-in megatron-core trainer (examples/pretrain_gpt.py without Megatron-LM's "
-                "megatron.training on the path), not yet for Megatron-LM's loop; drop it here "
-                "(--enable-worker-reboot restarts a lost rank instead)")
         ha_options.check_writable(opts.log_dir, "--ha-log-dir" if ns.ha_log_dir else "MINDSPEED_HA_LOG_DIR")
         ha_options.check_writable(ns.save, "--save")
         inject.check_reachable(inject.parse(os.environ.get(inject.ENV, "")), ns.world_size, ns.train_iters)
@@ -94,8 +88,8 @@ def on_parse_args(original, extra_args_provider=None, ignore_unknown_args=False)
 
 
 def _joining(s) -> bool:
-    """A worker restarted by its agent into a job that runs on (recover)."""
-    return s is not None and "recover" in s.options.strategies and s.restarted_worker()
+    """A worker restarted by its agent into a job that runs on (recover, or an elastic scale-out)."""
+    return s is not None and bool({"recover", "elastic-training"} & s.options.strategies) and s.restarted_worker()
 
 
 def on_initialize_distributed(original, get_embedding_ranks, get_position_embedding_ranks, store):
@@ -109,10 +103,11 @@ def on_initialize_distributed(original, get_embedding_ranks, get_position_embedd
         out = original(get_embedding_ranks, get_position_embedding_ranks, store)
         groups.seal()  # Megatron-LM's groups: the ones a recovery reconnects first
         return out
-    # Recover: no env:// rendezvous (that world is gone). Register and wait for the controller's
-    # rebuild: this worker's groups are made then and connect with the survivors' new generation.
+    # No env:// rendezvous (that world is gone). Register and wait for the controller's rebuild
+    # (recover: this worker's groups are made then and connect with the survivors' new generation)
+    # or scale-out (its groups are the new layout's; the state comes once its model exists).
     s.device.set_current(s.local_rank)  # what Megatron-LM's skipped init would have done
-    s.join_running_job(_GroupsOnly(), until="rebuild")
+    s.join_running_job(_GroupsOnly(), until=("rebuild", "scale-out"))
     _alone_on()  # Megatron-LM's set-up runs on while the survivors wait
     return None
 
@@ -132,6 +127,8 @@ def on_setup_model_and_optimizer(original, *args, **kwargs):
     from mindspeed_ha import session
     out = original(*args, **kwargs)
     s = session.current()
+    if s is not None and "elastic-training" in s.options.strategies:
+        out = (out[0], LoopOptimizer(out[1]), out[2])  # (a resize replaces the optimizer under the loop)
     if s is None or not s.joining:
         return out
     model, optimizer, scheduler = out
@@ -140,7 +137,10 @@ def on_setup_model_and_optimizer(original, *args, **kwargs):
     s.attach_trainer(trainer)
     s.trainer_ready()
     _alone_off()
-    s.join_running_job(trainer, until="resume")  # repair, rollback, resume: with the survivors
+    if s.after_setup is not None:  # a scale-out's newcomer: the state exchange with the kept ranks
+        finish, s.after_setup = s.after_setup, None
+        finish(trainer)
+    s.join_running_job(trainer)  # repair, rollback, resume: with the survivors
     # The loop starts where the survivors' loops are. After a roll-forward, that is before the
     # failed step's own bookkeeping (its logging has collectives): the first train_step call here
     # returns the step's result, as the survivors' failing call did. The data loaders are built
@@ -152,11 +152,21 @@ def on_setup_model_and_optimizer(original, *args, **kwargs):
 
 
 class _GroupsOnly:
-    """What a joiner has when the rebuild comes: no model yet, so its set-up is only the groups."""
+    """What a joiner has when the rebuild or scale-out comes: no model yet, so its set-up is only the
+    groups (and, in a new layout, the data-parallel size Megatron-LM's set-up goes on with)."""
     optimizer = None
 
     def setup(self, joining: bool = True) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from megatron.core.num_microbatches_calculator import reconfigure_num_microbatches_calculator
+        from megatron.training import get_args
         SETUP["init_parallel"]()
+        a, dp = get_args(), ps.get_data_parallel_world_size()
+        if dp != a.data_parallel_size:
+            a.data_parallel_size = dp
+            reconfigure_num_microbatches_calculator(dist.get_rank(), None, a.global_batch_size, a.micro_batch_size,
+                                                    dp, decrease_batch_size_if_needed=False)
 
 
 def on_train_step(original, forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
@@ -181,13 +191,34 @@ def on_train_step(original, forward_step_func, data_iterator, model, optimizer, 
     # result as if nothing had happened: the step's rest (its update had completed everywhere), or
     # the step again with the same microbatches and RNG (rolled back).
     return s.survive(lambda: trainer.run_step(iteration), lambda: trainer.loop.running,
-                     after_recovery=trainer.hand_rolled_forward)
+                     after_recovery=trainer.after_recovery)
+
+
+def on_get_megatron_optimizer(original, config, model_chunks, *args, **kwargs):
+    """Remembers how Megatron-LM built its optimizer: an elastic resize builds one the same way
+    around the model in its new layout."""
+    SETUP["optimizer"] = lambda chunks: original(config, chunks, *args, **kwargs)
+    return original(config, model_chunks, *args, **kwargs)
+
+
+def on_update_num_microbatches(original, consumed_samples, consistency_check=True, verbose=False):
+    """Megatron-LM's loop calls this twice between its steps, with its micro-batch check between the
+    two calls: a count that changed since its last step is taken for a batch-size rampup, which may
+    only grow (a checkpoint is saved then). An elastic resize changes it either way at the same
+    global batch: after one, the check is passed over once (``MegatronLMTrainer.loop_check``)."""
+    from mindspeed_ha import session
+    original(consumed_samples, consistency_check=consistency_check, verbose=verbose)
+    s = session.current()
+    if s is not None and isinstance(s.trainer, MegatronLMTrainer):
+        s.trainer.loop_check(opening=not consistency_check)
 
 
 def on_save_checkpoint(original, iteration, *args, **kwargs):
     from megatron.training import get_args
     from mindspeed_ha import session
     s = session.current()
+    if len(args) > 1:  # Megatron-LM's save_checkpoint(iteration, model, optimizer, ...)
+        args = (args[0], unwrap_optimizer(args[1]), *args[2:])
     if s is None:
         return original(iteration, *args, **kwargs)
 

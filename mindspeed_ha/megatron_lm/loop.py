@@ -33,6 +33,8 @@ class StepRecord:
     """What the step in flight has done so far: a roll-forward reuses its forward-backward output,
     a restarted twin takes its DP-reduced losses, and a rollback undoes what its tail advanced."""
     done: bool = False                        # it returned: the loop is between steps (e.g. saving)
+    out: tuple | None = None                  # what it returned (for the loop's call, if a fault came after)
     fb_out: list | None = None                # its forward-backward output
     reduced: dict | None = None               # its [loss sum, tokens] reduced over DP (under recover)
+    samples_hash: str | None = None           # its global batch's samples (data.tokens_fingerprint)
     at_start: dict = dataclasses.field(default_factory=dict)  # scheduler, rerun state, timers at its start

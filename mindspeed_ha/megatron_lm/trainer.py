@@ -19,7 +19,8 @@ from .loop import LoopFunctions, LoopPosition, StepRecord
 
 log = get_logger("megatron_lm")
 # What Megatron-LM's set-up used and the trainer needs again (recorded by the hooks): how it made its
-# process groups ("init_parallel") and its dataset provider ("train_valid_test").
+# process groups ("init_parallel"), its dataset provider ("train_valid_test") and its optimizer
+# ("optimizer": the call, for a model in a new layout).
 SETUP: dict = {}
 
 
@@ -31,7 +32,7 @@ class MegatronLMTrainer(TrainerInterface):
     def __init__(self, model, optimizer, scheduler, iteration: int):
         from megatron.training import get_args
         super().__init__()
-        self.model_chunks, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.model_chunks, self.optimizer, self.scheduler = model, unwrap_optimizer(optimizer), scheduler
         self.iteration = iteration
         self.ended = iteration  # the last step whose train_step returned
         self.consumed_samples = get_args().consumed_train_samples
@@ -40,6 +41,9 @@ class MegatronLMTrainer(TrainerInterface):
         self.step = StepRecord()
         self._loop_iter = self._data_iter = None
         self._replays: list[Replayable] = []
+        self.loop_optimizer = optimizer  # what the loop holds (a LoopOptimizer under elastic)
+        self.resized = False  # an elastic resize changed the micro-batch count since the loop's last check
+        self._packing = None  # the loop's switch, set aside while its check is passed over
 
     def setup(self, joining: bool = False) -> None:
         raise RuntimeError("Megatron-LM sets itself up (initialize, setup_model_and_optimizer); the adaptor's "
@@ -84,6 +88,17 @@ class MegatronLMTrainer(TrainerInterface):
             get_args().consumed_train_samples = self.loop.finished_from[1]
         return out
 
+    def after_recovery(self):
+        """What the loop's interrupted train_step call returns once a recovery has served it: a
+        step the recovery finished (``hand_rolled_forward``), or the call's own step when the fault
+        came after it had ended (in its end hooks: a replica check, a stop meant for the step
+        boundary) — the loop goes on to the next step rather than running this one again. None:
+        the step runs again."""
+        out = self.hand_rolled_forward()
+        if out is None and self.step.done and self.iteration == self.loop.running:
+            out = self.step.out
+        return out
+
     def _replayable(self, data_iterator):
         """Reads go through Replayable, so that a rollback can hand the failed step its microbatches
         again (Megatron-LM's loop keeps its iterator object). Megatron's RerunDataIterator stays the
@@ -112,6 +127,11 @@ class MegatronLMTrainer(TrainerInterface):
     def global_batch_size(self) -> int:
         from megatron.training import get_args
         return get_args().global_batch_size
+
+    @property
+    def micro_batch_size(self) -> int:
+        from megatron.training import get_args
+        return get_args().micro_batch_size
 
     def checkpoint_args(self):
         """Megatron-LM's own arguments, as its save_checkpoint stores them (the dump writes
@@ -201,7 +221,7 @@ class MegatronLMTrainer(TrainerInterface):
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         from megatron.training import get_args
         from mindspeed_ha import session
-        self.step.done = True
+        self.step.done, self.step.out = True, out
         self.iteration = self.ended = it
         # What Megatron-LM's loop adds after train_step returns.
         self.consumed_samples += (ps.get_data_parallel_world_size() * get_args().micro_batch_size
@@ -209,15 +229,32 @@ class MegatronLMTrainer(TrainerInterface):
         loss = None
         if ps.is_pipeline_last_stage(ignore_virtual=True) and "lm loss" in out[0]:
             loss = float(out[0]["lm loss"])  # all-reduced over DP x CP and divided by its tokens
-        session.current().step_end(it, loss, grad_norm=out[5], lr=self._lr())
+        session.current().step_end(it, loss, grad_norm=out[5], lr=self._lr(), samples_hash=self.step.samples_hash)
         return out
 
     def _recording(self, forward_backward_func):
         def forward_backward(*args, **kwargs):
             self.step.fb_out = forward_backward_func(*args, **kwargs)
+            self.step.samples_hash = self._samples_hash()
             self.step.reduced = self._reduce_losses(self.step.fb_out) if self._joiners_possible() else None
             return self.step.fb_out
         return forward_backward
+
+    def _samples_hash(self) -> str | None:
+        """The step's global batch, whatever its data-parallel split (the ``samples_hash`` of the step
+        event): the ranks that read data add up their samples over DP. Megatron-LM's batches carry
+        no sample index: a sample is known by its tokens."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from mindspeed_ha.trainer.data import tokens_fingerprint
+        if not self._replays:
+            return None
+        mine = sum(tokens_fingerprint(item["tokens"]) for r in self._replays for item in r.drawn()
+                   if isinstance(item, dict) and "tokens" in item)
+        seen = torch.tensor([mine], dtype=torch.int64)
+        dist.all_reduce(seen, group=ps.get_data_parallel_group())
+        return f"{int(seen.item()):016x}"
 
     @staticmethod
     def _joiners_possible() -> bool:
@@ -392,6 +429,52 @@ class MegatronLMTrainer(TrainerInterface):
         """megatron-core's groups as Megatron-LM made them (again after an in-place rebuild)."""
         SETUP["init_parallel"]()
 
+    # -- elastic resize (the interface's relayout) --------------------------------------------------
+    # A scale-out's newcomers build their model, optimizer and data loaders with Megatron-LM's set-up,
+    # alone, while the kept ranks rebuild theirs here: no set-up collective of either side can meet
+    # the other's, so both answer theirs alone (the only one that exchanges anything, the optimizer's
+    # parameter-group keys, aligns models that are the same on every rank here).
+    def _rewrap(self, ddp):
+        from mindspeed_ha.comm.interruptible import alone
+        with alone():
+            return type(ddp)(config=ddp.config, ddp_config=ddp.ddp_config, module=ddp.module)
+
+    def _build_optimizer(self):
+        from mindspeed_ha.comm.interruptible import alone
+        with alone():
+            return SETUP["optimizer"](self.model_chunks)
+
+    def _relaid_out(self, dp: int) -> None:
+        """Megatron-LM's ``args`` (its scheduler increment reads the data-parallel size; its own groups
+        set rank and world size), the loop's view of the optimizer and its loss scaling, and the
+        loop's data iterator: its reads come from a new one at the new data-parallel rank."""
+        from megatron.training import get_args
+        get_args().data_parallel_size = dp
+        self.resized = True
+        if isinstance(self.loop_optimizer, LoopOptimizer):
+            self.loop_optimizer.ha_target = self.optimizer
+        if self.fns is not None and self.fns.config.grad_scale_func is not None:
+            self.fns.config.grad_scale_func = self.optimizer.scale_loss
+        from mindspeed_ha.comm.interruptible import alone
+        with alone():
+            fresh = self.data_iterator(self.consumed_samples) if self._replays else None
+        for r in self._replays:
+            r.restart(getattr(fresh, "iterable", fresh))  # (inside Megatron's RerunDataIterator)
+
+    def loop_check(self, opening: bool) -> None:
+        """Around Megatron-LM's micro-batch check between two steps (``opening``: before it): after a
+        resize, through the switch by which its loop lets a count it reconfigures itself (sequence
+        packing) change without a rampup's assertion and checkpoint, for this one check only."""
+        from megatron.training import get_args
+        a = get_args()
+        if opening and self.resized:
+            self._packing, a.rl_use_sequence_packing = a.rl_use_sequence_packing, True
+            log.info("the micro-batch count changed with the data-parallel size (global batch %d): Megatron-LM's "
+                     "rampup check is passed over once", a.global_batch_size)
+        elif not opening and self._packing is not None:
+            a.rl_use_sequence_packing, self._packing = self._packing, None
+            self.resized = False
+
     def _lr(self):
         for group in self.optimizer.param_groups:
             if group["params"]:
@@ -455,6 +538,22 @@ class MegatronLMTrainer(TrainerInterface):
 # keeps the loop's values; the loop has counted the steps the catch-up recomputes).
 _LOOP_ARGS = ("load", "iteration", "consumed_train_samples", "skipped_train_samples", "consumed_valid_samples",
               "num_floating_point_operations_so_far")
+
+
+class LoopOptimizer:
+    """What Megatron-LM's loop holds as its optimizer when the job can change its layout (elastic):
+    a resize builds a new optimizer, and the loop's reads (its learning rate and loss scale for the
+    log, its checkpoint calls) follow it here."""
+
+    def __init__(self, optimizer):
+        self.ha_target = optimizer
+
+    def __getattr__(self, name):
+        return getattr(self.ha_target, name)
+
+
+def unwrap_optimizer(optimizer):
+    return optimizer.ha_target if isinstance(optimizer, LoopOptimizer) else optimizer
 
 
 class _UpdateDone:

@@ -17,8 +17,8 @@ scale-in, ``plan_scale_out`` for a scale-out):
 
 The controller decides and plays it (``control/playbooks.ELASTIC`` and ``SCALE_OUT``): ranks left
 out are told to exit; the new layout then rolls back to the plan's iteration and trains on. Not
-built: Megatron-LM's loop, PP > 1 (the new order assumes data-parallel ranks outermost after TP),
-and a new size at which the optimizer instance count changes.
+built: PP > 1 (the new order assumes data-parallel ranks outermost after TP), and a new size at
+which the optimizer instance count changes.
 """
 from __future__ import annotations
 
@@ -49,27 +49,41 @@ def resize(trainer, plan, rank: int, store_host: str, store_port: int, generatio
     ``store_host:store_port`` (the controller's; ``host_store``: the first rank of the new layout
     serves it). ``trainer``: a running one, or a newcomer's not set up yet (no optimizer).
     Returns timings and bytes moved."""
+    entered = enter_layout(trainer, plan, rank, store_host, store_port, generation, backend, host_store)
+    return move_state(trainer, plan, rank, entered)
+
+
+def enter_layout(trainer, plan, rank: int, store_host: str, store_port: int, generation: int,
+                 backend: str = "gloo", host_store: bool = False) -> dict:
+    """Steps 1-3. A newcomer whose loop builds its own model (Megatron-LM's) has only its groups
+    afterwards (no optimizer yet): ``move_state`` follows once its loop has built them."""
     from mindspeed_ha.comm import groups
-    from mindspeed_ha.recovery.repair import transfer_bookkeeping
     t = {"start": time.perf_counter()}
-    order = plan.order
     old = trainer.optimizer
-    newcomer = old is None
-    old_ranges = {} if newcomer else old.ha_state_ranges()
-    writer = rank in plan.writers.values()
-    world = groups.new_epoch(order, rank, store_host, store_port, generation, backend=backend,
-                             host_rank=order[0] if host_store else None)
+    old_ranges = {} if old is None else old.ha_state_ranges()
+    step = 0.0 if old is None else _step(old)
+    world = groups.new_epoch(plan.order, rank, store_host, store_port, generation, backend=backend,
+                             host_rank=plan.order[0] if host_store else None)
     t["group"] = time.perf_counter()
-    if newcomer:
+    if old is None:
         trainer.setup(joining=True)
     else:
         trainer.relayout()
-    new = trainer.optimizer
     t["relayout"] = time.perf_counter()
+    return {"t": t, "world": world, "old_ranges": old_ranges, "step": step, "newcomer": old is None}
+
+
+def move_state(trainer, plan, rank: int, entered: dict) -> dict:
+    """Step 4, with every rank of the new layout."""
+    from mindspeed_ha.recovery.repair import transfer_bookkeeping
+    t, old_ranges, newcomer = entered["t"], entered["old_ranges"], entered["newcomer"]
+    t["built"] = time.perf_counter()  # (a newcomer of Megatron-LM's loop: its model built meanwhile)
+    writer = rank in plan.writers.values()
+    new = trainer.optimizer
     new_ranges = new.ha_state_ranges()
-    every = [None] * len(order)
+    every = [None] * len(plan.order)
     dist.all_gather_object(every, {"held": described(old_ranges) if writer else [],
-                                   "wanted": described(new_ranges), "step": 0.0 if newcomer else _step(old)})
+                                   "wanted": described(new_ranges), "step": entered["step"]})
     steps = {e["step"] for e in every if e["held"]}
     if len(steps) != 1:
         raise RuntimeError(f"the writers' Adam step counts differ: {sorted(steps)}")
@@ -77,7 +91,7 @@ def resize(trainer, plan, rank: int, store_host: str, store_port: int, generatio
                      {i: e["wanted"] for i, e in enumerate(every)})
     read, _ = state_io(old_ranges)
     _, write = state_io(new_ranges)
-    got = exchange(moves, world.new_rank, read, write)
+    got = exchange(moves, entered["world"].new_rank, read, write)
     step = steps.pop()
     for inner in _inner_optimizers(new):
         for st in inner.optimizer.state.values():
@@ -86,8 +100,8 @@ def resize(trainer, plan, rank: int, store_host: str, store_port: int, generatio
     transfer_bookkeeping(trainer, plan.sources, rank)
     trainer.resync_weights()
     t["moved"] = time.perf_counter()
-    out = {"dp": plan.dp, "new_rank": world.new_rank, "received": got, "newcomer": newcomer,
-           "group_s": round(t["group"] - t["start"], 4), "relayout_s": round(t["relayout"] - t["group"], 4),
-           "move_s": round(t["moved"] - t["relayout"], 4), "seconds": round(t["moved"] - t["start"], 4)}
+    out = {"dp": plan.dp, "new_rank": entered["world"].new_rank, "received": got, "newcomer": newcomer,
+           "group_s": round(t["group"] - t["start"], 4), "relayout_s": round(t["built"] - t["group"], 4),
+           "move_s": round(t["moved"] - t["built"], 4), "seconds": round(t["moved"] - t["start"], 4)}
     log.info("scaled %s to data-parallel size %d: %s", plan.direction, plan.dp, out)
     return out

@@ -86,6 +86,15 @@ def sample_fingerprint(indices) -> int:
     return total
 
 
+def tokens_fingerprint(tokens) -> int:
+    """``sample_fingerprint`` over samples known by their tokens (a batch's rows), where a loop's
+    batches carry no sample index (Megatron-LM's): each row's bytes stand for its index."""
+    import hashlib
+    rows = tokens.reshape(tokens.shape[0], -1).cpu().numpy()
+    return sample_fingerprint(int.from_bytes(hashlib.blake2b(row.tobytes(), digest_size=8).digest(), "little")
+                              for row in rows)
+
+
 class SampleIterator:
     """Micro-batches for one DP rank, starting at ``consumed_samples``. ``fingerprint``: of the
     samples read since the caller last reset it (a step's, for its ``samples_hash``)."""

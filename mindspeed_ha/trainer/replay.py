@@ -21,6 +21,10 @@ class Replayable:
         self._drawn.append(item)
         return item
 
+    def drawn(self) -> list:
+        """The items the current step has read so far."""
+        return list(self._drawn)
+
     def begin_step(self) -> None:
         """Items of completed steps are never needed again."""
         self._drawn = []
@@ -29,3 +33,7 @@ class Replayable:
         """The step starts over: what it drew comes again, in the same order."""
         self._pending = self._drawn + self._pending
         self._drawn = []
+
+    def restart(self, source) -> None:
+        """Reads come from ``source`` from now on (a new layout's iterator); nothing is replayed."""
+        self._source, self._drawn, self._pending = iter(source), [], []

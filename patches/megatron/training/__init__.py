@@ -4,10 +4,11 @@ Megatron-LM's modules import what they call by name, so each name is patched whe
 ``initialize.parse_args`` (options, validation, replica count and the HA session, before any model
 is built), ``initialize._initialize_distributed`` (kept for a recovery's group rebuild; a restarted
 worker joins there), ``training.setup_model_and_optimizer`` (a restarted worker takes its state),
-``training.get_megatron_optimizer`` (the replica optimizer), ``training.train_step``
+``training.get_megatron_optimizer`` (the replica optimizer; the call is kept for an elastic resize), ``training.train_step``
 (step hooks), ``training.save_checkpoint`` / ``training.load_checkpoint`` (events, Adam ``step`` fix),
 ``training.build_train_valid_test_data_iterators`` (the provider; on CPU, the RNG kept out of the
-DataLoader's seed draw). On CPU also ``legacy.fused_kernels.load`` (CUDA kernels cannot be built)
+DataLoader's seed draw), ``training.update_num_microbatches`` (the loop's rampup check after an
+elastic resize). On CPU also ``legacy.fused_kernels.load`` (CUDA kernels cannot be built)
 and ``arguments.get_device_arch_version`` (there is no GPU to ask). And
 ``core.datasets.utils.compile_helpers`` when ``helpers_cpp`` is already importable (the make it runs
 asks the system's ``python3-config``/pybind11, which may not be the training Python).
@@ -42,11 +43,14 @@ def patches(ctx=None):
         (TRAINING, "load_checkpoint", _route("on_load_checkpoint", training.load_checkpoint)),
         (TRAINING, "build_train_valid_test_data_iterators",
          _route("on_build_data_iterators", training.build_train_valid_test_data_iterators)),
+        (TRAINING, "update_num_microbatches",
+         _route("on_update_num_microbatches", training.update_num_microbatches)),
     ]
     # training.py bound get_megatron_optimizer at import: point it at the (possibly already) re-routed
     # megatron.core one, so the session sees every optimizer exactly once.
-    if "replica_optimizer" in registry.applied():
-        table.append((TRAINING, "get_megatron_optimizer", core_optimizer.get_megatron_optimizer))
+    build = core_optimizer.get_megatron_optimizer if "replica_optimizer" in registry.applied() \
+        else training.get_megatron_optimizer
+    table.append((TRAINING, "get_megatron_optimizer", _route("on_get_megatron_optimizer", build)))
     if _helpers_prebuilt():
         table.append(("megatron.core.datasets.utils", "compile_helpers", _noop))
     if "torch_cpu" in registry.applied():
