@@ -13,6 +13,21 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--micro-batch-size", "2", "--use-distributed-optimizer", "--mock-data", "--lr-warmup-iters", "2",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
 
+# Megatron-LM's own loop (examples/pretrain_gpt.py with MEGATRON_LM_PATH set): ordinary Megatron-LM
+# flags; the CPU ones (--transformer-impl local, fusions off, gloo, ...) are set by the adaptor.
+# Dropout stays on (Megatron's default 0.1): the resume checks cover the RNG too.
+MLM_PATH = os.environ.get("MEGATRON_LM_PATH", "")
+MLM_READY = os.path.isdir(os.path.join(MLM_PATH, "megatron", "training"))
+MLM_MISSING = ("needs Megatron-LM's megatron.training: set MEGATRON_LM_PATH to a checkout of NVIDIA/Megatron-LM "
+               "at tag core_v0.16.1 (see README)")
+MLM_TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+            "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
+            "--use-distributed-optimizer", "--enable-high-availability", "--ckpt-format", "torch_dist"]
+MLM_ENV = {"MEGATRON_LM_PATH": MLM_PATH}
+
 
 def clean_env(extra: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items()

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from helpers import PRETRAIN, TINY, assert_ok, clean_env, events, losses
+from helpers import MLM_ENV, MLM_MISSING, MLM_READY, MLM_TINY, PRETRAIN, TINY, assert_ok, clean_env, events, losses
 
 pytestmark = pytest.mark.timeout(420)
 MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
@@ -43,6 +43,22 @@ def ref(ref_dir):
     return losses(ref_dir)
 
 
+# Megatron-LM's own loop (no dropout: another data-parallel split draws other masks)
+MLM_FLAGS = [*MLM_TINY, "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", str(ITERS)]
+
+
+@pytest.fixture(scope="module")
+def mlm_ref_dir(tmp_path_factory):
+    if not MLM_READY:
+        pytest.skip(MLM_MISSING)
+    d = tmp_path_factory.mktemp("mlm_ref")
+    proc = subprocess.run(MINDSPEED_HA + ["run", "--standalone", "--nproc-per-node", "4", PRETRAIN, *MLM_FLAGS,
+                                          "--ha-log-dir", str(d)], env=clean_env(MLM_ENV), capture_output=True,
+                          text=True, timeout=300, cwd=str(d))
+    assert_ok(proc)
+    return d
+
+
 def sample_hashes(dirs) -> dict:
     """iteration -> the samples_hash of every report of it (rank 0's step events)."""
     out = {}
@@ -62,8 +78,8 @@ def keys(tmp_path):
 class Cluster:
     """Agents started and killed like nodes: each incarnation of a node has its own fresh log dir."""
 
-    def __init__(self, tmp_path, keys, port, env=None, flags=(), slurm=False):
-        self.tmp, self.port, self.flags, self.slurm = tmp_path, port, list(flags), slurm
+    def __init__(self, tmp_path, keys, port, env=None, flags=(), slurm=False, nproc=2):
+        self.tmp, self.port, self.flags, self.slurm, self.nproc = tmp_path, port, list(flags), slurm, nproc
         self.base = FLAGS
         self.env = clean_env({"MINDSPEED_HA_KEY_DIR": str(keys), **(env or {})})
         self.agents: dict[int, subprocess.Popen] = {}
@@ -83,7 +99,7 @@ class Cluster:
         else:
             shape = ["--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
                      "--master-port", str(self.port)]
-        cmd = MINDSPEED_HA + ["run", *shape, "--nproc-per-node", "2", "--local-addr", f"127.0.0.{node + 1}",
+        cmd = MINDSPEED_HA + ["run", *shape, "--nproc-per-node", str(self.nproc), "--local-addr", f"127.0.0.{node + 1}",
                               PRETRAIN, *self.base, *self.flags, "--ha-log-dir", str(d)]
         out = open(d / "agent.out", "w")
         p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(d))
@@ -289,15 +305,23 @@ def test_a_lost_node_without_a_replacement_scales_the_job_in(tmp_path, keys, ref
     assert_resized_losses(losses(c.dirs), ref, scaled[0]["iteration"], 1e-6)
 
 
-def test_elastic_node_lost_twice_and_back_twice(tmp_path, keys, ref, ref_dir):
+@pytest.mark.parametrize("loop", ["built-in", "megatron-lm"])
+def test_elastic_node_lost_twice_and_back_twice(tmp_path, keys, loop, request):
     """HIGH_AVAILABILITY=elastic-training only: node 1 is lost (no spare: DP 4 -> 2), its replacement
     comes (DP 2 -> 4, its ranks take weights, shards, counters and RNG from the kept ones), then
-    the same again. Every iteration is logged once; bit-identical up to the first loss, within the
-    bound of another data-parallel size after it."""
-    # rank 0 (never lost) paces the job at a few tenths of a second a step, so that a node can start in time
+    the same again; through the built-in trainer and through Megatron-LM's own loop (whose
+    newcomers build their model with Megatron-LM's set-up inside the scale-out). Every iteration
+    is logged once; bit-identical up to the first loss, within the bound of another data-parallel
+    size after it; every global batch holds the fault-free run's samples."""
+    ref_dir = request.getfixturevalue("ref_dir" if loop == "built-in" else "mlm_ref_dir")
+    ref = losses(ref_dir)
+    # rank 0 (never lost) paces the job at a few tenths of a second a step, so that a node can start in time;
+    # from step 3, which the node is never lost before (the pace is the step before it times 8)
     c = Cluster(tmp_path, keys, free_port(), env={"HIGH_AVAILABILITY": "elastic-training",
-                                                  "MINDSPEED_HA_INJECT": "slow:rank=0:step=6:factor=8"})
-    c.base = [*TINY, "--train-iters", str(ITERS), "--ha-verify-replicas-interval", "1"]
+                                                  "MINDSPEED_HA_INJECT": "slow:rank=0:step=3:factor=8",
+                                                  **(MLM_ENV if loop == "megatron-lm" else {})})
+    c.base = [*(TINY if loop == "built-in" else MLM_FLAGS), "--train-iters", str(ITERS),
+              "--ha-verify-replicas-interval", "1"]
     try:
         c.start(0)
         c.start(1)
@@ -334,6 +358,44 @@ def test_elastic_node_lost_twice_and_back_twice(tmp_path, keys, ref, ref_dir):
     want = sample_hashes(ref_dir)
     assert len({h for v in want.values() for h in v}) == ITERS
     assert sample_hashes(c.dirs) == want
+
+
+def test_elastic_tp2_node_lost_and_back(tmp_path, keys):
+    """TP=2 x DP=4 on two agents of four ranks: node 1 (two whole replicas) is lost -> TP=2 x DP=2 on
+    node 0, every rank keeping its TP position; its replacement comes -> TP=2 x DP=4 again, the
+    newcomers taking weights and shards at their TP position. Every iteration logged once with the
+    fault-free run's samples; bit-identical before the loss, within the bound after it."""
+    iters = 40
+    flags = [*TINY, "--tensor-model-parallel-size", "2", "--global-batch-size", "8", "--train-iters", str(iters)]
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    assert_ok(subprocess.run(MINDSPEED_HA + ["run", "--standalone", "--nproc-per-node", "8", PRETRAIN, *flags,
+                                            "--enable-high-availability", "--ha-log-dir", str(ref_dir)],
+                             env=clean_env(), capture_output=True, text=True, timeout=300, cwd=str(ref_dir)))
+    c = Cluster(tmp_path, keys, free_port(), nproc=4,
+                env={"HIGH_AVAILABILITY": "elastic-training", "MINDSPEED_HA_INJECT": "slow:rank=0:step=3:factor=4"})
+    c.base = flags
+    try:
+        c.start(0)
+        c.start(1)
+        c.whole()
+        c.wait(lambda: c.iteration() >= 3, "3 steps at DP=4")
+        c.lose(1)
+        c.wait(lambda: c.controller("scaled_in"), "the scale-in", timeout=120)
+        c.wait(lambda: c.iteration() >= c.controller("scaled_in")[-1]["iteration"] + 2, "2 steps at DP=2")
+        c.start(1)
+        c.wait(lambda: c.controller("scaled_out"), "the scale-out", timeout=150)
+        assert c.agents[0].wait(300) == 0, c.out(0)
+        assert c.agents[1].wait(60) == 0, c.out(1)
+    finally:
+        c.close()
+    scaled_in, scaled_out = c.controller("scaled_in"), c.controller("scaled_out")
+    assert [(e["old_dp"], e["dp"], e["kept"], e["dropped"]) for e in scaled_in] == [(4, 2, [[0, 1], [2, 3]],
+                                                                                      [4, 5, 6, 7])]
+    assert [(e["old_dp"], e["dp"], e["added"]) for e in scaled_out] == [(2, 4, [4, 5, 6, 7])]
+    ref = losses(ref_dir)
+    assert_resized_losses(losses(c.dirs), ref, scaled_in[0]["iteration"], 1e-4)
+    assert sample_hashes(c.dirs) == sample_hashes(ref_dir)
 
 
 def test_elastic_rank_0s_node_lost_a_standby_scales_the_job_in(tmp_path, keys, ref):

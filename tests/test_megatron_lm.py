@@ -2,29 +2,16 @@
 gloo). Needs a Megatron-LM checkout at tag core_v0.16.1 in MEGATRON_LM_PATH (README shows how)."""
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 
-from helpers import all_rank_events, assert_ok, losses, recomputed, torchrun, twins_agree
+from helpers import (MLM_ENV, MLM_MISSING, MLM_PATH, MLM_READY, MLM_TINY, all_rank_events, assert_ok, losses,
+                     recomputed, torchrun, twins_agree)
 
-MLM = os.environ.get("MEGATRON_LM_PATH", "")
-pytestmark = pytest.mark.skipif(
-    not os.path.isdir(os.path.join(MLM, "megatron", "training")),
-    reason="needs Megatron-LM's megatron.training: set MEGATRON_LM_PATH to a checkout of NVIDIA/Megatron-LM "
-           "at tag core_v0.16.1 (see README)")
-
-# Ordinary Megatron-LM flags; the CPU ones (--transformer-impl local, fusions off, gloo, ...) are set
-# by the adaptor. Dropout stays on (Megatron's default 0.1): the resume check covers the RNG too.
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-        "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
-        "--use-distributed-optimizer", "--enable-high-availability", "--ckpt-format", "torch_dist"]
-ENV = {"MEGATRON_LM_PATH": MLM}
+pytestmark = pytest.mark.skipif(not MLM_READY, reason=MLM_MISSING)
+TINY, ENV = MLM_TINY, MLM_ENV
 VERIFY = ("--ha-verify-replicas-interval", "1")  # after a recovery, every shard equals its twin
 
 
@@ -123,7 +110,7 @@ def test_trainer_interface_save_load_replay_in_process(tmp_path):
     script = tmp_path / "drive.py"
     script.write_text(DRIVER)
     env = clean_env({**ENV, "DRIVE_CKPT": str(tmp_path / "ckpt"), "DRIVE_OUT": str(tmp_path / "result_"),
-                     "PYTHONPATH": MLM})
+                     "PYTHONPATH": MLM_PATH})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
            *TINY, "--train-iters", "6", "--ha-log-dir", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
@@ -309,10 +296,34 @@ def test_megatron_lm_no_replica_reload_in_process(tmp_path):
     assert "consumed samples:           72" in proc.stdout  # Megatron-LM's own log counted each step once
 
 
-def test_megatron_lm_elastic_is_refused_naming_the_trainer_that_has_it(tmp_path):
-    proc = run(tmp_path, "--train-iters", "2", "--enable-elastic-training", nproc=2)
-    assert proc.returncode != 0
-    err = proc.stdout + proc.stderr
-    lines = [ln for ln in err.splitlines() if ln.startswith("mindspeed-ha: error (rank ")]
-    assert len(lines) == 2 and "not yet for Megatron-LM's loop" in lines[0], err[-3000:]
-    assert "[rank0]: Traceback" not in err
+def test_megatron_lm_elastic_scale_in_follows_args_lr_and_data(tmp_path):
+    """--enable-elastic-training alone through Megatron-LM's loop, rank 1 killed in step 6: ranks 0 and
+    3 train on at DP=2 in the same processes. Megatron-LM's own log counts each step once with the
+    full global batch and the scheduler's learning rate; every iteration's samples equal the
+    fault-free run's (samples_hash, from the batches' tokens); losses bit-identical before the loss
+    and within the bound of another data-parallel size after it (fp32, no dropout)."""
+    flags = ("--hidden-dropout", "0", "--attention-dropout", "0", "--ha-verify-replicas-interval", "1")
+    ref, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref_proc = _mindspeed_ha_run(ref, *flags)
+    assert_ok(ref_proc)
+    proc = _mindspeed_ha_run(run_dir, *flags, "--enable-elastic-training", inject="kill:rank=1:step=6:phase=forward")
+    assert_ok(proc)
+    from helpers import events as read_events
+    ctl = read_events(run_dir, "controller")
+    scaled = [(e["old_dp"], e["dp"], e["dropped"], e["iteration"]) for e in ctl if e["event"] == "scaled_in"]
+    assert scaled == [(4, 2, [1, 2], 5)], scaled
+    got, want = losses(run_dir), losses(ref)
+    assert sorted(got) == list(range(1, 11))
+    assert {i: got[i] for i in range(1, 6)} == {i: want[i] for i in range(1, 6)}
+    rel = max(abs(float.fromhex(got[i]) / float.fromhex(want[i]) - 1) for i in range(6, 11))
+    assert rel < 1e-6, rel
+    hashes = {}
+    for d in (ref, run_dir):
+        hashes[d] = {e["iteration"]: e["samples_hash"] for e in read_events(d, "rank_0") if e["event"] == "step"}
+    assert len(set(hashes[ref].values())) == 10 and hashes[run_dir] == hashes[ref]
+    checks = [e for e in read_events(run_dir, "rank_3") if e["event"] == "replica_check"]
+    assert [e["iteration"] for e in checks] == list(range(1, 11)) and all(e["ok"] for e in checks)
+    assert proc.stdout.count("consumed samples:           80 |") == 1  # the loop's own count: 10 x 8
+    lr, ref_lr = ([ln.split("learning rate: ")[1].split(" ")[0] for ln in p.stdout.splitlines() if "learning rate:" in ln]
+                  for p in (proc, ref_proc))
+    assert lr == ref_lr and len(lr) == 10
