@@ -449,13 +449,13 @@ class MegatronLMTrainer(TrainerInterface):
         set rank and world size), the loop's view of the optimizer and its loss scaling, and the
         loop's data iterator: its reads come from a new one at the new data-parallel rank."""
         from megatron.training import get_args
+        from mindspeed_ha.comm.interruptible import alone
         get_args().data_parallel_size = dp
         self.resized = True
         if isinstance(self.loop_optimizer, LoopOptimizer):
             self.loop_optimizer.ha_target = self.optimizer
         if self.fns is not None and self.fns.config.grad_scale_func is not None:
             self.fns.config.grad_scale_func = self.optimizer.scale_loss
-        from mindspeed_ha.comm.interruptible import alone
         with alone():
             fresh = self.data_iterator(self.consumed_samples) if self._replays else None
         for r in self._replays:
