@@ -1,6 +1,6 @@
 """Fault injection, for chaos drills and tests.
 
-``MINDSPEED_HA_INJECT="KIND:rank=R:step=S[:phase=P],..."``
+``MINDSPEED_HA_INJECT="KIND:rank=R:step=S[:phase=P],..."`` (``step=any``: the first time the phase is reached)
     KIND   kill (SIGKILL self) | exit (os._exit(1)) | exception (RuntimeError in the step)
            | uce (corrupt this rank's optimizer shard, raise a "UCE ERROR" MemoryFault)
            | hang (the calling thread sleeps forever; other threads keep running)
@@ -13,6 +13,8 @@
     PHASE  forward (default) | backward | grad-sync | optimizer | param-sync | checkpoint
            | recovery (when the rank starts serving an in-job recovery of a fault in step S, or
              parks before step S for a migration: a fault during recovery)
+           | resize (when the rank has entered an elastic resize's new layout, before any state
+             moves; S: the step the resized job goes on with: a fault during a scale-in or -out)
 
 The trainer calls ``fire_point(phase, iteration)`` at each phase of each step. Each fault fires once
 per *job*: before firing, the rank claims ``DIR/inject/<job id>/<hash>.fired`` with an exclusive
@@ -38,7 +40,7 @@ from mindspeed_ha.faults import CommFault, MemoryFault
 
 ENV = "MINDSPEED_HA_INJECT"
 KINDS = ("kill", "exit", "exception", "uce", "hang", "comm", "bitflip", "ecc", "slow")
-PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint", "recovery")
+PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint", "recovery", "resize")
 DEFAULT_PHASE = "forward"
 EXAMPLE = f'{ENV}="kill:rank=1:step=3:phase=backward,hang:rank=2:step=5"'
 
@@ -57,7 +59,7 @@ class InjectedError(RuntimeError):
 class Fault:
     kind: str
     rank: int
-    step: int | None  # None: the next phase point reached (live injection)
+    step: int | None  # None: the next phase point reached (step=any, live injection)
     phase: str = DEFAULT_PHASE
     nonce: str = ""   # distinguishes repeated live injections of the same fault
     factor: float = 3.0  # slow: how many times as long each step takes
@@ -73,7 +75,7 @@ class Fault:
 
 def _bad(spec: str, why: str) -> InjectSpecError:
     return InjectSpecError(
-        f"{ENV}: bad fault {spec!r}: {why}. Expected KIND:rank=R:step=S[:phase=P],... with KIND in "
+        f"{ENV}: bad fault {spec!r}: {why}. Expected KIND:rank=R:step=S|any[:phase=P],... with KIND in "
         f"{'|'.join(KINDS)} and PHASE in {'|'.join(PHASES)} (default {DEFAULT_PHASE}); "
         f"e.g. {EXAMPLE}")
 
@@ -99,7 +101,8 @@ def validate(kind: str, rank, step, phase: str | None, spec: str | None = None, 
 
 
 def parse(value: str) -> list[Fault]:
-    """Parse a ``MINDSPEED_HA_INJECT`` value. Every field is checked; step is required."""
+    """Parse a ``MINDSPEED_HA_INJECT`` value. Every field is checked; step is required (a number, or
+    ``any``: the first time the phase is reached)."""
     faults = []
     for spec in (s.strip() for s in value.split(",")):
         if not spec:
@@ -118,6 +121,9 @@ def parse(value: str) -> list[Fault]:
         for key in ("rank", "step"):
             if key not in kv:
                 raise _bad(spec, f"{key} is required")
+            if key == "step" and kv[key] == "any":
+                kv[key] = None
+                continue
             try:
                 kv[key] = int(kv[key])
             except ValueError:

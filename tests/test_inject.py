@@ -24,6 +24,7 @@ from mindspeed_ha.inject import ENV, Fault, InjectedError, Injector, InjectSpecE
      [Fault("hang", 2, 5, "grad-sync"), Fault("uce", 3, 1, "optimizer")]),
     ("comm:rank=0:step=2:phase=param-sync,exception:rank=1:step=4:phase=backward",
      [Fault("comm", 0, 2, "param-sync"), Fault("exception", 1, 4, "backward")]),
+    ("kill:rank=3:step=any:phase=resize", [Fault("kill", 3, None, "resize")]),
 ])
 def test_parse_ok(value, expected):
     assert parse(value) == expected
@@ -36,6 +37,7 @@ def test_parse_ok(value, expected):
     ("kill:rank=1:step=2:phase=fwd", "unknown phase"),
     ("kill:rank=x:step=2", "rank must be an integer"),
     ("kill:rank=1:step=-2", "step must be an integer >= 0"),
+    ("kill:rank=1:step=all", "step must be an integer, got 'all'"),
     ("kill:rank=1:step=2:node=3", "unknown field"),
     ("kill:rank=1:rank=2:step=2", "given twice"),
     ("kill:rank=1:step", "not key=value"),
