@@ -116,6 +116,16 @@ class Cluster:
         """Every rank and agent registered with the controller: the job trains under HA."""
         self.wait(lambda: any(e["to"] == "normal" for e in self.controller("state")), "the job to register whole")
 
+    def scaled_in_without_node_1(self) -> None:
+        """Both nodes start, train 3 steps whole; node 1 is lost, and the job trains 2 steps scaled in."""
+        self.start(0)
+        self.start(1)
+        self.whole()
+        self.wait(lambda: self.iteration() >= 3, "3 steps at DP=4")
+        self.lose(1)
+        self.wait(lambda: self.controller("scaled_in"), "the scale-in", timeout=120)
+        self.wait(lambda: self.iteration() >= self.controller("scaled_in")[-1]["iteration"] + 2, "2 steps at DP=2")
+
     def out(self, node: int) -> str:
         return (self.node_dir[node] / "agent.out").read_text()[-4000:]
 
@@ -360,6 +370,43 @@ def test_elastic_node_lost_twice_and_back_twice(tmp_path, keys, loop, request):
     assert sample_hashes(c.dirs) == want
 
 
+def test_elastic_newcomer_lost_during_the_scale_out(tmp_path, keys, ref_dir):
+    """Node 1 is lost (DP 4 -> 2); its replacement comes, and newcomer rank 3 dies inside the scale-out,
+    after every rank entered the DP=4 layout and before any state moved. The kept ranks answer with
+    what they held before, the controller plans again with the loss known: the same DP=2 layout,
+    entered again from that state; rank 3 leaves, and rank 2 alone (half of DP=3, which the batch
+    forbids) is told to leave too. The job trains on at DP=2 to the end: every iteration logged once
+    with the fault-free run's samples, within the bound of another data-parallel size."""
+    c = Cluster(tmp_path, keys, free_port(), env={"HIGH_AVAILABILITY": "elastic-training",
+                                                  "MINDSPEED_HA_INJECT": "slow:rank=0:step=3:factor=8"})
+    c.base = [*TINY, "--train-iters", str(ITERS)]
+    try:
+        c.scaled_in_without_node_1()
+        c.env["MINDSPEED_HA_INJECT"] = "kill:rank=3:step=any:phase=resize"  # the replacement node's
+        c.start(1)
+        c.wait(lambda: c.controller("scale_out_refused"), "the newcomer left alone to be refused", timeout=150)
+        assert c.agents[0].wait(300) == 0, c.out(0)
+        assert c.agents[1].wait(60) == 0, c.out(1)
+    finally:
+        c.close()
+    scaled_in = c.controller("scaled_in")
+    assert [(e["old_dp"], e["dp"], e["kept"], e["dropped"]) for e in scaled_in] == [(4, 2, [[0], [1]], [2, 3]),
+                                                                                    (2, 2, [[0], [1]], [])]
+    assert not c.controller("scaled_out")
+    assert [e["newcomers"] for e in c.controller("scale_out_refused")] == [[2]]
+    plans = c.controller("elastic_plan")
+    assert [(p["old_dp"], p["dp"]) for p in plans] == [(4, 2), (2, 4), (2, 2)], plans
+    assert ([3], "process-exit") in [(f["ranks"], f["kind"]) for f in c.controller("fault")]
+    assert [e["phase"] for e in events(c.dirs, "rank_3") if e["event"] == "inject"] == ["resize"]
+    rep = subprocess.run(MINDSPEED_HA + ["report", *map(str, c.dirs), "--no-picture"], env=clean_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert "data-parallel size 2 again: the interrupted resize undone" in rep.stdout, rep.stdout + rep.stderr
+    steps = [e["iteration"] for e in events(c.dirs, "rank_0") if e["event"] == "step"]
+    assert sorted(steps) == sorted(set(steps)) == list(range(1, ITERS + 1))
+    assert_resized_losses(losses(c.dirs), losses(ref_dir), scaled_in[0]["iteration"], 1e-4)
+    assert sample_hashes(c.dirs) == sample_hashes(ref_dir)
+
+
 def test_elastic_tp2_node_lost_and_back(tmp_path, keys):
     """TP=2 x DP=4 on two agents of four ranks: node 1 (two whole replicas) is lost -> TP=2 x DP=2 on
     node 0, every rank keeping its TP position; its replacement comes -> TP=2 x DP=4 again, the
@@ -376,13 +423,7 @@ def test_elastic_tp2_node_lost_and_back(tmp_path, keys):
                 env={"HIGH_AVAILABILITY": "elastic-training", "MINDSPEED_HA_INJECT": "slow:rank=0:step=3:factor=4"})
     c.base = flags
     try:
-        c.start(0)
-        c.start(1)
-        c.whole()
-        c.wait(lambda: c.iteration() >= 3, "3 steps at DP=4")
-        c.lose(1)
-        c.wait(lambda: c.controller("scaled_in"), "the scale-in", timeout=120)
-        c.wait(lambda: c.iteration() >= c.controller("scaled_in")[-1]["iteration"] + 2, "2 steps at DP=2")
+        c.scaled_in_without_node_1()
         c.start(1)
         c.wait(lambda: c.controller("scaled_out"), "the scale-out", timeout=150)
         assert c.agents[0].wait(300) == 0, c.out(0)

@@ -141,3 +141,29 @@ def test_the_dump_time_limit_grows_with_the_state_and_with_progress(tmp_path):
         assert c._limit(S.DUMP, now) == 120.0  # 3 x 40 s: still moving
     finally:
         c.router.close()
+
+
+def test_newcomers_still_waiting_when_the_job_ends_are_told_to_leave(tmp_path):
+    """A scaled-in job (DP=2) with newcomers 2 and 3 registered but not yet in the layout: a
+    recovery's first step is complete without them (they train nothing), and once ranks 0 and 1 have
+    ended the job, the newcomers are told to leave (exit 0) — the job is over, not waiting on them."""
+    from mindspeed_ha.control.ranks import Rank
+    keys = security.Keys.load(str(tmp_path), create=True)
+    opts = HAOptions(strategies=frozenset({"dump", "elastic-training"}), log_dir=str(tmp_path))
+    c = Controller(str(tmp_path), 4, opts, keys)
+    try:
+        now = time.monotonic()
+        c.ranks.update({r: Rank(r, b"", seen=now, progress_at=now, it=10 if r < 2 else -1,
+                                phase="step" if r < 2 else "startup") for r in range(4)})
+        c.elastic.dp, c.elastic.left, c.elastic.offered = 2, {2, 3}, {2, 3}
+        assert not c.table.completed(10) and c.table.completed(10, c.elastic.newcomers())
+        assert not c.elastic.ended_without()  # ranks 0 and 1 still train
+        sent = []
+        c.order = lambda action, ranks, args=None: sent.append((action, ranks, args["code"]))
+        c._to_agents = lambda action, args: sent.append((action, args["ranks"]))
+        for r in (0, 1):
+            c.ranks[r].done = True
+        assert c.elastic.ended_without() and c.table.all_over()
+        assert sent == [("exit", [2, 3], 0), ("leave", [2, 3])]
+    finally:
+        c.router.close()

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from helpers import PRETRAIN, TINY, assert_ok, clean_env, events, losses, torchrun
 
 K, LAST = 5, 10
@@ -127,20 +129,26 @@ def test_a_loss_the_resized_job_cannot_absorb_ends_in_the_dying_gasp(tmp_path):
     assert rel < 1e-6, rel
 
 
-def test_a_fault_during_the_scale_in_plans_again_with_every_loss(tmp_path):
-    """DP=8: rank 1 killed in step 4, and rank 2 killed while it answers the scale-in's status round.
-    The scale-in starts over with both losses known: DP 8 -> 4 without ranks 1 and 2 (alone, rank 1's
-    loss would have kept rank 2), in one recovery; every iteration logged once, within the bound of
-    another data-parallel size of the fault-free DP=8 run."""
+@pytest.mark.parametrize("phase", ["recovery", "resize"])
+def test_a_fault_during_the_scale_in_plans_again_with_every_loss(tmp_path, phase):
+    """DP=8: rank 1 killed in step 4, and rank 2 killed while it serves the scale-in — answering its
+    status round (``recovery``), or after it entered the new layout, before any state moved
+    (``resize``: it was to be kept, and the kept ranks are between two layouts). The scale-in starts
+    over with both losses known, from the state every rank held before it: DP 8 -> 4 without ranks 1
+    and 2 (alone, rank 1's loss would have kept rank 2), in one recovery; every iteration logged
+    once, within the bound of another data-parallel size of the fault-free DP=8 run."""
     for d in ("ref", "run"):
         (tmp_path / d).mkdir()
     with ThreadPoolExecutor(1) as pool:
         ref = pool.submit(torchrun, 8, args("--train-iters", str(LAST)), tmp_path / "ref", None, 400)
-        proc = elastic_job(tmp_path / "run", 8, "kill:rank=1:step=4:phase=forward,kill:rank=2:step=4:phase=recovery",
+        proc = elastic_job(tmp_path / "run", 8, f"kill:rank=1:step=4:phase=forward,kill:rank=2:step=4:phase={phase}",
                            timeout=400)
         assert_ok(ref.result())
     assert_ok(proc)
     ctl = events(tmp_path / "run", "controller")
+    if phase == "resize":
+        plans = [(e["old_dp"], e["dp"], e["kept"]) for e in ctl if e["event"] == "elastic_plan"]
+        assert plans == [(8, 4, [[0], [2], [3], [5]]), (8, 4, [[0], [3], [5], [6]])], plans
     scaled = [(e["old_dp"], e["dp"], e["dropped"]) for e in ctl if e["event"] == "scaled_in"]
     assert len(scaled) == 1 and scaled[0][:2] == (8, 4) and {1, 2} <= set(scaled[0][2]), scaled
     rec = [e for e in ctl if e["event"] == "recovered"]
@@ -148,7 +156,7 @@ def test_a_fault_during_the_scale_in_plans_again_with_every_loss(tmp_path):
     lost = {r for f in rec[0]["faults"] if f["kind"] != "comm-failure" for r in f["ranks"]}
     assert lost == {1, 2}, rec[0]["faults"]   # (the others: their peers' failed collectives)
     assert [f["phase"] for f in rec[0]["faults"] if f["ranks"] == [2] and f["kind"] != "comm-failure"] \
-        == ["recovery"], rec[0]["faults"]
+        == [phase], rec[0]["faults"]
     got, want = losses(tmp_path / "run"), losses(tmp_path / "ref")
     assert sorted(got) == list(range(1, LAST + 1))
     assert {i: got[i] for i in range(1, 4)} == {i: want[i] for i in range(1, 4)}

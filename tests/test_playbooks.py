@@ -175,6 +175,23 @@ def test_elastic_plan_refusals_fail_the_state(live, lost, layout, why):
     assert not [o for o in port.orders if o[1] == "scale-in"]
 
 
+def test_elastic_after_an_interrupted_resize_enters_the_same_size_again():
+    """Nobody of the layout is lost, but ranks answer that their resize did not complete (a newcomer
+    was lost inside a scale-out): the plan keeps the same replicas and they enter the layout again."""
+    port = FakePort(live=(0, 1, 2, 3))
+    ep = episode(port, strategy="elastic-training", faults=[KILL1])
+    runner, _ = play(PB.ELASTIC, S.DOWNGRADE, ep)
+    layout = {**LAYOUT, "dp_ranks": [0, 1]}
+    st = {r: {**shard(5, rank=r), "replica_group": [0, 1], "layout": layout, "unfinished": True} for r in (0, 1)}
+    port.answer({**st, 2: {"replica": True, "joining": True}, 3: {"replica": True, "joining": True}})
+    assert runner.tick() is None
+    _, action, ranks, args = port.last()
+    assert (action, ranks, args["plan"]["dp"]) == ("scale-in", [0, 1], 2) and ep.dropped == []
+    port.answer({0: {"received": 8, "seconds": 0.2, "replica_group": [0, 1]},
+                 1: {"received": 8, "seconds": 0.2, "replica_group": [0, 1]}})
+    assert runner.tick() == "ok" and ep.how == "data-parallel size 2 again: the interrupted resize undone"
+
+
 def test_elastic_refused_when_the_controllers_own_rank_would_leave():
     """Rank 0 (hosting the controller) stopped before its update, so its twin 2 serves the shard:
     the plan would keep replicas 2 and 3 and park rank 0 — refused (the dump follows)."""

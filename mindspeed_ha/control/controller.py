@@ -408,8 +408,10 @@ class Controller:
         """Conditions a state waits on, and per-state timeouts."""
         st = self.machine.state
         if st == S.NORMAL and self.first_step is not None:  # first: the last step may also end the job
-            if self.first_step.check(now, self.table.completed(self.first_step.target)):
+            if self.first_step.check(now, self.table.completed(self.first_step.target, self.elastic.newcomers())):
                 self.first_step = None
+        if st == S.NORMAL and self.elastic.ended_without():
+            return
         if st in (S.NORMAL, S.INIT) and self.ranks and self.table.all_over() and not self.active_faults:
             self._feed(O.FINISHED)
             return

@@ -15,6 +15,11 @@ scale-out playbook brings the newcomers into a larger layout. A request that com
 runs waits for the job to train again (``retry``). An agent that only restarts (the same process)
 offers nothing: ranks parked by a scale-in on a live node stay out, or a batch size that forbids
 their size would start, refuse and park them forever.
+
+A fault during a resize starts it over with every fault known: the ranks in it answer with what they
+held before it (``recovery.handlers``), so a scale-in plans again from the old layout, and a newcomer
+lost during a scale-out leads to the old layout entered again (``scaled``: the lost newcomers leave,
+the others are offered again). Newcomers still waiting when the job's ranks have all ended leave too.
 """
 from __future__ import annotations
 
@@ -82,6 +87,9 @@ class Elastic:
         for r, group in replica_groups.items():
             if int(r) in c.ranks:
                 c.ranks[int(r)].groups = [list(group)]
+        lost = sorted(self.offered - c.table.live())
+        if lost:  # newcomers lost during a scale-out that was then undone: the others may be offered again
+            self.leave(lost, "they were lost while the job scaled out")
 
     def leave(self, ranks, reason: str) -> None:
         """These ranks are out of the layout — the lost ones are not restarted, the live ones
@@ -143,6 +151,16 @@ class Elastic:
         c.active_faults.append(rec)
         c.events.emit("scale_out_requested", ranks=rec["ranks"], iteration=rec["iteration"])
         c._feed(O.SCALE_OUT)
+
+    def ended_without(self) -> bool:
+        """The job's ranks have all ended while newcomers still wait to scale out: they are told to
+        leave (the job is over). True if they were."""
+        c, waiting = self.c, self.newcomers()
+        if not waiting or not c.table.all_in() or any(
+                i.alive and not i.done for r, i in c.table.ranks.items() if r not in waiting):
+            return False
+        self.leave(sorted(waiting), "the job ended before they could join it")
+        return True
 
     def newcomers(self) -> set:
         """Registered newcomers: no stop for them (they train nothing yet)."""

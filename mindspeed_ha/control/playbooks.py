@@ -264,7 +264,9 @@ def _plan_elastic(ep: Episode):
                                 layout["replica_num"])
     if not plan.ok:
         return Fail(plan.message())
-    if plan.dp == len(replicas):
+    # Ranks between two layouts (a resize that did not complete) enter one again, the same size included.
+    unfinished = any(st.get("unfinished") for st in ep.statuses.values())
+    if plan.dp == len(replicas) and not unfinished:
         return Fail("no rank is lost: nothing to scale in")
     if ep.port.host_rank() in plan.parked:
         return Fail(f"{plan.message()}: the controller's own rank {ep.port.host_rank()} would leave the job "
@@ -294,7 +296,8 @@ def _scaled_in(ep: Episode, ans: Answers):
     ep.port.scaled(ep.plan.dp, {r: a["replica_group"] for r, a in ans.ok.items() if a and a.get("replica_group")})
     ep.port.leave(ep.dropped, f"the job scaled in to data-parallel size {ep.plan.dp} without them")
     seconds = max(float((a or {}).get("seconds") or 0) for a in ans.ok.values())
-    ep.how = f"data-parallel size {ep.old_dp} -> {ep.plan.dp}"
+    ep.how = (f"data-parallel size {ep.old_dp} -> {ep.plan.dp}" if ep.plan.dp != ep.old_dp else
+              f"data-parallel size {ep.old_dp} again: the interrupted resize undone")
     ep.port.emit("scaled_in", old_dp=ep.old_dp, dp=ep.plan.dp, iteration=ep.plan.iteration,
                  kept=[list(r) for r in ep.plan.kept], dropped=ep.dropped, parked=list(ep.plan.parked),
                  redundancy=ep.plan.redundancy, microbatches=ep.plan.microbatches, bytes=ep.moved_bytes,

@@ -153,10 +153,11 @@ class RankTable:
         for i in self.ranks.values():
             i.seen = max(i.seen, now)
 
-    def completed(self, step: int) -> bool:
-        """Every live rank has ended ``step`` (or saved after it, or moved on)."""
+    def completed(self, step: int, outside=frozenset()) -> bool:
+        """Every live rank has ended ``step`` (or saved after it, or moved on); ``outside``: live ranks
+        that train nothing (newcomers waiting to scale out)."""
         return all(i.done or i.it > step or (i.it == step and i.phase in ("step", "checkpoint"))
-                   for i in self.ranks.values() if i.alive)
+                   for i in self.ranks.values() if i.alive and i.rank not in outside)
 
     def newest_iteration(self) -> int:
         return max([i.it for i in self.ranks.values()] or [-1])

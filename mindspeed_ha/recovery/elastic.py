@@ -53,24 +53,33 @@ def resize(trainer, plan, rank: int, store_host: str, store_port: int, generatio
     return move_state(trainer, plan, rank, entered)
 
 
+def holdings(trainer) -> dict:
+    """Step 1: what this rank brings to a resize — its optimizer shard in parameter coordinates (live
+    views of the tensors: they stay valid while the rank re-wraps its model) and Adam's step; a
+    newcomer brings nothing. A resize that does not complete leaves the trainer between two layouts;
+    these holdings, kept, are then still the rank's state, and the next resize starts from them."""
+    old = trainer.optimizer
+    return {"old_ranges": {} if old is None else old.ha_state_ranges(), "step": 0.0 if old is None else _step(old),
+            "newcomer": old is None}
+
+
 def enter_layout(trainer, plan, rank: int, store_host: str, store_port: int, generation: int,
-                 backend: str = "gloo", host_store: bool = False) -> dict:
-    """Steps 1-3. A newcomer whose loop builds its own model (Megatron-LM's) has only its groups
-    afterwards (no optimizer yet): ``move_state`` follows once its loop has built them."""
+                 backend: str = "gloo", host_store: bool = False, held: dict | None = None) -> dict:
+    """Steps 1-3 (``held``: ``holdings`` taken before an earlier resize that did not complete). A
+    newcomer whose loop builds its own model (Megatron-LM's) has only its groups afterwards (no
+    optimizer yet): ``move_state`` follows once its loop has built them."""
     from mindspeed_ha.comm import groups
     t = {"start": time.perf_counter()}
-    old = trainer.optimizer
-    old_ranges = {} if old is None else old.ha_state_ranges()
-    step = 0.0 if old is None else _step(old)
+    held = held or holdings(trainer)
     world = groups.new_epoch(plan.order, rank, store_host, store_port, generation, backend=backend,
                              host_rank=plan.order[0] if host_store else None)
     t["group"] = time.perf_counter()
-    if old is None:
+    if trainer.optimizer is None:
         trainer.setup(joining=True)
     else:
         trainer.relayout()
     t["relayout"] = time.perf_counter()
-    return {"t": t, "world": world, "old_ranges": old_ranges, "step": step, "newcomer": old is None}
+    return {"t": t, "world": world, **held}
 
 
 def move_state(trainer, plan, rank: int, entered: dict) -> dict:

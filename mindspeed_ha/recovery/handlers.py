@@ -34,6 +34,7 @@ class RankRecovery:
     def __init__(self, session):
         self.s = session
         self.prepared = None
+        self.unfinished = None  # a resize that did not complete: what the rank held before it (its state)
 
     def handlers(self) -> dict:
         return {"ha-status": self.ha_status, "rebuild": self.rebuild, "repair": self.repair,
@@ -47,14 +48,19 @@ class RankRecovery:
 
     # ---- retry / recover / reload ------------------------------------------------------------
     def ha_status(self, args: dict) -> dict:
-        from mindspeed_ha.recovery import repair
-        from mindspeed_ha.trainer import checkpoint_dir
         if self.s.joining:  # restarted, not resumed yet (a fault came during its recovery): holds nothing
             return {"replica": True, "joining": True}
+        if self.unfinished is not None:  # between two layouts: its state is what it held before the resize
+            return self.unfinished["status"]
         try:
             self.s.fire("recovery", self.trainer.iteration + 1)
         except Exception as e:  # a fault of this rank while it serves the recovery: the controller
             self.s.report_fault_in_recovery(e)  # starts over with it (this answer still stands)
+        return self._status()
+
+    def _status(self) -> dict:
+        from mindspeed_ha.recovery import repair
+        from mindspeed_ha.trainer import checkpoint_dir
         # The newest periodic checkpoint, for when no twin can serve (no replicas, or both lost).
         newest = checkpoint_dir.newest_checkpoint(self.trainer.save_dir)
         found = {"ended": self.trainer.ended, "checkpoint": list(newest) if newest else None}
@@ -120,19 +126,29 @@ class RankRecovery:
         return how
 
     def resize(self, args: dict):
+        """Scale in or out. Until the state has moved the rank is between two layouts: a fault then
+        (a peer lost, a stop) leaves ``unfinished`` set — the rank answers the next status with what it
+        held before, the controller plans again with every loss known, and the next resize moves
+        that state. Only a completed resize clears it."""
         from mindspeed_ha.comm.interruptible import clear_stop
         from mindspeed_ha.control.processor import Later
         from mindspeed_ha.plan import ElasticPlan
         from mindspeed_ha.recovery import elastic
         clear_stop()
-        if self.trainer.optimizer is not None:
-            self.trainer.clean_partial_step()
+        if self.unfinished is None:
+            if self.trainer.optimizer is not None:
+                self.trainer.clean_partial_step()
+            status = {"replica": True, "joining": True} if self.s.joining else self._status()
+            self.unfinished = {"held": elastic.holdings(self.trainer), "status": {**status, "unfinished": True}}
         plan = ElasticPlan.from_wire(args["plan"])
         entered = elastic.enter_layout(self.trainer, plan, self.s.rank, args["store_host"], int(args["store_port"]),
-                                       int(args["generation"]), backend=self.s.device.backend)
+                                       int(args["generation"]), backend=self.s.device.backend,
+                                       held=self.unfinished["held"])
 
         def rest(trainer=None) -> dict:
+            self.s.fire("resize", plan.iteration + 1)
             out = elastic.move_state(trainer or self.trainer, plan, self.s.rank, entered)
+            self.unfinished = None
             self.s.relaid_out()
             return {**out, "replica_group": self.s.processor.groups[0] if self.s.processor else None}
         if self.trainer.optimizer is not None:
@@ -156,6 +172,9 @@ class RankRecovery:
         save = self.trainer.save_dir
         if not save:
             raise RuntimeError("no --save directory: the dying-gasp checkpoint has nowhere to go")
+        if self.unfinished is not None:
+            raise RuntimeError("this rank is between two layouts (its elastic resize did not complete): "
+                               "it has no consistent state to save")
         opt = self.s.optimizer
         if opt is None:
             raise RuntimeError("the dying-gasp checkpoint needs the replica optimizer "
