@@ -103,15 +103,8 @@ def pretrain_gpt_main() -> int:
                  store=store, get_embedding_ranks=m.get_embedding_ranks)
     finally:
         close_session()
-    import torch.distributed as dist
-    from mindspeed_ha.comm import groups
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    if not groups.released(timeout=10.0):  # a communicator replaced by a recovery is still going
-        from mindspeed_ha.process import exit_now
-        exit_now(0)
-    return 0
+    from mindspeed_ha.process import end_of_job
+    return end_of_job()
 
 
 def _detect():

@@ -7,6 +7,7 @@ from typing import NoReturn
 
 from mindspeed_ha import exitcodes
 from mindspeed_ha.options import HAConfigError
+from mindspeed_ha.process import end_of_job
 
 
 def _fail(msg: str, code: int = exitcodes.BAD_INPUT) -> NoReturn:
@@ -82,11 +83,4 @@ def run(argv: list[str] | None = None) -> int:
         _fail(str(e))
     finally:
         session.close()
-    import torch.distributed as dist
-    from mindspeed_ha.comm import groups
-    dist.barrier()
-    dist.destroy_process_group()
-    if not groups.released(timeout=10.0):  # a communicator replaced by a recovery is still going
-        from mindspeed_ha.process import exit_now
-        exit_now(0)
-    return 0
+    return end_of_job()
