@@ -311,12 +311,12 @@ class RankSession:
         """Once the communicators this recovery replaced are released: what the process holds."""
         self.events.emit("resources", after="recovery", **self.resources(extra_threads=1, releasing=releasing))
 
-    def resources(self, extra_threads: int = 0, releasing: list | None = None) -> dict:
+    def resources(self, extra_threads: int = 0, releasing: list | None = None, wait_s: float = 30.0) -> dict:
         """Open file descriptors and OS threads of this process, once replaced communicators
-        (``releasing``: those threads' only) are released: a recovery must leave them as it found
-        them. (``extra_threads``: the caller's own.)"""
+        (``releasing``: those threads' only) are released — waiting up to ``wait_s``: a recovery must
+        leave them as it found them. (``extra_threads``: the caller's own.)"""
         from mindspeed_ha.comm import groups
-        groups.released(timeout=30.0, threads=releasing)
+        groups.released(timeout=wait_s, threads=releasing)
         out = {}
         for key, path in (("fds", "/proc/self/fd"), ("threads", "/proc/self/task")):
             try:
@@ -420,7 +420,9 @@ class RankSession:
         deadline = time.monotonic() + 5.0
         for t in self._settlers:  # (the last recovery's report, if the job ended right after it)
             t.join(max(0.0, deadline - time.monotonic()))
-        self.events.emit("end", iteration=getattr(self.trainer, "iteration", None), **self.resources())
+        # (a release still going after 10 s waits for a lost peer, and the other ranks wait in the
+        # job's last barrier meanwhile)
+        self.events.emit("end", iteration=getattr(self.trainer, "iteration", None), **self.resources(wait_s=10.0))
         self.events.close()
         if _current is self:
             _current = None
