@@ -23,19 +23,21 @@ def args(*extra):
     return [*TINY, "--global-batch-size", "16", "--lr-decay-iters", str(LAST), "--enable-high-availability", *extra]
 
 
-def test_a_lost_rank_without_a_spare_scales_the_job_in_under_the_controller(tmp_path):
+@pytest.mark.parametrize("precision", [(), ("--bf16",)], ids=["fp32", "bf16"])
+def test_a_lost_rank_without_a_spare_scales_the_job_in_under_the_controller(tmp_path, precision):
     """``--enable-elastic-training`` alone, rank 1 killed in step 6 (no recover, so no spare): the
     controller plans, the kept ranks 0 and 3 scale in, rank 2 is parked (it exits 0), and the job ends
-    with exit 0. Steps 1..5 equal the DP=4 job's, 6..10 a DP=2 job's from the step-5 checkpoint."""
+    with exit 0. Steps 1..5 equal the DP=4 job's, 6..10 a DP=2 job's from the step-5 checkpoint — in
+    bf16 too: the fp32 main params move, and the bf16 weights are gathered from them as a load does."""
     for d in ("ref4", "ref2", "run"):
         (tmp_path / d).mkdir()
     ck = tmp_path / "ck"
     with ThreadPoolExecutor(1) as pool:
-        ref4 = pool.submit(torchrun, 4, args("--train-iters", str(K), "--save", str(ck), "--save-interval", str(K)),
-                           tmp_path / "ref4")
-        proc = elastic_job(tmp_path / "run", 4, f"kill:rank=1:step={K + 1}:phase=forward")
+        ref4 = pool.submit(torchrun, 4, args("--train-iters", str(K), "--save", str(ck), "--save-interval", str(K),
+                                             *precision), tmp_path / "ref4")
+        proc = elastic_job(tmp_path / "run", 4, f"kill:rank=1:step={K + 1}:phase=forward", extra=precision)
         assert_ok(ref4.result())
-    assert_ok(torchrun(2, args("--train-iters", str(LAST), "--load", str(ck)), tmp_path / "ref2"))
+    assert_ok(torchrun(2, args("--train-iters", str(LAST), "--load", str(ck), *precision), tmp_path / "ref2"))
     assert_ok(proc)
     ctl = events(tmp_path / "run", "controller")
     scaled = [e for e in ctl if e["event"] == "scaled_in"]
