@@ -232,8 +232,10 @@ def test_controller_node_lost_three_times(tmp_path, keys, ref):
     """Node 0 (rank 0 hosts the controller, node 0's agent serves the job store) is lost; its
     replacement serves a new, empty store that the running job fills again, and joins. A standby on
     node 1 took over and named new standbys; then node 1, now the controller's, is lost; then node 0
-    again. Each time the controller's node goes and comes back; the job ends whole, bit-identical."""
-    c = Cluster(tmp_path, keys, free_port())
+    again. Each time the controller's node goes and comes back; the job ends whole, bit-identical.
+    Rank 0 paces the job (0.3 s a step, from its first step in each of its processes): a slow
+    recovery must not let the job end before the next loss."""
+    c = Cluster(tmp_path, keys, free_port(), env={"MINDSPEED_HA_INJECT": "slow:rank=0:step=any:factor=4"})
     try:
         c.start(0)
         c.start(1)
