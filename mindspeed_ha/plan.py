@@ -268,7 +268,9 @@ def plan_elastic(holders: dict, replicas, global_batch: int, micro_batch: int,
     replicas train on, so every kept rank keeps its TP/PP position and no weight moves.
 
     The new size is the largest that the whole replicas and the global batch allow (the global
-    batch divisible by micro-batch x size), and at least the number of distinct shards: in this
+    batch divisible by micro-batch x size) and that keeps ``instances`` optimizer instances (twins),
+    parking a healthy replica where an odd size would be larger; only where no such size exists, the
+    largest one. It is at least the number of distinct shards: in this
     version every shard is served by a kept replica (one holding it at the target iteration; its
     twins that are dropped could serve it too, but would need a side channel). ``instances``
     optimizer instances when the new size divides by it, else one (no twins until scale-out).
@@ -294,8 +296,9 @@ def plan_elastic(holders: dict, replicas, global_batch: int, micro_batch: int,
         lost = ", ".join(str(sorted(list(g) for g in k)) for k in unserved)
         return ElasticPlan(False, reason=f"no whole surviving replica holds shard(s) {lost} at iteration "
                                          f"{target}: the dying gasp writes them from the holders left")
-    sizes = [d for d in range(len(whole), 0, -1) if global_batch % (micro_batch * d) == 0]
-    dp = next((d for d in sizes if d >= len(needed)), None)
+    sizes = [d for d in range(len(whole), 0, -1) if global_batch % (micro_batch * d) == 0 and d >= len(needed)]
+    # A size that keeps the twins first (one more replica parked, redundancy kept), then any.
+    dp = next((d for d in sizes if d % instances == 0), sizes[0] if sizes else None)
     if dp is None:
         return ElasticPlan(False, reason=f"{len(whole)} whole replica(s) survive; no data-parallel size from "
                                          f"{len(needed)} (one per shard) to {len(whole)} divides the global batch "

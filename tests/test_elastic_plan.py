@@ -33,8 +33,10 @@ CASES = [
     # (name, tp, dp, states, global batch, micro batch) -> (iteration, dp, instances, kept, parked, writers)
     ("DP=4, rank 1 lost: the largest size the batch allows is 2; rank 2 waits parked",
      1, 4, {1: H(6, **DEAD)}, 16, 2, (6, 2, 2, ((0,), (3,)), (2,), {(0, 2): 0, (1, 3): 3})),
-    ("three replicas fit a batch of 12: one instance, no twins",
-     1, 4, {1: H(6, **DEAD)}, 12, 2, (6, 3, 1, ((0,), (2,), (3,)), (), {(0, 2): 0, (1, 3): 3})),
+    ("three replicas fit a batch of 12, two keep the twins: size 2 wins, rank 2 waits parked",
+     1, 4, {1: H(6, **DEAD)}, 12, 2, (6, 2, 2, ((0,), (3,)), (2,), {(0, 2): 0, (1, 3): 3})),
+    ("a batch of 6 fits three replicas or one, never two: one instance, no twins",
+     1, 4, {1: H(6, **DEAD)}, 6, 2, (6, 3, 1, ((0,), (2,), (3,)), (), {(0, 2): 0, (1, 3): 3})),
     ("rank 0 lost: its twin serves its shard",
      1, 4, {0: H(6, **DEAD)}, 16, 2, (6, 2, 2, ((1,), (2,)), (3,), {(0, 2): 2, (1, 3): 1})),
     ("TP=2 x DP=4, one rank of replica 1 lost: the whole replica goes",
