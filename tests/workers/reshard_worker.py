@@ -93,6 +93,11 @@ def gather_real(out, argv):
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump({"received": got, "twins_equal": digests[0] == digests[3], "main_is_param": main_is_param,
                    "moments_set": moments_set, "entries": len(new), "params": len(params)}, f)
+    # End as a worker of the built-in trainer does: left to the interpreter's teardown, the process
+    # groups' threads aborted a rank once ("terminate called without an active exception").
+    from mindspeed_ha.process import end_of_job
+    trainer.session.close()
+    end_of_job()
 
 
 if __name__ == "__main__":
