@@ -298,12 +298,7 @@ def test_a_lost_node_without_a_replacement_scales_the_job_in(tmp_path, keys, ref
     Bit-identical before the loss, within the bound of another data-parallel size after it."""
     c = Cluster(tmp_path, keys, free_port(), flags=["--enable-elastic-training", "--ha-spare-wait", "2"])
     try:
-        c.start(0)
-        c.start(1)
-        c.whole()
-        c.wait(lambda: c.iteration() >= 3, "iteration 3")
-        c.lose(1)
-        c.wait(lambda: c.controller("scaled_in"), "the scale-in", timeout=120)
+        c.scaled_in_without_node_1()
         assert c.agents[0].wait(240) == 0, c.out(0)
     finally:
         c.close()
