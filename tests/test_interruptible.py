@@ -113,6 +113,49 @@ def worker_stop(rank, port, port2, out):
     os._exit(0)  # the old default group still has a pending op on the hung peer: don't tear it down
 
 
+def worker_uncovered(rank, port, port2, out):
+    """Rank 0 reaches each barrier 1 s late; ranks 1-3 are stopped before or while they wait in it.
+    Marked uncovered (a trainer's loop between hooked calls), they finish it with rank 0; in covered
+    code the same stop throws them out at once."""
+    import torch.distributed as dist
+
+    from mindspeed_ha.comm import CollectiveStopped, clear_stop, request_stop
+    from mindspeed_ha.comm.interruptible import set_uncovered
+
+    _init(rank, port)
+    _apply_patches()
+    dist.barrier()
+    result = {"rank": rank}
+
+    def late_barrier(what, stop_before):
+        if rank == 0:
+            time.sleep(1.0)
+            dist.barrier()
+            return
+        if stop_before:
+            request_stop("test: a peer faulted")
+        else:
+            threading.Timer(0.2, request_stop, ("test: a peer faulted",)).start()
+        t0 = time.monotonic()
+        try:
+            dist.barrier()
+            result[what] = ["finished", time.monotonic() - t0]
+        except CollectiveStopped:
+            result[what] = ["stopped", time.monotonic() - t0]
+        time.sleep(0.3)  # (the timer has fired)
+        clear_stop()
+
+    set_uncovered(True)
+    late_barrier("uncovered_stopped_before", True)
+    late_barrier("uncovered_stopped_during", False)
+    set_uncovered(False)
+    late_barrier("covered_stopped_during", False)
+    time.sleep(1.5)  # the stopped barrier still runs in gloo: rank 0 comes to it before any peer exits
+    with open(os.path.join(out, f"uncovered_{rank}.json"), "w") as f:
+        json.dump(result, f)
+    os._exit(0)
+
+
 def _mixed_collectives(rank, sub):
     """A deterministic mix of collectives; returns their results as a list of tensors/objects."""
     import torch
@@ -265,6 +308,20 @@ def test_stop_leaves_blocked_collective_and_group_rebuilds(tmp_path):
               + f"; rebuild {res['rebuild_s']:.2f} s")
 
 
+def test_uncovered_code_finishes_the_collective_its_peers_passed(tmp_path):
+    stores, procs = _launch("uncovered", tmp_path)
+    try:
+        codes = _reap(procs, range(WORLD), 90)
+    finally:
+        _kill_all(procs)
+    assert codes == {r: 0 for r in range(WORLD)}, codes
+    for r in range(1, WORLD):
+        res = json.load(open(tmp_path / f"uncovered_{r}.json"))
+        assert res["uncovered_stopped_before"][0] == res["uncovered_stopped_during"][0] == "finished", res
+        assert min(res["uncovered_stopped_before"][1], res["uncovered_stopped_during"][1]) > 0.5, res
+        assert res["covered_stopped_during"][0] == "stopped" and res["covered_stopped_during"][1] < 0.8, res
+
+
 def test_patched_collectives_bit_identical(tmp_path):
     stores, procs = _launch("equiv", tmp_path)
     try:
@@ -289,4 +346,4 @@ def test_request_stop_api():
 
 if __name__ == "__main__":
     mode, rank, port, port2, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    {"stop": worker_stop, "equiv": worker_equiv}[mode](rank, port, port2, out)
+    {"stop": worker_stop, "equiv": worker_equiv, "uncovered": worker_uncovered}[mode](rank, port, port2, out)

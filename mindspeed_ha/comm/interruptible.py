@@ -39,8 +39,16 @@ _SLICE = datetime.timedelta(seconds=WAIT_SLICE_S)
 # it (the stop reached this rank a moment later), and leaving it then would split them — e.g. TP
 # peers on either side of the grad-norm all-reduce, one updating its shard and one not.
 STOP_GRACE_S = 0.1
+# Between a trainer's hooked calls (Megatron-LM's own loop: its timers' barriers, its logging
+# reductions) no recovery is served: a rank thrown out of a collective there ends its process. A
+# stop comes when a peer faulted in a hooked call, so every collective before that call is one the
+# peer has passed: there a stop lets the collective finish (on a loaded host a peer's completion can
+# take far longer than STOP_GRACE_S to be seen), and the rank raises at its next hooked call. Only a
+# collective still unfinished after this long (a peer that faulted before it) raises.
+UNCOVERED_GRACE_S = 10.0
 
 _stop = threading.Event()
+_thread = threading.local()  # .uncovered: this thread runs code no recovery covers
 _reason = ""
 _abort_hooks: list[Callable[[str], None]] = []
 
@@ -120,6 +128,20 @@ def remove_abort_hook(fn: Callable[[str], None]) -> None:
         _abort_hooks.remove(fn)
 
 
+def set_uncovered(on: bool) -> None:
+    """The calling (training) thread leaves (True) or enters (False) the code a recovery covers."""
+    _thread.uncovered = on
+
+
+def _grace_s() -> float:
+    return UNCOVERED_GRACE_S if getattr(_thread, "uncovered", False) else STOP_GRACE_S
+
+
+def _stop_now() -> bool:
+    """A collective entered now raises at once: stopped, and in code a recovery covers."""
+    return _stop.is_set() and not getattr(_thread, "uncovered", False)
+
+
 def _raise_stopped():
     raise CollectiveStopped(f"collective stopped by request{': ' + _reason if _reason else ''}")
 
@@ -185,7 +207,7 @@ def _wait_work(work, p2p: bool = False) -> None:
                         return
                     if _stop.is_set():
                         stopped_at = stopped_at or time.monotonic()
-                        if time.monotonic() - stopped_at >= STOP_GRACE_S:
+                        if time.monotonic() - stopped_at >= _grace_s():
                             _raise_stopped()
     done = threading.Event()
     errors = _wait_on_helper(work, done)
@@ -199,7 +221,7 @@ def _wait_event(done: threading.Event) -> None:
     while not done.wait(WAIT_SLICE_S):
         if _stop.is_set():
             stopped_at = stopped_at or time.monotonic()
-            if time.monotonic() - stopped_at >= STOP_GRACE_S:
+            if time.monotonic() - stopped_at >= _grace_s():
                 _raise_stopped()
 
 
@@ -375,7 +397,7 @@ def make_interruptible(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if _stop.is_set():
+        if _stop_now():
             _raise_stopped()
         if _alone:
             return _answer_alone(fn, args, kwargs)
@@ -413,7 +435,7 @@ def make_interruptible_p2p(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if _stop.is_set():
+        if _stop_now():
             _raise_stopped()
         work = fn(*args, **kwargs)
         t = _first_tensor(args, kwargs)
@@ -429,7 +451,7 @@ def make_interruptible_p2p(fn: Callable) -> Callable:
 def make_interruptible_batch_p2p(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(p2p_op_list):
-        if _stop.is_set():
+        if _stop_now():
             _raise_stopped()
         works = fn(p2p_op_list)
         if p2p_op_list and p2p_op_list[0].tensor.device.type != "cpu":
@@ -448,7 +470,7 @@ def make_interruptible_coalescing_manager(orig_cm: Callable) -> Callable:
     @contextlib.contextmanager
     @functools.wraps(orig_cm)
     def wrapper(group=None, device=None, async_ops=False):
-        if _stop.is_set():
+        if _stop_now():
             _raise_stopped()
         resolved = group or c10d._get_default_group()
         if (device is not None and torch.device(device).type != "cpu") or not _group_polls(resolved):

@@ -34,6 +34,18 @@ def _alone_off() -> None:
     _alone.close()
 
 
+@contextlib.contextmanager
+def _recovery_covers():
+    """A hooked call a recovery covers; Megatron-LM's loop around it (timers, logging) is not, so
+    a stop there lets a collective its peers passed finish (comm.interruptible.set_uncovered)."""
+    from mindspeed_ha.comm.interruptible import set_uncovered
+    set_uncovered(False)
+    try:
+        yield
+    finally:
+        set_uncovered(True)
+
+
 def _with_ha_args(provider):
     """Megatron-LM's extra_args_provider plus the HA flags, unless it already adds them (so that an
     unmodified pretrain script under ``import mindspeed_ha.megatron_adaptor`` takes them too)."""
@@ -190,8 +202,9 @@ def on_train_step(original, forward_step_func, data_iterator, model, optimizer, 
     # A fault inside: reported, the recovery served here. Repaired in place, the loop gets the step's
     # result as if nothing had happened: the step's rest (its update had completed everywhere), or
     # the step again with the same microbatches and RNG (rolled back).
-    return s.survive(lambda: trainer.run_step(iteration), lambda: trainer.loop.running,
-                     after_recovery=trainer.after_recovery)
+    with _recovery_covers():
+        return s.survive(lambda: trainer.run_step(iteration), lambda: trainer.loop.running,
+                         after_recovery=trainer.after_recovery)
 
 
 def on_get_megatron_optimizer(original, config, model_chunks, *args, **kwargs):
@@ -228,7 +241,8 @@ def on_save_checkpoint(original, iteration, *args, **kwargs):
     t0 = time.perf_counter()
     # A fault in the save is recovered like one in a step (every rank back at this iteration), then
     # the save runs again.
-    out = s.survive(save, lambda: iteration)
+    with _recovery_covers():
+        out = s.survive(save, lambda: iteration)
     if not kwargs.get("non_persistent_ckpt"):
         from mindspeed_ha.trainer import checkpoint
         path = os.path.join(get_args().save, f"iter_{iteration:07d}")
