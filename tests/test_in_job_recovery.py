@@ -300,6 +300,18 @@ def test_fault_during_recovery_restarts_it_with_both_faults(tmp_path, ref):
     assert repaired == {1: [3], 2: [0]}
 
 
+def test_a_rank_lost_while_the_others_rebuild_their_communicators(tmp_path, ref):
+    """A memory error on rank 2 in step 5; rank 1 dies as it starts the rebuild of that recovery, so
+    the others wait for it in their communicators' rendezvous. They leave it at the controller's stop
+    (gloo's own connect would hold them for its whole timeout, deaf to the controller), and the
+    recovery starts over with both faults: rank 1 restarted, rank 2 repaired, every loss the same."""
+    proc = job(tmp_path, inject="uce:rank=2:step=5:phase=backward,kill:rank=1:step=5:phase=rebuild", extra=ARF)
+    rec = check_rejoined(proc, tmp_path, ref["dp4"], [1], n=1)
+    assert rec[0]["strategy"] == "recover"
+    assert {(tuple(f["ranks"]), f["kind"]) for f in rec[0]["faults"]} >= {((2,), "memory-error"), ((1,), "process-exit")}
+    assert rec[0]["mttr_s"] < 20, rec[0]  # not the rebuild's 60 s timeout
+
+
 def test_twelve_repairs_leave_fds_and_threads_flat(tmp_path):
     """Twelve in-place repairs in one job (memory errors on every rank at every phase, and broken
     communicators): each replaces every communicator, and the replaced ones are released, so each

@@ -164,6 +164,7 @@ def _connect(group: StableGroup, gen: _Generation) -> dist.ProcessGroup:
         raise RuntimeError(f"{group!r} has no store to connect over: the job has not joined yet")
     store = dist.PrefixStore(f"mindspeed_ha/gen{gen.number}/{group.key}/", gen.store)
     rank, size, timeout = group.group_rank, len(group.ranks), group.timeout
+    _await_members(store, rank, size, timeout, group)
     pg = dist.ProcessGroup(store, rank, size)
     if group.backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
@@ -178,6 +179,22 @@ def _connect(group: StableGroup, gen: _Generation) -> dist.ProcessGroup:
     pg._set_default_backend(kind)
     pg._register_backend(device, kind, backend)
     return pg
+
+
+def _await_members(store, rank: int, size: int, timeout: datetime.timedelta, group: StableGroup) -> None:
+    """Wait until every member has come to connect, leaving on a stop as a collective would: the
+    backends' own connect blocks in C++ until its timeout when a member never comes (lost during the
+    rebuild), and the controller, replanning with that loss, would wait in vain for this rank."""
+    from mindspeed_ha.comm.interruptible import raise_if_stopped
+    store.set(f"here/{rank}", b"1")
+    keys = [f"here/{r}" for r in range(size)]
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check(keys):
+        raise_if_stopped()
+        if time.monotonic() > deadline:
+            missing = [r for r in range(size) if not store.check([f"here/{r}"])]
+            raise TimeoutError(f"{group!r}: member(s) {missing} did not come within {timeout.total_seconds():.0f} s")
+        time.sleep(0.005)
 
 
 def _register(group: StableGroup, backend: str, store) -> None:

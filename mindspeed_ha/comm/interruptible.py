@@ -146,6 +146,12 @@ def _raise_stopped():
     raise CollectiveStopped(f"collective stopped by request{': ' + _reason if _reason else ''}")
 
 
+def raise_if_stopped() -> None:
+    """For waits outside a collective (a communicator's rendezvous): leave them as a collective would."""
+    if _stop_now():
+        _raise_stopped()
+
+
 _waiting = 0  # threads of this process inside wait_work
 _waited_s = 0.0  # seconds this process spent blocked in collectives (a rank's own work is the rest)
 

@@ -28,9 +28,10 @@ MAX_INT = 2 ** 62
 FAULT_KINDS = ("memory-error", "comm-failure", "other", "process-exit", "hang", "heartbeat-lost",
                "controller-lost", "node-lost", "preempted")
 PHASES = ("startup", "forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint",
-          "step", "unknown", "recovery", "resize")
+          "step", "unknown", "recovery", "rebuild", "resize")
 INJECT_KINDS = ("kill", "exit", "exception", "uce", "hang", "comm", "ecc", "slow")
-INJECT_PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint", "recovery", "resize")
+INJECT_PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint", "recovery", "rebuild",
+                 "resize")
 
 
 class ProtocolError(ValueError):

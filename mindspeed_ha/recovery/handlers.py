@@ -90,6 +90,7 @@ class RankRecovery:
             got = groups.reconnect(*store, timeout=REBUILD_TIMEOUT)
             return f"joined and set up in {time.perf_counter() - t0:.3f}s ({got['groups']} groups)"
         clear_stop()
+        self.s.fire("rebuild", self.trainer.iteration + 1)
         self.trainer.clean_partial_step()
         got = groups.reconnect(*store, timeout=REBUILD_TIMEOUT)
         return f"{got['groups']} groups reconnected in {got['seconds']:.3f}s"
