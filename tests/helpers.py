@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -115,3 +117,19 @@ def twins_agree(log_dir, recovered: list[dict]) -> list[dict]:
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+def free_port() -> int:
+    """A free port below the ephemeral range: a job binds it seconds after this check, and meanwhile
+    the kernel hands ephemeral ports (what binding port 0 returns) to every outgoing connection of the
+    jobs running on the host: gloo's, the stores', ZeroMQ's."""
+    lo, _ = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    for _ in range(200):
+        port = random.randrange(max(1024, lo - 12000), lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port below the ephemeral range")

@@ -5,7 +5,6 @@ preempted; it never starts whole. Every loss is compared with a fault-free run, 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,19 +12,14 @@ import urllib.request
 
 import pytest
 
-from helpers import MLM_ENV, MLM_MISSING, MLM_READY, MLM_TINY, PRETRAIN, TINY, assert_ok, clean_env, events, losses
+from helpers import (MLM_ENV, MLM_MISSING, MLM_READY, MLM_TINY, PRETRAIN, TINY, assert_ok, clean_env, events,
+                     free_port, losses)
 
 pytestmark = pytest.mark.timeout(420)
 MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
 ITERS = 100
 FLAGS = [*TINY, "--train-iters", str(ITERS), "--enable-hbmfault-repair", "--enable-worker-reboot",
          "--ha-verify-replicas-interval", "1"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

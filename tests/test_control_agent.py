@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from helpers import free_port
 from workers.jobs import alive, events, finish, launch, wait_for, worker_pids
 
 pytestmark = pytest.mark.timeout(120)
@@ -97,7 +98,7 @@ def test_hang_detected(tmp_path):
 
 
 def test_two_nodes_on_loopback(tmp_path):
-    port = str(_free_port())
+    port = str(free_port())
     common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
     keys = tmp_path / "keys"
     subprocess.run([sys.executable, "-m", "mindspeed_ha.cli", "keygen", str(keys)], check=True, capture_output=True)
@@ -115,13 +116,6 @@ def test_two_nodes_on_loopback(tmp_path):
     standby = [e["rank"] for e in events(tmp_path, "controller") if e["event"] == "standby"]
     assert 2 in standby  # a backup on the other node (ranks 2, 3 live on node 1)
     _no_process_left(tmp_path, nodes=(0, 1))
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_status_and_inject_on_live_job(tmp_path):
@@ -177,7 +171,7 @@ NO_TORCH = ("import sys; sys.modules['torch'] = None\n"
 def test_standalone_controller(tmp_path):
     """`mindspeed-ha controller` on a head node without torch, where MindSpore's MS_TFT_IP/MS_TFT_PORT
     say it listens: the job finds it there (its controller.json is removed), no rank hosts one."""
-    tft = {"MS_TFT_IP": "127.0.0.1", "MS_TFT_PORT": str(_free_port())}
+    tft = {"MS_TFT_IP": "127.0.0.1", "MS_TFT_PORT": str(free_port())}
     ctl = subprocess.Popen([sys.executable, "-c", NO_TORCH, "controller", "--log-dir", str(tmp_path),
                             "--world-size", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            env={**os.environ, **tft})

@@ -3,14 +3,13 @@
 the controller in real jobs, is tested end to end in test_ttp.py."""
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import TINY, assert_ok, clean_env, losses, torchrun
+from helpers import TINY, assert_ok, clean_env, free_port, losses, torchrun
 from mindspeed_ha.plan import plan_dump
 
 WORKER = str(Path(__file__).resolve().parent / "workers" / "dump_worker.py")
@@ -127,22 +126,6 @@ def test_plan_dump_rejects_inconsistent_groups():
 # ------------------------------------------------------------------------------------------------
 # Real jobs
 # ------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    """A free port below the ephemeral range: the store is bound seconds after this check, and the
-    kernel hands ephemeral ports to every gloo connection of the jobs running meanwhile."""
-    import random
-    lo, _ = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    for _ in range(200):
-        port = random.randrange(max(1024, lo - 12000), lo)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port")
-
-
 def launch_ranks(nproc, args, cwd, env, timeout=150):
     """One process per rank on 127.0.0.1 (no torchrun: a rank leaving must not kill the others).
     Returns [(returncode, stdout, stderr)] per rank."""

@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from helpers import PRETRAIN, TINY, all_rank_events, assert_ok, clean_env, events, losses, recomputed, twins_agree
+from helpers import (PRETRAIN, TINY, all_rank_events, assert_ok, clean_env, events, free_port, losses, recomputed,
+                     twins_agree)
 
 MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
 ITERS = 8
@@ -233,11 +234,8 @@ def test_node_lost_replacement_agent_joins(tmp_path, ref):
     to exit, and the job is not disturbed."""
     import os
     import signal
-    import socket
     import time
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     keys = tmp_path / "keys"
     subprocess.run(MINDSPEED_HA + ["keygen", str(keys)], check=True, capture_output=True)
     env = clean_env({"MINDSPEED_HA_INJECT": "hang:rank=3:step=4:phase=forward", "MINDSPEED_HA_KEY_DIR": str(keys)})
