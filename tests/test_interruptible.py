@@ -308,13 +308,18 @@ def test_stop_leaves_blocked_collective_and_group_rebuilds(tmp_path):
               + f"; rebuild {res['rebuild_s']:.2f} s")
 
 
-def test_uncovered_code_finishes_the_collective_its_peers_passed(tmp_path):
-    stores, procs = _launch("uncovered", tmp_path)
+def _run_to_the_end(mode, tmp_path, timeout):
+    """Every rank of a ``mode`` job exits 0 within ``timeout``."""
+    stores, procs = _launch(mode, tmp_path)
     try:
-        codes = _reap(procs, range(WORLD), 90)
+        codes = _reap(procs, range(WORLD), timeout)
     finally:
         _kill_all(procs)
     assert codes == {r: 0 for r in range(WORLD)}, codes
+
+
+def test_uncovered_code_finishes_the_collective_its_peers_passed(tmp_path):
+    _run_to_the_end("uncovered", tmp_path, 90)
     for r in range(1, WORLD):
         res = json.load(open(tmp_path / f"uncovered_{r}.json"))
         assert res["uncovered_stopped_before"][0] == res["uncovered_stopped_during"][0] == "finished", res
@@ -323,12 +328,7 @@ def test_uncovered_code_finishes_the_collective_its_peers_passed(tmp_path):
 
 
 def test_patched_collectives_bit_identical(tmp_path):
-    stores, procs = _launch("equiv", tmp_path)
-    try:
-        codes = _reap(procs, range(WORLD), 120)
-    finally:
-        _kill_all(procs)
-    assert codes == {r: 0 for r in range(WORLD)}, codes
+    _run_to_the_end("equiv", tmp_path, 120)
     for r in range(WORLD):
         res = json.load(open(tmp_path / f"equiv_{r}.json"))
         assert res["base"] == res["patched"] == res["again"]
