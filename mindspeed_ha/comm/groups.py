@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import gc
 import hashlib
 import threading
 import time
@@ -442,6 +443,16 @@ def job_rank(rank: int) -> int:
 def dist_rank(job: int) -> int:
     """The default group's rank of the job's rank ``job``."""
     return job if _job is None else _job.index(job)
+
+
+def before_fork() -> None:
+    """Destroy, here and now, every communicator nothing holds any more (a resized model's, an old
+    optimizer's, waiting in a reference cycle for the collector), before this process forks (a
+    DataLoader's workers). A fork shares this process's sockets and its gloo loop's epoll set; were
+    its own collector to run such a destructor, it would shut those sockets down and unregister them
+    under this process: its peers would see the connections close, and its own destructor, later,
+    would abort on the missing registration (gloo: "epoll_ctl: No such file or directory")."""
+    gc.collect()
 
 
 # ---- release of replaced communicators -----------------------------------------------------------

@@ -293,9 +293,12 @@ def on_build_data_iterators(original, provider, *args, **kwargs):
     """Remembers the dataset provider (for MegatronLMTrainer.data_iterator). On CPU also keeps the
     RNG untouched: under the CPU shim the "CUDA" RNG (dropout) *is* the CPU generator, from which each
     new DataLoader iterator draws its base seed; a resumed run builds its iterators after loading the
-    RNG state, so without this its dropout stream would be one draw off the uninterrupted run's."""
+    RNG state, so without this its dropout stream would be one draw off the uninterrupted run's.
+    Its DataLoaders fork their workers: nothing of an old layout's communicators may go with them."""
     import torch
+    from mindspeed_ha.comm.groups import before_fork
     SETUP["train_valid_test"] = provider
+    before_fork()
     if not (entry._device or _detect()).needs_cpu_shim:
         return original(provider, *args, **kwargs)
     state = torch.get_rng_state()
