@@ -1,7 +1,7 @@
 """A DataLoader's forked workers and the communicators an old layout left behind, on 2 real gloo ranks.
 
-The workers are this file run as a script (``python test_fork.py MODE RANK PORT``); the test process
-hosts the TCPStore.
+The workers are this file run as a script (``python test_fork.py MODE RANK PORT PORT2``); the test
+process hosts the TCPStores (the job's, the recovery's).
 """
 from __future__ import annotations
 
@@ -16,29 +16,35 @@ WORLD = 2
 HERE = os.path.abspath(__file__)
 
 
-def worker(mode: str, rank: int, port: int) -> None:
-    """A communicator is left in a reference cycle, as a resized model's and optimizer's are; then
-    Megatron-LM's data iterators are built (``hook``: through the session's hook; ``plain``: not),
-    their DataLoader forks a worker whose collector runs, and the ranks all-reduce again."""
+def worker(mode: str, rank: int, port: int, port2: int) -> None:
+    """A recovery replaces the job's communicators while something of the old layout (a resized
+    model, an old optimizer) still holds an old one in a reference cycle; then Megatron-LM's data
+    iterators are built (``hook``: through the session's hook; ``plain``: not), their DataLoader
+    forks a worker whose collector runs, and the ranks all-reduce again."""
     import gc
 
     import torch
     import torch.distributed as dist
     from torch.utils.data import DataLoader, Dataset
 
+    from mindspeed_ha import patches
+    from mindspeed_ha.comm import groups
     from mindspeed_ha.megatron_lm.hooks import on_build_data_iterators
 
     gc.disable()  # the old communicator stays garbage until someone collects it
+    patches.apply("stable_groups")
     store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=30))
+    dist.all_reduce(torch.ones(4))
 
     class Old:
         pass
     old = Old()
-    old.pg = dist.ProcessGroupGloo(dist.PrefixStore("old", store), rank, WORLD, timedelta(seconds=30))
+    old.pg = dist.group.WORLD.inner()
     old.self = old
-    old.pg.allreduce([torch.ones(4)]).wait()
     del old
+    groups.reconnect("127.0.0.1", port2, 1, timedelta(seconds=30))
+    assert groups.released(10)
 
     class Collecting(Dataset):  # a worker's collector runs sooner or later; here at once
         def __len__(self):
@@ -69,11 +75,11 @@ def _run(mode: str, tmp) -> list[dict]:
 
     from helpers import clean_env, free_port
 
-    port = free_port()
-    server = dist.TCPStore("127.0.0.1", port, WORLD, is_master=True, timeout=timedelta(seconds=60),
-                           wait_for_workers=False)
+    port, port2 = free_port(), free_port()
+    servers = [dist.TCPStore("127.0.0.1", p, WORLD, is_master=True, timeout=timedelta(seconds=60),
+                             wait_for_workers=False) for p in (port, port2)]
     logs = [tmp / f"{mode}-{r}.out" for r in range(WORLD)]
-    procs = [subprocess.Popen([sys.executable, HERE, mode, str(r), str(port)], env=clean_env(),
+    procs = [subprocess.Popen([sys.executable, HERE, mode, str(r), str(port), str(port2)], env=clean_env(),
                               stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
              for r, log in enumerate(logs)]
     try:
@@ -85,14 +91,14 @@ def _run(mode: str, tmp) -> list[dict]:
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        del server
+        del servers
     outs = [log.read_text() for log in logs]
     return [next((json.loads(ln[7:]) for ln in o.splitlines() if ln.startswith("RESULT ")), {"error": o[-1500:]})
             for o in outs]
 
 
 def test_forked_data_loader_workers_leave_the_old_layouts_communicators_alone(tmp_path):
-    """Through the hook, the old communicator is destroyed before the fork: the worker reads every
+    """Through the hook, the replaced communicator is destroyed before the fork: the worker reads every
     item and the ranks' next all-reduce works. Without it (the control), the worker's collector
     runs the communicator's destructor on the parent's sockets: the worker hangs in it (or dies), and
     the rank's read times out."""
@@ -102,4 +108,4 @@ def test_forked_data_loader_workers_leave_the_old_layouts_communicators_alone(tm
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))

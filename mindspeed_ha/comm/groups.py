@@ -123,7 +123,9 @@ class StableGroup(dist.ProcessGroup):
         """Put ``new`` in place; the replaced communicator goes to a releasing thread of its own, as
         its only owner: its destructor may wait for an abandoned collective (see ``_release_one``)
         and must never run on the training thread."""
+        global _replaced
         if self._inner is not None:
+            _replaced = True
             _retired.append(self._inner)
             self._inner = None
             t = threading.Thread(target=_release_one, name="mindspeed-ha-release", daemon=True)
@@ -445,14 +447,21 @@ def dist_rank(job: int) -> int:
     return job if _job is None else _job.index(job)
 
 
+_replaced = False  # a communicator was replaced since the last before_fork
+
+
 def before_fork() -> None:
-    """Destroy, here and now, every communicator nothing holds any more (a resized model's, an old
-    optimizer's, waiting in a reference cycle for the collector), before this process forks (a
-    DataLoader's workers). A fork shares this process's sockets and its gloo loop's epoll set; were
-    its own collector to run such a destructor, it would shut those sockets down and unregister them
-    under this process: its peers would see the connections close, and its own destructor, later,
-    would abort on the missing registration (gloo: "epoll_ctl: No such file or directory")."""
-    gc.collect()
+    """After communicators were replaced (a recovery, a resize), destroy here and now whatever of
+    the old ones nothing holds any more (a resized model's, an old optimizer's, waiting in a
+    reference cycle for the collector), before this process forks (a DataLoader's workers). A fork
+    shares this process's sockets and its gloo loop's epoll set; were its own collector to run such
+    a destructor, it would shut those sockets down and unregister them under this process: its
+    peers would see the connections close, and its own destructor, later, would abort on the
+    missing registration (gloo: "epoll_ctl: No such file or directory")."""
+    global _replaced
+    if _replaced:
+        _replaced = False
+        gc.collect()
 
 
 # ---- release of replaced communicators -----------------------------------------------------------
