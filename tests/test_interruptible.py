@@ -156,6 +156,47 @@ def worker_uncovered(rank, port, port2, out):
     os._exit(0)
 
 
+def worker_uncovered_lost(rank, port, port2, out):
+    """Rank 3 dies as the others enter a barrier in uncovered code (a trainer's loop between hooked
+    calls); the controller's stop comes 1 s later. The barrier fails (the lost peer's error, or the
+    stop after its grace) without raising out of the loop; the loop's next collective is answered by
+    the rank alone; the failure is raised at the next hooked call, once."""
+    import torch
+    import torch.distributed as dist
+
+    from mindspeed_ha.comm import clear_stop, request_stop
+    from mindspeed_ha.comm import interruptible
+
+    _init(rank, port)
+    _apply_patches()
+    dist.barrier()
+    if rank == WORLD - 1:
+        os._exit(0)
+    interruptible.UNCOVERED_GRACE_S = 2.0
+    result = {"rank": rank}
+    interruptible.set_uncovered(True)
+    threading.Timer(1.0, request_stop, ("test: rank 3 lost",)).start()
+    t0 = time.monotonic()
+    dist.barrier()
+    result["barrier_s"] = time.monotonic() - t0
+    t, t0 = torch.ones(4), time.monotonic()
+    dist.all_reduce(t)
+    result["all_reduce"] = [t[0].item(), time.monotonic() - t0]
+    interruptible.set_uncovered(False)
+    raised = []
+    for _ in range(2):
+        try:
+            interruptible.raise_deferred()
+        except Exception as e:
+            raised.append(type(e).__name__)
+    result["raised"] = raised
+    time.sleep(max(0.0, 1.2 - (time.monotonic() - t0)))  # (the stop's timer has fired)
+    clear_stop()
+    with open(os.path.join(out, f"uncovered_lost_{rank}.json"), "w") as f:
+        json.dump(result, f)
+    os._exit(0)
+
+
 def _mixed_collectives(rank, sub):
     """A deterministic mix of collectives; returns their results as a list of tensors/objects."""
     import torch
@@ -327,6 +368,15 @@ def test_uncovered_code_finishes_the_collective_its_peers_passed(tmp_path):
         assert res["covered_stopped_during"][0] == "stopped" and res["covered_stopped_during"][1] < 0.8, res
 
 
+def test_uncovered_code_survives_a_peer_lost_in_its_collective(tmp_path):
+    _run_to_the_end("uncovered_lost", tmp_path, 90)
+    for r in range(WORLD - 1):
+        res = json.load(open(tmp_path / f"uncovered_lost_{r}.json"))
+        assert res["barrier_s"] < 1.0 + 2.0 + 1.5, res  # at the latest, the stop's grace after the stop
+        assert res["all_reduce"][0] == 1.0 and res["all_reduce"][1] < 0.5, res  # this rank's own
+        assert len(res["raised"]) == 1 and res["raised"][0] in ("RuntimeError", "CollectiveStopped"), res
+
+
 def test_patched_collectives_bit_identical(tmp_path):
     _run_to_the_end("equiv", tmp_path, 120)
     for r in range(WORLD):
@@ -346,4 +396,5 @@ def test_request_stop_api():
 
 if __name__ == "__main__":
     mode, rank, port, port2, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    {"stop": worker_stop, "equiv": worker_equiv, "uncovered": worker_uncovered}[mode](rank, port, port2, out)
+    {"stop": worker_stop, "equiv": worker_equiv, "uncovered": worker_uncovered,
+     "uncovered_lost": worker_uncovered_lost}[mode](rank, port, port2, out)

@@ -44,11 +44,15 @@ STOP_GRACE_S = 0.1
 # stop comes when a peer faulted in a hooked call, so every collective before that call is one the
 # peer has passed: there a stop lets the collective finish (on a loaded host a peer's completion can
 # take far longer than STOP_GRACE_S to be seen), and the rank raises at its next hooked call. Only a
-# collective still unfinished after this long (a peer that faulted before it) raises.
+# collective still unfinished after this long (a peer that faulted before it) fails. A collective that
+# fails there (a stop's grace passed, or a peer lost in it) must not end the process either: its error
+# is kept for the rank's next hooked call (``raise_deferred``), and until then the collectives of that
+# code, which only time and log the loop, are answered by this rank alone.
 UNCOVERED_GRACE_S = 10.0
 
 _stop = threading.Event()
 _thread = threading.local()  # .uncovered: this thread runs code no recovery covers
+_deferred: BaseException | None = None  # a collective's failure there, for the next hooked call
 _reason = ""
 _abort_hooks: list[Callable[[str], None]] = []
 
@@ -72,8 +76,9 @@ def request_stop(reason: str = "") -> None:
 
 
 def clear_stop() -> None:
-    global _reason
+    global _reason, _deferred
     _reason = ""
+    _deferred = None  # (a recovery ran: it covered that failure too)
     _stop.clear()
     _cancel_park()
 
@@ -131,6 +136,25 @@ def remove_abort_hook(fn: Callable[[str], None]) -> None:
 def set_uncovered(on: bool) -> None:
     """The calling (training) thread leaves (True) or enters (False) the code a recovery covers."""
     _thread.uncovered = on
+
+
+def raise_deferred() -> None:
+    """At a hooked call's start (its step or save begun), in the code a recovery covers: raise (once)
+    the failure of a collective of the uncovered code before it, to be recovered as a fault there."""
+    global _deferred
+    e, _deferred = _deferred, None
+    if e is not None:
+        raise e
+
+
+def _defer(e: BaseException, name: str) -> None:
+    global _deferred
+    from mindspeed_ha.events import get_logger
+    if _deferred is None:
+        _deferred = e
+        get_logger("comm").warning("%s failed between two hooked calls (%s): it and the loop's collectives up to "
+                                   "the next hooked call are answered by this rank alone; the failure is "
+                                   "reported there", name, str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
 
 
 def _grace_s() -> float:
@@ -407,6 +431,8 @@ def make_interruptible(fn: Callable) -> Callable:
             _raise_stopped()
         if _alone:
             return _answer_alone(fn, args, kwargs)
+        if _deferred is not None and getattr(_thread, "uncovered", False):
+            return _answer_deferred(fn, args, kwargs, _deferred)
         if idx < len(args):
             want_async = bool(args[idx])
             args = args[:idx] + (True,) + args[idx + 1:]
@@ -428,11 +454,26 @@ def make_interruptible(fn: Callable) -> Callable:
         work = _unwrap(work)
         if want_async:
             return PollingWork(work)
-        wait_work(work)
+        try:
+            wait_work(work)
+        except Exception as e:
+            if not getattr(_thread, "uncovered", False):
+                raise
+            _defer(e, fn.__name__)
+            _answer_deferred(fn, args, kwargs, e)
         return None
 
     wrapper.__mindspeed_ha_original__ = fn
     return wrapper
+
+
+def _answer_deferred(fn: Callable, args, kwargs, e: BaseException):
+    """A collective of uncovered code after a failure there: this rank's own answer, or the failure
+    itself where there is none."""
+    try:
+        return _answer_alone(fn, args, kwargs)
+    except RuntimeError:
+        raise e from None
 
 
 def make_interruptible_p2p(fn: Callable) -> Callable:

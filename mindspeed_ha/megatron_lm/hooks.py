@@ -229,6 +229,7 @@ def on_update_num_microbatches(original, consumed_samples, consistency_check=Tru
 def on_save_checkpoint(original, iteration, *args, **kwargs):
     from megatron.training import get_args
     from mindspeed_ha import session
+    from mindspeed_ha.comm.interruptible import raise_deferred
     s = session.current()
     if len(args) > 1:  # Megatron-LM's save_checkpoint(iteration, model, optimizer, ...)
         args = (args[0], unwrap_optimizer(args[1]), *args[2:])
@@ -236,6 +237,7 @@ def on_save_checkpoint(original, iteration, *args, **kwargs):
         return original(iteration, *args, **kwargs)
 
     def save():
+        raise_deferred()  # a collective of the loop before the save failed: a fault as the save starts
         s.fire("checkpoint", iteration)
         return original(iteration, *args, **kwargs)
     t0 = time.perf_counter()

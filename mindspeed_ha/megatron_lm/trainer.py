@@ -170,6 +170,7 @@ class MegatronLMTrainer(TrainerInterface):
         ``iteration``: the loop's (its iterator); None: a step the engine drives (after a reload, from
         the reloaded position)."""
         from mindspeed_ha import session
+        from mindspeed_ha.comm.interruptible import raise_deferred
         original, forward_step_func, config, forward_backward_func = self.fns
         if iteration is not None and self.iteration < iteration:
             self._run_catch_up(iteration)
@@ -181,6 +182,7 @@ class MegatronLMTrainer(TrainerInterface):
         self._phase_points(config)
         self._mark_step_start()
         s.step_start(it)
+        raise_deferred()  # a collective of the loop since the last step failed: a fault as this step starts
         data = self._data_iter if iteration is not None or self.loop.catch_up is None else self._reloaded_data()
         out = original(self._forward_with_phases(forward_step_func, s, it), data,
                        self.model_chunks, self.optimizer, self.scheduler, config,
