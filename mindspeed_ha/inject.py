@@ -40,8 +40,8 @@ from mindspeed_ha.faults import CommFault, MemoryFault
 
 ENV = "MINDSPEED_HA_INJECT"
 KINDS = ("kill", "exit", "exception", "uce", "hang", "comm", "bitflip", "ecc", "slow")
-PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint", "recovery", "rebuild",
-          "resize")
+PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "step-end", "checkpoint", "recovery",
+          "rebuild", "resize")
 DEFAULT_PHASE = "forward"
 EXAMPLE = f'{ENV}="kill:rank=1:step=3:phase=backward,hang:rank=2:step=5"'
 

@@ -118,6 +118,10 @@ class RankSession:
                 return getattr(chunk, "config", None)
         return None
 
+    @property
+    def writes_loss(self) -> bool:
+        return self._writes_loss
+
     def relaid_out(self) -> None:
         """The layout is set (or changed: an elastic resize can make another rank data-parallel rank 0):
         the first data-parallel rank of the last stage and TP rank 0 writes the step losses."""
@@ -360,6 +364,8 @@ class RankSession:
 
     def step_end(self, iteration: int, loss, **extra) -> None:
         seconds = time.perf_counter() - self._t_step
+        if self.injector is not None:  # (the step has ended job-wide; this rank has not logged it)
+            self.injector.fire_point("step-end", iteration)
         if loss is not None and self._writes_loss:
             fields = {"iteration": iteration, "loss": loss, "loss_hex": float.hex(loss), "step_s": seconds}
             gn = extra.get("grad_norm")

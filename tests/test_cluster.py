@@ -433,16 +433,19 @@ def test_elastic_tp2_node_lost_and_back(tmp_path, keys):
 def test_elastic_rank_0s_node_lost_a_standby_scales_the_job_in(tmp_path, keys, ref):
     """elastic-training only; node 0 — rank 0, which hosts the controller, and the agent serving the job
     store — is lost for good: the standby controller on node 1 takes over and scales the job in to
-    ranks 2 and 3, which train to the end (rank 2 writes the losses now)."""
-    c = Cluster(tmp_path, keys, free_port(), env={"HIGH_AVAILABILITY": "elastic-training",
-                                                  "MINDSPEED_HA_INJECT": "slow:rank=2:step=6:factor=4"})
+    ranks 2 and 3, which train to the end (rank 2 writes the losses now). Node 0 goes in the worst
+    moment for the losses: step 11 has ended job-wide and rank 0 has not logged it yet; rank 2 does."""
+    c = Cluster(tmp_path, keys, free_port(), env={
+        "HIGH_AVAILABILITY": "elastic-training",
+        "MINDSPEED_HA_INJECT": "slow:rank=2:step=6:factor=4,hang:rank=0:step=11:phase=step-end"})
     c.base = [*TINY, "--train-iters", str(ITERS)]
     try:
         c.start(0)
         c.start(1)
         c.whole()
         c.wait(lambda: c.controller("standby"), "a standby controller")
-        c.wait(lambda: c.iteration() >= 10, "iteration 10")
+        c.wait(lambda: any(e["event"] == "inject" and e["kind"] == "hang" for e in events(c.dirs, "rank_0")),
+               "rank 0 between the end of step 11 and its log")
         c.lose(0)
         c.wait(lambda: c.controller("scaled_in"), "the scale-in", timeout=120)
         assert c.agents[1].wait(300) == 0, c.out(1)

@@ -358,6 +358,7 @@ class Controller:
             self.died_in.update({r: int(iteration) for r in ranks})
             for pend in self.pending.values():  # a dead rank owes no answers (nor its successor)
                 pend["waiting"].difference_update(ranks)
+            self._publish()  # a scrape during the recovery that follows counts them out already
         self.faults.append(rec)
         self.active_faults.append(rec)
         self.events.emit("fault", **{k: v for k, v in rec.items() if k not in ("time", "t_detect", "cpu_detect")})
@@ -366,10 +367,13 @@ class Controller:
         if self.machine.state != S.DONE:
             self._feed(O.FAULT)
 
-    def _scan(self, now: float) -> None:
+    def _publish(self) -> None:
         if self.metrics is not None:
             self.metrics.seen(len(self.table.live()), self.table.newest_iteration(),
                               max([i.checkpoint for i in self.ranks.values()] or [-1]))
+
+    def _scan(self, now: float) -> None:
+        self._publish()
         if self.machine.state in (S.INIT, S.EXIT, S.DONE):
             return
         for d in self.table.scan(now, training=self.machine.state == S.NORMAL):

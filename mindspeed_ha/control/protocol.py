@@ -30,8 +30,8 @@ FAULT_KINDS = ("memory-error", "comm-failure", "other", "process-exit", "hang", 
 PHASES = ("startup", "forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint",
           "step", "unknown", "recovery", "rebuild", "resize")
 INJECT_KINDS = ("kill", "exit", "exception", "uce", "hang", "comm", "ecc", "slow")
-INJECT_PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint", "recovery", "rebuild",
-                 "resize")
+INJECT_PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "step-end", "checkpoint", "recovery",
+                 "rebuild", "resize")
 
 
 class ProtocolError(ValueError):

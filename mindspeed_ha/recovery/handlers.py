@@ -150,7 +150,12 @@ class RankRecovery:
             self.s.fire("resize", plan.iteration + 1)
             out = elastic.move_state(trainer or self.trainer, plan, self.s.rank, entered)
             self.unfinished = None
+            wrote = self.s.writes_loss
             self.s.relaid_out()
+            if self.s.writes_loss and not wrote:
+                # The writer before may have been lost after its last step ended job-wide and
+                # before it logged that step; this rank's DP-reduced loss of it has the same bits.
+                self.s.report_unlogged_step(self.trainer.ended, self.trainer.ended_loss())
             return {**out, "replica_group": self.s.processor.groups[0] if self.s.processor else None}
         if self.trainer.optimizer is not None:
             return rest()
