@@ -45,6 +45,7 @@ class RankSession:
         self.processor = None
         self._replica_pg = None
         self._writes_loss = False
+        self.last_step = (None, None)  # the iteration and loss of the last step that ended here
         self.phase = "startup"
         self.joining = False  # a restarted worker until it has resumed (recover, elastic scale-out)
         self.after_setup = None  # a newcomer's scale-out, to finish once its loop has built the model
@@ -364,6 +365,7 @@ class RankSession:
 
     def step_end(self, iteration: int, loss, **extra) -> None:
         seconds = time.perf_counter() - self._t_step
+        self.last_step = (iteration, loss)  # (the DP-reduced loss: the same bits on every DP rank)
         if self.injector is not None:  # (the step has ended job-wide; this rank has not logged it)
             self.injector.fire_point("step-end", iteration)
         if loss is not None and self._writes_loss:

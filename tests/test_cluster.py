@@ -430,15 +430,19 @@ def test_elastic_tp2_node_lost_and_back(tmp_path, keys):
     assert sample_hashes(c.dirs) == sample_hashes(ref_dir)
 
 
-def test_elastic_rank_0s_node_lost_a_standby_scales_the_job_in(tmp_path, keys, ref):
+@pytest.mark.parametrize("loop", ["built-in", "megatron-lm"])
+def test_elastic_rank_0s_node_lost_a_standby_scales_the_job_in(tmp_path, keys, loop, request):
     """elastic-training only; node 0 — rank 0, which hosts the controller, and the agent serving the job
     store — is lost for good: the standby controller on node 1 takes over and scales the job in to
     ranks 2 and 3, which train to the end (rank 2 writes the losses now). Node 0 goes in the worst
-    moment for the losses: step 11 has ended job-wide and rank 0 has not logged it yet; rank 2 does."""
+    moment for the losses: step 11 has ended job-wide and rank 0 has not logged it yet; rank 2 does.
+    Through both trainers."""
+    ref = losses(request.getfixturevalue("ref_dir" if loop == "built-in" else "mlm_ref_dir"))
     c = Cluster(tmp_path, keys, free_port(), env={
         "HIGH_AVAILABILITY": "elastic-training",
-        "MINDSPEED_HA_INJECT": "slow:rank=2:step=6:factor=4,hang:rank=0:step=11:phase=step-end"})
-    c.base = [*TINY, "--train-iters", str(ITERS)]
+        "MINDSPEED_HA_INJECT": "slow:rank=2:step=6:factor=4,hang:rank=0:step=11:phase=step-end",
+        **(MLM_ENV if loop == "megatron-lm" else {})})
+    c.base = [*(TINY if loop == "built-in" else MLM_FLAGS), "--train-iters", str(ITERS)]
     try:
         c.start(0)
         c.start(1)

@@ -364,10 +364,6 @@ class MegatronLMTrainer(TrainerInterface):
         from megatron.core.utils import get_model_config
         return getattr(training.train_step, "__wrapped__", training.train_step), get_model_config(self.model_chunks[0])
 
-    def ended_loss(self) -> float | None:
-        out = self.step.out if self.step.done else None
-        return float(out[0]["lm loss"]) if out and "lm loss" in out[0] else None
-
     def bookkeeping(self) -> dict:
         """What a restarted rank takes from its twin besides the optimizer shard."""
         from megatron.training import get_args

@@ -155,7 +155,9 @@ class RankRecovery:
             if self.s.writes_loss and not wrote:
                 # The writer before may have been lost after its last step ended job-wide and
                 # before it logged that step; this rank's DP-reduced loss of it has the same bits.
-                self.s.report_unlogged_step(self.trainer.ended, self.trainer.ended_loss())
+                it, loss = self.s.last_step
+                if it == self.trainer.ended:
+                    self.s.report_unlogged_step(it, loss)
             return {**out, "replica_group": self.s.processor.groups[0] if self.s.processor else None}
         if self.trainer.optimizer is not None:
             return rest()

@@ -246,7 +246,7 @@ class BuiltinTrainer(TrainerInterface):
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             mean = torch.stack([x["lm loss"] for x in losses]).mean().reshape(1)
             dist.all_reduce(mean, group=ps.get_data_parallel_group())
-            self._step_loss, self._loss_of = float(mean.item() / ps.get_data_parallel_world_size()), it
+            self._step_loss = float(mean.item() / ps.get_data_parallel_world_size())
             seen = torch.tensor([self._data_iter.fingerprint], dtype=torch.int64)
             dist.all_reduce(seen, group=ps.get_data_parallel_group())
             self._samples_hash = f"{int(seen.item()):016x}"
@@ -280,9 +280,6 @@ class BuiltinTrainer(TrainerInterface):
         if self.iteration != iteration:
             raise RuntimeError(f"trainer at iteration {self.iteration}, asked to restart from {iteration}")
         self._data_iter = self.data_iterator(self.consumed_samples)
-
-    def ended_loss(self) -> float | None:
-        return self._step_loss if getattr(self, "_loss_of", None) == self.ended else None
 
     def bookkeeping(self) -> dict:
         """Counters and scheduler (the interface's), the loss of a step whose update finished, and the

@@ -118,11 +118,6 @@ class TrainerInterface(abc.ABC):
     def _relaid_out(self, dp: int) -> None:
         """What else follows the data-parallel size ``dp`` (arguments, the data iterator)."""
 
-    def ended_loss(self) -> float | None:
-        """The DP-reduced loss of step ``ended`` as this rank computed it (None if it did not, or a
-        newer step has begun)."""
-        return None
-
     # What a restarted worker takes from its twin besides the optimizer shard. Each trainer extends
     # these two with what its own loop keeps (a loss, flags in args, ...).
     def bookkeeping(self) -> dict:
