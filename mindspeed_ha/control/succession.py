@@ -45,9 +45,11 @@ class Succession:
     def maybe_promote(self, now: float) -> None:
         c = self.c
         window = 3.0 * max(c.hb, 0.5)
+        # Only ranks whose links came over count, this standby's own rank included: while its link
+        # still hears the controller, the controller is alive, whoever else failed to reach it (a
+        # rank starved at start-up gives up on it after a second, and with this standby's own rank
+        # counted in advance made half of a world of four: two controllers).
         reachable = {r for r, i in c.ranks.items() if now - i.seen < window and i.alive}
-        if c.rank is not None:
-            reachable.add(c.rank)
         ordered, self.ordered = self.ordered, None
         if ordered is not None:
             self._promote(now, len(reachable), int(ordered["epoch"]), "handover")
