@@ -264,6 +264,10 @@ class BuiltinTrainer(TrainerInterface):
             self.scheduler.step(increment=a.global_batch_size)
             self.iteration = it
             self.consumed_samples += a.global_batch_size
+            if self._data_iter.next_index != self.consumed_samples:
+                # A restarted rank rolled forward: its predecessor read this step's samples, and its
+                # own reads start where its twin's counters stood, at the step's beginning.
+                self._data_iter = self.data_iterator(self.consumed_samples)
         loss = self._step_loss
         self.ended = it
         if loss is not None and it % a.log_interval == 0 and ps.get_tensor_model_parallel_rank() == 0 \
