@@ -123,51 +123,80 @@ def test_exact_half_takes_over_only_without_the_controllers_rank():
     assert not may_take_over(2, 4, True) and not may_take_over(1, 4, False) and not may_take_over(2, 5, False)
 
 
-def test_standby_takes_over_only_with_a_majority(tmp_path, monkeypatch):
-    monkeypatch.setenv("MINDSPEED_HA_DEAD_AFTER", "0.6")
-    d = str(tmp_path)
-    keys = _security.Keys.load(d, create=True)
-    opts = _HAOptions(strategies=frozenset({"dump"}), log_dir=d, heartbeat_s=0.2)
-    sb = _Controller(d, 4, opts, keys, rank=3, standby=True, epoch=1).start()
-    ctx = _zmq.Context()
-    socks = []
+class _Links:
+    """Ranks' links coming over to a standby controller: real sockets, registration and heartbeats."""
 
-    def join(rank):
-        s = ctx.socket(_zmq.DEALER)
+    def __init__(self, sb, keys):
+        self.sb, self.keys, self.ctx, self.socks = sb, keys, _zmq.Context(), []
+
+    def join(self, rank):
+        s = self.ctx.socket(_zmq.DEALER)
         s.linger = 0
-        _security.secure_client(s, keys)
-        s.connect(sb.endpoint)
+        _security.secure_client(s, self.keys)
+        s.connect(self.sb.endpoint)
         s.send(_P.encode("register", rank=rank, world=4, node="n", pid=1000 + rank))
-        socks.append((rank, s))
+        self.socks.append((rank, s))
 
-    def beat(seconds):
+    def beat(self, seconds):
         t = _time.time()
         while _time.time() - t < seconds:
-            for r, s in socks:
+            for r, s in self.socks:
                 s.send(_P.encode("hb", rank=r, it=3, upd=False, health="ok"))
                 while s.poll(0):
                     s.recv()
             _time.sleep(0.1)
 
+    def close(self):
+        for _, s in self.socks:
+            s.close()
+        self.ctx.term()
+        self.sb.close()
+
+
+def _standby(tmp_path, monkeypatch, previous=None):
+    monkeypatch.setenv("MINDSPEED_HA_DEAD_AFTER", "0.6")
+    d = str(tmp_path)
+    keys = _security.Keys.load(d, create=True)
+    opts = _HAOptions(strategies=frozenset({"dump"}), log_dir=d, heartbeat_s=0.2)
+    sb = _Controller(d, 4, opts, keys, rank=3, standby=True, epoch=1, previous=previous).start()
+    return sb, _Links(sb, keys)
+
+
+def test_standby_takes_over_only_with_a_majority(tmp_path, monkeypatch):
+    d = str(tmp_path)
+    sb, links = _standby(tmp_path, monkeypatch)
     try:
-        join(3)  # the standby's own rank
-        join(1)
-        beat(1.5)
+        links.join(3)  # the standby's own rank
+        links.join(1)
+        links.beat(1.5)
         assert sb.standby and not _os.path.exists(_os.path.join(d, "controller.json"))  # 2 of 4: no
-        join(2)
-        beat(1.0)
+        links.join(2)
+        links.beat(1.0)
         assert not sb.standby and sb.epoch == 2
         info = _json.load(open(_os.path.join(d, "controller.json")))
         assert info["rank"] == 3 and info["epoch"] == 2
         ev = [_json.loads(l) for l in open(_os.path.join(d, "events", "controller.jsonl"))]
         assert any(e["event"] == "takeover" and e["rank"] == 3 for e in ev)
-        beat(1.5)  # rank 0 never came over: its loss is a fault like any other
+        links.beat(1.5)  # rank 0 never came over: its loss is a fault like any other
         assert any(0 in f["ranks"] and f["kind"] == "heartbeat-lost" for f in sb.faults)
     finally:
-        for _, s in socks:
-            s.close()
-        ctx.term()
-        sb.close()
+        links.close()
+
+
+def test_half_the_world_takes_over_only_once_the_standbys_own_rank_came_over(tmp_path, monkeypatch):
+    """The controller's rank 0 is not among them, so half of four may take over: but only ranks whose
+    links came over count. Rank 2 alone (a rank that gave up on a live, slow controller) is not half
+    with the standby; once the standby's own rank 3 has lost the controller too, the two are."""
+    sb, links = _standby(tmp_path, monkeypatch, previous=0)
+    try:
+        links.join(2)
+        links.beat(1.5)
+        assert sb.standby
+        links.join(3)
+        links.beat(1.0)
+        assert not sb.standby and sb.epoch == 2
+    finally:
+        links.close()
 
 
 def test_hang_clock_gives_the_first_steps_their_warm_up():
