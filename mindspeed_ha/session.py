@@ -54,6 +54,8 @@ class RankSession:
         self.serving = False                # serving a recovery's orders on the training thread
         self._releases_seen: set = set()     # communicator-release threads a resources report waited for
         self._settlers: list = []            # the threads that make those reports
+        self._unsettled: set = set()         # those still waiting when the job ended (reported then)
+        self._reports = threading.Lock()
         self._stopped_at = 0.0               # when this rank last left training for a recovery
         self._recovered: tuple | None = None  # (stopped at, lost steps) until the first step after it
         _current = self
@@ -314,7 +316,10 @@ class RankSession:
 
     def _settled(self, releasing: list) -> None:
         """Once the communicators this recovery replaced are released: what the process holds."""
-        self.events.emit("resources", after="recovery", **self.resources(extra_threads=1, releasing=releasing))
+        held = self.resources(extra_threads=1, releasing=releasing)
+        with self._reports:
+            if threading.current_thread() not in self._unsettled:
+                self.events.emit("resources", after="recovery", settled=True, **held)
 
     def resources(self, extra_threads: int = 0, releasing: list | None = None, wait_s: float = 30.0) -> dict:
         """Open file descriptors and OS threads of this process, once replaced communicators
@@ -428,6 +433,13 @@ class RankSession:
         deadline = time.monotonic() + 5.0
         for t in self._settlers:  # (the last recovery's report, if the job ended right after it)
             t.join(max(0.0, deadline - time.monotonic()))
+        with self._reports:
+            self._unsettled.update(t for t in self._settlers if t.is_alive())
+        for _ in self._unsettled:
+            # A release still going (it can wait for good, see comm.groups.released): the report
+            # is made now, as what the process holds with it unfinished.
+            self.events.emit("resources", after="recovery", settled=False,
+                             **self.resources(extra_threads=len(self._unsettled), wait_s=0.0))
         # (a release still going after 10 s waits for a lost peer, and the other ranks wait in the
         # job's last barrier meanwhile)
         self.events.emit("end", iteration=getattr(self.trainer, "iteration", None), **self.resources(wait_s=10.0))
