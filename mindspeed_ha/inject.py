@@ -285,15 +285,15 @@ def default_comm_breaker() -> None:
     Otherwise every process group is aborted (NCCL/HCCL: the communicators die; gloo's abort is a
     no-op, so the default group is destroyed too)."""
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
+    from mindspeed_ha import compat
     from mindspeed_ha.comm import groups
 
     if not (dist.is_available() and dist.is_initialized()):
         return
-    if isinstance(c10d._world.default_pg, groups.StableGroup):
+    if isinstance(compat.default_group(), groups.StableGroup):
         groups.break_communicators()
         return
-    for pg in list(c10d._world.pg_map.keys()):
+    for pg in compat.registered_groups():
         try:
             pg.abort()
         except Exception:

@@ -401,8 +401,7 @@ class RankSession:
         from mindspeed_ha.replica.verify import ReplicaMismatchError, check_replicas
         t0 = time.perf_counter()
         try:
-            fields = check_replicas(self.optimizer, iteration, self._replica_pg, self.device.torch_device(self.local_rank),
-                                    job_rank)
+            fields = check_replicas(self.optimizer, iteration, self._replica_pg, job_rank)
         except ReplicaMismatchError as e:
             self.events.emit("replica_check", iteration=iteration, ok=False, error=str(e))
             log.error("%s", e)

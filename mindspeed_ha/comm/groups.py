@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from mindspeed_ha import compat
+
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
 
@@ -168,20 +170,7 @@ def _connect(group: StableGroup, gen: _Generation) -> dist.ProcessGroup:
     store = dist.PrefixStore(f"mindspeed_ha/gen{gen.number}/{group.key}/", gen.store)
     rank, size, timeout = group.group_rank, len(group.ranks), group.timeout
     _await_members(store, rank, size, timeout, group)
-    pg = dist.ProcessGroup(store, rank, size)
-    if group.backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        backend = dist.ProcessGroupNCCL(store, rank, size, opts)
-        kind, device = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
-    elif group.backend == "gloo":
-        backend = dist.ProcessGroupGloo(store, rank, size, timeout)
-        kind, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
-    else:
-        raise RuntimeError(f"mindspeed-ha cannot rebuild {group.backend!r} process groups (gloo and nccl only)")
-    pg._set_default_backend(kind)
-    pg._register_backend(device, kind, backend)
-    return pg
+    return compat.make_communicator(store, rank, size, group.backend, timeout)
 
 
 def _await_members(store, rank: int, size: int, timeout: datetime.timedelta, group: StableGroup) -> None:
@@ -201,15 +190,13 @@ def _await_members(store, rank: int, size: int, timeout: datetime.timedelta, gro
 
 
 def _register(group: StableGroup, backend: str, store) -> None:
-    c10d._register_pg_in_world(group, backend_name=backend, store=store, group_name=group.key,
-                               backend_config=str(c10d.BackendConfig(backend)),
-                               rank_mapping={g: i for i, g in enumerate(group.ranks)})
+    compat.register_group(group, backend, store, group.key, {g: i for i, g in enumerate(group.ranks)})
 
 
 def _backend_name(backend) -> str:
     name = str(backend or "").lower()
     if not name or name == "undefined":
-        default = c10d._world.default_pg
+        default = compat.default_group()
         return default.backend if isinstance(default, StableGroup) else str(dist.get_backend(default)).lower()
     if "nccl" in name:
         return "nccl"
@@ -221,15 +208,15 @@ def init_process_group(original, *args, **kwargs):
     """The job's default group as a StableGroup. Its first communicator is torch's own (the job's
     rendezvous); the store it met over is generation 0's."""
     original(*args, **kwargs)
-    real = c10d._world.default_pg
+    real = compat.default_group()
     ranks = list(range(real.size()))
     backend = _backend_name(dist.get_backend(real))
     world = StableGroup("world", ranks, real.rank(), backend, kwargs.get("timeout") or DEFAULT_TIMEOUT, "default_pg")
-    store = c10d._world.pg_map[real][1]
-    _unregister(real)
+    store = compat.group_store(real)
+    compat.unregister_group(real)
     world._inner, world._inner_gen = real, 0
     _gen.number, _gen.store = 0, store
-    c10d._world.default_pg = world
+    compat.set_default_group(world)
     _register(world, backend, store)
     with _lock:
         _groups.insert(0, world)
@@ -239,7 +226,7 @@ def new_group(original, ranks=None, timeout=None, backend=None, pg_options=None,
               use_local_synchronization=False, group_desc=None, device_id=None):
     """A StableGroup for every member (``NON_GROUP_MEMBER`` elsewhere), connected over the current
     generation's store at once (joining: at the first reconnect)."""
-    world = c10d._world.default_pg
+    world = compat.default_group()
     if not isinstance(world, StableGroup):  # the default group is torch's own: leave it all to torch
         return original(ranks=ranks, timeout=timeout, backend=backend, pg_options=pg_options,
                         use_local_synchronization=use_local_synchronization, group_desc=group_desc,
@@ -266,25 +253,13 @@ def new_group(original, ranks=None, timeout=None, backend=None, pg_options=None,
     return group
 
 
-def _unregister(pg) -> None:
-    name = c10d._world.pg_names.pop(pg, None)
-    if name is not None:
-        c10d._unregister_process_group(name)
-    for table in (c10d._world.pg_map, c10d._world.pg_backend_config, c10d._world.pg_group_ranks,
-                  c10d._world.pg_to_tag):
-        table.pop(pg, None)
-    for members in c10d._world.tags_to_pg.values():
-        while pg in members:
-            members.remove(pg)
-
-
 @contextlib.contextmanager
 def joining(world_size: int, rank: int, backend: str, timeout: datetime.timedelta = DEFAULT_TIMEOUT):
     """A restarted worker's set-up: the default group and every group made inside exist, unconnected;
     ``reconnect`` connects them with the survivors'."""
     global _joining
     world = StableGroup("world", list(range(world_size)), rank, backend, timeout, "default_pg")
-    c10d._world.default_pg = world
+    compat.set_default_group(world)
     _register(world, backend, None)
     with _lock:
         _groups.insert(0, world)
@@ -396,7 +371,7 @@ def survivor_world(survivors: Sequence[int], rank: int, store_host: str, store_p
                         timeout, "survivors")
     with _lock:
         _gen.number, _gen.store = int(generation), store
-        c10d._world.default_pg = world
+        compat.set_default_group(world)
         _register(world, backend, store)
     world.inner()
     return World(tuple(survivors), rank)
@@ -420,7 +395,7 @@ def new_epoch(kept: Sequence[int], rank: int, store_host: str, store_port: int, 
         for g in _groups:
             if g._inner is not None:
                 g._swap(None)
-            _unregister(g)
+            compat.unregister_group(g)
             members = tuple(job_rank(r) for r in g.ranks)
             n = seen.get((g._desc, members), 0)
             seen[(g._desc, members)] = n + 1
@@ -431,7 +406,7 @@ def new_epoch(kept: Sequence[int], rank: int, store_host: str, store_port: int, 
         _sealed = 0
     world = survivor_world(kept, rank, store_host, store_port, generation, timeout, backend, host_rank)
     with _lock:
-        _groups.insert(0, c10d._world.default_pg)
+        _groups.insert(0, compat.default_group())
         _job = tuple(int(r) for r in kept)
     return world
 

@@ -29,7 +29,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
+
+from mindspeed_ha import compat
 
 # One wait slice: the bound on stop latency. A slice ends at once when the work completes, so its
 # length costs nothing on the fast path.
@@ -448,7 +449,7 @@ def make_interruptible(fn: Callable) -> Callable:
                 kwargs["async_op"] = want_async
             return fn(*args, **kwargs)
         work = fn(*args, **kwargs)
-        if work is None or isinstance(work, c10d._IllegalWork):
+        if work is None or compat.is_placeholder_work(work):
             # not a member of the group, or inside a coalescing block: the manager's handle is waited
             return work if want_async else None
         work = _unwrap(work)
@@ -486,7 +487,7 @@ def make_interruptible_p2p(fn: Callable) -> Callable:
             _raise_stopped()
         work = fn(*args, **kwargs)
         t = _first_tensor(args, kwargs)
-        if work is None or isinstance(work, (PollingWork, c10d._IllegalWork)) or (
+        if work is None or isinstance(work, PollingWork) or compat.is_placeholder_work(work) or (
                 t is not None and t.device.type != "cpu"):
             return work
         return PollingWork(work, p2p=True)
@@ -519,7 +520,7 @@ def make_interruptible_coalescing_manager(orig_cm: Callable) -> Callable:
     def wrapper(group=None, device=None, async_ops=False):
         if _stop_now():
             _raise_stopped()
-        resolved = group or c10d._get_default_group()
+        resolved = compat.resolve_group(group)
         if (device is not None and torch.device(device).type != "cpu") or not _group_polls(resolved):
             with orig_cm(group, device, async_ops) as cm:  # stream-ordered backend: untouched
                 yield cm
@@ -531,7 +532,7 @@ def make_interruptible_coalescing_manager(orig_cm: Callable) -> Callable:
         except BaseException:
             # torch leaves the op list behind when the block raises, poisoning the next coalescing
             # block on this group ("non-empty op list"): drop it
-            c10d._world.pg_coalesce_state.pop(resolved, None)
+            compat.drop_coalescing(resolved)
             raise
         if not async_ops:
             _wait_all(cm)
@@ -542,7 +543,7 @@ def make_interruptible_coalescing_manager(orig_cm: Callable) -> Callable:
 
 def _wait_all(cm) -> None:
     for w in cm.works:
-        if w is not None and not isinstance(w, c10d._IllegalWork):
+        if w is not None and not compat.is_placeholder_work(w):
             wait_work(_unwrap(w))
 
 
@@ -553,7 +554,7 @@ def _abort_nccl(reason: str) -> None:
     """CUDA: abort every NCCL communicator so kernels blocked on a dead/hung peer exit."""
     if not (torch.cuda.is_available() and dist.is_available() and dist.is_initialized()):
         return
-    for pg in list(c10d._world.pg_map.keys()):
+    for pg in compat.registered_groups():
         try:
             if "nccl" in str(dist.get_backend(pg)):
                 pg.abort()

@@ -1,7 +1,11 @@
-"""Device layer: which accelerator we train on and which collective backend goes with it.
+"""Device layer: which accelerator a rank trains on, the collective backend that goes with it, and
+where the tensors mindspeed-ha makes live.
 
 cpu -> gloo, cuda -> nccl, npu -> hccl (only when torch_npu imports). Chosen automatically;
-``MINDSPEED_HA_DEVICE=cpu|cuda|npu`` overrides.
+``MINDSPEED_HA_DEVICE=cpu|cuda|npu`` overrides. ``current()`` is the rank's device once
+``Device.set_current`` ran: every tensor the engine creates for a collective, a batch or a copy of
+state is made there, so an NCCL/HCCL group never sees a CPU tensor. (A tensor that must stay on the
+CPU, Adam's ``step`` counter, is moved to ``current()`` to travel and back where it belongs.)
 """
 from __future__ import annotations
 
@@ -11,11 +15,22 @@ import os
 
 import torch
 
+from mindspeed_ha import compat
+
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+CPU = torch.device("cpu")
+_here = CPU  # this rank's device (set_current)
+# NCCL serves two ranks on one GPU from this version, with NCCL_MULTI_RANK_GPU_ENABLE=1 (experimental).
+NCCL_SHARED_GPU = (2, 30, 0)
 
 
 class DeviceError(RuntimeError):
     pass
+
+
+def current() -> torch.device:
+    """The device this rank's tensors live on (the CPU until ``Device.set_current``)."""
+    return _here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,26 +45,66 @@ class Device:
     def needs_cpu_shim(self) -> bool:
         return self.kind == "cpu"
 
-    def torch_device(self, local_rank: int = 0) -> torch.device:
-        return torch.device("cpu") if self.kind == "cpu" else torch.device(self.kind, local_rank)
-
-    def set_current(self, local_rank: int) -> None:
+    def count(self) -> int:
+        """Devices of this kind visible to the process."""
         if self.kind == "cuda":
-            torch.cuda.set_device(local_rank)
+            return compat.cuda_device_count()
+        if self.kind == "npu":
+            return int(torch.npu.device_count())  # type: ignore[attr-defined]
+        return 1
+
+    def torch_device(self, local_rank: int = 0) -> torch.device:
+        if self.kind == "cpu":
+            return CPU
+        # More local ranks than devices only where they may share one (check_local_ranks).
+        return torch.device(self.kind, local_rank % max(1, self.count()))
+
+    def set_current(self, local_rank: int) -> torch.device:
+        global _here
+        dev = self.torch_device(local_rank)
+        if self.kind == "cuda":
+            torch.cuda.set_device(dev)
         elif self.kind == "npu":
-            torch.npu.set_device(local_rank)  # type: ignore[attr-defined]
+            torch.npu.set_device(dev)  # type: ignore[attr-defined]
+        _here = dev
+        return dev
+
+    def check_local_ranks(self, local_ranks: int, env: dict | None = None) -> None:
+        """One device per local rank (the node's ``--nproc-per-node``), before anything is built: a
+        clear refusal instead of 'invalid device ordinal' in the middle of a set-up."""
+        env = os.environ if env is None else env
+        if self.kind == "cpu" or local_ranks <= 0:
+            return
+        visible = self.count()
+        if local_ranks <= visible:
+            return
+        if self.kind == "cuda" and visible >= 1 and env.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1" \
+                and (compat.nccl_version() or (0,)) >= NCCL_SHARED_GPU:
+            return  # NCCL lets ranks share a GPU (round robin over the visible ones)
+        var = "CUDA_VISIBLE_DEVICES" if self.kind == "cuda" else "ASCEND_RT_VISIBLE_DEVICES"
+        shown = env.get(var)
+        shown = f"{var}={shown}" if shown is not None else f"{var} unset"
+        share = (" or let ranks share a GPU (NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1, experimental; "
+                 f"this NCCL is {'.'.join(map(str, compat.nccl_version() or ())) or 'unknown'})"
+                 if self.kind == "cuda" else "")
+        raise DeviceError(
+            f"--nproc-per-node {local_ranks} starts {local_ranks} ranks on this node, but {visible} "
+            f"{self.kind.upper()} device(s) are visible ({shown}): one rank per device. Use "
+            f"--nproc-per-node {max(1, visible)}, make more devices visible{share}, or train on the CPU "
+            "with MINDSPEED_HA_DEVICE=cpu")
+
+
+def local_ranks(env: dict | None = None) -> int:
+    """Ranks of this node, as the launcher (torchrun, ``mindspeed-ha run``) says."""
+    env = os.environ if env is None else env
+    try:
+        return int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
+    except ValueError:
+        return 1
 
 
 def _npu_importable() -> bool:
     return importlib.util.find_spec("torch_npu") is not None
-
-
-def _cuda_real() -> bool:
-    # Read the driver, not torch.cuda.is_available(): on CPU the shim makes that say True.
-    try:
-        return torch._C._cuda_getDeviceCount() > 0  # type: ignore[attr-defined]
-    except Exception:
-        return False
 
 
 def detect(env: dict | None = None) -> Device:
@@ -63,13 +118,17 @@ def detect(env: dict | None = None) -> Device:
         if forced == "npu" and not _npu_importable():
             raise DeviceError("MINDSPEED_HA_DEVICE=npu but torch_npu is not importable; "
                               "install the npu extra (pip install mindspeed-ha[npu]) or use cpu/cuda")
-        if forced == "cuda" and not _cuda_real():
-            raise DeviceError("MINDSPEED_HA_DEVICE=cuda but no CUDA device is visible; use cpu")
+        if forced == "cuda" and compat.cuda_device_count() == 0:
+            raise DeviceError("MINDSPEED_HA_DEVICE=cuda but no CUDA device is visible "
+                              f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES="
+                              f"{env.get('CUDA_VISIBLE_DEVICES', 'unset')}); use cpu")
         return Device(forced)
     if _npu_importable():
         import torch_npu  # noqa: F401  (registers torch.npu)
         if torch.npu.is_available():  # type: ignore[attr-defined]
             return Device("npu")
-    if _cuda_real():
+    # The driver's count, not torch.cuda.is_available(): a CUDA build of torch on a machine without
+    # a GPU (what pip installs by default) must train on the CPU.
+    if compat.cuda_device_count() > 0:
         return Device("cuda")
     return Device("cpu")

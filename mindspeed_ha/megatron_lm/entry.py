@@ -79,6 +79,7 @@ def _megatron_pretrain_gpt():
 
 def pretrain_gpt_main() -> int:
     """What Megatron-LM's ``pretrain_gpt.py`` does under ``__main__``, plus mindspeed-ha."""
+    from mindspeed_ha import compat
     from mindspeed_ha.launcher import spare
     prepare()
     from megatron.core.enums import ModelType
@@ -87,7 +88,7 @@ def pretrain_gpt_main() -> int:
     m = _megatron_pretrain_gpt()
     if spare.is_spare():  # recover: imports and patches are done ahead of a fault; now wait for a rank
         spare.wait_for_assignment()
-    m.set_startup_timestamps(program_start=m._PROGRAM_START_TIME, main_entry=time.time())
+    m.set_startup_timestamps(program_start=compat.program_start_time(m), main_entry=time.time())
     m.train_valid_test_datasets_provider.is_distributed = True
     pretrain, store = m.inprocess_restart.maybe_wrap_for_inprocess_restart(m.pretrain)
 

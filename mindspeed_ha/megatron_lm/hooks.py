@@ -63,7 +63,8 @@ def _with_ha_args(provider):
 def on_parse_args(original, extra_args_provider=None, ignore_unknown_args=False):
     """After Megatron-LM parses its flags and before anything is built: CPU recipe, HA options,
     layout validation (same message on every rank, exit 2), replica count, the rank's session."""
-    from mindspeed_ha import inject, layout, options as ha_options
+    from mindspeed_ha import compat, inject, layout, options as ha_options
+    from mindspeed_ha.device import DeviceError, local_ranks
     from mindspeed_ha.options import HAConfigError
     from mindspeed_ha.session import RankSession
 
@@ -77,6 +78,8 @@ def on_parse_args(original, extra_args_provider=None, ignore_unknown_args=False)
             log.info("CPU: set %s (CUDA-only defaults of Megatron-LM)",
                      ", ".join(f"{k}={v}" for k, v in changed.items()))
     try:
+        compat.check()
+        device.check_local_ranks(local_ranks())
         opts = ha_options.from_args(ns)
         layout.validate(ns.world_size, ns, opts)
         ha_options.check_writable(opts.log_dir, "--ha-log-dir" if ns.ha_log_dir else "MINDSPEED_HA_LOG_DIR")
@@ -90,8 +93,9 @@ def on_parse_args(original, extra_args_provider=None, ignore_unknown_args=False)
                     f"{opts.replica_num}: the replica optimizer sets it; drop the former")
             # Megatron-LM passes it to initialize_model_parallel and to the DDP config.
             ns.num_distributed_optimizer_instances = opts.replica_num
-    except (HAConfigError, inject.InjectSpecError) as e:
+    except (HAConfigError, DeviceError, compat.CompatError, inject.InjectSpecError) as e:
         _fail(str(e))
+    device.set_current(ns.local_rank)  # (Megatron-LM sets the same device again as it initialises)
     s = RankSession(opts, device, ns.rank, ns.world_size, ns.local_rank)
     if _joining(s):
         ns.load = None  # a restarted worker takes the job's state from its peers, not from --load
@@ -258,7 +262,7 @@ def on_load_checkpoint(original, ddp_model, optimizer, *args, **kwargs):
     from megatron.core.optimizer import distrib_optimizer
     from megatron.training import get_args
     from megatron.training.checkpointing import checkpoint_exists
-    from mindspeed_ha import session
+    from mindspeed_ha import compat, session
     from mindspeed_ha.trainer import checkpoint
     from mindspeed_ha.trainer.checkpoint import _fix_adam_steps
     a = get_args()
@@ -275,7 +279,7 @@ def on_load_checkpoint(original, ddp_model, optimizer, *args, **kwargs):
         # which exists only after a first step: give it dummy state to load into.
         for inner in inners:
             if isinstance(inner, distrib_optimizer.DistributedOptimizer) and not inner.optimizer.state:
-                inner._init_optimizer_states_with_dummy_values()
+                compat.init_optimizer_state(inner)
     t0 = time.perf_counter()
     with torch.no_grad():  # fp32 runs: the optimizer's main-param shards are views of leaf parameters
         iteration, flops = original(ddp_model, optimizer, *args, **kwargs)

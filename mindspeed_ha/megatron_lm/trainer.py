@@ -249,12 +249,13 @@ class MegatronLMTrainer(TrainerInterface):
         import torch
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
+        from mindspeed_ha.device import current
         from mindspeed_ha.trainer.data import tokens_fingerprint
         if not self._replays:
             return None
         mine = sum(tokens_fingerprint(item["tokens"]) for r in self._replays for item in r.drawn()
                    if isinstance(item, dict) and "tokens" in item)
-        seen = torch.tensor([mine], dtype=torch.int64)
+        seen = torch.tensor([mine], dtype=torch.int64, device=current())
         dist.all_reduce(seen, group=ps.get_data_parallel_group())
         return f"{int(seen.item()):016x}"
 

@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import time
 
-import torch
 import torch.distributed as dist
 
 from mindspeed_ha.events import get_logger
-from mindspeed_ha.replica.optimizer import _inner_optimizers
+from mindspeed_ha.replica.optimizer import _inner_optimizers, set_adam_steps
 from mindspeed_ha.replica.reshard import described, exchange, schedule, state_io
 
 log = get_logger("recovery.elastic")
@@ -101,10 +100,7 @@ def move_state(trainer, plan, rank: int, entered: dict) -> dict:
     read, _ = state_io(old_ranges)
     _, write = state_io(new_ranges)
     got = exchange(moves, entered["world"].new_rank, read, write)
-    step = steps.pop()
-    for inner in _inner_optimizers(new):
-        for st in inner.optimizer.state.values():
-            st["step"] = torch.tensor(step, dtype=torch.float32)
+    set_adam_steps(new, steps.pop())
     new.ha_iteration = plan.iteration
     transfer_bookkeeping(trainer, plan.sources, rank)
     trainer.resync_weights()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mindspeed_ha.device import current
 from mindspeed_ha.events import get_logger
 from mindspeed_ha.trainer import rng
 
@@ -37,7 +38,9 @@ def status(trainer) -> dict:
 def transfer_shards(optimizer, pairs: list[tuple[int, int]], rank: int, iteration: int) -> int:
     """Point to point over the rebuilt default group: for each (src, dst) (job ranks), src sends its
     shard state (fp32 main params, exp_avg, exp_avg_sq, step), dst overwrites its own. Every rank
-    walks the pairs in the same order. Returns the bytes this rank received."""
+    walks the pairs in the same order. Each tensor travels on the rank's device (Adam's ``step`` is
+    a CPU scalar, which an NCCL group cannot carry) and lands where the receiver keeps its own.
+    Returns the bytes this rank received."""
     from mindspeed_ha.comm.groups import dist_rank
     got = 0
     for src, dst in pairs:
@@ -47,9 +50,9 @@ def transfer_shards(optimizer, pairs: list[tuple[int, int]], rank: int, iteratio
         mine = optimizer.ha_export_shard()
         if rank == src:
             for t in mine.values():
-                dist.send(t.detach().contiguous(), dist_rank(dst))
+                dist.send(t.detach().to(current()).contiguous(), dist_rank(dst))
         else:
-            fresh = {k: torch.empty_like(t) for k, t in mine.items()}
+            fresh = {k: torch.empty_like(t, device=current()) for k, t in mine.items()}
             for t in fresh.values():
                 dist.recv(t, dist_rank(src))
                 got += t.numel() * t.element_size()

@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from mindspeed_ha import compat
 from mindspeed_ha.replica.topology import ReplicaTopology
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -24,6 +25,21 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 def _inner_optimizers(opt) -> list:
     """The DistributedOptimizers inside a (possibly chained) megatron optimizer."""
     return list(getattr(opt, "chained_optimizers", None) or [opt])
+
+
+def set_adam_steps(optimizer, step: float | None = None) -> None:
+    """Give every parameter its own Adam ``step`` tensor (``step``, or its group's count when None),
+    where torch's Adam keeps it: on the parameter's device for a capturable or fused update, else a
+    CPU scalar (on a GPU too)."""
+    for inner in _inner_optimizers(optimizer):
+        for group in inner.optimizer.param_groups:
+            on_device = bool(group.get("capturable") or group.get("fused"))
+            for p in group["params"]:
+                state = inner.optimizer.state.get(p)
+                if state is not None:
+                    value = step if step is not None else group.get("step", state.get("step"))
+                    state["step"] = torch.tensor(float(value), dtype=torch.float32,
+                                                 device=p.device if on_device else "cpu")
 
 
 class ReplicaMixin:
@@ -99,8 +115,8 @@ class ReplicaMixin:
     def ha_shard_description(self) -> list[dict]:
         desc = []
         for name, main, model_param, inner in self._ha_entries():
-            rng = inner._get_model_param_range_map(model_param)["param"]
-            desc.append({"name": name, "param": inner._param_name(model_param),
+            rng = compat.param_range(inner, model_param)
+            desc.append({"name": name, "param": compat.param_name(inner, model_param),
                          "shape": list(model_param.shape), "start": rng.start, "end": rng.end,
                          "dtype": str(main.dtype)})
         return desc
@@ -123,8 +139,8 @@ class ReplicaMixin:
         where = {name: position for name, (_, position) in self.ha_param_positions().items()}
         out = {}
         for _, main, model_param, inner in self._ha_entries():
-            name = inner._param_name(model_param)
-            rng = inner._get_model_param_range_map(model_param)["param"]
+            name = compat.param_name(inner, model_param)
+            rng = compat.param_range(inner, model_param)
             st = inner.optimizer.state[main]
             out[((where[name], name), rng.start, rng.end)] = (main, st["exp_avg"], st["exp_avg_sq"])
         return out
@@ -133,7 +149,7 @@ class ReplicaMixin:
         """Allocate Adam state (a newcomer's optimizer has none until its first step)."""
         for inner in _inner_optimizers(self):
             if not inner.optimizer.state:
-                inner._init_optimizer_states_with_dummy_values()
+                compat.init_optimizer_state(inner)
             for group in inner.optimizer.param_groups:
                 for p in group["params"]:
                     st = inner.optimizer.state.get(p)
@@ -149,7 +165,7 @@ class ReplicaMixin:
             for k in STATE_KEYS:
                 if k in st:
                     v = st[k]
-                    out[f"{name}.{k}"] = v.detach() if torch.is_tensor(v) else torch.tensor(float(v))
+                    out[f"{name}.{k}"] = v.detach() if torch.is_tensor(v) else torch.tensor(float(v), device="cpu")
         return out
 
     def ha_import_shard(self, tensors: dict) -> None:

@@ -20,6 +20,8 @@ from typing import Callable, Hashable
 import torch
 import torch.distributed as dist
 
+from mindspeed_ha.device import current
+
 
 class ReshardError(ValueError):
     pass
@@ -83,10 +85,10 @@ def exchange(moves: list[Move], rank: int, read: Callable[[Move], torch.Tensor],
     ops, inbox = [], []
     for (src, dst), ms in sorted(pairs.items()):
         if src == rank:
-            flat = torch.cat([read(m).to(dtype).reshape(-1) for m in ms])
+            flat = torch.cat([read(m).to(current(), dtype).reshape(-1) for m in ms])
             ops.append(dist.P2POp(dist.isend, flat, dst, group))
         else:
-            buf = torch.empty(width * sum(m.numel for m in ms), dtype=dtype)
+            buf = torch.empty(width * sum(m.numel for m in ms), dtype=dtype, device=current())
             ops.append(dist.P2POp(dist.irecv, buf, src, group))
             inbox.append((buf, ms))
     if ops:

@@ -8,18 +8,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mindspeed_ha.device import current
+
 
 class ReplicaMismatchError(RuntimeError):
     pass
 
 
-def check_replicas(optimizer, iteration: int, replica_group_pg, device, job_rank=lambda r: r) -> dict:
+def check_replicas(optimizer, iteration: int, replica_group_pg, job_rank=lambda r: r) -> dict:
     """Returns the ``replica_check`` event fields; raises ReplicaMismatchError on every rank on a mismatch.
     ``job_rank``: the job's name of a rank of the default group (they differ after an elastic resize)."""
     topo = optimizer.ha_topology
     fp = optimizer.ha_fingerprint()
     names = list(fp)
-    mine = torch.tensor(list(fp.values()), dtype=torch.int64, device=device)
+    mine = torch.tensor(list(fp.values()), dtype=torch.int64, device=current())
     gathered = [torch.empty_like(mine) for _ in topo.replica_group]
     dist.all_gather(gathered, mine, group=replica_group_pg)
     problem = None
@@ -31,7 +33,7 @@ def check_replicas(optimizer, iteration: int, replica_group_pg, device, job_rank
             problem = {"ranks": sorted([job_rank(topo.rank), job_rank(peer)]), "tensor": names[int(diff[0, 0])],
                        "differing_tensors": int(diff.numel())}
             break
-    flag = torch.tensor([1 if problem else 0], dtype=torch.int64, device=device)
+    flag = torch.tensor([1 if problem else 0], dtype=torch.int64, device=current())
     dist.all_reduce(flag)  # every rank learns whether anyone found a mismatch
     if int(flag.item()):
         reports = [None] * dist.get_world_size()

@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from mindspeed_ha import compat
 from mindspeed_ha.events import get_logger
 from mindspeed_ha.trainer import rng
 from mindspeed_ha.trainer.checkpoint_dir import (MANIFEST, TRACKER, CheckpointError, checksums, iter_dir,  # noqa: F401
@@ -191,14 +193,14 @@ def _warm_writer() -> None:
     global _writer_manager
     import multiprocessing.managers
     from torch import multiprocessing as mp
-    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-    if fa._results_queue is not None:
+    if compat.writer_queue() is not None:
         return
     manager = multiprocessing.managers.SyncManager(ctx=mp.get_context("spawn"))
     manager.start(_import_checkpoint_modules)
     queue = manager.Queue()
-    if fa._results_queue is None:  # a save that started meanwhile made its own: leave it that one
-        fa._results_queue, _writer_manager = queue, manager
+    if compat.writer_queue() is None:  # a save that started meanwhile made its own: leave it that one
+        compat.set_writer_queue(queue)
+        _writer_manager = manager
     else:
         manager.shutdown()
 
@@ -223,11 +225,10 @@ def release_writer(timeout: float = 300.0) -> None:
     finalizer is registered only when ``start()`` returns, too late for the exit handlers, and
     multiprocessing's exit then joins the (non-daemonic) manager process forever."""
     global _writer_manager
-    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
     if _prewarm_thread is not None:
         _prewarm_thread.join(timeout)
     if _writer_manager is not None:  # then fa's queue is this manager's (set together)
-        fa._results_queue = None
+        compat.set_writer_queue(None)
         _writer_manager.shutdown()
         _writer_manager = None
 
@@ -243,13 +244,8 @@ def _fix_adam_steps(optimizer) -> None:
     Adam ``step`` is not the checkpoint's (the right value is in the param group), and it is one
     tensor shared by every parameter, which torch's Adam would bump once per parameter per step.
     Set each its own, right one."""
-    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        for group in inner.optimizer.param_groups:
-            for p in group["params"]:
-                state = inner.optimizer.state.get(p)
-                if state is not None:
-                    step = group.get("step", state.get("step"))
-                    state["step"] = torch.tensor(float(step), dtype=torch.float32)
+    from mindspeed_ha.replica.optimizer import set_adam_steps
+    set_adam_steps(optimizer)
 
 
 def load(trainer, root: str, load_optim: bool = True, load_rng: bool = True, verify_files: bool = True) -> int:
@@ -258,14 +254,14 @@ def load(trainer, root: str, load_optim: bool = True, load_rng: bool = True, ver
         raise CheckpointError(f"--load {root}: no checkpoint there (no {TRACKER})")
     it, path = found
     inners = getattr(trainer.optimizer, "chained_optimizers", None) or [trainer.optimizer]
-    if load_optim and not all(hasattr(i, "_init_optimizer_states_with_dummy_values") for i in inners):
+    if load_optim and not all(isinstance(i, DistributedOptimizer) for i in inners):
         raise CheckpointError(f"--load {root}: its optimizer state is a distributed optimizer's; add "
                               "--use-distributed-optimizer, or pass --no-load-optim to take only the weights")
     if load_optim:
         # Trap 1: the optimizer needs real state (with ``step``) before sharded_state_dict(is_loading);
         # megatron-core creates it only at the first step.
         for inner in getattr(trainer.optimizer, "chained_optimizers", None) or [trainer.optimizer]:
-            inner._init_optimizer_states_with_dummy_values()
+            compat.init_optimizer_state(inner)
     sd = state_dict(trainer, is_loading=True, optimizer=load_optim)
     if not load_rng:
         sd.pop("rng_state")

@@ -15,6 +15,8 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
+from mindspeed_ha.device import current
+
 
 class _Tokenizer(NullTokenizer):
     """NullTokenizer with the attributes megatron.core.datasets reads."""
@@ -113,4 +115,6 @@ class SampleIterator:
         samples = [self.dataset[i] for i in range(start, start + self.mbs)]
         self.fingerprint += sample_fingerprint(range(start, start + self.mbs))
         self.next_index += self.mbs * self.dp_size
-        return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in ("tokens", "labels", "loss_mask", "position_ids")}
+        # Read on the CPU, trained on the rank's device.
+        return {k: torch.stack([torch.as_tensor(s[k], device="cpu") for s in samples]).to(current())
+                for k in ("tokens", "labels", "loss_mask", "position_ids")}

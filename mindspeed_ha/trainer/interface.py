@@ -75,10 +75,11 @@ class TrainerInterface(abc.ABC):
         """Model weights := the (repaired) fp32 main params: copy the own shard into the model and
         all-gather the rest, as the end of an optimizer step does. Same bits on healthy ranks."""
         import torch
+        from mindspeed_ha import compat
         from mindspeed_ha.replica.optimizer import _inner_optimizers
         with torch.no_grad():
             for inner in _inner_optimizers(self.optimizer):
-                inner._copy_main_params_to_model_params()
+                compat.copy_main_to_model_params(inner)
         for m in self.model_chunks:
             m.start_param_sync(force_sync=True)
 

@@ -28,8 +28,8 @@ def _quiet_known_warnings() -> None:
 
 def run(argv: list[str] | None = None) -> int:
     _quiet_known_warnings()
-    from mindspeed_ha import inject, layout, options as ha_options
-    from mindspeed_ha.device import DeviceError, detect
+    from mindspeed_ha import compat, inject, layout, options as ha_options
+    from mindspeed_ha.device import DeviceError, detect, local_ranks
     from mindspeed_ha.trainer.args import ArgError, build_parser, finalize
 
     args = build_parser().parse_args(argv)
@@ -37,14 +37,16 @@ def run(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     try:
+        compat.check()
         device = detect()
+        device.check_local_ranks(local_ranks())
         args = finalize(args, world)
         opts = ha_options.from_args(args)
         layout.validate(world, args, opts)
         ha_options.check_writable(opts.log_dir, "--ha-log-dir" if args.ha_log_dir else "MINDSPEED_HA_LOG_DIR")
         ha_options.check_writable(args.save, "--save")
         inject.check_reachable(inject.parse(os.environ.get(inject.ENV, "")), world, args.train_iters)
-    except (HAConfigError, ArgError, DeviceError, inject.InjectSpecError) as e:
+    except (HAConfigError, ArgError, DeviceError, compat.CompatError, inject.InjectSpecError) as e:
         _fail(str(e))
 
     from mindspeed_ha.adaptor import apply_patches

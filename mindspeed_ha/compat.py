@@ -1,0 +1,233 @@
+"""Every private torch and megatron call mindspeed-ha makes, each behind a version gate.
+
+Stable process groups (comm/groups.py) register their own ``ProcessGroup`` objects in torch's c10d
+world, and recovery reads a few internals of megatron-core's distributed optimizer and checkpoint
+writer. None of that is public API, so nothing else in the package touches it: it calls the
+functions here. ``check()`` runs on every rank before anything is built and refuses (exit 2) a
+torch or megatron-core whose internals are not the ones these functions use, naming what is
+missing and the versions CI tests.
+
+Tested (CI): torch 2.13.0 (the whole suite), 2.11.0 and 2.14.1 (a whole-job subset, CUDA builds on
+a machine without a GPU); megatron-core 0.16.1.
+"""
+from __future__ import annotations
+
+import datetime
+import re
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+TESTED_TORCH = ("2.11.0", "2.13.0", "2.14.1")
+TESTED_MEGATRON_CORE = ("0.16.1",)
+
+
+class CompatError(RuntimeError):
+    pass
+
+
+def _version(text: str) -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+TORCH = _version(torch.__version__)
+
+# ---- torch.distributed's registry of process groups (c10d._world) -------------------------------
+# torch 2.13 gathered the registration of a new group into ``_register_pg_in_world``; before it,
+# new_group wrote the same tables itself.
+_HAS_REGISTER_PG_IN_WORLD = TORCH >= (2, 13)
+_WORLD_TABLES = ("pg_map", "pg_names", "pg_backend_config", "pg_group_ranks", "tags_to_pg", "pg_to_tag",
+                 "pg_coalesce_state")
+
+
+def default_group():
+    """The job's default group as torch holds it (None before init_process_group)."""
+    return c10d._world.default_pg
+
+
+def set_default_group(pg) -> None:
+    c10d._world.default_pg = pg
+
+
+def group_store(pg):
+    """The store ``pg`` met over (what torch registered with it)."""
+    return c10d._world.pg_map[pg][1]
+
+
+def registered_groups() -> list:
+    return list(c10d._world.pg_map.keys())
+
+
+def register_group(pg, backend: str, store, name: str, rank_mapping: dict[int, int]) -> None:
+    """Make ``pg`` a group torch knows (its rank mapping, name, backend and tag), as new_group does."""
+    config = str(c10d.BackendConfig(backend))
+    if _HAS_REGISTER_PG_IN_WORLD:
+        c10d._register_pg_in_world(pg, backend_name=backend, store=store, group_name=name,
+                                   backend_config=config, rank_mapping=rank_mapping)
+        return
+    w = c10d._world
+    w.pg_map[pg] = (backend, store)
+    w.pg_names[pg] = name
+    w.pg_backend_config[pg] = config
+    c10d._register_process_group(name, pg)
+    w.pg_group_ranks[pg] = rank_mapping
+    tag = f"ptd:{name}"
+    w.tags_to_pg.setdefault(tag, []).append(pg)
+    w.pg_to_tag[pg] = tag
+
+
+def unregister_group(pg) -> None:
+    """Remove every trace of ``pg`` from torch's tables (it is being replaced or dropped)."""
+    w = c10d._world
+    name = w.pg_names.pop(pg, None)
+    if name is not None:
+        c10d._unregister_process_group(name)
+    for table in (w.pg_map, w.pg_backend_config, w.pg_group_ranks, w.pg_to_tag):
+        table.pop(pg, None)
+    for members in w.tags_to_pg.values():
+        while pg in members:
+            members.remove(pg)
+
+
+def is_placeholder_work(work) -> bool:
+    """The handle torch returns for an op recorded inside a coalescing block (nothing to wait on)."""
+    return isinstance(work, c10d._IllegalWork)
+
+
+def drop_coalescing(group) -> None:
+    """Forget a coalescing block's recorded ops (torch leaves them behind when the block raises)."""
+    c10d._world.pg_coalesce_state.pop(group, None)
+
+
+def resolve_group(group):
+    return group or c10d._get_default_group()
+
+
+# ---- communicators -----------------------------------------------------------------------------
+def make_communicator(store, rank: int, size: int, backend: str, timeout: datetime.timedelta):
+    """A ProcessGroup of one backend over ``store`` (what new_group builds inside, without registering
+    anything): gloo for CPU tensors, NCCL for CUDA ones."""
+    pg = dist.ProcessGroup(store, rank, size)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        inner = dist.ProcessGroupNCCL(store, rank, size, opts)
+        kind, device = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
+    elif backend == "gloo":
+        inner = dist.ProcessGroupGloo(store, rank, size, timeout)
+        kind, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
+    else:
+        raise RuntimeError(f"mindspeed-ha cannot rebuild {backend!r} process groups (gloo and nccl only)")
+    pg._set_default_backend(kind)
+    pg._register_backend(device, kind, inner)
+    return pg
+
+
+# ---- devices -----------------------------------------------------------------------------------
+def cuda_device_count() -> int:
+    """GPUs the driver serves to this process (0 without a driver, also on a CUDA build of torch).
+    Read from the driver, not ``torch.cuda.device_count()``, which the CPU shim answers."""
+    try:
+        return int(torch._C._cuda_getDeviceCount())
+    except (AttributeError, RuntimeError):
+        return 0
+
+
+def nccl_version() -> tuple | None:
+    try:
+        return tuple(torch.cuda.nccl.version())
+    except Exception:
+        return None
+
+
+# ---- megatron-core's distributed optimizer ---------------------------------------------------
+def init_optimizer_state(inner) -> None:
+    """Allocate Adam's state (with ``step``) before anything is loaded or copied into it."""
+    inner._init_optimizer_states_with_dummy_values()
+
+
+def copy_main_to_model_params(inner) -> None:
+    inner._copy_main_params_to_model_params()
+
+
+def param_name(inner, model_param) -> str:
+    return inner._param_name(model_param)
+
+
+def param_range(inner, model_param):
+    """The range of ``model_param``'s flattened elements this rank's shard holds."""
+    return inner._get_model_param_range_map(model_param)["param"]
+
+
+# ---- megatron-core's checkpoint writer ---------------------------------------------------------
+def writer_queue():
+    """The results queue dist_checkpointing's async writer shares between saves (None: not made)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    return fa._results_queue
+
+
+def set_writer_queue(queue) -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    fa._results_queue = queue
+
+
+# ---- Megatron-LM -------------------------------------------------------------------------------
+def program_start_time(pretrain_module) -> float:
+    return pretrain_module._PROGRAM_START_TIME
+
+
+# ---- the check ---------------------------------------------------------------------------------
+def _missing_torch() -> list[str]:
+    missing = [f"torch.distributed.distributed_c10d.{n}" for n in
+               ("_world", "_register_process_group", "_unregister_process_group", "_IllegalWork",
+                "_get_default_group", "BackendConfig") if not hasattr(c10d, n)]
+    if _HAS_REGISTER_PG_IN_WORLD and not hasattr(c10d, "_register_pg_in_world"):
+        missing.append("torch.distributed.distributed_c10d._register_pg_in_world")
+    world = getattr(c10d, "_world", None)
+    if world is not None:
+        missing += [f"c10d._world.{t}" for t in _WORLD_TABLES if not hasattr(world, t)]
+    missing += [f"ProcessGroup.{m}" for m in ("_set_default_backend", "_register_backend")
+                if not hasattr(dist.ProcessGroup, m)]
+    return missing
+
+
+def _missing_megatron() -> list[str]:
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    except ImportError as e:
+        return [f"megatron-core ({e})"]
+    missing = [f"DistributedOptimizer.{m}" for m in
+               ("_init_optimizer_states_with_dummy_values", "_copy_main_params_to_model_params", "_param_name",
+                "_get_model_param_range_map") if not hasattr(DistributedOptimizer, m)]
+    if not hasattr(fa, "_results_queue"):
+        missing.append("megatron.core.dist_checkpointing.strategies.filesystem_async._results_queue")
+    return missing
+
+
+def megatron_core_version() -> str:
+    try:
+        from megatron.core import package_info
+        return package_info.__version__
+    except ImportError:
+        return "not installed"
+
+
+def check() -> None:
+    """Refuse (CompatError) a torch or megatron-core without the internals used here; warn once for a
+    version CI does not test that has them."""
+    missing = _missing_torch() + _missing_megatron()
+    versions = f"torch {torch.__version__}, megatron-core {megatron_core_version()}"
+    if missing:
+        raise CompatError(
+            f"{versions} lacks what mindspeed-ha needs: {', '.join(missing)}. Install a tested pair: "
+            f"torch {' / '.join(TESTED_TORCH)} with megatron-core {' / '.join(TESTED_MEGATRON_CORE)} "
+            f"(pip install 'torch=={TESTED_TORCH[1]}' 'megatron-core=={TESTED_MEGATRON_CORE[0]}')")
+    tested_torch = {_version(v) for v in TESTED_TORCH}
+    tested_core = {_version(v) for v in TESTED_MEGATRON_CORE}
+    if TORCH not in tested_torch or _version(megatron_core_version()) not in tested_core:
+        warnings.warn(f"mindspeed-ha: {versions} is not a tested combination (tested: torch "
+                      f"{', '.join(TESTED_TORCH)}; megatron-core {', '.join(TESTED_MEGATRON_CORE)})", stacklevel=2)
