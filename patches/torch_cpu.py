@@ -17,8 +17,10 @@ def _own(fn):
 
 def patches(ctx=None):
     c = torch.cuda
+    # torch.cuda.is_available() is left alone: it says False on the CPU, also with a CUDA build of
+    # torch (torch's own code, e.g. the optimizers' graph-capture check, would call the driver on a
+    # True). Megatron-LM's assertion of CUDA is answered where it is made (patches/megatron/training).
     table = [
-        (c, "is_available", lambda: True),  # Megatron-LM asserts CUDA; the work still runs on CPU
         (c, "current_device", cpu.current_device),
         (c, "device_count", lambda: 1),
         (c, "set_device", cpu.noop),
@@ -51,8 +53,8 @@ def patches(ctx=None):
 
 def after_apply(ctx=None):
     global _mode
-    # is_available() now says True, which would send torch.compile (megatron jit-fuses a few MoE and
-    # activation functions) to the CUDA backend: run those functions eagerly instead.
+    # megatron jit-fuses a few MoE and activation functions with torch.compile: on the CPU that is a
+    # C++ compile per function for tiny tensors; run them eagerly instead.
     import torch._dynamo
     torch._dynamo.config.disable = True
     _mode = cpu.CpuDeviceMode()

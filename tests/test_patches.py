@@ -22,7 +22,7 @@ def test_apply_is_idempotent_and_remove_restores():
         "assert p.apply('torch_cpu') is True and p.apply('torch_cpu') is False\n"
         "t = torch.zeros(2, device='cuda')\n"
         "assert t.device.type == 'cpu' and t.type() == 'torch.cuda.FloatTensor'\n"
-        "assert torch.cuda.is_available() and torch.cuda.current_device() == torch.device('cpu')\n"
+        "assert not torch.cuda.is_available() and torch.cuda.current_device() == torch.device('cpu')\n"
         "p.remove_all()\n"
         "assert torch.cuda.current_device is orig and p.applied() == set()\n"
         "assert torch.zeros(1).type() == 'torch.FloatTensor'\n"

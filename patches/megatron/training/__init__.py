@@ -8,9 +8,9 @@ worker joins there), ``training.setup_model_and_optimizer`` (a restarted worker 
 (step hooks), ``training.save_checkpoint`` / ``training.load_checkpoint`` (events, Adam ``step`` fix),
 ``training.build_train_valid_test_data_iterators`` (the provider; on CPU, the RNG kept out of the
 DataLoader's seed draw), ``training.update_num_microbatches`` (the loop's rampup check after an
-elastic resize). On CPU also ``legacy.fused_kernels.load`` (CUDA kernels cannot be built)
-and ``arguments.get_device_arch_version`` (there is no GPU to ask). And
-``core.datasets.utils.compile_helpers`` when ``helpers_cpp`` is already importable (the make it runs
+elastic resize). On CPU also ``legacy.fused_kernels.load`` (CUDA kernels cannot be built),
+``arguments.get_device_arch_version`` (there is no GPU to ask) and ``training.initialize_megatron``
+(it asserts CUDA unless told ``allow_no_cuda``). And ``core.datasets.utils.compile_helpers`` when ``helpers_cpp`` is already importable (the make it runs
 asks the system's ``python3-config``/pybind11, which may not be the training Python).
 """
 import mindspeed_ha.patches as registry
@@ -54,6 +54,7 @@ def patches(ctx=None):
     if _helpers_prebuilt():
         table.append(("megatron.core.datasets.utils", "compile_helpers", _noop))
     if "torch_cpu" in registry.applied():
+        table.append((TRAINING, "initialize_megatron", _without_cuda(training.initialize_megatron)))
         table.append(("megatron.legacy.fused_kernels", "load", _noop))
         # validate_args asks the GPU's architecture (CUDA_DEVICE_MAX_CONNECTIONS rules) with TP/CP > 1.
         table.append(("megatron.training.arguments", "get_device_arch_version", _no_gpu_arch))
@@ -62,6 +63,15 @@ def patches(ctx=None):
 
 def _noop(*args, **kwargs):
     return None
+
+
+def _without_cuda(original):
+    """Megatron-LM asserts CUDA unless asked not to; on the CPU it is asked not to."""
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+    initialize_megatron.__wrapped__ = original
+    return initialize_megatron
 
 
 def _no_gpu_arch() -> int:
