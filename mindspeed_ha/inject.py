@@ -8,6 +8,8 @@
            | bitflip (flip one bit of this rank's optimizer shard, silently: a drill for
              --ha-verify-replicas-interval)
            | ecc (raise CUDA's sticky "uncorrectable ECC error encountered": process-fatal)
+           | cuda-illegal-address (a real one, on a GPU: a Triton kernel stores out of bounds, and
+             the CUDA context is poisoned for good: process-fatal)
            | slow (from step S on, this process's steps take FACTOR times as long: it sleeps at
              each step's start; ``:factor=F``, default 3 — a straggler for migration drills)
     PHASE  forward (default) | backward | grad-sync | optimizer | param-sync | checkpoint
@@ -39,7 +41,8 @@ from mindspeed_ha.events import EventLog, get_logger
 from mindspeed_ha.faults import CommFault, MemoryFault
 
 ENV = "MINDSPEED_HA_INJECT"
-KINDS = ("kill", "exit", "exception", "uce", "hang", "comm", "bitflip", "ecc", "slow")
+KINDS = ("kill", "exit", "exception", "uce", "hang", "comm", "bitflip", "ecc", "slow", "cuda-illegal-address")
+DEVICE_KINDS = {"cuda-illegal-address": "cuda"}  # drills that need a real device of that kind
 PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "step-end", "checkpoint", "recovery",
           "rebuild", "resize")
 DEFAULT_PHASE = "forward"
@@ -147,6 +150,15 @@ def check_reachable(faults: list[Fault], world_size: int, train_iters: int) -> N
         if f.step is not None and train_iters and not 1 <= f.step <= train_iters:
             raise InjectSpecError(f"{ENV}: {f.spec()}: step {f.step} is never reached; this job trains steps "
                                   f"1..{train_iters} (--train-iters {train_iters})")
+
+
+def check_device(faults: list[Fault], device_kind: str) -> None:
+    """A drill that needs a real GPU is refused on any other device, before anything is built."""
+    for f in faults:
+        need = DEVICE_KINDS.get(f.kind)
+        if need and need != device_kind:
+            raise InjectSpecError(f"{ENV}: {f.spec()} needs a {need.upper()} device, and this rank trains on "
+                                  f"{device_kind}; on the CPU, ecc drills the same process-fatal path")
 
 
 def job_id(env: Mapping[str, str] | None = None) -> str:
@@ -259,6 +271,9 @@ class Injector:
             raise InjectedError(f"injected exception ({where})")
         elif f.kind == "ecc":
             raise InjectedError(f"CUDA error: uncorrectable ECC error encountered (injected, {where})")
+        elif f.kind == "cuda-illegal-address":
+            from mindspeed_ha.device.cuda_faults import illegal_address
+            illegal_address()
         elif f.kind == "uce":
             if self._uce_corruptor is not None:
                 self._uce_corruptor()

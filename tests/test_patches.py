@@ -65,5 +65,32 @@ def test_device_override_errors(value, needle):
         detect({"MINDSPEED_HA_DEVICE": value})
 
 
+@pytest.mark.parametrize("visible,local,env,ok", [
+    (1, 1, {}, True), (8, 8, {}, True), (1, 2, {}, False), (2, 4, {"CUDA_VISIBLE_DEVICES": "0,1"}, False),
+    (1, 2, {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}, "nccl>=2.30")])
+def test_more_local_ranks_than_gpus_is_refused_naming_the_flag(monkeypatch, visible, local, env, ok):
+    from mindspeed_ha import compat
+    monkeypatch.setattr(compat, "cuda_device_count", lambda: visible)
+    monkeypatch.setattr(compat, "nccl_version", lambda: (2, 27, 3))  # below 2.30: no sharing a GPU
+    if ok is True:
+        Device("cuda").check_local_ranks(local, env)
+        return
+    with pytest.raises(DeviceError) as e:
+        Device("cuda").check_local_ranks(local, env)
+    text = str(e.value)
+    assert f"--nproc-per-node {local} starts {local} ranks" in text and f"{visible} CUDA device(s) are visible" in text
+    assert f"--nproc-per-node {visible}" in text and "CUDA_VISIBLE_DEVICES" in text
+    assert ("CUDA_VISIBLE_DEVICES=0,1" in text) == ("CUDA_VISIBLE_DEVICES" in env)
+    assert "NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1" in text and "this NCCL is 2.27.3" in text
+    monkeypatch.setattr(compat, "nccl_version", lambda: (2, 30, 1))
+    if ok == "nccl>=2.30":  # then ranks may share the GPU
+        Device("cuda").check_local_ranks(local, env)
+        assert Device("cuda").torch_device(1) == torch.device("cuda", 0)
+
+
+def test_cpu_never_refuses_local_ranks():
+    Device("cpu").check_local_ranks(64, {})
+
+
 def test_backends():
     assert [Device(k).backend for k in ("cpu", "cuda", "npu")] == ["gloo", "nccl", "hccl"]

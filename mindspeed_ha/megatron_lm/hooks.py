@@ -84,7 +84,9 @@ def on_parse_args(original, extra_args_provider=None, ignore_unknown_args=False)
         layout.validate(ns.world_size, ns, opts)
         ha_options.check_writable(opts.log_dir, "--ha-log-dir" if ns.ha_log_dir else "MINDSPEED_HA_LOG_DIR")
         ha_options.check_writable(ns.save, "--save")
-        inject.check_reachable(inject.parse(os.environ.get(inject.ENV, "")), ns.world_size, ns.train_iters)
+        faults = inject.parse(os.environ.get(inject.ENV, ""))
+        inject.check_reachable(faults, ns.world_size, ns.train_iters)
+        inject.check_device(faults, device.kind)
         if opts.use_replica_optimizer:
             got = ns.num_distributed_optimizer_instances
             if got not in (1, opts.replica_num):

@@ -45,7 +45,9 @@ def run(argv: list[str] | None = None) -> int:
         layout.validate(world, args, opts)
         ha_options.check_writable(opts.log_dir, "--ha-log-dir" if args.ha_log_dir else "MINDSPEED_HA_LOG_DIR")
         ha_options.check_writable(args.save, "--save")
-        inject.check_reachable(inject.parse(os.environ.get(inject.ENV, "")), world, args.train_iters)
+        faults = inject.parse(os.environ.get(inject.ENV, ""))
+        inject.check_reachable(faults, world, args.train_iters)
+        inject.check_device(faults, device.kind)
     except (HAConfigError, ArgError, DeviceError, compat.CompatError, inject.InjectSpecError) as e:
         _fail(str(e))
 
