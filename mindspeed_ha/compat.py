@@ -127,12 +127,16 @@ def make_communicator(store, rank: int, size: int, backend: str, timeout: dateti
 
 
 # ---- devices -----------------------------------------------------------------------------------
+# torch's own count, taken before the CPU shim replaces it (this module is imported before any patch):
+# it asks NVML first, so the process can still fork (a spare template) without a CUDA context.
+_cuda_device_count = torch.cuda.device_count
+
+
 def cuda_device_count() -> int:
-    """GPUs the driver serves to this process (0 without a driver, also on a CUDA build of torch).
-    Read from the driver, not ``torch.cuda.device_count()``, which the CPU shim answers."""
+    """GPUs visible to this process (0 without a driver, also on a CUDA build of torch)."""
     try:
-        return int(torch._C._cuda_getDeviceCount())
-    except (AttributeError, RuntimeError):
+        return int(_cuda_device_count())
+    except RuntimeError:
         return 0
 
 
@@ -209,10 +213,10 @@ def _missing_megatron() -> list[str]:
 
 
 def megatron_core_version() -> str:
+    from importlib import metadata
     try:
-        from megatron.core import package_info
-        return package_info.__version__
-    except ImportError:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
         return "not installed"
 
 

@@ -146,6 +146,8 @@ class BuiltinTrainer(TrainerInterface):
             max_sequence_length=a.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
             share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute")
+        # Initialised on the CPU (the same weights whatever the device), trained on the rank's device.
+        model = model.to(current())
         if a.bf16:
             model = Float16Module(config, model)  # as Megatron-LM: bf16 weights, casts at the edges
         return self._wrap(model, replicas, broadcast)
