@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["run"]:
         from .launcher.agent import main as run
-        return run(argv[1:])
+        from .process import exit_done
+        exit_done(run(argv[1:]))  # (the agent imported torch: no finalisation of it, see exit_done)
     p = argparse.ArgumentParser(prog="mindspeed-ha", description="mindspeed-ha: training fault tolerance")
     sub = p.add_subparsers(dest="cmd", required=True)
     from .control.protocol import INJECT_KINDS, INJECT_PHASES

@@ -15,10 +15,10 @@ SCRIPT = ("from mindspeed_ha.launcher import spare; spare.wait_for_assignment();
           "sys.exit(10 + int(os.environ['RANK']))")
 
 
-def pool(tmp_path, n) -> spare.Pool:
+def pool(tmp_path, n, fork_workers=False, script=SCRIPT) -> spare.Pool:
     env = clean_env({"PYTHONPATH": str(REPO)})
-    return spare.Pool(n, [sys.executable, "-c", SCRIPT], env, EventLog(str(tmp_path), "agent_0"), "test",
-                      str(tmp_path / "fifos"))
+    return spare.Pool(n, [sys.executable, "-c", script], env, EventLog(str(tmp_path), "agent_0"), "test",
+                      str(tmp_path / "fifos"), fork_workers)
 
 
 def settle(p: spare.Pool, until, timeout=30.0):
@@ -60,6 +60,35 @@ def test_without_its_template_the_pool_starts_processes(tmp_path):
         assert isinstance(proc, subprocess.Popen) and warm and proc.wait(10) == 13
     finally:
         p.close()
+
+
+def test_the_template_forks_the_first_workers_and_reports_their_exit_codes(tmp_path):
+    p = pool(tmp_path, 1, fork_workers=True)
+    try:
+        got = p.start_workers({r: spare.assignment(r, r, 0) for r in (0, 1, 2)}, timeout=60)
+        assert sorted(got) == [0, 1, 2] and all(isinstance(w, spare.Forked) for w in got.values())
+        assert [got[r].wait(10) for r in (0, 1, 2)] == [10, 11, 12]
+        settle(p, lambda: len(p.ready) == 1)  # the spare is there too, and stays one
+        assert len(p.spares) == 1
+    finally:
+        p.close()
+
+
+def test_ranks_a_dead_template_did_not_start_are_left_to_the_caller(tmp_path):
+    # A template that dies while importing: no worker of it runs, every rank is the agent's to start.
+    p = pool(tmp_path, 0, fork_workers=True, script="import sys; sys.exit(3)")
+    try:
+        assert p.start_workers({r: spare.assignment(r, r, 0) for r in (0, 1)}, timeout=60) == {}
+    finally:
+        p.close()
+
+
+def test_a_cpu_job_with_ha_forks_its_workers_and_nothing_else_does():
+    ha = ["--enable-high-availability"]
+    assert spare.forks_workers(ha, {})
+    assert not spare.forks_workers([], {})                                          # HA off: any script
+    assert not spare.forks_workers(ha, {"MINDSPEED_HA_FORK_WORKERS": "0"})
+    assert not spare.forks_workers(ha, {"MINDSPEED_HA_DEVICE": "tpu"})              # refused by the workers
 
 
 def test_an_exited_agent_not_yet_reaped_is_gone_for_its_spares():

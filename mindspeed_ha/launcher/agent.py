@@ -141,6 +141,23 @@ class Agent:
         self.events.emit("worker_start", worker_rank=rank, worker_pid=p.pid, restarts=restarts)
         return w
 
+    def _start_workers(self) -> None:
+        """The node's first workers: forks of the spare template where it starts them, else processes."""
+        a = self.a
+        local = {a.node_rank * a.nproc_per_node + lr: lr for lr in range(a.nproc_per_node)}
+        forked = self.spares.start_workers({r: spare.assignment(r, lr, 0, self.logs.env(lr)) for r, lr in local.items()},
+                                           self.register_timeout)
+        for rank, lr in local.items():
+            p = forked.get(rank)
+            if p is None:
+                self._spawn(lr, 0)
+                continue
+            for f in self.logs.open(lr, 0):  # (it writes there itself)
+                if f is not None:
+                    f.close()
+            self.workers[rank] = Worker(rank, lr, p)
+            self.events.emit("worker_start", worker_rank=rank, worker_pid=p.pid, restarts=0, forked=True)
+
     def _restart(self, rank: int) -> None:
         """A new worker for ``rank``: a spare when one is there (its replacement is made at once),
         else a fresh process. (A replacement node's ranks had no worker here: restart 1.)"""
@@ -268,10 +285,11 @@ class Agent:
 
     def _run(self) -> int:
         a = self.a
-        # recover: workers started ahead of time that a restart hands a lost rank to (spare.py)
+        # recover: workers started ahead of time that a restart hands a lost rank to; on a CPU node the
+        # same template starts the first workers (spare.py)
         self.spares = spare.Pool(spare.wanted(self.script_args), self.a.cmd + self.script_args,
                                  self._env(-1, -1, 0), self.events, f"agent {a.node_rank}",
-                                 os.path.join(self.board_dir, "spares"))
+                                 os.path.join(self.board_dir, "spares"), spare.forks_workers(self.script_args))
         # evidence of sub-healthy ranks from outside training: the user's hook and the GPUs' driver
         hook = HealthHook(self.opts.health_cmd, self.opts.health_interval_s) \
             if self.opts and self.opts.health_cmd else None
@@ -298,8 +316,7 @@ class Agent:
             if joining is None:
                 return exitcodes.NOT_REGISTERED
             if not joining:
-                for lr in range(a.nproc_per_node):
-                    self._spawn(lr, 0)
+                self._start_workers()
             self.link.send(self._hello())
             return self._loop()
         finally:

@@ -1,4 +1,4 @@
-"""Pre-started spare workers for recover (ARF).
+"""Pre-started spare workers for recover (ARF), and workers forked from one pre-imported template.
 
 Most of a restarted worker's time before it can join is Python start-up: importing torch and
 megatron-core, patching, building the dataset — seconds, on the recovery's critical path. With
@@ -14,8 +14,13 @@ template's child: the template reaps it and reports its end (pid and exit code, 
 them) to the agent, which sees it through ``Forked``, a handle with Popen's interface. Elsewhere,
 or when the template has died, spares are plain processes started by the agent.
 
-Spares report on one pipe the agent reads (``REPORT_FD``): ``spare PID`` once a spare waits for a
-rank, ``exit PID CODE`` when the template reaped one.
+The same template starts a CPU node's first workers too (``Pool.start_workers``): the node imports
+torch and megatron-core once instead of once per rank, and each worker is a fork that goes straight
+to its rank. (Not on a GPU node: a fork must not inherit a driver that an import may have touched.)
+
+The template and its forks report on one pipe the agent reads (``REPORT_FD``): ``spare PID`` once a
+spare waits for a rank, ``worker PID RANK`` once a forked worker runs, ``exit PID CODE`` when the
+template reaped one.
 """
 from __future__ import annotations
 
@@ -88,8 +93,11 @@ def _serve_forks(fork_dir: str, report: int) -> str:
     gc.collect()
     gc.freeze()
     for line in sys.stdin:
-        if line.strip() == "spawn" and os.fork() == 0:
+        order, _, assigned = line.strip().partition(" ")
+        if order in ("spawn", "start") and os.fork() == 0:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            if order == "start":
+                return _forked_worker(assigned, report)
             return _forked_spare(fork_dir, report, template, agent)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     while True:
@@ -100,14 +108,28 @@ def _serve_forks(fork_dir: str, report: int) -> str:
         _report(report, f"exit {pid} {os.waitstatus_to_exitcode(status)}")
 
 
-def _forked_spare(fork_dir: str, report: int, template: int, agent: int) -> str:
-    """In a fresh fork of the template: own session (the agent signals its process group), no
-    stdin of the template's, then wait on its FIFO for the assignment — ending quietly, like a
-    spare whose stdin closed, once the template or the agent is gone."""
+def _own_session() -> None:
+    """A fork's own session (the agent signals its process group) and no stdin of the template's."""
     os.setsid()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
+
+
+def _forked_worker(assigned: str, report: int) -> str:
+    """A fresh fork of the template that is one of the job's first workers: its assignment came
+    with the order."""
+    _own_session()
+    _report(report, f"worker {os.getpid()} {json.loads(assigned)['RANK']}")
+    os.close(report)
+    return assigned + "\n"
+
+
+def _forked_spare(fork_dir: str, report: int, template: int, agent: int) -> str:
+    """In a fresh fork of the template: own session (the agent signals its process group), no
+    stdin of the template's, then wait on its FIFO for the assignment — ending quietly, like a
+    spare whose stdin closed, once the template or the agent is gone."""
+    _own_session()
     fifo = os.path.join(fork_dir, str(os.getpid()))
     os.mkfifo(fifo, 0o600)
     fd = os.open(fifo, os.O_RDWR)  # a writer of its own: no end-of-file while it waits
@@ -137,6 +159,21 @@ def wanted(script_args: list[str], env=os.environ) -> int:
         return 0
     opts = from_script_args(script_args, env)
     return opts.spares if opts is not None and "recover" in opts.strategies else 0
+
+
+def forks_workers(script_args: list[str], env=os.environ) -> bool:
+    """Whether a node's first workers are forks of a template: a script with HA on (it waits for an
+    assignment in a template, as a spare does), on a node that trains on the CPU.
+    MINDSPEED_HA_FORK_WORKERS=0 turns it off."""
+    from mindspeed_ha.device import DeviceError, detect
+    from mindspeed_ha.options import from_script_args
+    if env.get("MINDSPEED_HA_FORK_WORKERS", "1") == "0" or not hasattr(os, "fork"):
+        return False
+    opts = from_script_args(script_args, env)
+    try:
+        return opts is not None and opts.enabled and detect(env).kind == "cpu"
+    except DeviceError:
+        return False  # (the workers say why)
 
 
 class Forked:
@@ -189,22 +226,56 @@ class Pool:
 
     RETRY_S = 5.0  # after a spare died on its own: not a tight loop of failing starts
 
-    def __init__(self, wanted_n: int, cmd: list[str], env: dict, events, who: str, fork_dir: str):
+    def __init__(self, wanted_n: int, cmd: list[str], env: dict, events, who: str, fork_dir: str,
+                 fork_workers: bool = False):
+        """``fork_workers``: the template also starts the node's first workers (``start_workers``)."""
         self.wanted, self.cmd, self.env, self.events, self.who = wanted_n, cmd, env, events, who
         self.spares: list = []          # Forked or Popen, in the order they were made
         self.ready: set[int] = set()    # pids that reported waiting for a rank
         self.ended: dict[int, int] = {}  # forked pid -> exit code, as the template reported it
+        self.started: dict[int, Forked] = {}  # rank -> a first worker the template forked
         self.retry_at = 0.0
         self._buf = b""
         self._report_r, self._report_w = os.pipe()
         os.set_blocking(self._report_r, False)
         self.template: subprocess.Popen | None = None
-        if wanted_n > 0 and hasattr(os, "fork") and hasattr(os, "mkfifo"):
+        if (wanted_n > 0 or fork_workers) and hasattr(os, "fork") and hasattr(os, "mkfifo"):
             self.fork_dir = fork_dir
             os.makedirs(fork_dir, exist_ok=True)
             self.template = self._popen({FORK_DIR: fork_dir})
             self.events.emit("spare_template_start", worker_pid=self.template.pid)
-            self._request(wanted_n)
+            if wanted_n:
+                self._request(wanted_n)
+
+    def start_workers(self, assignments: dict[int, bytes], timeout: float) -> dict[int, "Forked"]:
+        """Fork the first workers from the template: rank -> the handle of each that runs. The template
+        imports first (seconds, more on a loaded host). If it dies meanwhile, the ranks it did not
+        start are the caller's to start as processes; if it is not done within ``timeout``, it is
+        ended with what it started (nothing may run twice) and the caller starts them all."""
+        if self.template is None:
+            return {}
+        try:
+            self.template.stdin.write(b"".join(b"start " + line for line in assignments.values()))
+            self.template.stdin.flush()
+        except OSError:
+            pass
+        deadline = time.monotonic() + timeout
+        while len(self.started) < len(assignments) and self.template.poll() is None:
+            if time.monotonic() > deadline:
+                log.warning("%s: the spare template started %d of %d workers in %.0fs: they start as processes",
+                            self.who, len(self.started), len(assignments), timeout)
+                _kill_group(self.template.pid)
+                self.template.wait()
+                time.sleep(0.2)
+                self.read_reports()  # (a fork's report may still have been on its way)
+                for p in self.started.values():
+                    _kill_group(p.pid)
+                self.started.clear()
+                break
+            self.read_reports()
+            time.sleep(0.01)
+        self.read_reports()
+        return dict(self.started)
 
     def maintain(self, now: float) -> None:
         self.read_reports()
@@ -260,10 +331,12 @@ class Pool:
             pass
         *lines, self._buf = self._buf.split(b"\n")
         for text in lines:
-            what, pid, *code = text.decode().split()
+            what, pid, *rest = text.decode().split()
             pid = int(pid)
             if what == "exit":
-                self.ended[pid] = int(code[0])
+                self.ended[pid] = int(rest[0])
+            elif what == "worker":
+                self.started[int(rest[0])] = Forked(pid, self)
             elif what == "spare":
                 self.ready.add(pid)
                 if self.template is not None and not any(p.pid == pid for p in self.spares):
@@ -282,7 +355,9 @@ class Pool:
         os.close(self._report_w)
 
     def _popen(self, extra: dict) -> subprocess.Popen:
-        env = {**self.env, ENV: "1", REPORT_FD: str(self._report_w), **extra}
+        # torch.cuda.is_available() from NVML, not the driver: a template on a GPU node must fork
+        # without a CUDA context (megatron-core asks it at import).
+        env = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **self.env, ENV: "1", REPORT_FD: str(self._report_w), **extra}
         return subprocess.Popen(self.cmd, env=env, stdin=subprocess.PIPE, start_new_session=True,
                                 pass_fds=(self._report_w,))
 

@@ -52,11 +52,11 @@ class BuiltinTrainer(TrainerInterface):
         self._saved = -1        # the iteration whose periodic save last completed
 
     # -- set-up ----------------------------------------------------------------------------------
-    def setup(self, joining: bool = False) -> None:
+    def setup(self, joining: bool = False, dataset=None) -> None:
         """``joining``: a restarted worker entering a running job (recover) — the default group was
         just built with the survivors' rebuild, which runs ``init_parallel`` in step with this; no
         collective of its own here (the survivors are not in it) and no ``--load``: the state comes
-        from the replica peers next."""
+        from the replica peers next. ``dataset``: built already (a worker forked from a template)."""
         a, s = self.args, self.session
         replicas = s.options.replica_num if s.options.use_replica_optimizer else 1
         self.init_parallel()
@@ -67,7 +67,7 @@ class BuiltinTrainer(TrainerInterface):
         self.optimizer = self._build_optimizer()
         self.scheduler = self._build_scheduler()
         if not joining:
-            self.dataset = data.build_train_dataset(a, a.train_iters * a.global_batch_size)
+            self.dataset = dataset or data.build_train_dataset(a, a.train_iters * a.global_batch_size)
         s.attach_trainer(self)
         if joining:
             self.ended = self.iteration

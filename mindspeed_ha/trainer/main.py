@@ -78,7 +78,7 @@ def run(argv: list[str] | None = None) -> int:
             trainer.prepare_join(dataset)
             session.join_running_job(trainer)
         else:
-            trainer.setup()
+            trainer.setup(dataset=dataset)
         # A fault inside: reported, the recovery served, and on (from where the recovery left it).
         session.survive(trainer.train, lambda: trainer.iteration + 1)
     except ReplicaMismatchError as e:
