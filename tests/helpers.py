@@ -7,6 +7,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,3 +134,47 @@ def free_port() -> int:
             except OSError:
                 continue
     raise RuntimeError("no free port below the ephemeral range")
+
+
+# The fault-free runs most whole-job drills compare with: the tiny GPT for TINY_ITERS steps under
+# `mindspeed-ha run` with HA on (a recovery strategy does not change a fault-free run's bits), DP=4 on
+# 4 ranks or TP=2 x DP=4 on 8.
+TINY_ITERS = 9
+TINY_LAYOUTS = {"dp4": (4, []), "tp2": (8, ["--tensor-model-parallel-size", "2"])}
+
+
+class References:
+    """Fault-free runs, one per configuration per test session, each made when a test first needs it
+    (a selection of tests pays only for the references it uses)."""
+
+    def __init__(self, tmp_path_factory):
+        self.factory, self.done, self.lock = tmp_path_factory, {}, threading.Lock()
+
+    def losses(self, name: str, nproc: int, args: list, env: dict | None = None, timeout: int = 300) -> dict:
+        with self.lock:
+            if name not in self.done:
+                d = self.factory.mktemp(f"reference-{name}")
+                cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", f"--nproc-per-node={nproc}",
+                       PRETRAIN, *args, "--ha-log-dir", str(d)]
+                assert_ok(subprocess.run(cmd, env=clean_env(env), capture_output=True, text=True, timeout=timeout,
+                                         cwd=str(d)))
+                self.done[name] = losses(d)
+            return self.done[name]
+
+    def tiny(self, layout: str) -> dict:
+        nproc, extra = TINY_LAYOUTS[layout]
+        return self.losses(f"tiny-{layout}", nproc, [*TINY, "--train-iters", str(TINY_ITERS), *extra,
+                                                     "--enable-high-availability", "--ha-verify-replicas-interval", "1"])
+
+    def tiny_layouts(self) -> "TinyReferences":
+        return TinyReferences(self)
+
+
+class TinyReferences:
+    """``ref["dp4"]`` / ``ref["tp2"]``: the tiny GPT's fault-free losses, made on first use."""
+
+    def __init__(self, refs: References):
+        self.refs = refs
+
+    def __getitem__(self, layout: str) -> dict:
+        return self.refs.tiny(layout)

@@ -293,3 +293,49 @@ def test_restart_budget_counts_restarts_replacements_and_crash_loops():
     assert b.refusal({2: 3}, {1}) is None             # one replacement of node 1 so far
     b.count({}, [1])
     assert "node(s) [1] were replaced 2 time(s)" in b.refusal({2: 3}, {1})
+
+
+def test_every_rank_learns_the_standbys_at_once_not_at_its_next_heartbeat(tmp_path):
+    """A standby's answer reaches every rank as an ack naming it, unasked: a controller lost a moment
+    after naming its standbys (before the next heartbeats) must not leave ranks that know no successor."""
+    d = str(tmp_path)
+    keys = _security.Keys.load(d, create=True)
+    opts = _HAOptions(strategies=frozenset({"dump"}), log_dir=d, heartbeat_s=5.0)  # no heartbeat in this test
+    c = _Controller(d, 4, opts, keys).start()
+    ctx, socks = _zmq.Context(), {}
+    try:
+        for r in range(4):
+            s = socks[r] = ctx.socket(_zmq.DEALER)
+            s.linger = 0
+            _security.secure_client(s, keys)
+            s.connect(c.endpoint)
+            s.send(_P.encode("register", rank=r, world=4, node=f"n{r // 2}", pid=1000 + r))
+        orders, t = {}, _time.time()
+        while len(orders) < 2 and _time.time() - t < 20:  # the controller names two standbys
+            for r, s in socks.items():
+                while s.poll(0):
+                    msg = _P.decode(s.recv())
+                    if msg["t"] == "do" and msg["action"] == "standby":
+                        orders[r] = msg["id"]
+            _time.sleep(0.02)
+        assert len(orders) == 2, orders
+        r, oid = next(iter(orders.items()))
+        for s in socks.values():  # what each rank has heard so far
+            while s.poll(0):
+                s.recv()
+        socks[r].send(_P.encode("result", rank=r, action="standby", id=oid, ok=True, pid=1000 + r,
+                                data="tcp://127.0.0.9:4242"))
+        heard = set()
+        t = _time.time()
+        while len(heard) < 4 and _time.time() - t < 5:
+            for q, s in socks.items():
+                while s.poll(10):
+                    msg = _P.decode(s.recv())
+                    if msg["t"] == "ack" and "tcp://127.0.0.9:4242" in (msg.get("backups") or []):
+                        heard.add(q)
+        assert heard == {0, 1, 2, 3}  # (no rank sent anything in between)
+    finally:
+        for s in socks.values():
+            s.close()
+        ctx.term()
+        c.close()

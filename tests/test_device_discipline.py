@@ -9,6 +9,10 @@ is meant), or be moved at once (``.to(...)``).
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.compat
+
 REPO = Path(__file__).resolve().parents[1]
 FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "linspace", "eye", "rand",
              "randn", "randint", "randperm", "empty_strided"}

@@ -23,7 +23,7 @@ def args(*extra):
     return [*TINY, "--global-batch-size", "16", "--lr-decay-iters", str(LAST), "--enable-high-availability", *extra]
 
 
-@pytest.mark.parametrize("precision", [(), ("--bf16",)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("precision", [(), pytest.param(("--bf16",), marks=pytest.mark.compat)], ids=["fp32", "bf16"])
 def test_a_lost_rank_without_a_spare_scales_the_job_in_under_the_controller(tmp_path, precision):
     """``--enable-elastic-training`` alone, rank 1 killed in step 6 (no recover, so no spare): the
     controller plans, the kept ranks 0 and 3 scale in, rank 2 is parked (it exits 0), and the job ends

@@ -21,6 +21,7 @@ def run(*args, timeout=600):
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.compat
 @pytest.mark.skipif(HAS_GPU, reason="a GPU is present: the check runs instead (test_gpu_check_passes)")
 def test_without_a_gpu_it_exits_77_naming_what_is_missing():
     proc, out = run(timeout=60)

@@ -10,11 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from helpers import (PRETRAIN, TINY, all_rank_events, assert_ok, clean_env, events, free_port, losses, recomputed,
-                     twins_agree)
+from helpers import (PRETRAIN, TINY, TINY_ITERS, all_rank_events, assert_ok, clean_env, events, free_port, losses,
+                     recomputed, twins_agree)
 
 MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
-ITERS = 8
+ITERS = TINY_ITERS  # (the shared fault-free runs': references.tiny)
 TP2 = ["--tensor-model-parallel-size", "2"]
 
 
@@ -30,14 +30,10 @@ def job(log_dir, nproc=4, inject=None, extra=(), timeout=240):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(log_dir))
 
 
-@pytest.fixture(scope="module")
-def ref(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ref")
-    with ThreadPoolExecutor(2) as pool:
-        dp4, tp2 = pool.submit(job, d / "dp4", 4), pool.submit(job, d / "tp2", 8, None, TP2)
-        assert_ok(dp4.result())
-        assert_ok(tp2.result())
-    return {"dp4": losses(d / "dp4"), "tp2": losses(d / "tp2")}
+@pytest.fixture
+def ref(references):
+    """The fault-free runs, DP=4 and TP=2 x DP=4 (shared with the other drills of the session)."""
+    return references.tiny_layouts()
 
 
 def check_recovered(proc, log_dir, want, nproc=4, n=1) -> list:
@@ -87,6 +83,7 @@ def test_uce_then_kill_tp2_dp4(tmp_path, ref):
     assert [e["strategy"] for e in rec] == ["retry", "recover"]
 
 
+@pytest.mark.compat
 def test_two_uces_in_different_replica_pairs_at_once(tmp_path, ref):
     proc = job(tmp_path, inject="uce:rank=1:step=3:phase=backward,uce:rank=2:step=3:phase=backward")
     check_recovered(proc, tmp_path, ref["dp4"])
@@ -181,6 +178,7 @@ def test_kill_each_phase_dp4_restarts_only_that_worker(tmp_path, ref, name):
     assert [f["ranks"] for f in fatal] == [[r] for k, r, _, _ in faults if k == "ecc"]
 
 
+@pytest.mark.compat
 def test_uce_then_kill_retry_and_recover_in_one_job(tmp_path, ref):
     """The issue's acceptance run: a memory error repaired in place, then a killed worker restarted."""
     proc = job(tmp_path, inject="uce:rank=2:step=4:phase=backward,kill:rank=1:step=7:phase=optimizer", extra=ARF)

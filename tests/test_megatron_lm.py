@@ -172,6 +172,7 @@ def fault_free(tmp_path_factory):
     return losses(d)
 
 
+@pytest.mark.compat
 def test_megatron_lm_retry_rolls_back_and_forward_bit_identical(tmp_path, fault_free):
     """Megatron-LM's own loop repaired in place (retry), each fault its own recovery: a uce in the
     backward (the step is recomputed with the same microbatches, replayed), a uce at the start of the

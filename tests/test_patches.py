@@ -5,6 +5,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.compat  # (the CPU shim and device detection, on every torch CI tests)
+
 from mindspeed_ha.device import Device, DeviceError, detect
 
 

@@ -264,6 +264,13 @@ class Controller:
         self._ack = P.encode("ack", epoch=self.epoch, state=self.machine.state.value, standby=self.standby,
                              backups=self.standbys.endpoints())
 
+    def push_backups(self) -> None:
+        """Every live rank and agent learns the standbys now, not in its next heartbeat's answer: a
+        controller lost right after naming them leaves nobody that does not know where to go."""
+        self._refresh_ack()
+        idents = [i.ident for i in self.ranks.values() if i.alive] + [a.ident for a in self.agents.values()]
+        self.router.fan_out(idents, self._ack)
+
     def order(self, action: str, ranks, args=None, cli=None) -> int:
         """Send ``action`` to the live ones of ``ranks``; their answers collect under the returned id.
         The host rank's ``exit`` is left out: it exits last, locally."""

@@ -120,7 +120,7 @@ class Inbox:
                 self.c.events.emit("migrate_refused", rank=self.c.rank, why=f"handover failed: {msg.get('error')}")
         if msg["action"] == "standby" and msg["ok"]:
             self.c.standbys.up(r, msg.get("data") or "")
-            self.c._refresh_ack()
+            self.c.push_backups()
             self.c._announce(quiet=True)  # a client that never got an ack naming it finds it there
             self.c.events.emit("standby", rank=r, endpoint=msg.get("data") or "")
         if pend.get("cli") is not None:

@@ -37,7 +37,7 @@ class Succession:
         if new:
             c.order("standby", new, {"world": c.world, "epoch": c.epoch, "controller": -1 if c.rank is None else c.rank})
         if lost:
-            c._refresh_ack()
+            c.push_backups()
             c._announce(quiet=True)
             log.info("standby controller(s) on rank(s) %s lost; new standby on %s", lost, new)
 
