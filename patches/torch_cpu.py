@@ -1,4 +1,6 @@
 """torch.cuda -> CPU stand-ins (applied only when the device layer picked cpu)."""
+import os
+
 import torch
 
 from mindspeed_ha.device import cpu
@@ -53,6 +55,9 @@ def patches(ctx=None):
 
 def after_apply(ctx=None):
     global _mode
+    # With it, torch.cuda.is_available() asks device_count(), which the shim answers 1 (megatron-core
+    # divides by it): torch's own code would then reach for the driver.
+    os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
     # megatron jit-fuses a few MoE and activation functions with torch.compile: on the CPU that is a
     # C++ compile per function for tiny tensors; run them eagerly instead.
     import torch._dynamo

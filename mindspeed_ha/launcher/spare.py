@@ -161,19 +161,27 @@ def wanted(script_args: list[str], env=os.environ) -> int:
     return opts.spares if opts is not None and "recover" in opts.strategies else 0
 
 
+def node_device(env=os.environ) -> str | None:
+    """What this node's workers will train on (None: they will refuse, and say why)."""
+    from mindspeed_ha.device import DeviceError, detect
+    try:
+        return detect(env).kind
+    except DeviceError:
+        return None
+
+
 def forks_workers(script_args: list[str], env=os.environ) -> bool:
     """Whether a node's first workers are forks of a template: a script with HA on (it waits for an
     assignment in a template, as a spare does), on a node that trains on the CPU.
     MINDSPEED_HA_FORK_WORKERS=0 turns it off."""
-    from mindspeed_ha.device import DeviceError, detect
     from mindspeed_ha.options import from_script_args
     if env.get("MINDSPEED_HA_FORK_WORKERS", "1") == "0" or not hasattr(os, "fork"):
         return False
     opts = from_script_args(script_args, env)
-    try:
-        return opts is not None and opts.enabled and detect(env).kind == "cpu"
-    except DeviceError:
-        return False  # (the workers say why)
+    return opts is not None and opts.enabled and node_device(env) == "cpu"
+
+
+
 
 
 class Forked:
@@ -355,8 +363,8 @@ class Pool:
         os.close(self._report_w)
 
     def _popen(self, extra: dict) -> subprocess.Popen:
-        # torch.cuda.is_available() from NVML, not the driver: a template on a GPU node must fork
-        # without a CUDA context (megatron-core asks it at import).
+        # torch.cuda.is_available() from NVML, not the driver: a template on a GPU node forks spares and
+        # must not hold a CUDA context (megatron-core asks at import). (The CPU shim drops it again.)
         env = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **self.env, ENV: "1", REPORT_FD: str(self._report_w), **extra}
         return subprocess.Popen(self.cmd, env=env, stdin=subprocess.PIPE, start_new_session=True,
                                 pass_fds=(self._report_w,))
