@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--rank", type=int, required=True)
     i.add_argument("--step", type=int, default=None)
     i.add_argument("--phase", default=None, choices=INJECT_PHASES)
-    i.add_argument("--factor", type=float, default=None, help="slow: steps take FACTOR times as long (default 3)")
+    i.add_argument("--factor", type=float, default=None, help="slow: steps take FACTOR times as long (default 3; 1: back to full speed)")
     m = sub.add_parser("migrate", help="move a rank to a spare worker at the next step boundary")
     _add_security(m)
     m.add_argument("--rank", type=int, required=True)

@@ -11,7 +11,8 @@
            | cuda-illegal-address (a real one, on a GPU: a Triton kernel stores out of bounds, and
              the CUDA context is poisoned for good: process-fatal)
            | slow (from step S on, this process's steps take FACTOR times as long: it sleeps at
-             each step's start; ``:factor=F``, default 3 — a straggler for migration drills)
+             each step's start; ``:factor=F``, default 3 — a straggler for migration drills;
+             factor 1 ends an earlier slowdown: the straggler is back to speed)
     PHASE  forward (default) | backward | grad-sync | optimizer | param-sync | checkpoint
            | recovery (when the rank starts serving an in-job recovery of a fault in step S, or
              parks before step S for a migration: a fault during recovery)
@@ -99,8 +100,8 @@ def validate(kind: str, rank, step, phase: str | None, spec: str | None = None, 
         raise _bad(spec, "rank is required")
     if factor is not None and kind != "slow":
         raise _bad(spec, "factor is for the slow kind only")
-    if factor is not None and not (isinstance(factor, (int, float)) and 1.0 < factor <= 100.0):
-        raise _bad(spec, f"factor must be a number above 1 (at most 100), got {factor!r}")
+    if factor is not None and not (isinstance(factor, (int, float)) and 1.0 <= factor <= 100.0):
+        raise _bad(spec, f"factor must be a number from 1 (back to full speed) to 100, got {factor!r}")
     return Fault(kind, rank, step, phase, factor=float(factor or 3.0))
 
 

@@ -120,6 +120,18 @@ class Cluster:
         self.wait(lambda: self.controller("scaled_in"), "the scale-in", timeout=120)
         self.wait(lambda: self.iteration() >= self.controller("scaled_in")[-1]["iteration"] + 2, "2 steps at DP=2")
 
+    def unpace(self, rank: int, controller_node: int | None = None) -> None:
+        """The drill's events are over: ``rank``, which paced the job (a ``slow`` fault, so that nodes
+        could come and go between steps), takes its steps at full speed again (``slow`` with factor 1,
+        through the active controller: found in the job store, or in ``controller_node``'s log dir
+        when node 0, which served the store, is gone), so the job's remaining steps are not paced."""
+        where = ["--job-store", f"127.0.0.1:{self.port}"] if controller_node is None else \
+            ["--log-dir", str(self.node_dir[controller_node])]
+        p = subprocess.run(MINDSPEED_HA + ["inject", *where, "--kind", "slow", "--rank", str(rank), "--factor", "1",
+                                           "--timeout", "15"],
+                           env=self.env, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stdout + p.stderr
+
     def out(self, node: int) -> str:
         return (self.node_dir[node] / "agent.out").read_text()[-4000:]
 
@@ -243,6 +255,7 @@ def test_controller_node_lost_three_times(tmp_path, keys, ref):
             c.start(node)
             c.wait(lambda: len(c.controller("recovered")) >= n, f"recovery {n} (node {node})", timeout=240)
             step = c.controller("recovered")[-1]["iteration"] + 3
+        c.unpace(0)
         assert c.agents[0].wait(240) == 0, c.out(0)
         assert c.agents[1].wait(60) == 0, c.out(1)
     finally:
@@ -341,6 +354,7 @@ def test_elastic_node_lost_twice_and_back_twice(tmp_path, keys, loop, request):
                     st.stdout + st.stderr
             c.start(1)
             c.wait(lambda: len(c.controller("scaled_out")) >= n, f"scale-out {n}", timeout=120)
+        c.unpace(0)
         assert c.agents[0].wait(300) == 0, c.out(0)
         assert c.agents[1].wait(60) == 0, c.out(1)
     finally:
@@ -376,6 +390,7 @@ def test_elastic_newcomer_lost_during_the_scale_out(tmp_path, keys, ref_dir):
         c.env["MINDSPEED_HA_INJECT"] = "kill:rank=3:step=any:phase=resize"  # the replacement node's
         c.start(1)
         c.wait(lambda: c.controller("scale_out_refused"), "the newcomer left alone to be refused", timeout=150)
+        c.unpace(0)
         assert c.agents[0].wait(300) == 0, c.out(0)
         assert c.agents[1].wait(60) == 0, c.out(1)
     finally:
@@ -452,6 +467,7 @@ def test_elastic_rank_0s_node_lost_a_standby_scales_the_job_in(tmp_path, keys, l
                "rank 0 between the end of step 11 and its log")
         c.lose(0)
         c.wait(lambda: c.controller("scaled_in"), "the scale-in", timeout=120)
+        c.unpace(2, controller_node=1)
         assert c.agents[1].wait(300) == 0, c.out(1)
     finally:
         c.close()

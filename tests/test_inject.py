@@ -42,6 +42,8 @@ def test_parse_ok(value, expected):
     ("kill:rank=1:rank=2:step=2", "given twice"),
     ("kill:rank=1:step", "not key=value"),
     ("kill:rank=1:step=1,exit", "rank is required"),
+    ("slow:rank=1:step=1:factor=0.5", "factor must be a number from 1 (back to full speed) to 100"),
+    ("exit:rank=1:step=1:factor=2", "factor is for the slow kind only"),
 ])
 def test_parse_errors_name_the_variable_and_show_an_example(value, why):
     with pytest.raises(InjectSpecError) as e:
@@ -279,3 +281,20 @@ def test_many_processes_share_one_rotating_log_without_losing_a_line(tmp_path):
     mine = [ln for ln in lines if " mindspeed_ha.test: line " in ln]
     assert len(mine) == 1600 and all(ln.endswith("x" * 100) for ln in mine)  # none lost, none torn
     assert len({ln.split("line ")[1][:4] + ln.split("writer ")[1][:1] for ln in mine}) == 1600
+
+
+def test_slow_factor_one_ends_a_slowdown(tmp_path):
+    """A straggler drill paces a rank; ``slow`` with factor 1 (live, or at a later step) brings it back
+    to full speed."""
+    import time
+    inj = Injector(0, str(tmp_path), None, parse("slow:rank=0:step=2:factor=3"), job="j")
+    inj.fire_point("forward", 1)
+    time.sleep(0.05)                 # step 1 took ~50 ms
+    inj.fire_point("forward", 2)     # from here each step sleeps ~2 x 50 ms
+    assert 0.08 < inj._slow_s < 0.5
+    inj.add("slow", 0, None, "forward", factor=1)
+    inj.fire_point("forward", 3)     # (it fires at the next phase point: step 3 was already paced)
+    t = time.perf_counter()
+    inj.fire_point("forward", 4)
+    inj.fire_point("forward", 5)
+    assert inj._slow_s == 0 and time.perf_counter() - t < 0.05
