@@ -166,7 +166,7 @@ class RankSession:
         self._track_rng(self.optimizer)
         if self.processor is not None and self.trainer.save_dir:
             from mindspeed_ha.trainer import checkpoint
-            checkpoint.prewarm_writer()
+            checkpoint.prewarm_writer(asynchronous=self.trainer.async_saves)
 
     def _track_rng(self, optimizer) -> None:
         history = self.trainer.rng

@@ -239,12 +239,15 @@ def on_save_checkpoint(original, iteration, *args, **kwargs):
     s = session.current()
     if len(args) > 1:  # Megatron-LM's save_checkpoint(iteration, model, optimizer, ...)
         args = (args[0], unwrap_optimizer(args[1]), *args[2:])
+    from mindspeed_ha.trainer import checkpoint
     if s is None:
         return original(iteration, *args, **kwargs)
 
     def save():
         raise_deferred()  # a collective of the loop before the save failed: a fault as the save starts
         s.fire("checkpoint", iteration)
+        if not get_args().async_save:
+            checkpoint.writer_in_process()
         return original(iteration, *args, **kwargs)
     t0 = time.perf_counter()
     # A fault in the save is recovered like one in a step (every rank back at this iteration), then
@@ -252,7 +255,6 @@ def on_save_checkpoint(original, iteration, *args, **kwargs):
     with _recovery_covers():
         out = s.survive(save, lambda: iteration)
     if not kwargs.get("non_persistent_ckpt"):
-        from mindspeed_ha.trainer import checkpoint
         path = os.path.join(get_args().save, f"iter_{iteration:07d}")
         checkpoint.add_manifest(path, {"kind": "periodic", "iteration": iteration})  # (a collective, as the save)
         s.saved(iteration, path, time.perf_counter() - t0)

@@ -124,6 +124,11 @@ class MegatronLMTrainer(TrainerInterface):
         return get_args().save
 
     @property
+    def async_saves(self) -> bool:
+        from megatron.training import get_args
+        return bool(getattr(get_args(), "async_save", False))
+
+    @property
     def global_batch_size(self) -> int:
         from megatron.training import get_args
         return get_args().global_batch_size

@@ -252,6 +252,7 @@ def write(prep: Prepared, plan: DumpPlan, world, save_dir: str, events=None, pro
         mains = _elect(sd, plan, world, {"optimizer": at_target, "rng": rng_ok, "model": True})
         keys = sorted(set(_sharded_keys(sd)))
         checkpoint.writer_ready()  # never start a second writer manager next to a half-started one
+        checkpoint.writer_in_process()  # (this save is synchronous)
         session = getattr(prep.trainer, "session", None)
         if session is not None:
             session.fire("checkpoint", plan.iteration)  # fault drills: a rank lost mid-dump

@@ -10,6 +10,7 @@ megatron-core's distributed optimizer on torch's Adam (see ``load``).
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import time
 
@@ -97,6 +98,7 @@ def save(trainer, root: str, group=None) -> tuple[str, float]:
         os.makedirs(tmp)
     dist.barrier(group=group)
     sd = state_dict(trainer)
+    writer_in_process()  # (the built-in trainer's saves are synchronous)
     dist_checkpointing.save(sd, tmp, validate_access_integrity=False, content_metadata=SHARDING)
     dist.barrier(group=group)
     add_manifest(tmp, {"kind": "periodic", "iteration": trainer.iteration}, group)
@@ -177,7 +179,17 @@ def before_load(root: str, current, verify_files: bool = True, group=None) -> tu
     return it, path
 
 
-# -- the writer's helper process ---------------------------------------------------------------------
+# -- where the writer hands back its results -----------------------------------------------------------
+def writer_in_process() -> None:
+    """A synchronous save's write results come back inside this process (dist_checkpointing forks its
+    writers and gathers their results here): a plain queue carries them. Left alone, its first save
+    would spawn a multiprocessing manager for that queue, a Python start-up per rank (seconds on a
+    loaded host, on the path of a dying gasp). An asynchronous save (Megatron-LM's --async-save) writes
+    from another process and needs dist_checkpointing's own manager: then this is not called."""
+    if compat.writer_queue() is None:
+        compat.set_writer_queue(queue.Queue())
+
+
 def _import_checkpoint_modules() -> None:
     import torch.distributed.checkpoint  # noqa: F401  (runs in the writer's manager process)
 
@@ -186,10 +198,10 @@ _writer_manager = None
 
 
 def _warm_writer() -> None:
-    """dist_checkpointing's first save spawns a multiprocessing manager whose server then imports
-    torch when it first unpickles write results: seconds each on a busy host. Do both now, with the
-    import in the server's initializer — two client threads unpickling concurrently there can race
-    on that import ("partially initialized module") if it is left to the first requests."""
+    """For asynchronous saves: dist_checkpointing's first save spawns a multiprocessing manager whose
+    server then imports torch when it first unpickles write results: seconds each on a busy host. Do
+    both now, with the import in the server's initializer — two client threads unpickling concurrently
+    there can race on that import ("partially initialized module") if it is left to the first requests."""
     global _writer_manager
     import multiprocessing.managers
     from torch import multiprocessing as mp
@@ -197,9 +209,9 @@ def _warm_writer() -> None:
         return
     manager = multiprocessing.managers.SyncManager(ctx=mp.get_context("spawn"))
     manager.start(_import_checkpoint_modules)
-    queue = manager.Queue()
+    results = manager.Queue()
     if compat.writer_queue() is None:  # a save that started meanwhile made its own: leave it that one
-        compat.set_writer_queue(queue)
+        compat.set_writer_queue(results)
         _writer_manager = manager
     else:
         manager.shutdown()
@@ -208,12 +220,16 @@ def _warm_writer() -> None:
 _prewarm_thread = None
 
 
-def prewarm_writer():
-    """Start the checkpoint writer's helper process in the background (see ``_warm_writer``), so
-    that a rank whose first write is a dying-gasp checkpoint does not pay for it then. (The script
-    must guard ``if __name__ == "__main__"``, as any script that saves must.)"""
+def prewarm_writer(asynchronous: bool = False):
+    """Ready the checkpoint writer now, so that a rank whose first write is a dying-gasp checkpoint does
+    not pay for it then: the in-process queue, or for asynchronous saves the helper process, started in
+    the background (see ``_warm_writer``; the script must guard ``if __name__ == "__main__"``, as any
+    script that saves must)."""
     import threading
     global _prewarm_thread
+    if not asynchronous:
+        writer_in_process()
+        return None
     _prewarm_thread = threading.Thread(target=_warm_writer, name="ha-writer-prewarm", daemon=True)
     _prewarm_thread.start()
     return _prewarm_thread

@@ -24,6 +24,7 @@ class TrainerInterface(abc.ABC):
     save_dir: str | None        # --save (where a dying-gasp checkpoint goes)
     global_batch_size: int      # samples per iteration (scheduler and data position steps)
     micro_batch_size: int       # samples per micro-batch and data-parallel rank
+    async_saves: bool = False   # periodic saves written by another process (Megatron-LM's --async-save)
 
     def __init__(self):
         self.model_chunks, self.optimizer, self.scheduler = [], None, None  # until setup()
