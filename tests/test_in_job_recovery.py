@@ -346,9 +346,9 @@ def test_a_fault_in_a_periodic_save_is_recovered_and_the_save_redone(tmp_path, r
     rec = check_recovered(proc, tmp_path, ref["dp4"])
     assert rec[0]["faults"][0]["phase"] == "checkpoint" and rec[0]["how"] == "rollback"
     assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "iter_0000004", "iter_0000006", "iter_0000008",
-                                                   "latest_checkpointed_iteration.txt"]
+                                                   "iter_0000009", "latest_checkpointed_iteration.txt"]
     saves = [e["iteration"] for e in events(tmp_path, "rank_0") if e["event"] == "checkpoint"]
-    assert saves == [2, 4, 6, 8]
+    assert saves == [2, 4, 6, 8, 9]  # (and the end's)
 
 
 def test_both_twins_poisoned_the_job_goes_on_from_the_periodic_checkpoint(tmp_path, ref):
