@@ -6,11 +6,16 @@ import os
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ..events import get_logger
 from . import election, protocol as P, security
 
 log = get_logger("control.link")
+# A controller whose connection closed and did not come back within this long is gone: its process
+# ended (the kernel closes its sockets at once). A starved or partitioned one keeps its connections:
+# that takes the silence rule (``lost_after``).
+CLOSED_GRACE_S = 0.5
 
 
 def job_id_from_env() -> str | None:
@@ -37,6 +42,8 @@ class ControllerLink:
         # read its acks (8 ranks on 2 cores: > 3 s seen); switching then loses orders in flight.
         self.lost_after = max(6 * heartbeat_s, 6.0)
         self.sock: zmq.Socket | None = None
+        self.monitor: zmq.Socket | None = None   # the socket's connection events
+        self._closed_at = 0.0                    # when the controller's connection closed (0: it is open)
         self.endpoint: str | None = None
         self.epoch = 0
         self.active = False          # answered by a controller that is not a standby
@@ -48,13 +55,14 @@ class ControllerLink:
         self.state = ""              # the controller's state in its last ack
 
     def _connect(self, ep: str) -> None:
-        if self.sock is not None:
-            self.sock.close(linger=0)
+        self._close_sockets(linger=0)
         s = self.ctx.socket(zmq.DEALER)
         s.linger = 500
         s.maxmsgsize = P.MAX_BYTES + 1024
         s.handshake_ivl = 300_000  # a controller busy with a thousand handshakes is slow, not dead
         security.secure_client(s, self.keys)
+        self.monitor = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self._closed_at = 0.0
         s.connect(ep)
         self.sock, self.endpoint = s, ep
         self.answered = self.active = False
@@ -89,9 +97,12 @@ class ControllerLink:
             if ep:
                 self._connect(ep)
             return
+        self._watch_connection(now)
         why = None
         if not self.answered and now - self._t_connect > self.cands.answer_wait:
             why = "no answer"
+        elif self.active and self._closed_at and now - self._closed_at > CLOSED_GRACE_S:
+            why = "its connection closed"
         elif self.answered and not self.active and now - self._standby_since > self.cands.standby_wait:
             why = "standby without quorum"
         elif self.active and now - self._last_heard > self.lost_after:
@@ -102,6 +113,17 @@ class ControllerLink:
                 log.warning("%s lost controller %s (%s); trying %s", self.name, self.endpoint, why, ep)
             if ep:
                 self._connect(ep)
+
+    def _watch_connection(self, now: float) -> None:
+        while self.monitor is not None and self.monitor.poll(0):
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
+            except zmq.ZMQError:
+                return
+            if event == zmq.EVENT_DISCONNECTED:
+                self._closed_at = self._closed_at or now
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._closed_at = 0.0
 
     def switch(self, endpoint: str) -> None:
         """The controller handed over to ``endpoint``: connect there now."""
@@ -155,7 +177,14 @@ class ControllerLink:
                 out.append(msg)
         return out
 
-    def close(self) -> None:
+    def _close_sockets(self, linger: int) -> None:
+        if self.monitor is not None:
+            self.sock.disable_monitor()
+            self.monitor.close(linger=0)
+            self.monitor = None
         if self.sock is not None:
-            self.sock.close(linger=300)
+            self.sock.close(linger=linger)
             self.sock = None
+
+    def close(self) -> None:
+        self._close_sockets(linger=300)
