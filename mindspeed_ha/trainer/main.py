@@ -37,7 +37,6 @@ def run(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     try:
-        compat.check()
         device = detect()
         device.check_local_ranks(local_ranks())
         args = finalize(args, world)
@@ -48,6 +47,7 @@ def run(argv: list[str] | None = None) -> int:
         faults = inject.parse(os.environ.get(inject.ENV, ""))
         inject.check_reachable(faults, world, args.train_iters)
         inject.check_device(faults, device.kind)
+        compat.check()  # last: it imports megatron-core (seconds), the checks above are instant
     except (HAConfigError, ArgError, DeviceError, compat.CompatError, inject.InjectSpecError) as e:
         _fail(str(e))
 
