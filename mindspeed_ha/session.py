@@ -439,9 +439,10 @@ class RankSession:
             # is made now, as what the process holds with it unfinished.
             self.events.emit("resources", after="recovery", settled=False,
                              **self.resources(extra_threads=len(self._unsettled), wait_s=0.0))
-        # (a release still going after 10 s waits for a lost peer, and the other ranks wait in the
-        # job's last barrier meanwhile)
-        self.events.emit("end", iteration=getattr(self.trainer, "iteration", None), **self.resources(wait_s=10.0))
+        # One wait for the settle reports and the end's: a release still going after it waits for a
+        # lost peer (it may never end), and the other ranks wait in the job's last barrier meanwhile.
+        self.events.emit("end", iteration=getattr(self.trainer, "iteration", None),
+                         **self.resources(wait_s=max(0.0, deadline - time.monotonic())))
         self.events.close()
         if _current is self:
             _current = None
