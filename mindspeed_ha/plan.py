@@ -90,9 +90,9 @@ def holders(world: int, statuses: dict, groups: dict | None = None, unusable=())
     """``plan_dump``'s input for the whole job, from what the ranks reported.
 
     ``statuses``: rank -> its shard status (``iteration``, ``updating``, ``touched``,
-    ``replica_group``) for every rank that answered. ``groups``: rank -> replica group as known
-    otherwise (registration), for ranks that did not answer. ``unusable``: ranks that answered but
-    hold nothing usable (a memory error poisoned the shard; a restarted rank holds nothing yet).
+    ``replica_group``, ``poisoned``: a memory error corrupted it) for every rank that answered.
+    ``groups``: rank -> replica group as known otherwise (registration), for ranks that did not
+    answer. ``unusable``: ranks that answered but hold nothing usable otherwise.
     Every other rank is lost; its replica group is the known one, or the survivors' group that
     names it, or just itself (a whole replica group lost: its shard is reported missing)."""
     known = {int(r): list(g) for r, g in (groups or {}).items() if g}
@@ -106,16 +106,11 @@ def holders(world: int, statuses: dict, groups: dict | None = None, unusable=())
         if s is not None and "iteration" in s:
             out[r] = {"iteration": int(s["iteration"]), "updating": bool(s.get("updating", False)),
                       "touched": bool(s.get("touched", True)), "replica_group": list(s["replica_group"]),
-                      "alive": r not in unusable}
+                      "alive": r not in unusable and not s.get("poisoned", False)}
         else:
             out[r] = {"iteration": -1, "updating": False, "touched": False, "alive": False,
                       "replica_group": known.get(r, [r])}
     return out
-
-
-def poisoned(faults) -> set:
-    """Ranks whose optimizer shard a memory error corrupted: alive, but nothing to serve from."""
-    return {r for f in faults if f["kind"] == "memory-error" for r in f["ranks"]}
 
 
 def plan_dump(holders: dict, fallback: tuple | None = None) -> DumpPlan:

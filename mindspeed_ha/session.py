@@ -48,6 +48,9 @@ class RankSession:
         self.last_step = (None, None)  # the iteration and loss of the last step that ended here
         self.phase = "startup"
         self.joining = False  # a restarted worker until it has resumed (recover, elastic scale-out)
+        # A memory error corrupted this rank's optimizer shard: its status says so, and the plans
+        # take the shard from its twin (what the rank holds now decides, not the faults reported).
+        self.shard_poisoned = False
         self.after_setup = None  # a newcomer's scale-out, to finish once its loop has built the model
         self._tracking = False
         self._t_step = time.perf_counter()  # start of the step in flight
@@ -254,7 +257,7 @@ class RankSession:
                      self.rank, iteration, self.phase)
         else:
             kind = fault_kind(exc)
-            self.processor.report_fault(kind, f"{type(exc).__name__}: {exc}", iteration, self.phase)
+            self._report(kind, exc, iteration, self.phase)
             log.error("rank %d: %s fault in iteration %d (%s): %s", self.rank, kind, iteration, self.phase, exc)
         wait = max(30.0, 3 * self.options.hang_timeout_s)
         with self._serving():
@@ -273,7 +276,12 @@ class RankSession:
         from mindspeed_ha.faults import fault_kind
         kind = fault_kind(exc)
         log.error("rank %d: %s fault while serving a recovery: %s", self.rank, kind, exc)
-        self.processor.report_fault(kind, f"{type(exc).__name__}: {exc}", self.trainer.iteration + 1, "recovery")
+        self._report(kind, exc, self.trainer.iteration + 1, "recovery")
+
+    def _report(self, kind: str, exc: BaseException, iteration: int, phase: str) -> None:
+        if kind == "memory-error":  # (until a twin's copy or a checkpoint overwrites it)
+            self.shard_poisoned = True
+        self.processor.report_fault(kind, f"{type(exc).__name__}: {exc}", iteration, phase)
 
     def survive(self, attempt, iteration_of, after_recovery=None):
         """Run ``attempt()`` until it returns. An exception is a fault of this rank: it is reported

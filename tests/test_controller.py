@@ -20,6 +20,7 @@ class FakeRanks:
         self.ctx = zmq.Context()
         self.socks = {}
         self.answer, self.seen = answer, []
+        self.settled: list = []   # (rank, rids) of each "settled" received
         for r in range(world):
             s = self.ctx.socket(zmq.DEALER)
             s.linger = 0
@@ -36,6 +37,8 @@ class FakeRanks:
                 s.send(P.encode("hb", rank=r, it=5, upd=False, health="ok", phase="forward", progress=1.0))
                 while s.poll(0):
                     msg = P.decode(s.recv())
+                    if msg["t"] == "settled":
+                        self.settled.append((r, msg["rids"]))
                     if msg["t"] != "do":
                         continue
                     self.seen.append((r, msg["action"]))
@@ -167,3 +170,50 @@ def test_newcomers_still_waiting_when_the_job_ends_are_told_to_leave(tmp_path):
         assert sent == [("exit", [2, 3], 0), ("leave", [2, 3])]
     finally:
         c.router.close()
+
+
+def retry_answers(poisoned=()):
+    def answer(r, msg):
+        a = msg["action"]
+        if a == "ha-status":
+            return True, {"replica": True, "ended": 5, "iteration": 5, "updating": False, "touched": True,
+                          "replica_group": GROUPS[r], "poisoned": r in poisoned}
+        return True, {"repair": {"received": 0}, "rollback": "rollback", "resume": "resumed"}.get(a, "ok")
+    return answer
+
+
+def test_a_recovered_fault_is_settled_everywhere_and_never_recovered_again(tmp_path, controller):
+    """Rank 1's memory error is recovered (retry): once training resumes, the controller names its
+    report (rid) settled to every rank, whose links then stop re-sending it. A controller that took
+    over later (here: a new one that learned the settled reports, as a standby does from its rank's
+    link) is sent the same report again, by a link that never heard it settled: it is ignored, said
+    in the log and the events, and the job trains on."""
+    c, keys = controller
+    ranks = FakeRanks(c, keys, retry_answers(poisoned={1}))
+    report = P.encode("fault", rank=1, kind="memory-error", iteration=6, phase="backward", detail="UCE ERROR",
+                      at=time.time(), pid=1001, rid="1001.fault.1")
+    try:
+        ranks.pump(5, until=lambda: c.machine.state.value == "normal")
+        ranks.socks[1].send(report)
+        ranks.pump(10, until=lambda: {r for r, _ in ranks.settled} == {0, 1, 2, 3})
+        assert sorted(ranks.settled) == [(r, ["1001.fault.1"]) for r in range(4)], ranks.settled
+        assert [a for r, a in ranks.seen if r == 1] == ["stop", "ha-status", "rebuild", "repair", "rollback", "resume"]
+    finally:
+        ranks.close()
+    c.close()
+    keys2 = security.Keys.load(str(tmp_path), create=False)
+    log2 = tmp_path / "successor"
+    opts = HAOptions(strategies=frozenset({"retry", "dump"}), log_dir=str(log2), hang_timeout_s=600)
+    successor = Controller(str(log2), 4, opts, keys2, host="127.0.0.1", epoch=2, settled=c.settled).start()
+    ranks = FakeRanks(successor, keys2, retry_answers())
+    try:
+        ranks.pump(5, until=lambda: successor.machine.state.value == "normal")
+        ranks.socks[1].send(report)
+        ranks.pump(2)
+        evs = read_events(str(log2 / "events" / "controller.jsonl"))
+        assert [e["rid"] for e in evs if e["event"] == "settled_fault"] == ["1001.fault.1"]
+        assert not [e for e in evs if e["event"] == "fault"] and successor.machine.state.value == "normal"
+        assert {a for _, a in ranks.seen} <= {"standby"}  # nobody stopped (standbys are named, as always)
+    finally:
+        ranks.close()
+        successor.close()

@@ -222,6 +222,27 @@ def test_kill_rank0_each_phase_backup_controller_restarts_it(tmp_path, ref):
     assert takeovers, "no backup controller took over"
 
 
+def test_controller_rank_lost_after_recovered_faults_only_its_loss_is_recovered(tmp_path, ref):
+    """A memory error on rank 2 and a communication fault on rank 1 (retry), rank 3 killed (recover),
+    each recovered; then rank 0, the controller's own process, is killed in its update. The standby
+    that takes over is not told of the recovered faults again (a controller settles each report it
+    recovered, and the links stop re-sending it), so it recovers rank 0's loss alone: rank 2, whose
+    shard a memory error once corrupted and its twin's copy repaired, serves shard [0, 2]. Losses
+    bit-identical."""
+    inject = ("uce:rank=2:step=2:phase=backward,comm:rank=1:step=3:phase=grad-sync,"
+              "kill:rank=3:step=4:phase=forward,kill:rank=0:step=6:phase=optimizer")
+    proc = job(tmp_path, inject=inject, extra=ARF)
+    rec = check_rejoined(proc, tmp_path, ref["dp4"], [3, 0], n=4)
+    assert [e["strategy"] for e in rec] == ["retry", "retry", "recover", "recover"]
+    ctl = events(tmp_path, "controller")
+    (takeover,) = [e for e in ctl + all_rank_events(tmp_path) if e["event"] == "takeover"]
+    # What the new controller is told: rank 0's exit and what it broke in the survivors' collectives
+    # of step 6 or later; none of the faults of steps 2 to 4 again.
+    told = [(e["ranks"], e["kind"], e["iteration"]) for e in ctl if e["event"] == "fault" and e["pid"] == takeover["pid"]]
+    assert ([0], "process-exit", 6) in told and all(it >= 6 for _, _, it in told), told
+    assert all(f["iteration"] >= 6 for f in rec[-1]["faults"]) and rec[-1]["strategy"] == "recover"
+
+
 def test_node_lost_replacement_agent_joins(tmp_path, ref):
     """Two agents as two nodes (2 workers each). Node 1 is lost while its rank 3 hangs in step 4: its
     agent and rank 2 are killed, rank 3 is stopped (SIGSTOP: alive, silent, out of anyone's reach).

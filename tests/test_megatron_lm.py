@@ -218,10 +218,12 @@ def test_megatron_lm_recover_restarts_only_the_killed_workers(tmp_path, fault_fr
     finished it: roll forward, the newcomer takes the DP-reduced loss from its twin) and rank 2 in the
     backward of step 5 (roll back). Each newcomer runs Megatron-LM's set-up without --load, joins the
     rebuilt groups, takes shard, counters, scheduler and RNG from its twin and enters the loop where
-    the survivors are. Then a uce on rank 3 (retry). Every loss equals the fault-free run's bits, and
-    Megatron-LM's periodic saves work after the recoveries (its cached strategy's group re-pointed)."""
+    the survivors are. Then a uce on rank 3 (retry). Then rank 0, the controller's own process, is
+    killed in its update: the standby that takes over is not told of the three recovered faults again
+    and restarts rank 0 alone. Every loss equals the fault-free run's bits, and Megatron-LM's periodic
+    saves work after the recoveries (its cached strategy's group re-pointed)."""
     faults = ("kill:rank=1:step=3:phase=optimizer,kill:rank=2:step=5:phase=backward,"
-              "uce:rank=3:step=8:phase=backward")
+              "uce:rank=3:step=8:phase=backward,kill:rank=0:step=9:phase=optimizer")
     proc = _mindspeed_ha_run(tmp_path, "--enable-worker-reboot", "--enable-hbmfault-repair",
                              "--save", str(tmp_path / "ck"), "--save-interval", "4", *VERIFY,
                              "--tensorboard-dir", str(tmp_path / "tb"), inject=faults)
@@ -231,7 +233,12 @@ def test_megatron_lm_recover_restarts_only_the_killed_workers(tmp_path, fault_fr
     from helpers import events as read_events
     rec = [e for e in read_events(tmp_path, "controller") if e["event"] == "recovered"]
     assert [(e["strategy"], e["iteration"], e["how"], e["lost_steps"]) for e in rec] == [
-        ("recover", 3, "roll-forward", 0), ("recover", 4, "rollback", 0), ("retry", 7, "rollback", 0)]
+        ("recover", 3, "roll-forward", 0), ("recover", 4, "rollback", 0), ("retry", 7, "rollback", 0),
+        ("recover", 9, "roll-forward", 0)]
+    ctl = read_events(tmp_path, "controller")
+    (takeover,) = [e for e in ctl if e["event"] == "takeover"]
+    told = [e["iteration"] for e in ctl if e["event"] == "fault" and e["pid"] == takeover["pid"]]
+    assert told and all(it == 9 for it in told), told  # rank 0's loss and what it broke, nothing older
     # Megatron-LM's TensorBoard writer (the last rank's) got each recovery at the step that closed it.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     tb = EventAccumulator(str(tmp_path / "tb"))
@@ -239,14 +246,14 @@ def test_megatron_lm_recover_restarts_only_the_killed_workers(tmp_path, fault_fr
     seconds = tb.Scalars("ha/recovery_seconds")
     assert [s.step for s in seconds] == [e["iteration"] + 1 for e in rec]
     assert all(0 < s.value < 30 for s in seconds)
-    assert [s.value for s in tb.Scalars("ha/lost_steps")] == [0.0] * 3
+    assert [s.value for s in tb.Scalars("ha/lost_steps")] == [0.0] * 4
     assert all(e["mttr_s"] < 10 for e in rec)
     twins_agree(tmp_path, rec)
     pids: dict = {}
     for e in all_rank_events(tmp_path):
         if e["event"] == "start":
             pids.setdefault(e["rank"], []).append(e["pid"])
-    assert {r: len(p) for r, p in pids.items()} == {0: 1, 1: 2, 2: 2, 3: 1}  # one new process per kill
+    assert {r: len(p) for r, p in pids.items()} == {0: 2, 1: 2, 2: 2, 3: 1}  # one new process per kill
     assert {p.name for p in (tmp_path / "ck").glob("iter_*")} == {"iter_0000004", "iter_0000008", "iter_0000010"}
 
 

@@ -109,8 +109,9 @@ def shard(it, upd=False, touched=True, rank=None):
             "replica": True}
 
 
-def statuses(it=5, ranks=(0, 1, 2, 3)):
-    return {r: shard(it, rank=r) for r in ranks}
+def statuses(it=5, ranks=(0, 1, 2, 3), poisoned=()):
+    """What the ranks answer: ``poisoned``, those whose shard a memory error corrupted."""
+    return {r: {**shard(it, rank=r), **({"poisoned": True} if r in poisoned else {})} for r in ranks}
 
 
 def episode(port, strategy="retry", faults=(), replica=True):
@@ -273,7 +274,7 @@ def test_retry_every_round_in_order():
     ep = episode(port, faults=[UCE2])
     runner, out = play(PB.RETRY, S.REPAIR, ep)
     assert out is None and port.last()[1:3] == ("ha-status", [0, 1, 2, 3])
-    port.answer(statuses())
+    port.answer(statuses(poisoned=[2]))
     assert runner.tick() is None  # plan (controller alone) then the rebuild order
     oid, action, ranks, args = port.last()
     assert action == "rebuild" and ranks == [0, 1, 2, 3]
@@ -349,11 +350,24 @@ def test_retry_refused_when_a_shard_has_no_healthy_holder_and_no_checkpoint():
     port = FakePort()
     both = [UCE2, {**UCE2, "ranks": [0]}]
     runner, _ = play(PB.RETRY, S.REPAIR, episode(port, faults=both))
-    port.answer(statuses())
+    port.answer(statuses(poisoned=[0, 2]))
     out = runner.tick()
     assert out[0] == "failed" and "[0, 2]" in out[1] and "every replica lost" in out[1]
     assert "no periodic checkpoint every rank can reload" in out[1]
     assert [o[1] for o in port.orders] == ["ha-status"]  # nothing rebuilt
+
+
+def test_a_memory_error_already_repaired_leaves_its_rank_a_holder():
+    """Rank 2's memory error of an earlier episode is among the faults (a controller that took over
+    was told of it again), but rank 2's shard was repaired since: its status is what counts, so
+    when rank 0 is lost, rank 2 serves shard [0, 2]."""
+    port = FakePort(live=(1, 2, 3), lost=(0,))
+    ep = episode(port, strategy="recover", faults=[UCE2, {**KILL1, "ranks": [0]}])
+    runner, _ = play(PB.RETRY, S.REPAIR, ep)
+    port.answer(statuses(ranks=(1, 2, 3)))
+    assert runner.tick() is None and port.last()[1] == "rebuild", port.orders
+    (plan,) = port.event("repair_plan")
+    assert plan["iteration"] == 5 and "reload" not in plan
 
 
 def test_both_twins_lost_falls_back_to_the_periodic_checkpoint():
@@ -362,7 +376,7 @@ def test_both_twins_lost_falls_back_to_the_periodic_checkpoint():
     port = FakePort()
     ep = episode(port, faults=[UCE2, {**UCE2, "ranks": [0]}])
     runner, _ = play(PB.RETRY, S.REPAIR, ep)
-    port.answer({r: {**shard(5, rank=r), "checkpoint": [3, "/ck/iter_0000003"]} for r in range(4)})
+    port.answer({r: {**st, "checkpoint": [3, "/ck/iter_0000003"]} for r, st in statuses(poisoned=[0, 2]).items()})
     assert runner.tick() is None and port.last()[1] == "rebuild"
     (plan,) = port.event("repair_plan")
     assert plan["iteration"] == 3 and plan["lost_steps"] == 2 and "every replica lost" in plan["reason"]
@@ -577,13 +591,24 @@ def test_dump_status_plan_write():
     assert "dying-gasp checkpoint of iteration 6 written to /ck/iter_0000006" in port.note
 
 
-def test_dump_poisoned_and_refusing_ranks_are_left_out():
+def test_dump_poisoned_joining_and_refusing_ranks_are_left_out():
+    """Rank 2's shard is corrupted and rank 1 is a restarted worker still joining: each says it holds
+    nothing (neither raises), and 0 and 3, a holder of each shard, write the dump."""
     port, clock = FakePort(), Clock()
     ep = episode(port, "dump", faults=[UCE2])
     runner, _ = play(PB.DUMP, S.DUMP, ep, clock)
-    assert port.last()[2] == [0, 1, 3]  # rank 2's shard is poisoned: not asked
-    port.answer({0: dump_status(rank=0), 1: RuntimeError("no --save directory"), 3: dump_status(rank=3)})
-    assert runner.tick() is None and port.last()[2] == [0, 3]
+    assert port.last()[2] == [0, 1, 2, 3]  # every live rank is asked: each says what it holds
+    port.answer({0: dump_status(rank=0), 1: {"holds": False, "why": "restarted, it holds no state yet"},
+                 2: {"holds": False, "why": "a memory error corrupted its optimizer shard"}, 3: dump_status(rank=3)})
+    assert runner.tick() is None and port.last()[1:3] == ("dump", [0, 3])
+
+
+def test_dump_a_refusing_rank_is_left_out():
+    port, clock = FakePort(), Clock()
+    runner, _ = play(PB.DUMP, S.DUMP, episode(port, "dump"), clock)
+    port.answer({0: dump_status(rank=0), 1: dump_status(rank=1), 2: RuntimeError("no --save directory"),
+                 3: dump_status(rank=3)})
+    assert runner.tick() is None and port.last()[1:3] == ("dump", [0, 1, 3])
 
 
 def test_dump_a_silent_survivor_is_left_out_after_the_wait():

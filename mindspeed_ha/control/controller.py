@@ -111,7 +111,7 @@ class Controller:
                  keys: security.Keys | None = None, host: str | None = None, port: int = 0,
                  rank: int | None = None, standby: bool = False, epoch: int = 1,
                  job_id: str | None = None, local_exit=None, write_json: bool = True, job_store=None,
-                 previous: int | None = None):
+                 previous: int | None = None, settled=()):
         self.log_dir, self.world = log_dir, int(world_size)
         self.options = options or HAOptions(strategies=frozenset({"dump"}), log_dir=log_dir)
         self.job_id = job_id or os.environ.get("MINDSPEED_HA_JOB_ID")
@@ -129,6 +129,9 @@ class Controller:
         self.faults: list[dict] = []          # every fault, for status and the diagnosis
         self.active_faults: list[dict] = []   # faults of the episode being handled
         self._fault_keys: set = set()
+        # The reports (rids) whose fault a recovery dealt with, by this controller or an earlier one: a
+        # link re-sends what it was not told is settled, and a report is never acted on twice.
+        self.settled: set[str] = set(settled)
         self._deferred: list[dict] = []       # faults reported to a standby, handled on promotion
         self.standbys = election.Standbys()
         self.exit_code = 0
@@ -339,12 +342,32 @@ class Controller:
         self.router.fan_out((a.ident for a in self.agents.values()), data)
 
     # ---- detection ----------------------------------------------------------------------------
-    def _fault(self, ranks, kind, iteration, phase, detect_s=0.0, detail="", key=None) -> None:
+    def settle(self, rids) -> None:
+        """A standby learns the reports its controller settled (from its own rank's link)."""
+        self.settled.update(rids)
+
+    def _settle_episode(self) -> None:
+        """The recovery is done (training resumed): its reports are settled, here and at every rank
+        and agent, whose links then stop re-sending them, and at the standbys' ranks."""
+        rids = [f["rid"] for f in self.active_faults if f.get("rid")]
+        if not rids:
+            return
+        self.settled.update(rids)
+        idents = [i.ident for i in self.ranks.values() if i.alive] + [a.ident for a in self.agents.values()]
+        self.router.fan_out(idents, P.encode("settled", rids=rids))
+
+    def _fault(self, ranks, kind, iteration, phase, detect_s=0.0, detail="", key=None, rid=None) -> None:
         key = key or (kind, tuple(ranks), iteration)
         if key in self._fault_keys:
             return
         self._fault_keys.add(key)
-        rec = {"ranks": list(ranks), "kind": kind, "iteration": iteration, "phase": phase,
+        if rid is not None and rid in self.settled:
+            self.router.drops.drop("settled", f"rank(s) {list(ranks)} {kind} at iteration {iteration} ({rid})")
+            self.events.emit("settled_fault", ranks=list(ranks), kind=kind, iteration=iteration, rid=rid)
+            log.info("rank(s) %s: %s at iteration %s was re-sent (report %s), but a recovery already dealt with "
+                     "it: ignored", list(ranks), kind, iteration, rid)
+            return
+        rec = {"ranks": list(ranks), "kind": kind, "iteration": iteration, "phase": phase, "rid": rid,
                "detect_s": round(detect_s, 4), "detail": detail, "time": time.time(),
                "nodes": [self.ranks[r].node if r in self.ranks else "?" for r in ranks],
                "t_detect": time.monotonic(), "cpu_detect": time.thread_time()}
@@ -514,6 +537,7 @@ class Controller:
         self.table.heard_all(now)  # detection clocks start with training, not at registration
         came_from = self.machine.history[-1][0] if self.machine.history else None
         if came_from == S.ROLLBACK and self.episode is not None:  # a recovery ended: its first step closes it
+            self._settle_episode()
             self.first_step = FirstStep(self.episode, list(self.active_faults), now)
             self.active_faults.clear()
             self.table.moved(now)

@@ -101,7 +101,7 @@ class Inbox:
         at = msg.get("at")
         self.c._fault([r], msg["kind"], msg["iteration"], msg["phase"],
                     detect_s=max(0.0, time.time() - at) if at else 0.0, detail=msg.get("detail", ""),
-                    key=("fault", r, msg["kind"], at))
+                    key=("fault", r, msg["kind"], at), rid=msg.get("rid"))
 
     def result(self, ident, msg) -> None:
         r = self.c.table.check(msg["rank"])
@@ -194,7 +194,7 @@ class Inbox:
         phase = msg.get("phase", info.phase if info else "unknown")
         at = msg.get("at")
         self.c._fault([r], "process-exit", it, phase, detect_s=max(0.0, time.time() - at) if at else 0.0,
-                    detail=f"pid {msg['pid']} {how}", key=("exit", r, msg["pid"]))
+                    detail=f"pid {msg['pid']} {how}", key=("exit", r, msg["pid"]), rid=msg.get("rid"))
 
     def status(self, ident, msg) -> None:
         self.c.router.send(ident, P.encode("status", body=self.c.status()))

@@ -1,7 +1,6 @@
 """A client's connection to whichever controller is active, with failover (processors and agents)."""
 from __future__ import annotations
 
-import collections
 import os
 import time
 
@@ -16,6 +15,7 @@ log = get_logger("control.link")
 # ended (the kernel closes its sockets at once). A starved or partitioned one keeps its connections:
 # that takes the silence rule (``lost_after``).
 CLOSED_GRACE_S = 0.5
+REPLAY_MAX = 64  # reports kept for a successor
 
 
 def job_id_from_env() -> str | None:
@@ -25,9 +25,10 @@ def job_id_from_env() -> str | None:
 class ControllerLink:
     """A DEALER connection to whichever controller is active, with failover.
 
-    ``hello()`` returns the registration frame, resent on every new connection; frames sent with
-    ``replay=True`` (fault and exit reports) are resent after it too, so a report made while the
-    controller was dying reaches its successor (controllers de-duplicate)."""
+    ``hello()`` returns the registration frame, resent on every new connection; reports sent with a
+    ``rid`` (faults, exits, preemption) are resent after it too, so a report made while the
+    controller was dying reaches its successor — until a controller says it ``settled`` them (a
+    recovery dealt with their fault): a successor must not recover the same fault twice."""
 
     def __init__(self, keys: security.Keys, log_dir: str, job_id: str | None, hello, heartbeat_s: float,
                  name: str = "processor", ctx: zmq.Context | None = None, store=None):
@@ -49,7 +50,7 @@ class ControllerLink:
         self.active = False          # answered by a controller that is not a standby
         self.answered = False
         self._t_connect = self._last_heard = self._standby_since = self._last_maintain = 0.0
-        self._replay: collections.deque = collections.deque(maxlen=64)
+        self._replay: dict[str, bytes] = {}   # rid -> report not settled yet, in the order sent
         self.drops = P.DropCounter(log)
         self.ever_active = False
         self.state = ""              # the controller's state in its last ack
@@ -69,7 +70,7 @@ class ControllerLink:
         self._t_connect = time.monotonic()
         self._standby_since = 0.0
         self._send_raw(self.hello())
-        for data in list(self._replay):
+        for data in list(self._replay.values()):
             self._send_raw(data)
 
     def _send_raw(self, data: bytes) -> None:
@@ -78,9 +79,12 @@ class ControllerLink:
         except zmq.ZMQError:
             pass
 
-    def send(self, data: bytes, replay: bool = False) -> None:
-        if replay:
-            self._replay.append(data)
+    def send(self, data: bytes, rid: str | None = None) -> None:
+        """``rid``: a report to re-send to every new controller until one settles it."""
+        if rid is not None:
+            self._replay[rid] = data
+            while len(self._replay) > REPLAY_MAX:  # (the oldest first: a job of many faults)
+                del self._replay[next(iter(self._replay))]
         if self.sock is not None:
             self._send_raw(data)
 
@@ -172,6 +176,10 @@ class ControllerLink:
                 self._send_raw(self.hello())
             elif t == "do":
                 self._last_heard = now
+                out.append(msg)
+            elif t == "settled":
+                for rid in msg["rids"]:
+                    self._replay.pop(rid, None)
                 out.append(msg)
             else:
                 out.append(msg)

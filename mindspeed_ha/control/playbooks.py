@@ -171,7 +171,8 @@ def _plan(ep: Episode):
         if unknown:
             return Fail(f"the replica group of rank(s) {unknown} is unknown")
         groups = {r: ep.group_of(r) for r in ep.joiners}
-        holders = planner.holders(ep.world, ep.statuses, groups, unusable=planner.poisoned(ep.faults))
+        # (which shards a memory error corrupted: their ranks say so, however long ago it was reported)
+        holders = planner.holders(ep.world, ep.statuses, groups)
         plan = planner.plan_repair(holders, ep.joiners)
         if plan.ok:
             ep.plan, ep.mode, ep.generation = plan, "repair", ep.port.new_generation()
@@ -383,15 +384,18 @@ SCALE_OUT = Playbook("scale-out", {
 
 # ---- dump (the dying-gasp checkpoint) -----------------------------------------------------------------
 def _dump_status_to(ep: Episode) -> list:
-    # A poisoned shard must not be saved; a hung rank will not answer.
-    asked = sorted(ep.port.live() - planner.poisoned(ep.faults) - hung(ep))
+    # A hung rank will not answer. (One with nothing to save says so: corrupted, or still joining.)
+    asked = sorted(ep.port.live() - hung(ep))
     log.info("dump: asking %d live rank(s) for their shard state", len(asked))
     return asked
 
 
 def _dump_statuses(ep: Episode, ans: Answers):
     refused = {r: why for r, why in ans.failed.items() if why not in ("lost", "no answer")}
-    ep.statuses = dict(ans.ok)
+    empty = {r: s.get("why", "") for r, s in ans.ok.items() if not s.get("holds", True)}
+    if empty:
+        log.info("dump: rank(s) %s hold nothing to save (%s)", sorted(empty), "; ".join(sorted(set(empty.values()))))
+    ep.statuses = {r: s for r, s in ans.ok.items() if r not in empty}
     ep.state_bytes = sum(int(s.get("bytes", 0)) for s in ep.statuses.values())
     if not ep.statuses:
         return Fail(f"no survivor could prepare its state ({next(iter(refused.values()), 'no live rank answered')})")

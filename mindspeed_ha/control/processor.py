@@ -69,6 +69,10 @@ class Processor:
         self.loss = None
         self.checkpoint = -1   # the newest iteration this rank saved
         self._progress = 0.0
+        self._reports = 0      # fault reports made (each one's rid)
+        # Reports of any rank that a controller settled: a standby hosted here learns them, so that
+        # one re-sent to it after a takeover is not recovered twice.
+        self.settled: set[str] = set()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._main: queue.SimpleQueue = queue.SimpleQueue()   # orders for the training thread
@@ -134,7 +138,9 @@ class Processor:
             previous = signal.getsignal(sig)
 
             def on_signal(signum, frame, previous=previous):
-                self._outbox.put((P.encode("preempt", signal=int(signum), rank=self.rank, pid=os.getpid()), True))
+                rid = f"{os.getpid()}.preempt"
+                self._outbox.put((P.encode("preempt", signal=int(signum), rank=self.rank, pid=os.getpid(), rid=rid),
+                                  rid))
                 if callable(previous):
                     previous(signum, frame)
             signal.signal(sig, on_signal)
@@ -225,8 +231,11 @@ class Processor:
         if self.events:
             self.events.emit("exception", kind=kind, iteration=int(iteration), phase=phase, detail=detail)
         self._sent.clear()
+        self._reports += 1
+        rid = f"{os.getpid()}.fault.{self._reports}"
         self._outbox.put((P.encode("fault", rank=self.rank, kind=kind, iteration=int(iteration),
-                                   phase=str(phase)[:64], detail=detail, at=time.time(), pid=os.getpid()), True))
+                                   phase=str(phase)[:64], detail=detail, at=time.time(), pid=os.getpid(), rid=rid),
+                          rid))
         self._sent.wait(1.0)  # handed to ZeroMQ before the caller may let the process die
 
     def serve_order(self, timeout: float) -> str | None:
@@ -258,8 +267,8 @@ class Processor:
                         item = self._outbox.get_nowait()
                     except queue.Empty:
                         break
-                    data, replay = item if isinstance(item, tuple) else (item, False)
-                    self.link.send(data, replay=replay)
+                    data, rid = item if isinstance(item, tuple) else (item, None)
+                    self.link.send(data, rid=rid)
                     self._sent.set()
                 now = time.monotonic()
                 if now >= next_hb or self._hb_now:
@@ -274,6 +283,8 @@ class Processor:
                 for msg in self.link.receive(20):
                     if msg["t"] == "do":
                         self._dispatch(msg)
+                    elif msg["t"] == "settled":
+                        self._settled(msg["rids"])
                 if self.link.active and not was_active:
                     self.events.emit("controller", endpoint=self.link.endpoint, epoch=self.link.epoch)
                 was_active = self.link.active
@@ -353,8 +364,13 @@ class Processor:
             self.controller = Controller(self.log_dir, self.world, self.options, self.keys, rank=self.rank,
                                          standby=True, epoch=int(args.get("epoch", 1)), job_id=self.job_id,
                                          local_exit=self._exit_now, job_store=self.job_store,
-                                         previous=int(args.get("controller", -1))).start()
+                                         previous=int(args.get("controller", -1)), settled=self.settled).start()
         return self.controller.endpoint
+
+    def _settled(self, rids) -> None:
+        self.settled.update(rids)
+        if self.controller is not None and self.controller.standby:
+            self.controller.settle(rids)
 
     def _take_over(self, args):
         """The active controller hands itself over to this standby (its host is to be migrated)."""

@@ -101,20 +101,24 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "hb": {"rank": (_int, R), "it": (_int, R), "upd": (_bool, R), "health": (_str, R),
            "phase": (_str, O), "progress": (_float, O), "wait": (_bool, O), "pid": (_int, O), "steps": (_int, O),
            "busy": (_float, O), "ckpt": (_int, O)},
+    # A report that a link re-sends to a new controller carries ``rid``, its sender's own id for it:
+    # the controller that recovered it names it in ``settled``, and nobody acts on it again.
     "fault": {"rank": (_int, R), "kind": (_str, R), "iteration": (_int, R), "phase": (_str, R),
-              "detail": (_str, O), "at": (_float, O), "pid": (_int, O)},
+              "detail": (_str, O), "at": (_float, O), "pid": (_int, O), "rid": (_str, O)},
     "result": {"rank": (_int, R), "action": (_str, R), "id": (_int, R), "ok": (_bool, R),
                "data": ("tree", O), "error": (_str, O), "pid": (_int, O)},
     "bye": {"rank": (_int, R), "pid": (_int, O)},
     # the scheduler preempts the job (a signal to a rank or an agent): dying gasp, then exit
-    "preempt": {"signal": (_int, R), "rank": (_int, O), "node_rank": (_int, O), "pid": (_int, O)},
+    "preempt": {"signal": (_int, R), "rank": (_int, O), "node_rank": (_int, O), "pid": (_int, O),
+                "rid": (_str, O)},
     # agent -> controller
     "agent": {"node": (_str, R), "node_rank": (_int, R), "nnodes": (_int, R), "pid": (_int, R),
               "ranks": ("ints", R), "pids": ("ints", R)},
     "agent_hb": {"node_rank": (_int, R), "spares": (_int, O)},
     "health": {"node_rank": (_int, R), "ranks": ("ints", R), "detail": (_str, O)},
     "exit": {"node_rank": (_int, R), "rank": (_int, R), "pid": (_int, R), "code": (_int, O),
-             "signal": (_int, O), "at": (_float, O), "iteration": (_int, O), "phase": (_str, O)},
+             "signal": (_int, O), "at": (_float, O), "iteration": (_int, O), "phase": (_str, O),
+             "rid": (_str, O)},
     # cli -> controller
     "status?": {},
     "inject": {"kind": (_str, R), "rank": (_int, R), "step": (_int, O), "phase": (_str, O), "factor": (_float, O)},
@@ -123,6 +127,7 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "ack": {"epoch": (_int, R), "state": (_str, R), "standby": (_bool, O), "backups": ("strs", O)},
     "do": {"action": (_str, R), "id": (_int, R), "args": ("map", O), "epoch": (_int, R)},
     "status": {"body": ("map", R)},
+    "settled": {"rids": ("strs", R)},  # reports whose fault a recovery has dealt with: never re-send them
     "refused": {"reason": (_str, R)},
 }
 

@@ -75,7 +75,7 @@ class Succession:
         deferred, c._deferred = c._deferred, []
         for rec in deferred:
             c._fault(rec["ranks"], rec["kind"], rec["iteration"], rec["phase"], rec["detect_s"],
-                     rec["detail"], key=("deferred", tuple(rec["ranks"]), rec["kind"], rec["time"]))
+                     rec["detail"], key=("deferred", tuple(rec["ranks"]), rec["kind"], rec["time"]), rid=rec.get("rid"))
 
     # ---- a handover ---------------------------------------------------------------------------
     def hand_over(self, r: int, reason: str) -> str | None:

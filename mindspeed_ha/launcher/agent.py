@@ -198,8 +198,9 @@ class Agent:
             extra = {"iteration": where[0], "phase": where[1][:64]} if where else {}
             self.events.emit("worker_exit", worker_rank=w.rank, worker_pid=w.popen.pid, code=w.code,
                              signal=w.sig, **extra)
+            rid = f"{os.getpid()}.exit.{w.popen.pid}"
             self.link.send(P.encode("exit", node_rank=self.a.node_rank, rank=w.rank, pid=w.popen.pid,
-                                    code=w.code, signal=w.sig, at=at, **extra), replay=True)
+                                    code=w.code, signal=w.sig, at=at, rid=rid, **extra), rid=rid)
             if (w.code or w.sig) and not self.first_failure and self.exit_order is None:
                 self.first_failure = time.monotonic()
                 how = f"signal {w.sig}" if w.sig else f"exit code {w.code}"
@@ -252,7 +253,8 @@ class Agent:
         or no controller, ends the workers at once (torchrun's behaviour)."""
         if self.ha and self.link.active and not self._preempted and self.exit_order is None:
             self._preempted = time.monotonic()
-            self.link.send(P.encode("preempt", node_rank=self.a.node_rank, signal=int(signum)), replay=True)
+            rid = f"{os.getpid()}.preempt"
+            self.link.send(P.encode("preempt", node_rank=self.a.node_rank, signal=int(signum), rid=rid), rid=rid)
             return
         self._signal = signum
         for w in self.workers.values():

@@ -67,7 +67,7 @@ class RankRecovery:
         if self.s.optimizer is None:  # --distributed-optimizer-no-replica
             return {"replica": False, **found}
         elastic = {"layout": self.layout()} if "elastic-training" in self.s.options.strategies else {}
-        return {"replica": True, **repair.status(self.trainer), **found, **elastic}
+        return {"replica": True, **repair.status(self.trainer), **found, **elastic, "poisoned": self.s.shard_poisoned}
 
     def layout(self) -> dict:
         """What an elastic plan needs of the job's layout: this rank's data-parallel
@@ -107,6 +107,8 @@ class RankRecovery:
             if received is not None:
                 self.s.report_unlogged_step(self.trainer.ended, received["trainer"].get("step_loss"))
         self.trainer.resync_weights()
+        if any(dst == self.s.rank for _, dst in pairs):
+            self.s.shard_poisoned = False  # overwritten by its twin's
         if got:
             self.s.events.emit("repaired", iteration=int(args["iteration"]), bytes=got,
                                sources=[s for s, d in pairs if d == self.s.rank])
@@ -115,6 +117,7 @@ class RankRecovery:
     def reload(self, args: dict) -> dict:
         t0 = time.perf_counter()
         it = self.trainer.load_checkpoint(self.trainer.save_dir)
+        self.s.shard_poisoned = False
         self.trainer.after_reload(int(args.get("ended", it)))
         self.s.loaded(it, self.trainer.save_dir, time.perf_counter() - t0)
         return {"iteration": it}
@@ -174,15 +177,20 @@ class RankRecovery:
     # ---- the dump ----------------------------------------------------------------------------
     def dump_status(self, args: dict) -> dict:
         """Prepare this rank's part of the checkpoint (locally, while the job's groups exist) and
-        report the shard's state for the controller's plan."""
+        report the shard's state for the controller's plan. A rank with nothing to save says so (the
+        others save the job without it): restarted and still joining (Megatron-LM's loop may not
+        even have built its model), or its shard corrupted by a memory error."""
         from mindspeed_ha.recovery import dump
         from mindspeed_ha.trainer import checkpoint_dir
+        if self.s.joining:
+            return {"holds": False, "why": "restarted, it holds no state yet"}
+        if self.s.shard_poisoned:
+            return {"holds": False, "why": "a memory error corrupted its optimizer shard"}
+        if self.unfinished is not None:
+            return {"holds": False, "why": "between two layouts (its elastic resize did not complete)"}
         save = self.trainer.save_dir
         if not save:
             raise RuntimeError("no --save directory: the dying-gasp checkpoint has nowhere to go")
-        if self.unfinished is not None:
-            raise RuntimeError("this rank is between two layouts (its elastic resize did not complete): "
-                               "it has no consistent state to save")
         opt = self.s.optimizer
         if opt is None:
             raise RuntimeError("the dying-gasp checkpoint needs the replica optimizer "
