@@ -364,6 +364,7 @@ class RankSession:
             if take_park():  # a planned recovery: wait for it here, between two steps
                 self.fire("recovery", iteration)
                 raise CollectiveStopped(f"parked before iteration {iteration} by the controller")
+            self.processor.await_controller()
             self.processor.step_start(iteration)
 
     def report_unlogged_step(self, iteration: int, loss) -> None:

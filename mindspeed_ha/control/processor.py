@@ -13,9 +13,11 @@ import collections
 import os
 import queue
 import socket as _socket
+import sys
 import threading
 import time
 
+from .. import exitcodes
 from ..events import EventLog, get_logger, setup_text_log
 from ..options import HAOptions
 from . import protocol as P, security
@@ -116,6 +118,7 @@ class Processor:
                                    name=f"rank {self.rank}", store=self.job_store)
         self._thread = threading.Thread(target=self._run, name="mindspeed-ha-processor", daemon=True)
         self._worker = threading.Thread(target=self._work_loop, name="mindspeed-ha-handlers", daemon=True)
+        self._t_start = time.monotonic()
         self._thread.start()
         self._worker.start()
         self._handle_preemption()
@@ -177,6 +180,29 @@ class Processor:
         self.phase, self._progress = phase, time.time()
         if self.board is not None:
             self.board.write(self.iteration, phase)
+
+    def await_controller(self) -> None:
+        """Training does not start without a controller: a rank that trained unheard would have HA
+        off without anyone knowing (a controller listening where this node cannot reach it). Waits up
+        to --ha-register-timeout from the processor's start (normally the first ack came long
+        before), then ends the process with 201 and a diagnosis."""
+        deadline = self._t_start + self.options.register_timeout_s
+        while not self.link.ever_active:
+            if time.monotonic() > deadline:
+                from mindspeed_ha.process import exit_now
+                store = os.environ.get("MINDSPEED_HA_JOB_STORE")
+                text = (f"mindspeed-ha: rank {self.rank} could not reach a controller within --ha-register-timeout "
+                        f"{self.options.register_timeout_s:g} s (last tried: {self.link.endpoint or 'none announced'}"
+                        f"{f'; controllers announce themselves in the job store at {store}' if store else ''}). "
+                        "HA would be off, so the rank ends here. A controller listens on its node's address "
+                        "(mindspeed-ha run: the route to --master-addr, or --local-addr): check that this node "
+                        "reaches it (firewall, keys in --ha-key-dir).")
+                log.error("%s", text)
+                if self.events:
+                    self.events.emit("diagnosis", text=text, exit_code=exitcodes.NOT_REGISTERED)
+                print(text, file=sys.stderr, flush=True)
+                exit_now(exitcodes.NOT_REGISTERED)
+            time.sleep(0.02)
 
     def step_start(self, iteration: int) -> None:
         self.iteration = int(iteration)

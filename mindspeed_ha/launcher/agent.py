@@ -31,7 +31,7 @@ from ..control.election import read_controller_json
 from ..control.link import ControllerLink
 from ..events import EventLog, get_logger, log_dir_from_env, setup_text_log
 from ..options import from_script_args
-from . import rendezvous, spare
+from . import network, rendezvous, spare
 from .args import Launch, LaunchError, build_parser, resolve
 from .devices import DeviceHealth
 from .health import HealthHook
@@ -86,8 +86,11 @@ class Agent:
                 "and pass --ha-key-dir DIR (or MINDSPEED_HA_KEY_DIR=DIR) on every node; or --ha-insecure on a "
                 "trusted, isolated network")
         self.world = a.nnodes * a.nproc_per_node
-        loop = a.master_addr.startswith("127.") or a.master_addr == "localhost"
-        self.node_host = a.node_host or ("127.0.0.1" if loop else socket.gethostbyname(socket.gethostname()))
+        # Where the other nodes reach this one (the controller and standbys listen there, gloo and
+        # NCCL advertise it): the address on the route to the master address, not what the host
+        # name resolves to (often a loopback address).
+        routed, self.net_env, self.net_note = network.node_network(a.master_addr, env)
+        self.node_host = a.node_host or routed
         self.node = f"{socket.gethostname()}:{a.node_rank}"
         self.job_id = env.get("MINDSPEED_HA_JOB_ID") or a.job_id or (
             uuid.uuid4().hex if a.standalone or a.nnodes == 1 else f"{a.master_addr}-{a.master_port}")
@@ -107,7 +110,7 @@ class Agent:
     # ---- workers ------------------------------------------------------------------------------
     def _env(self, rank: int, local_rank: int, restarts: int) -> dict:
         a = self.a
-        env = dict(os.environ)
+        env = {**os.environ, **self.net_env}
         env.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(self.world),
                    LOCAL_WORLD_SIZE=str(a.nproc_per_node), GROUP_RANK=str(a.node_rank),
                    MASTER_ADDR=a.master_addr, MASTER_PORT=str(a.master_port),
@@ -265,6 +268,9 @@ class Agent:
         a = self.a
         setup_text_log(self.log_dir)
         self.events = EventLog(self.log_dir, f"agent_{a.node_rank}")
+        if self.net_note:
+            log.info("%s", self.net_note)
+            self.events.emit("network", host=self.node_host, **self.net_env)
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.board_dir = tempfile.mkdtemp(prefix="mindspeed-ha-", dir=shm)
         self.logs = WorkerLogs(a.log_dir, a.redirects, a.tee, a.local_ranks_filter, self.job_id,
