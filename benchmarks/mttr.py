@@ -10,6 +10,9 @@ of step F (the worst case for periodic checkpoints is F = K*n + K, the best F = 
 - **recover** (ours): `... --enable-worker-reboot` with `kill:rank=1:step=F:phase=backward` (the
   process dies). Its agent restarts only that worker, which joins the running job and gets its
   state from its twin; the three others keep their processes. Same event, same definitions.
+- **recover, the controller's rank** (ours): the same kill on rank 0, which hosts the controller: a
+  standby takes over (``takeover_s``: the kill -> the standby's ``takeover`` event), then recovers
+  rank 0 like any other; its MTTR is the new controller's ``recovered`` event, beside rank 1's.
 - **torchrun** (baseline): `torchrun ... --load CK` with HA off (megatron-core's plain distributed
   optimizer) and `exit:rank=1:step=F:phase=backward` (the process dies; a memory error without
   repair ends the same way), then the same command again: every worker restarts and reloads the
@@ -61,7 +64,8 @@ def model_args(a) -> list[str]:
 
 
 def env() -> dict:
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("MINDSPEED_HA_", "HIGH_AVAILABILITY"))}
+    # (MEGATRON_LM_PATH would send the example to Megatron-LM's loop, whose arguments differ)
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("MINDSPEED_HA_", "HIGH_AVAILABILITY", "MEGATRON_LM_PATH"))}
     e.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     return e
 
@@ -76,18 +80,19 @@ def median_step(events: list[dict], skip_below: int = 2) -> float:
     return statistics.median(e["step_s"] for e in events if e["event"] == "step" and e["iteration"] >= skip_below)
 
 
-OURS = {"retry": ("--enable-hbmfault-repair", "uce"), "recover": ("--enable-worker-reboot", "kill")}
+OURS = {"retry": ("--enable-hbmfault-repair", "uce", 1), "recover": ("--enable-worker-reboot", "kill", 1),
+        "recover_rank0": ("--enable-worker-reboot", "kill", 0)}
 
 
 def run_ours(a, work: str, name: str) -> dict:
     from mindspeed_ha.events import read_events
-    flag, fault = OURS[name]
+    flag, fault, rank = OURS[name]
     log = os.path.join(work, name)
     os.makedirs(log)
     cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", "--nproc-per-node", str(WORLD), PRETRAIN,
            *model_args(a), "--save", os.path.join(log, "ck"), flag, "--ha-log-dir", log]
     e = env()
-    e["MINDSPEED_HA_INJECT"] = f"{fault}:rank=1:step={a.fault_step}:phase=backward"
+    e["MINDSPEED_HA_INJECT"] = f"{fault}:rank={rank}:step={a.fault_step}:phase=backward"
     t0 = time.time()
     proc = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=1200, cwd=log)
     wall = time.time() - t0
@@ -96,8 +101,13 @@ def run_ours(a, work: str, name: str) -> dict:
         raise SystemExit(f"{name} job failed:\n" + proc.stderr[-3000:])
     ev = rank_events(log)
     pids = {x["pid"] for x in ev if x["event"] == "start"}
-    return {"mttr_s": rec[0]["mttr_s"], "regain_s": rec[0]["mttr_s"], "lost_steps": rec[0]["lost_steps"],
-            "phases": rec[0]["phases"], "step_s": median_step(ev), "wall_s": wall, "processes": len(pids)}
+    out = {"mttr_s": rec[0]["mttr_s"], "regain_s": rec[0]["mttr_s"], "lost_steps": rec[0]["lost_steps"],
+           "phases": rec[0]["phases"], "step_s": median_step(ev), "wall_s": wall, "processes": len(pids)}
+    takeover = [x for x in read_events(os.path.join(log, "events", "controller.jsonl")) + ev if x["event"] == "takeover"]
+    if takeover:
+        fault = min(x["time"] for x in ev if x["event"] == "inject")
+        out["takeover_s"] = takeover[0]["time"] - fault
+    return out
 
 
 def run_torchrun(a, work: str) -> dict:
@@ -206,14 +216,15 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--keep", default=None)
     p.add_argument("--no-torchft", action="store_true", help="skip the torchft baseline")
+    p.add_argument("--ours-only", action="store_true", help="skip both baselines (retry, recover, rank 0's recover)")
     a = p.parse_args()
     work = a.keep or tempfile.mkdtemp(prefix="mttr_bench_")
     os.makedirs(work, exist_ok=True)
     ours = {name: run_ours(a, work, name) for name in OURS}
-    base = run_torchrun(a, work)
-    peer = None if a.no_torchft else run_torchft(a, work)
+    base = None if a.ours_only else run_torchrun(a, work)
+    peer = None if a.no_torchft or a.ours_only else run_torchft(a, work)
     out = {"fault_step": a.fault_step, "interval_k": a.interval, "world": WORLD}
-    rows = (*ours.items(), ("torchrun", base)) + ((("torchft", peer),) if peer else ())
+    rows = (*ours.items(),) + ((("torchrun", base),) if base else ()) + ((("torchft", peer),) if peer else ())
     for name, r in rows:
         wasted = r.setdefault("wasted_rank_s", WORLD * r["regain_s"])
         r["wasted_rank_s"] = wasted
@@ -225,6 +236,11 @@ def main() -> None:
             out[f"{name}_{k}"] = round(r[k], 6) if isinstance(r[k], float) else r[k]
     if peer:
         out["torchft_missed_steps"] = peer["missed_steps"]
+    rank0 = ours["recover_rank0"]
+    out["recover_rank0_takeover_s"] = round(rank0.get("takeover_s", float("nan")), 4)
+    out["recover_rank0_vs_recover_mttr_ratio"] = round(rank0["mttr_s"] / ours["recover"]["mttr_s"], 2)
+    print(f"the controller's own rank lost: a standby took over {out['recover_rank0_takeover_s']:.3f} s after the "
+          f"kill; its MTTR is {out['recover_rank0_vs_recover_mttr_ratio']}x rank 1's", flush=True)
     for name, r in ours.items():  # torchrun_* (retry) keep their names; the others are prefixed
         out[f"{name}_phases"] = r["phases"]
         for bname, b in (("torchrun", base), ("torchft", peer)):
