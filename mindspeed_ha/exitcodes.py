@@ -15,6 +15,10 @@ PROCESS_FATAL = 75    # (a worker only) its device context is poisoned: the proc
 PREEMPTED = 200       # stopped by the scheduler (SIGTERM ...): the dying-gasp checkpoint is written
 NOT_REGISTERED = 201  # nodes or ranks never came up within --ha-register-timeout
 
+# What a worker's exit says of the whole job, not of its process: an agent left to act alone (no
+# controller) ends with the same code, so that the scheduler reads the job's fate from any process.
+JOB_WIDE = frozenset({BAD_INPUT, DO_NOT_RESTART, NOT_REGISTERED})
+
 MEANING = {
     OK: "the job finished",
     FAULT: "a fault ended the job; the diagnosis names it and the checkpoint to resume from",

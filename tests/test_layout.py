@@ -86,3 +86,17 @@ def test_bad_input_refused_on_every_rank_before_any_model(tmp_path, argv, env, n
         assert proc.returncode == 2, proc.stderr[-3000:]
         assert proc.stderr.strip() == f"mindspeed-ha: error (rank {r}): " + proc.stderr.split("): ", 1)[1].strip()
         assert needle.format(blocker=blocker) in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_mindspeed_ha_run_ends_with_the_workers_refusal(tmp_path):
+    """Under `mindspeed-ha run` a layout the ranks refuse ends the job with their code, 2 (a flag to
+    fix, do not restart), not with a fault's 1: the agent, with no controller to ask, ends with it."""
+    import subprocess
+    import sys
+    from helpers import PRETRAIN, clean_env
+    cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", "--nproc-per-node", "2", PRETRAIN, *TINY,
+           "--train-iters", "2", "--enable-high-availability", "--tensor-model-parallel-size", "4",
+           "--ha-log-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "mindspeed-ha: error (rank 0)" in proc.stderr and "--tensor-model-parallel-size" in proc.stderr

@@ -471,7 +471,8 @@ class Agent:
         self._diagnose(f"mindspeed-ha agent {self.a.node_rank}: worker rank {first.rank} (pid {first.popen.pid}) "
                        f"ended with {how}; {why}, so every worker of this node was stopped "
                        f"(torchrun behaviour). Events: {self.log_dir}/events.")
-        return 1
+        # (a flag refused by the workers before any model: the job's code is theirs, 2, not a fault's)
+        return first.code if not first.sig and first.code in exitcodes.JOB_WIDE else exitcodes.FAULT
 
 
 def main(argv: list[str] | None = None) -> int:
