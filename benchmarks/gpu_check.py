@@ -287,18 +287,8 @@ def run_checks(r: Runner, env: dict, results: dict, skipped: dict) -> None:
         return {**compare(job.losses(), ref, spread, range(RESUME_AT + 1, ITERS + 1)),
                 "run_to_run_spread": spread}
 
-    for name, fn in (("train", train), ("run_to_run", repeat), ("resume", resume), ("retry_reload", retry_reload),
-                     ("sticky_error", sticky_error), ("megatron_lm_resume", megatron_lm)):
-        check(name, fn)
-
     n, why = ranks_possible(env)
-    multi = ["replica_dp2", "replica_dp4", "retry_uce", "recover_kill", "bitflip_caught"]
-    if n < 2:
-        for name in multi:
-            skipped[name] = why
-    else:
-        state["why_multi"] = why
-        run_multi_rank(r, n, state, check)
+    # (first: seconds, before any model; the budget must not starve it)
     if r.cpu:
         skipped["ranks_refused"] = "CPU mode: a CPU never refuses ranks"
     elif n >= 2 and env["gpus"] < n:
@@ -310,6 +300,18 @@ def run_checks(r: Runner, env: dict, results: dict, skipped: dict) -> None:
                 raise Check.Failed(f"exit {job.code}, expected 2 with a message naming --nproc-per-node\n{job.tail()}")
             return {"message": next(l for l in job.out.splitlines() if "--nproc-per-node" in l)[:300]}
         check("ranks_refused", refused)
+
+    for name, fn in (("train", train), ("run_to_run", repeat), ("resume", resume), ("retry_reload", retry_reload),
+                     ("sticky_error", sticky_error), ("megatron_lm_resume", megatron_lm)):
+        check(name, fn)
+
+    multi = ["replica_dp2", "replica_dp4", "retry_uce", "recover_kill", "bitflip_caught"]
+    if n < 2:
+        for name in multi:
+            skipped[name] = why
+    else:
+        state["why_multi"] = why
+        run_multi_rank(r, n, state, check)
 
 
 def run_multi_rank(r: Runner, n: int, state: dict, check) -> None:
