@@ -260,6 +260,25 @@ def from_script_args(script_args: list[str], env=None) -> HAOptions | None:
         return None
 
 
+def check_dirs(opts: HAOptions, log_dir_flag: bool, save: str | None) -> None:
+    """The directories a rank writes or reads, refused before anything is built, each by its flag."""
+    check_writable(opts.log_dir, "--ha-log-dir" if log_dir_flag else "MINDSPEED_HA_LOG_DIR")
+    check_writable(save, "--save")
+    check_directory(opts.key_dir, "--ha-key-dir")
+
+
+def check_directory(path: str | None, flag: str) -> None:
+    """Refuse a path that is not a directory and cannot be made one (it may be read-only: keys
+    mounted from a secret are read there, not written)."""
+    if not path or os.path.isdir(path):
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise HAConfigError(f"{flag} {path}: not a directory, and it cannot be made one ({e.strerror or e}); "
+                            "give a directory (`mindspeed-ha keygen DIR` makes the keys there)") from None
+
+
 def check_writable(path: str | None, flag: str) -> None:
     """Refuse a directory this job could not write into, before anything is built."""
     if not path:

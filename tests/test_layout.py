@@ -63,6 +63,8 @@ def test_same_message_on_every_rank_no_traceback(tmp_path):
 
 @pytest.mark.parametrize("argv,env,needle", [
     (["--save", "{blocker}/ck"], {}, "--save {blocker}/ck: cannot write there"),
+    (["--ha-log-dir", "{blocker}/logs"], {}, "--ha-log-dir {blocker}/logs: cannot write there"),
+    (["--ha-key-dir", "{blocker}/keys"], {}, "--ha-key-dir {blocker}/keys: not a directory"),
     (["--ha-heartbeat-interval", "nan"], {}, "--ha-heartbeat-interval nan"),
     ([], {"HIGH_AVAILABILITY": ","}, "HIGH_AVAILABILITY=',' names no strategy"),
     ([], {"MINDSPEED_HA_INJECT": "kill:rank=9:step=1"}, "there is no rank 9 in a job of 2 ranks"),
@@ -100,3 +102,20 @@ def test_mindspeed_ha_run_ends_with_the_workers_refusal(tmp_path):
     proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "mindspeed-ha: error (rank 0)" in proc.stderr and "--tensor-model-parallel-size" in proc.stderr
+
+
+@pytest.mark.parametrize("flag,needle", [("--ha-log-dir", "cannot write there"), ("--ha-key-dir", "not a directory")])
+def test_mindspeed_ha_run_refuses_a_directory_it_cannot_make(tmp_path, flag, needle):
+    """A log or key directory under a file: `mindspeed-ha run` itself says so, naming the flag and the
+    path, exit 2, no traceback (it writes its logs and reads the keys before any worker starts)."""
+    import subprocess
+    import sys
+    from helpers import PRETRAIN, clean_env
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    argv = [flag, str(blocker / "d")] + (["--ha-log-dir", str(tmp_path / "logs")] if flag != "--ha-log-dir" else [])
+    cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", "--nproc-per-node", "2", PRETRAIN, *TINY,
+           "--train-iters", "2", "--enable-high-availability", *argv]
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"{flag} {blocker / 'd'}: {needle}" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -30,7 +30,7 @@ from ..control.discovery import JobStore
 from ..control.election import read_controller_json
 from ..control.link import ControllerLink
 from ..events import EventLog, get_logger, log_dir_from_env, setup_text_log
-from ..options import from_script_args
+from ..options import HAConfigError, check_directory, check_writable, from_script_args
 from . import network, rendezvous, spare
 from .args import Launch, LaunchError, build_parser, resolve
 from .devices import DeviceHealth
@@ -74,6 +74,11 @@ class Agent:
         self.ha = self.opts is not None and self.opts.enabled
         self.insecure = bool(_scan(self.script_args, "--ha-insecure", False)) or security.is_insecure()
         kd = _scan(self.script_args, "--ha-key-dir") or env.get("MINDSPEED_HA_KEY_DIR")
+        try:  # (the workers refuse them too, but this process writes its logs and reads keys first)
+            check_writable(self.log_dir, "--ha-log-dir" if _scan(self.script_args, "--ha-log-dir") else "MINDSPEED_HA_LOG_DIR")
+            check_directory(kd, "--ha-key-dir" if _scan(self.script_args, "--ha-key-dir") else "MINDSPEED_HA_KEY_DIR")
+        except HAConfigError as e:
+            raise LaunchError(str(e)) from None
         hb = _scan(self.script_args, "--ha-heartbeat-interval")
         self.hb = float(hb) if hb else 0.5
         if a.standalone:
