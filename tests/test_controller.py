@@ -217,3 +217,21 @@ def test_a_recovered_fault_is_settled_everywhere_and_never_recovered_again(tmp_p
     finally:
         ranks.close()
         successor.close()
+
+
+def test_a_standby_named_by_an_earlier_controller_takes_over_with_a_newer_epoch(tmp_path):
+    """A standby named by the controller of epoch 2 stands by while another standby takes over (epoch
+    3). When that one is lost too, the first takes over with epoch 4, not 3 again: the ranks drop
+    orders whose (epoch, id) they have taken, so a reused epoch left the third controller's orders
+    unanswered (found by a chaos run with the controller's rank killed three times)."""
+    keys = security.Keys.load(str(tmp_path), create=True)
+    opts = HAOptions(strategies=frozenset({"retry", "dump"}), log_dir=str(tmp_path), hang_timeout_s=600)
+    c = Controller(str(tmp_path), 4, opts, keys, host="127.0.0.1", standby=True, epoch=2, rank=3,
+                   write_json=False).start()
+    try:
+        c.saw_epoch(3)  # what its rank's link follows now
+        c.saw_epoch(1)  # (an older ack changes nothing)
+        c.succession._promote(time.monotonic(), 2, c.epoch + 1, "quorum")
+        assert c.epoch == 4 and not c.standby
+    finally:
+        c.close()

@@ -342,6 +342,13 @@ class Controller:
         self.router.fan_out((a.ident for a in self.agents.values()), data)
 
     # ---- detection ----------------------------------------------------------------------------
+    def saw_epoch(self, epoch: int) -> None:
+        """A standby learns the epoch of the controller its rank follows now. Taking over, it starts a
+        newer one: a standby named by an earlier controller would otherwise reuse the epoch of the one
+        that took over since, and the ranks would drop its orders as ones they had already taken."""
+        if self.standby and epoch > self.epoch:
+            self.epoch = epoch
+
     def settle(self, rids) -> None:
         """A standby learns the reports its controller settled (from its own rank's link)."""
         self.settled.update(rids)

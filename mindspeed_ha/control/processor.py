@@ -311,6 +311,8 @@ class Processor:
                         self._dispatch(msg)
                     elif msg["t"] == "settled":
                         self._settled(msg["rids"])
+                if self.controller is not None and self.controller.standby:
+                    self.controller.saw_epoch(self.link.epoch)
                 if self.link.active and not was_active:
                     self.events.emit("controller", endpoint=self.link.endpoint, epoch=self.link.epoch)
                 was_active = self.link.active
