@@ -1,7 +1,6 @@
 """Launch real multi-process training jobs on 127.0.0.1 and read their event logs."""
 from __future__ import annotations
 
-import json
 import os
 import random
 import socket
@@ -9,6 +8,8 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+
+from mindspeed_ha.events import read_events
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = str(REPO / "examples" / "pretrain_gpt.py")
@@ -55,13 +56,7 @@ def _dirs(log_dir) -> list:
 
 
 def _lines(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:  # a line a killed process was writing
-            pass
-    return out
+    return read_events(str(path))  # (the project's reader: a torn last line is skipped)
 
 
 def events(log_dir, name: str) -> list[dict]:

@@ -1,5 +1,4 @@
 """Launch small jobs under ``mindspeed-ha run`` for tests and read what they left behind."""
-import json
 import os
 import signal
 import subprocess
@@ -33,15 +32,8 @@ def finish(p, timeout=60):
 
 
 def events(log_dir, name):
-    path = os.path.join(str(log_dir), "events", f"{name}.jsonl")
-    out = []
-    if os.path.exists(path):
-        for line in open(path):
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
+    from mindspeed_ha.events import read_events
+    return read_events(os.path.join(str(log_dir), "events", f"{name}.jsonl"))
 
 
 def worker_pids(log_dir, node_rank=0):
