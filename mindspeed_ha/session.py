@@ -261,11 +261,18 @@ class RankSession:
             log.error("rank %d: %s fault in iteration %d (%s): %s", self.rank, kind, iteration, self.phase, exc)
         wait = max(30.0, 3 * self.options.hang_timeout_s)
         with self._serving():
+            quiet = time.monotonic()
             while True:
-                action = self.processor.serve_order(timeout=wait)  # each order restarts the clock
+                action = self.processor.serve_order(timeout=1.0)
                 if action == "resume":
                     return True
-                if action is None:
+                now = time.monotonic()
+                # Each order restarts the clock, and so does a live controller in a recovery: one of its
+                # rounds may wait out a hung rank or a restart, longer than this. A lost one's standby
+                # has the same time to take over.
+                if action is not None or self.processor.recovering():
+                    quiet = now
+                elif now - quiet > wait:
                     break
         log.error("rank %d: no order from the controller for %.0f s after the fault", self.rank, wait)
         return False

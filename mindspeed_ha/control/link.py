@@ -53,6 +53,7 @@ class ControllerLink:
         self._replay: dict[str, bytes] = {}   # rid -> report not settled yet, in the order sent
         self.drops = P.DropCounter(log)
         self.ever_active = False
+        self.active_at = 0.0         # when an active controller last answered (monotonic)
         self.state = ""              # the controller's state in its last ack
 
     def _connect(self, ep: str) -> None:
@@ -166,6 +167,7 @@ class ControllerLink:
                     if not self.active:
                         log.info("%s connected to controller %s (epoch %d)", self.name, self.endpoint, msg["epoch"])
                     self.active = self.ever_active = True
+                    self.active_at = now
                     self.epoch = msg["epoch"]
                     self.state = msg["state"]
                     self.cands.connected(self.endpoint, msg["epoch"])

@@ -39,6 +39,7 @@ from .logs import WorkerLogs
 from .rendezvous import ranks_of
 
 log = get_logger("launcher.agent")
+TAKEOVER_WAIT_S = 30.0  # a lost controller's standby is waited for this long before the agent acts alone
 
 
 def _scan(args: list[str], flag: str, has_value: bool = True):
@@ -457,7 +458,11 @@ class Agent:
             # a repair can outlast the decision timeout); act alone when it is gone, ignores the
             # failure, or takes longer than any of its states may.
             busy = self.link.active and self.link.state not in ("normal", "init", "done")
-            if (not self.link.ever_active or (waited > self.a.decision_timeout and not busy)
+            # The controller is gone and the links move to a standby, which takes the recovery over:
+            # wait for it too (a controller whose own rank hung ends itself for a standby).
+            succession = (self.link.ever_active and not self.link.active
+                          and now - self.link.active_at < TAKEOVER_WAIT_S)
+            if (not self.link.ever_active or (waited > self.a.decision_timeout and not busy and not succession)
                     or waited > self.a.decision_timeout + 150.0 or (all_gone_at and now - all_gone_at > 3.0)):
                 return self._act_alone(failed, alive)
 
