@@ -60,3 +60,12 @@ def test_rdzv_endpoint_names_the_master_and_signals_the_preemption():
 def test_refusals_name_the_flag(argv, env, words):
     with pytest.raises(LaunchError, match=words.replace("[", r"\[")):
         launch(argv, env)
+
+
+def test_node_network_on_loopback_and_without_a_route():
+    """On loopback a job stays there; a master address with no IPv4 route here (unresolvable) falls
+    back to what the host name says, with a note for the log, never a traceback."""
+    from mindspeed_ha.launcher.network import node_network
+    assert node_network("127.0.0.1", {}) == ("127.0.0.1", {}, "")
+    host, env, note = node_network("no-such-host.invalid", {})
+    assert host and env == {} and "no IPv4 route to the master address no-such-host.invalid" in note

@@ -45,7 +45,12 @@ def node_network(master_addr: str, env) -> tuple[str, dict, str]:
     routes to the master address."""
     if is_loopback(master_addr):
         return "127.0.0.1", {}, ""
-    host = route_to(master_addr)
+    try:
+        host = route_to(master_addr)
+    except OSError as e:  # (unresolvable here, or IPv6 only): what the host name says, as before
+        host = socket.gethostbyname(socket.gethostname())
+        return host, {}, (f"no IPv4 route to the master address {master_addr} ({e.strerror or e}): this node "
+                          f"announces {host}, its host name's address; --local-addr names another")
     unset = [v for v in IFNAME_VARS if not env.get(v)]
     if not unset or not name_resolves_to_loopback():
         return host, {}, f"this node is reached at {host} (the route to the master address {master_addr})"
