@@ -270,7 +270,7 @@ class RankSession:
                 # Each order restarts the clock, and so does a live controller in a recovery: one of its
                 # rounds may wait out a hung rank or a restart, longer than this. A lost one's standby
                 # has the same time to take over.
-                if action is not None or self.processor.recovering():
+                if action is not None or self.processor.link.recovering:
                     quiet = now
                 elif now - quiet > wait:
                     break

@@ -130,6 +130,12 @@ class ControllerLink:
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._closed_at = 0.0
 
+    @property
+    def recovering(self) -> bool:
+        """The controller answers and is in a recovery (its last ack said so): its orders may be long
+        in coming (a round can wait out a hung rank or a restart)."""
+        return self.active and self.state not in ("", "init", "normal", "done")
+
     def switch(self, endpoint: str) -> None:
         """The controller handed over to ``endpoint``: connect there now."""
         if endpoint and endpoint != self.endpoint:

@@ -264,10 +264,6 @@ class Processor:
                           rid))
         self._sent.wait(1.0)  # handed to ZeroMQ before the caller may let the process die
 
-    def recovering(self) -> bool:
-        """A controller answers this rank and is in a recovery (its last ack said so)."""
-        return self.link.active and self.link.state not in ("", "init", "normal", "done")
-
     def serve_order(self, timeout: float) -> str | None:
         """The training thread, parked after a fault: run the next order meant for it (see
         ``serve``) and send the result. Returns the action's name, None on timeout."""

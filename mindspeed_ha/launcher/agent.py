@@ -457,7 +457,7 @@ class Agent:
             # Wait for the controller while it is reachable and busy with a recovery (a dump or
             # a repair can outlast the decision timeout); act alone when it is gone, ignores the
             # failure, or takes longer than any of its states may.
-            busy = self.link.active and self.link.state not in ("normal", "init", "done")
+            busy = self.link.recovering
             # The controller is gone and the links move to a standby, which takes the recovery over:
             # wait for it too (a controller whose own rank hung ends itself for a standby).
             succession = (self.link.ever_active and not self.link.active
