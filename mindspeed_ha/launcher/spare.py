@@ -181,9 +181,6 @@ def forks_workers(script_args: list[str], env=os.environ) -> bool:
     return opts is not None and opts.enabled and node_device(env) == "cpu"
 
 
-
-
-
 class Forked:
     """Popen's interface (pid, poll, wait, returncode) for a spare the template forked: its end comes
     from the template's report."""
