@@ -24,6 +24,7 @@ from . import protocol as P, security
 from .board import ProgressBoard, board_path
 from .discovery import JobStore, controller_is_external
 from .link import ControllerLink, job_id_from_env
+from .ranks import WARM_UP_STEPS
 
 log = get_logger("control.processor")
 
@@ -220,12 +221,8 @@ class Processor:
         if self._step_t0:
             self.step_s = time.perf_counter() - self._step_t0
             own = max(0.0, self.step_s - (self.waited_s() - self._waited_t0))
-            self._busy_sum, self._busy_n, self._step_t0 = self._busy_sum + own, self._busy_n + 1, 0.0
-            if self._busy_avg and own > self.options.straggler_ratio * self._busy_avg:
-                # Slower than itself lately: reported at once, alone (not averaged with the steps
-                # before it), so that the controller counts straggling steps one by one.
-                self._busy_sum, self._busy_n, self._hb_now = own, 1, True
-            self._busy_avg = 0.9 * self._busy_avg + 0.1 * own if self._busy_avg else own
+            self._step_t0 = 0.0
+            self._count_own_work(own)
         self._mark("step")
         if self._hb_on_step:
             self._hb_on_step = False
@@ -234,6 +231,20 @@ class Processor:
             self.loss = float(loss)
             if self.loss != self.loss:
                 self.health = "nan-loss"
+
+    def _count_own_work(self, own: float) -> None:
+        if self.steps_done <= WARM_UP_STEPS:
+            return  # (a warm-up step allocates and connects: no measure of the rank's speed)
+        self._busy_sum, self._busy_n = self._busy_sum + own, self._busy_n + 1
+        if self.steps_done == WARM_UP_STEPS + 1:
+            # Its first figure goes out at once: a straggler's first slow steps are then weighed
+            # against every peer's figure, not dropped while the peers' first heartbeats are due.
+            self._hb_now = True
+        elif self._busy_avg and own > self.options.straggler_ratio * self._busy_avg:
+            # Slower than itself lately: reported at once, alone (not averaged with the steps
+            # before it), so that the controller counts straggling steps one by one.
+            self._busy_sum, self._busy_n, self._hb_now = own, 1, True
+        self._busy_avg = 0.9 * self._busy_avg + 0.1 * own if self._busy_avg else own
 
     def update_start(self, iteration: int) -> None:
         self.updating = True
