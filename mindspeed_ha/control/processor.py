@@ -66,6 +66,7 @@ class Processor:
         self._step_t0 = self._waited_t0 = 0.0
         self._busy_sum, self._busy_n = 0.0, 0
         self._busy_avg = 0.0   # its running average: a step far above it is reported at once
+        self._judge_from = WARM_UP_STEPS + 1   # the first step whose own work counts (past a warm-up)
         self.updating = False
         self.phase = "startup"
         self.health = "ok"
@@ -212,8 +213,11 @@ class Processor:
 
     def report_next_step(self) -> None:
         """After an in-place recovery: heartbeat as soon as the next step ends (the controller's
-        MTTR ends there), not at the next heartbeat tick."""
+        MTTR ends there), not at the next heartbeat tick. The steps right after are a warm-up again
+        (new communicators, a recomputed step, peers catching up): their own work is not counted."""
         self._hb_on_step = True
+        self._busy_sum, self._busy_n, self._busy_avg = 0.0, 0, 0.0
+        self._judge_from = self.steps_done + WARM_UP_STEPS + 1
 
     def step_end(self, iteration: int, loss=None) -> None:
         self.iteration = int(iteration)
@@ -233,10 +237,10 @@ class Processor:
                 self.health = "nan-loss"
 
     def _count_own_work(self, own: float) -> None:
-        if self.steps_done <= WARM_UP_STEPS:
+        if self.steps_done < self._judge_from:
             return  # (a warm-up step allocates and connects: no measure of the rank's speed)
         self._busy_sum, self._busy_n = self._busy_sum + own, self._busy_n + 1
-        if self.steps_done == WARM_UP_STEPS + 1:
+        if self.steps_done == self._judge_from:
             # Its first figure goes out at once: a straggler's first slow steps are then weighed
             # against every peer's figure, not dropped while the peers' first heartbeats are due.
             self._hb_now = True
