@@ -178,7 +178,7 @@ def test_standby_takes_over_only_with_a_majority(tmp_path, monkeypatch):
         ev = [_json.loads(l) for l in open(_os.path.join(d, "events", "controller.jsonl"))]
         assert any(e["event"] == "takeover" and e["rank"] == 3 for e in ev)
         links.beat(1.5)  # rank 0 never came over: its loss is a fault like any other
-        assert any(0 in f["ranks"] and f["kind"] == "heartbeat-lost" for f in sb.faults)
+        assert any(0 in f["ranks"] and f["kind"] == "heartbeat-lost" for f in sb.ledger.all)
     finally:
         links.close()
 

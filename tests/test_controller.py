@@ -162,8 +162,8 @@ def test_newcomers_still_waiting_when_the_job_ends_are_told_to_leave(tmp_path):
         assert not c.table.completed(10) and c.table.completed(10, c.elastic.newcomers())
         assert not c.elastic.ended_without()  # ranks 0 and 1 still train
         sent = []
-        c.order = lambda action, ranks, args=None: sent.append((action, ranks, args["code"]))
-        c._to_agents = lambda action, args: sent.append((action, args["ranks"]))
+        c.orders.send = lambda action, ranks, args=None: sent.append((action, ranks, args["code"]))
+        c.orders.to_agents = lambda action, args: sent.append((action, args["ranks"]))
         for r in (0, 1):
             c.ranks[r].done = True
         assert c.elastic.ended_without() and c.table.all_over()
@@ -204,7 +204,7 @@ def test_a_recovered_fault_is_settled_everywhere_and_never_recovered_again(tmp_p
     keys2 = security.Keys.load(str(tmp_path), create=False)
     log2 = tmp_path / "successor"
     opts = HAOptions(strategies=frozenset({"retry", "dump"}), log_dir=str(log2), hang_timeout_s=600)
-    successor = Controller(str(log2), 4, opts, keys2, host="127.0.0.1", epoch=2, settled=c.settled).start()
+    successor = Controller(str(log2), 4, opts, keys2, host="127.0.0.1", epoch=2, settled=c.ledger.settled).start()
     ranks = FakeRanks(successor, keys2, retry_answers())
     try:
         ranks.pump(5, until=lambda: successor.machine.state.value == "normal")

@@ -5,35 +5,46 @@ A thread on rank 0 by default (``Controller(...).start()``), a standalone proces
 when it holds a quorum (election.py). Everything runs on the one controller thread: no locks on the
 rank table, and a decision is never late because a lock was held.
 
-A fault's life: ``_fault`` records it and feeds FAULT; PAUSE stops every survivor; DECIDE picks the
+The controller's own job is receiving (``_run``: each message to its handler in inbox.py), timing
+(``_tick``: silences, hangs, time limits) and deciding (the state machine). What it decides is carried
+out by the parts that hold each piece of the job: the rank table (ranks.py), orders and answers
+(orders.py), the fault ledger (ledger.py), restarts (restarts.py), elastic resizes (elastic.py),
+migrations (migration.py) and who controls next (succession.py).
+
+A fault's life: ``fault`` records it and feeds FAULT; PAUSE stops every survivor; DECIDE picks the
 strategy (states.py, one table); REPAIR / ROLLBACK / DUMP play that strategy's rounds
-(playbooks.py, through rounds.Runner and the narrow ``_Port``); EXIT tells everyone to go with the
-diagnosis. An exception inside a state's work is that state's FAILED outcome, never the end of the
+(playbooks.py, through rounds.Runner and the narrow ``PlaybookPort``); EXIT tells everyone to go with
+the diagnosis. An exception inside a state's work is that state's FAILED outcome, never the end of the
 controller.
 """
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable
 
 from .. import exitcodes
 from ..events import EventLog, get_logger
 from ..options import HAOptions
-from . import discovery, election, playbooks, protocol as P, security
-from .budget import RestartBudget
+from . import discovery, election, ledger, playbooks, protocol as P, security
 from .diagnosis import diagnosis
 from .elastic import Elastic
 from .inbox import Inbox
+from .ledger import Fault, FaultLedger
 from .migration import Migrations
+from .orders import Answer, Orders
 from .playbooks import Episode, FirstStep
 from .ranks import Agent, Rank, RankTable
+from .restarts import Restarts
 from .router import Router
-from .rounds import Runner
+from .rounds import Port, RunOutcome, Runner
 from .states import TABLE, TIMEOUTS, Machine, Outcome as O, State as S, choose_strategy
 from .succession import Succession
+
+if TYPE_CHECKING:
+    from .metrics import Metrics
 
 log = get_logger("control.controller")
 BUILT = {"dump", "retry", "recover", "elastic-training"}
@@ -43,75 +54,74 @@ def _host_addr() -> str:
     return os.environ.get("MINDSPEED_HA_NODE_HOST") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
 
 
-class _Port:
+class PlaybookPort:
     """What a playbook may ask of the controller (rounds.Port): orders, answers, who is live, the
     launcher agents, the rebuild store, events — nothing else of its state."""
 
-    def __init__(self, c: "Controller"):
+    def __init__(self, c: Controller):
         self._c = c
 
-    def order(self, action, ranks, args):
-        return self._c.order(action, ranks, args)
+    def order(self, action: str, ranks: Iterable[int], args: dict[str, Any]) -> int:
+        return self._c.orders.send(action, ranks, args)
 
-    def answers(self, order_id):
-        pend = self._c.pending.get(order_id)
-        return dict(pend["results"]) if pend else self._c.answered.get(order_id, {})
+    def answers(self, order_id: int) -> dict[int, Answer]:
+        return self._c.orders.answers(order_id)
 
-    def live(self):
+    def live(self) -> set[int]:
         return self._c.table.live()
 
-    def lost(self):
+    def lost(self) -> set[int]:
         return self._c.table.lost()
 
-    def restart(self, ranks):
-        return self._c.restart_ranks(ranks)
+    def host_rank(self) -> int | None:
+        return self._c.rank
 
-    def restarting(self):
-        return set(self._c.restarting)
+    def condemn(self, ranks: list[int]) -> None:
+        """recover: hung ranks are replaced like dead ones (their agent kills and restarts them)."""
+        self._c.table.mark_dead(ranks)
+        self._c.orders.excuse(ranks)
 
-    def store(self):
+    def restart(self, ranks: list[int]) -> tuple[list[int], list[int], list[int]]:
+        return self._c.restarts.restart(ranks)
+
+    def restarting(self) -> set[int]:
+        return set(self._c.restarts.restarting)
+
+    def store(self) -> tuple[str, int]:
         return self._c.host, self._c.store().port
 
-    def new_generation(self):
+    def new_generation(self) -> int:
         self._c.generation += 1
         return self._c.generation
 
-    def emit(self, event, **fields):
+    def hung(self, ranks: list[int], detail: str) -> None:
+        c = self._c
+        c.fault(list(ranks), "hang", c.table.newest_iteration(), "recovery", detail=detail,
+                key=("hang-in-recovery", tuple(ranks), c.generation))
+
+    def emit(self, event: str, **fields: Any) -> None:
         self._c.events.emit(event, **fields)
 
-    def set_note(self, text):
+    def set_note(self, text: str) -> None:
         self._c.strategy_note = text
 
-    def closed(self, faults, now, moved_bytes, phases):
+    def closed(self, faults: list[Fault], now: float, moved_bytes: int, phases: dict[str, float]) -> None:
         self._c.migrations.closed(faults, now, moved_bytes, phases)
 
-    def hung(self, ranks, detail):
-        c = self._c
-        c._fault(list(ranks), "hang", c.table.newest_iteration(), "recovery", detail=detail,
-                 key=("hang-in-recovery", tuple(ranks), c.generation))
-
-    def scaled(self, dp, replica_groups):
+    def scaled(self, dp: int, replica_groups: dict[int, list[int]]) -> None:
         self._c.elastic.scaled(dp, replica_groups)
 
-    def host_rank(self):
-        return self._c.rank
-
-    def leave(self, ranks, reason):
+    def leave(self, ranks: list[int], reason: str) -> None:
         self._c.elastic.leave(ranks, reason)
-
-    def condemn(self, ranks):
-        """recover: hung ranks are replaced like dead ones (their agent kills and restarts them)."""
-        self._c.table.mark_dead(ranks)
-        for pend in self._c.pending.values():
-            pend["waiting"].difference_update(ranks)
 
 
 class Controller:
     def __init__(self, log_dir: str, world_size: int, options: HAOptions | None = None,
                  keys: security.Keys | None = None, host: str | None = None, port: int = 0,
                  rank: int | None = None, standby: bool = False, epoch: int = 1,
-                 job_id: str | None = None, local_exit=None, write_json: bool = True, job_store=None,
-                 previous: int | None = None, settled=()):
+                 job_id: str | None = None, local_exit: Callable[[int], None] | None = None,
+                 write_json: bool = True, job_store: discovery.JobStore | None = None,
+                 previous: int | None = None, settled: Iterable[str] = ()):
         self.log_dir, self.world = log_dir, int(world_size)
         self.options = options or HAOptions(strategies=frozenset({"dump"}), log_dir=log_dir)
         self.job_id = job_id or os.environ.get("MINDSPEED_HA_JOB_ID")
@@ -126,51 +136,45 @@ class Controller:
         self.hb = float(self.options.heartbeat_s)
         dead_after = float(os.environ.get("MINDSPEED_HA_DEAD_AFTER", 0) or 0) or None
         self.table = RankTable(self.world, self.hb, self.options.hang_timeout_s, dead_after)
-        self.faults: list[dict] = []          # every fault, for status and the diagnosis
-        self.active_faults: list[dict] = []   # faults of the episode being handled
-        self._fault_keys: set = set()
-        # The reports (rids) whose fault a recovery dealt with, by this controller or an earlier one: a
-        # link re-sends what it was not told is settled, and a report is never acted on twice.
-        self.settled: set[str] = set(settled)
-        self._deferred: list[dict] = []       # faults reported to a standby, handled on promotion
+        # The reports (rids) a recovery dealt with, by this controller or an earlier one, are settled:
+        # a link re-sends what it was not told is settled, and a report is never acted on twice.
+        self.ledger = FaultLedger(settled)
         self.standbys = election.Standbys()
         self.exit_code = 0
         self.strategy_note = ""
         self.last_diagnosis = ""
-        self.restarting: set[int] = set()     # ranks restarted by their agent, not registered again yet
-        self.budget = RestartBudget(self.options.max_restarts)
-        self.died_in: dict[int, int] = {}     # rank -> the iteration its process was lost in
         self.started_at = time.monotonic()
         self.generation = 0                   # of the rebuild store's key space; one per rebuild or dump
-        self.pending: dict[int, dict] = {}    # order id -> {action, ranks waiting, results, cli ident, frame}
-        self.answered: dict[int, dict] = {}   # order id -> results, once no one is waiting any more
-        self._next_id = 1
         self.chosen: O | None = None          # the strategy DECIDE picked for the episode
-        self.playbook = None
+        self.playbook: playbooks.Playbook | None = None
         self.episode: Episode | None = None
         self.runner: Runner | None = None
         self.first_step: FirstStep | None = None
-        self.dump_result: dict | None = None
-        self._stop_id = None
-        self._tcp_store = None
+        self._stop_id: int | None = None
+        self._tcp_store: Any = None
         self._stop = threading.Event()
         self.done = threading.Event()
         self._thread: threading.Thread | None = None
         self.events = EventLog(log_dir, "controller")
-        self.metrics = None
+        self.metrics: Metrics | None = None
         self.machine = Machine(self._on_transition)
-        self.playbook_port = _Port(self)  # what the playbooks see of this controller
         self.router = Router(self.keys, self.host, port)
         self.port_number, self.endpoint = self.router.port, self.router.endpoint
+        self.orders = Orders(self.router, self.table, lambda: self.epoch, rank)
+        self.restarts = Restarts(self.table, self.orders, self.events, self.options.max_restarts, rank,
+                                 self._end_host if local_exit is not None else None)
+        self.playbook_port: Port = PlaybookPort(self)  # what the playbooks see of this controller
         self.handlers = Inbox(self).handlers()
         self.migrations = Migrations(self)
         self.elastic = Elastic(self)           # when to scale in, wait for a node, or grow onto one
         self.succession = Succession(self)    # standbys, takeovers, a handover before the host migrates
-        self.actions = {S.NORMAL: self._training, S.PAUSE: self._stop_survivors, S.DECIDE: self._decide,
-                        S.REPAIR: self._play, S.ROLLBACK: self._play, S.DUMP: self._play, S.DOWNGRADE: self._play,
-                        S.UPGRADE: self._play, S.EXIT: self._tell_exit}
+        self.actions: dict[S, Callable[[], O | None]] = {
+            S.NORMAL: self._training, S.PAUSE: self._stop_survivors, S.DECIDE: self._decide, S.REPAIR: self._play,
+            S.ROLLBACK: self._play, S.DUMP: self._play, S.DOWNGRADE: self._play, S.UPGRADE: self._play,
+            S.EXIT: self._tell_exit}
         self._last_scan = 0.0
-        self._refresh_ack()
+        self.ack = b""                        # the answer to a heartbeat: epoch, state, standbys
+        self.refresh_ack()
 
     @property
     def ranks(self) -> dict[int, Rank]:
@@ -183,8 +187,8 @@ class Controller:
     # ---- life ---------------------------------------------------------------------------------
     def start(self) -> "Controller":
         if not self.standby:
-            self._announce()
-            self._serve_metrics()
+            self.succession.announce()
+            self.succession.serve_metrics()
         self._thread = threading.Thread(target=self._run, name="mindspeed-ha-controller", daemon=True)
         self._thread.start()
         return self
@@ -197,35 +201,6 @@ class Controller:
             self.metrics.close()
             self.metrics = None
 
-    def _serve_metrics(self) -> None:
-        """--ha-metrics-port: the active controller (a standby from its takeover) serves /metrics."""
-        port = self.options.metrics_port
-        if not port or self.metrics is not None:
-            return
-        from .metrics import Metrics
-        try:
-            self.metrics = Metrics(self.host, port, self.world)
-        except OSError as e:  # metrics are for people: a taken port must not take the job down
-            log.error("--ha-metrics-port %d on %s: cannot serve metrics (%s)", port, self.host, e)
-            self.events.emit("metrics_failed", port=port, host=self.host, error=str(e))
-            return
-        self.metrics.set_state(self.machine.state.value)
-        self.events.listeners.append(self.metrics.on_event)
-
-    def _announce(self, quiet: bool = False) -> None:
-        info = {"host": self.host, "port": self.port_number, "endpoint": self.endpoint,
-                "server_public_key": self.keys.server_public_text(), "secure": self.keys.secure,
-                "epoch": self.epoch, "rank": self.rank, "pid": os.getpid(), "job_id": self.job_id,
-                "world_size": self.world, "hostname": socket.gethostname(), "started": time.time(),
-                "backups": self.standbys.endpoints()}
-        if self.write_json:
-            election.write_controller_json(self.log_dir, info)
-        if self.job_store is not None:  # where nodes without this log dir find us
-            self.job_store.publish(discovery.CONTROLLER_KEY, info, epoch=self.epoch)
-        if not quiet:
-            log.info("controller (epoch %d) listening on %s, world %d, %s", self.epoch, self.endpoint,
-                     self.world, "CurveZMQ" if self.keys.secure else "INSECURE")
-
     def _run(self) -> None:
         try:
             while not self._stop.is_set() and self.machine.state != S.DONE:
@@ -236,7 +211,7 @@ class Controller:
             self.done.set()
             self.router.close()
 
-    def _dispatch(self, ident: bytes, msg: dict) -> None:
+    def _dispatch(self, ident: bytes, msg: dict[str, Any]) -> None:
         try:
             self.handlers.get(msg["t"], self._unexpected)(ident, msg)
         except (KeyError, ValueError, TypeError, IndexError) as e:  # semantically bad, e.g. rank out of range
@@ -244,7 +219,7 @@ class Controller:
         except Exception:  # a bug in one handler must not take the controller down with it
             log.exception("error handling %s", msg.get("t"))
 
-    def _unexpected(self, ident, msg) -> None:
+    def _unexpected(self, ident: bytes, msg: dict[str, Any]) -> None:
         self.router.drops.drop("unexpected", msg["t"])
 
     def _tick(self) -> None:
@@ -263,33 +238,21 @@ class Controller:
             self._failed()
 
     # ---- output -------------------------------------------------------------------------------
-    def _refresh_ack(self) -> None:
-        self._ack = P.encode("ack", epoch=self.epoch, state=self.machine.state.value, standby=self.standby,
+    def refresh_ack(self) -> None:
+        self.ack = P.encode("ack", epoch=self.epoch, state=self.machine.state.value, standby=self.standby,
                              backups=self.standbys.endpoints())
 
     def push_backups(self) -> None:
         """Every live rank and agent learns the standbys now, not in its next heartbeat's answer: a
         controller lost right after naming them leaves nobody that does not know where to go."""
-        self._refresh_ack()
-        idents = [i.ident for i in self.ranks.values() if i.alive] + [a.ident for a in self.agents.values()]
-        self.router.fan_out(idents, self._ack)
+        self.refresh_ack()
+        self.router.fan_out(self._everyone(), self.ack)
 
-    def order(self, action: str, ranks, args=None, cli=None) -> int:
-        """Send ``action`` to the live ones of ``ranks``; their answers collect under the returned id.
-        The host rank's ``exit`` is left out: it exits last, locally."""
-        oid = self._next_id
-        self._next_id += 1
-        data = P.encode("do", action=action, id=oid, args=args or {}, epoch=self.epoch)
-        skip = self.rank if action == "exit" else None
-        targets = [self.ranks[r] for r in ranks if r in self.ranks and self.ranks[r].alive and r != skip]
-        self.router.fan_out((i.ident for i in targets), data)
-        self.pending[oid] = {"action": action, "waiting": {i.rank for i in targets}, "results": {}, "cli": cli,
-                             "sent": time.monotonic(), "data": data}
-        if not targets:
-            self.answered[oid] = self.pending.pop(oid)["results"]
-        return oid
+    def _everyone(self) -> list[bytes]:
+        """The sockets of every live rank and every agent."""
+        return [i.ident for i in self.ranks.values() if i.alive] + [a.ident for a in self.agents.values()]
 
-    def store(self):
+    def store(self) -> Any:
         """A TCPStore served by the controller's process, where the ranks' new communicators meet:
         a store hosted by a rank would die with that rank. One per controller; every rebuild and
         dump keys its own generation. (torch is needed here only, when the first recovery needs it.)"""
@@ -303,45 +266,22 @@ class Controller:
             self._tcp_store = serve(self.host)
         return self._tcp_store
 
-    def _resend_pending(self, r: int) -> None:
-        """A rank came back on a new connection: orders sent to the old one may be lost (it
-        de-duplicates by id what it did receive)."""
-        for pend in list(self.pending.values()):
-            if r in pend["waiting"] and pend.get("data"):
-                self.router.send(self.ranks[r].ident, pend["data"])
-
-    def restart_ranks(self, ranks) -> tuple[list, list, list]:
-        """recover: the agents restart these ranks' workers. Returns (restarted by an agent, awaiting
-        a replacement node, without any agent — nothing restarted then)."""
-        ranks = sorted(ranks)
-        orphans = sorted(set(ranks) - {r for a in self.agents.values() for r in a.ranks})
-        if orphans:
-            return [], [], orphans
-        if self.rank in ranks and self.local_exit is not None:
-            # This controller's own host must go (hung): it cannot drive its own replacement. It ends
-            # the process instead; its agent reports the exit, and a standby takes over the recovery.
-            self.events.emit("host_ends", rank=self.rank, reason="the controller's host rank is to be replaced")
-            log.error("rank %d hosts this controller and must be replaced: ending it, a standby takes over",
-                      self.rank)
-            self.router.sock.close(linger=1000)
-            self.local_exit(1)
-        # A node lost with its agent: its replacement (mindspeed-ha run with the same --node-rank)
-        # starts its workers as joiners by itself.
-        live_agents = self.table.live_agents(time.monotonic())
-        by_agent = sorted(r for a in live_agents for r in a.ranks if r in ranks)
-        awaiting = sorted(set(ranks) - set(by_agent))
-        self.restarting = set(ranks)
-        self.budget.count({r: self.died_in.get(r, -1) for r in ranks},
-                          [a.node_rank for a in self.agents.values() if set(a.ranks) & set(awaiting)])
-        if by_agent:
-            self._to_agents("restart", {"ranks": by_agent})
-        return by_agent, awaiting, []
-
-    def _to_agents(self, action: str, args: dict) -> None:
-        data = P.encode("do", action=action, id=0, args=args, epoch=self.epoch)
-        self.router.fan_out((a.ident for a in self.agents.values()), data)
+    def _end_host(self) -> None:
+        """This controller's host rank is to be replaced: flush what was sent, and end the process."""
+        self.router.sock.close(linger=1000)
+        assert self.local_exit is not None
+        self.local_exit(1)
 
     # ---- detection ----------------------------------------------------------------------------
+    def become_active(self, epoch: int, now: float) -> None:
+        """A standby takes over: from now on the active controller, at the newer ``epoch``."""
+        self.standby = False
+        self.epoch = max(epoch, self.epoch + 1)
+        self.machine = Machine(self._on_transition, state=S.NORMAL)
+        self.table.heard_all(now)  # start the clocks now for ranks that have not come over yet
+        self.table.expect_all(now)
+        self.refresh_ack()
+
     def saw_epoch(self, epoch: int) -> None:
         """A standby learns the epoch of the controller its rank follows now. Taking over, it starts a
         newer one: a standby named by an earlier controller would otherwise reuse the epoch of the one
@@ -349,37 +289,32 @@ class Controller:
         if self.standby and epoch > self.epoch:
             self.epoch = epoch
 
-    def settle(self, rids) -> None:
+    def settle(self, rids: Iterable[str]) -> None:
         """A standby learns the reports its controller settled (from its own rank's link)."""
-        self.settled.update(rids)
+        self.ledger.settled.update(rids)
 
     def _settle_episode(self) -> None:
         """The recovery is done (training resumed): its reports are settled, here and at every rank
         and agent, whose links then stop re-sending them, and at the standbys' ranks."""
-        rids = [f["rid"] for f in self.active_faults if f.get("rid")]
-        if not rids:
-            return
-        self.settled.update(rids)
-        idents = [i.ident for i in self.ranks.values() if i.alive] + [a.ident for a in self.agents.values()]
-        self.router.fan_out(idents, P.encode("settled", rids=rids))
+        rids = self.ledger.settle_active()
+        if rids:
+            self.router.fan_out(self._everyone(), P.encode("settled", rids=rids))
 
-    def _fault(self, ranks, kind, iteration, phase, detect_s=0.0, detail="", key=None, rid=None) -> None:
-        key = key or (kind, tuple(ranks), iteration)
-        if key in self._fault_keys:
+    def fault(self, ranks: list[int], kind: str, iteration: int, phase: str, detect_s: float = 0.0,
+              detail: str = "", key: Hashable = None, rid: str | None = None) -> None:
+        """A fault, however it was found: recorded once, and fed to the state machine."""
+        if not self.ledger.first_time(key or (kind, tuple(ranks), iteration)):
             return
-        self._fault_keys.add(key)
-        if rid is not None and rid in self.settled:
+        if rid is not None and rid in self.ledger.settled:
             self.router.drops.drop("settled", f"rank(s) {list(ranks)} {kind} at iteration {iteration} ({rid})")
             self.events.emit("settled_fault", ranks=list(ranks), kind=kind, iteration=iteration, rid=rid)
             log.info("rank(s) %s: %s at iteration %s was re-sent (report %s), but a recovery already dealt with "
                      "it: ignored", list(ranks), kind, iteration, rid)
             return
-        rec = {"ranks": list(ranks), "kind": kind, "iteration": iteration, "phase": phase, "rid": rid,
-               "detect_s": round(detect_s, 4), "detail": detail, "time": time.time(),
-               "nodes": [self.ranks[r].node if r in self.ranks else "?" for r in ranks],
-               "t_detect": time.monotonic(), "cpu_detect": time.thread_time()}
+        f = ledger.record(ranks, kind, iteration, phase, [self.ranks[r].node if r in self.ranks else "?" for r in ranks],
+                          detect_s=detect_s, detail=detail, rid=rid)
         if self.standby:
-            self._deferred.append(rec)
+            self.ledger.deferred.append(f)
             return
         if self.machine.state == S.INIT:  # the job was not whole yet: who never registered must be found too
             self.table.expect_all(time.monotonic())
@@ -392,17 +327,18 @@ class Controller:
             self.first_step = None
         if kind in ("process-exit", "heartbeat-lost", "controller-lost", "node-lost"):
             self.table.mark_dead(ranks)
-            self.died_in.update({r: int(iteration) for r in ranks})
-            for pend in self.pending.values():  # a dead rank owes no answers (nor its successor)
-                pend["waiting"].difference_update(ranks)
+            self.restarts.lost(ranks, iteration)
+            self.orders.excuse(ranks)  # a dead rank owes no answers (nor its successor)
             self._publish()  # a scrape during the recovery that follows counts them out already
-        self.faults.append(rec)
-        self.active_faults.append(rec)
-        self.events.emit("fault", **{k: v for k, v in rec.items() if k not in ("time", "t_detect", "cpu_detect")})
+        self._record(f)
         log.error("fault: rank(s) %s %s at iteration %s, phase %s (%s), detected in %.3fs",
                   ranks, kind, iteration, phase, detail or "-", detect_s)
         if self.machine.state != S.DONE:
-            self._feed(O.FAULT)
+            self.feed(O.FAULT)
+
+    def _record(self, f: Fault) -> None:
+        self.ledger.add(f)
+        self.events.emit("fault", **ledger.public(f))
 
     def _publish(self) -> None:
         if self.metrics is not None:
@@ -414,16 +350,17 @@ class Controller:
         if self.machine.state in (S.INIT, S.EXIT, S.DONE):
             return
         for d in self.table.scan(now, training=self.machine.state == S.NORMAL):
-            self._fault(d.ranks, d.kind, d.iteration, d.phase, detect_s=d.detect_s, detail=d.detail, key=d.key)
+            self.fault(d.ranks, d.kind, d.iteration, d.phase, detect_s=d.detect_s, detail=d.detail, key=d.key)
 
     # ---- state machine ------------------------------------------------------------------------
-    def _on_transition(self, old, outcome, new, seconds) -> None:
+    def _on_transition(self, old: S, outcome: O, new: S, seconds: float) -> None:
         self.events.emit("state", **{"from": old.value, "to": new.value, "outcome": outcome.value,
                                      "seconds": round(seconds, 4)})
         log.info("state %s -(%s)-> %s after %.3fs", old.value, outcome.value, new.value, seconds)
-        self._refresh_ack()
+        self.refresh_ack()
 
-    def _feed(self, outcome: O) -> None:
+    def feed(self, outcome: O) -> None:
+        """The state machine's next outcome; the new state's work runs at once."""
         before = self.machine.state
         new = self.machine.feed(outcome)
         # A new fault while stopping widens the stop to the new set of survivors.
@@ -438,12 +375,12 @@ class Controller:
             log.exception("controller: the action of state %s failed", new.value)
             result = O.FAILED if (new, O.FAILED) in TABLE else None
         if result is not None:
-            self._feed(result)
+            self.feed(result)
 
     def _failed(self) -> None:
         """The work of the current state raised: its FAILED outcome, where the table has one."""
         if (self.machine.state, O.FAILED) in TABLE:
-            self._feed(O.FAILED)
+            self.feed(O.FAILED)
 
     def _progress(self, now: float) -> None:
         """Conditions a state waits on, and per-state timeouts."""
@@ -453,8 +390,8 @@ class Controller:
                 self.first_step = None
         if st == S.NORMAL and self.elastic.ended_without():
             return
-        if st in (S.NORMAL, S.INIT) and self.ranks and self.table.all_over() and not self.active_faults:
-            self._feed(O.FINISHED)
+        if st in (S.NORMAL, S.INIT) and self.ranks and self.table.all_over() and not self.ledger.active:
+            self.feed(O.FINISHED)
             return
         if st == S.NORMAL and self.elastic.offered:
             self.elastic.retry()
@@ -462,10 +399,10 @@ class Controller:
             # The job ended its last step as the migration began: nobody parks, there is nothing to move.
             if self.table.all_over():
                 self.migrations.abandon()
-                self._feed(O.FINISHED)
+                self.feed(O.FINISHED)
             return
         if st == S.PAUSE and self._stopped(now):
-            self._feed(O.STOPPED)
+            self.feed(O.STOPPED)
             return
         if st in (S.REPAIR, S.ROLLBACK, S.DUMP, S.DOWNGRADE, S.UPGRADE) and self.runner is not None:
             runner = self.runner
@@ -473,7 +410,7 @@ class Controller:
             if self.machine.state != st or self.runner is not runner:
                 return  # a fault came meanwhile: the table moved on, this round's outcome is moot
             if out is not None:
-                self._feed(self._outcome(out))
+                self.feed(self._outcome(out))
                 return
         if st == S.EXIT:
             others = [r for r in self.table.live() if r != self.rank]
@@ -486,7 +423,7 @@ class Controller:
         limit = self._limit(st, now)
         if st != S.INIT and self.machine.overdue(limit):
             log.error("state %s ran past its %.1fs time limit", st.value, limit)
-            self._feed(O.TIMEOUT)
+            self.feed(O.TIMEOUT)
 
     def _not_registered(self) -> None:
         """INIT past --ha-register-timeout: the job cannot start whole; name who is missing."""
@@ -498,26 +435,21 @@ class Controller:
         detail = (f"rank(s) {missing} did not register within --ha-register-timeout "
                   f"{self.options.register_timeout_s:g} s{where}")
         self.strategy_note = "none: the job never started whole"
-        rec = {"ranks": missing, "kind": "not-registered", "iteration": -1, "phase": "startup", "detect_s": 0.0,
-               "detail": detail, "time": time.time(), "nodes": nodes or ["?"], "t_detect": time.monotonic(),
-               "cpu_detect": time.thread_time()}
-        self.faults.append(rec)
-        self.active_faults.append(rec)
-        self.events.emit("fault", **{k: v for k, v in rec.items() if k not in ("time", "t_detect", "cpu_detect")})
+        self._record(ledger.record(missing, "not-registered", -1, "startup", nodes or ["?"], detail=detail))
         log.error("%s", detail)
-        self._feed(O.TIMEOUT)
+        self.feed(O.TIMEOUT)
 
-    def _limit(self, st, now: float) -> float | None:
+    def _limit(self, st: S, now: float) -> float | None:
         """A state's time limit. The dump's is --ha-dump-timeout, or grows with the state to write
         (50 MB/s at least), and while its writers show progress it is extended, up to three times."""
         base = TIMEOUTS.get(st)
         if st == S.PAUSE:  # a silent rank (its node gone with its agent) must be declared lost first
-            return max(base, self.table.dead_after + 2.0)
+            return max(TIMEOUTS[S.PAUSE], self.table.dead_after + 2.0)
         if st != S.DUMP or self.episode is None:
             return base
         if any(f["kind"] == "preempted" for f in self.episode.faults):
             return self.options.term_grace_s  # the scheduler kills the job after its grace: no extension
-        base = self.options.dump_timeout_s or max(base, 30.0 + self.episode.state_bytes / 50e6)
+        base = self.options.dump_timeout_s or max(TIMEOUTS[S.DUMP], 30.0 + self.episode.state_bytes / 50e6)
         writers = [self.ranks[r] for r in self.episode.statuses if r in self.ranks and self.ranks[r].alive]
         moving = writers and now - max(i.progress_at for i in writers) < 30.0
         return 3 * base if moving else base
@@ -527,40 +459,43 @@ class Controller:
         (so it was alive after the fault), and a rank that cannot answer left the live set — its
         agent reported its exit (about 20 ms) or its silence reached the loss limit. The strategy
         then sees the real cause: a killed rank's exit report, not only its peers' broken links."""
-        pend = self.pending.get(self._stop_id)
-        return pend is None or not (pend["waiting"] & self.table.live())
+        return not (self.orders.waiting(self._stop_id) & self.table.live())
 
-    def _outcome(self, out) -> O:
+    def _outcome(self, out: RunOutcome) -> O:
         if out == "ok":
             return O.OK
         if out[0] == "switch":  # recover waited out the spare wait: the same episode scales in
-            return self.elastic.switched(out[2])
+            self.elastic.switched(out[2])
+            self.strategy_note = out[2]
+            self.playbook, self.chosen = playbooks.ELASTIC, O.ELASTIC
+            return O.ELASTIC
+        assert self.playbook is not None and self.episode is not None
         self.strategy_note = playbooks.failed(self.playbook, self.episode, out[1])
         return O.FAILED
 
     # ---- what each state does on entry ----------------------------------------------------------
-    def _training(self):
+    def _training(self) -> O | None:
         now = time.monotonic()
         self.table.heard_all(now)  # detection clocks start with training, not at registration
         came_from = self.machine.history[-1][0] if self.machine.history else None
         if came_from == S.ROLLBACK and self.episode is not None:  # a recovery ended: its first step closes it
             self._settle_episode()
-            self.first_step = FirstStep(self.episode, list(self.active_faults), now)
-            self.active_faults.clear()
+            self.first_step = FirstStep(self.episode, list(self.ledger.active), now)
+            self.ledger.active.clear()
             self.table.moved(now)
         self.succession.name_standbys()
         return None
 
-    def _stop_survivors(self):
+    def _stop_survivors(self) -> O | None:
         """Stop every survivor; decision latency is fault detection -> last stop sent."""
-        fault = self.active_faults[-1] if self.active_faults else None
+        fault = self.ledger.active[-1] if self.ledger.active else None
         # every live rank, reporters of comm failures included; not a newcomer waiting to scale out
         survivors = sorted(self.table.live() - self.elastic.newcomers())
         reason = (f"{fault['kind']} on rank(s) {fault['ranks'][:8]}" if fault else "controller")[:200]
         # Nothing broke for a migration or a scale-out: the ranks park between two steps, no step
         # is interrupted.
-        planned = bool(self.active_faults) and all(f["kind"] in ("migrate", "scale-out") for f in self.active_faults)
-        self._stop_id = self.order("stop", survivors, {"reason": reason, **({"boundary": True} if planned else {})})
+        planned = self.ledger.of_kind("migrate", "scale-out")
+        self._stop_id = self.orders.send("stop", survivors, {"reason": reason, **({"boundary": True} if planned else {})})
         if fault is not None:
             decide_ms = (time.monotonic() - fault["t_detect"]) * 1e3
             cpu_ms = (time.thread_time() - fault["cpu_detect"]) * 1e3  # wall minus waiting for a CPU
@@ -568,21 +503,21 @@ class Controller:
                              cpu_ms=round(cpu_ms, 3))
         return None
 
-    def _decide(self):
-        kinds = {f["kind"] for f in self.active_faults}
+    def _decide(self) -> O | None:
+        kinds = {f["kind"] for f in self.ledger.active}
         if kinds == {"scale-out"}:
             self.strategy_note = "scale-out onto returned rank(s)"
             self.events.emit("strategy", outcome=O.SCALE_OUT.value, reason=self.strategy_note)
             self.playbook, self.chosen = playbooks.SCALE_OUT, O.SCALE_OUT
             return O.SCALE_OUT
         if "scale-out" in kinds:  # a fault came first: its recovery; the newcomers are asked again after it
-            self.active_faults[:] = [f for f in self.active_faults if f["kind"] != "scale-out"]
+            self.ledger.active[:] = [f for f in self.ledger.active if f["kind"] != "scale-out"]
             kinds.discard("scale-out")
         ordered = self.options.ordered_strategies()
-        refusal = self._budget_refusal() if "recover" in ordered else None
+        refusal = self.restarts.refusal() if "recover" in ordered else None
         if refusal:
             ordered = [s for s in ordered if s != "recover"]
-            self.budget.spent = f"recover not tried: {refusal}"
+            self.restarts.budget.spent = f"recover not tried: {refusal}"
         if "elastic-training" in ordered:
             ordered, why_not = self.elastic.order(ordered)
             refusal = "; ".join(x for x in (refusal, why_not) if x) or None
@@ -599,25 +534,20 @@ class Controller:
         self.chosen = outcome
         return outcome
 
-    def _budget_refusal(self) -> str | None:
-        now = time.monotonic()
-        lost = {r: self.died_in.get(r, self.ranks[r].it) for r in self.table.lost() if r in self.ranks}
-        gone = {a.node_rank for a in self.agents.values()
-                if set(a.ranks) & set(lost) and a not in self.table.live_agents(now)}
-        return self.budget.refusal(lost, gone)
-
-    def _play(self):
+    def _play(self) -> O | None:
         """REPAIR, ROLLBACK, DUMP: the playbook's rounds for this state (a new episode on REPAIR and
         DUMP; ROLLBACK goes on with REPAIR's)."""
         st = self.machine.state
         if st in (S.REPAIR, S.DUMP, S.DOWNGRADE, S.UPGRADE):
             if st == S.DUMP:
                 self.playbook = playbooks.DUMP
-            strategy = ({O.RECOVER: "recover"}.get(self.chosen, "retry") if st == S.REPAIR else
-                        {S.DOWNGRADE: "elastic-training", S.UPGRADE: "scale-out"}.get(st, "dump"))
-            first = self.active_faults[0] if self.active_faults else None
+            if st == S.REPAIR:
+                strategy = "recover" if self.chosen == O.RECOVER else "retry"
+            else:
+                strategy = {S.DOWNGRADE: "elastic-training", S.UPGRADE: "scale-out"}.get(st, "dump")
+            first = self.ledger.active[0] if self.ledger.active else None
             replica = all(i.groups for i in self.ranks.values() if i.alive)  # (no replicas: groups are not sent)
-            self.episode = Episode(self.playbook_port, strategy, self.world, self.active_faults,
+            self.episode = Episode(self.playbook_port, strategy, self.world, self.ledger.active,
                                    {r: i.groups[0] for r, i in self.ranks.items() if i.groups}, replica=replica,
                                    spare_wait=self.elastic.spare_wait if strategy == "recover" else None,
                                    left=frozenset(self.elastic.left))
@@ -625,32 +555,34 @@ class Controller:
                 self.episode.phases["detect"] = first["detect_s"]
                 # detection -> every survivor stopped and the strategy chosen
                 self.episode.phases["stop"] = round(time.monotonic() - first["t_detect"], 4)
+        assert self.playbook is not None and self.episode is not None  # (DECIDE chose one; REPAIR made it)
         self.runner = Runner(self.playbook.rounds(st), self.episode)
         out = self.runner.start()
         return None if out is None else self._outcome(out)
 
-    def _tell_exit(self):
-        faults = self.active_faults or self.faults
+    def _tell_exit(self) -> O | None:
+        faults = self.ledger.active or self.ledger.all
         kinds = {f["kind"] for f in faults}
         self.exit_code = (exitcodes.PREEMPTED if "preempted" in kinds else
                           exitcodes.NOT_REGISTERED if "not-registered" in kinds else
-                          exitcodes.DO_NOT_RESTART if self.budget.spent else
-                          exitcodes.FAULT if self.faults else exitcodes.OK)
+                          exitcodes.DO_NOT_RESTART if self.restarts.budget.spent else
+                          exitcodes.FAULT if self.ledger.all else exitcodes.OK)
         dump = self.episode.result if self.episode is not None and self.playbook is playbooks.DUMP else None
         note = self.strategy_note
-        if self.budget.spent and self.budget.spent not in note:
-            note = f"{self.budget.spent}; {note}"
+        spent = self.restarts.budget.spent
+        if spent and spent not in note:
+            note = f"{spent}; {note}"
         text = self.last_diagnosis = diagnosis(faults, len(self.table.live()), note, dump, self.log_dir,
                                                self.exit_code)
         self.events.emit("diagnosis", text=text, exit_code=self.exit_code)
         log.error(text)
         args = {"code": self.exit_code, "diagnosis": text}
-        self.order("exit", sorted(self.table.live()), args)
-        self._to_agents("exit", args)
+        self.orders.send("exit", sorted(self.table.live()), args)
+        self.orders.to_agents("exit", args)
         return None
 
     def _finish_exit(self) -> None:
-        self._feed(O.OK)  # EXIT -> DONE
+        self.feed(O.OK)  # EXIT -> DONE
         if self.local_exit is not None and self.rank is not None and self.rank in self.table.live():
             try:
                 self.router.sock.close(linger=1000)  # flush what we sent before the process goes
@@ -665,7 +597,7 @@ class Controller:
             self.metrics = None
 
     # ---- status -------------------------------------------------------------------------------
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         now = time.monotonic()
         return {
             "state": self.machine.state.value, "epoch": self.epoch, "world_size": self.world,
@@ -675,7 +607,7 @@ class Controller:
             "ranks": self.table.status(now),
             "agents": [{"node_rank": a.node_rank, "node": a.node, "ranks": a.ranks, "pids": a.pids}
                        for a in self.agents.values()],
-            "faults": [{k: v for k, v in f.items() if k not in ("t_detect", "cpu_detect")} for f in self.faults],
+            "faults": [{k: v for k, v in f.items() if k not in ("t_detect", "cpu_detect")} for f in self.ledger.all],
             "dropped": dict(self.router.drops.counts),
             **self.elastic.status(),
         }
@@ -697,6 +629,6 @@ def run_standalone(log_dir: str, world_size: int, options: HAOptions, host: str 
         if store is not None:
             store.close()
     if c.exit_code:
-        print(c.last_diagnosis or diagnosis(c.faults, len(c.table.live()), c.strategy_note, None, log_dir),
+        print(c.last_diagnosis or diagnosis(c.ledger.all, len(c.table.live()), c.strategy_note, None, log_dir),
               file=sys.stderr)
     return c.exit_code

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from ..exitcodes import MEANING
+from .ledger import Fault
 
 
-def diagnosis(faults: list, live: int, note: str, dump: dict | None, log_dir: str, code: int = 1) -> str:
+def diagnosis(faults: list[Fault], live: int, note: str, dump: dict[str, Any] | None, log_dir: str,
+              code: int = 1) -> str:
     """``faults``: the episode's (or, with none, every) fault record; ``live``: ranks told to exit;
     ``note``: what the chosen strategy did; ``dump``: the dying-gasp checkpoint written, if any."""
     if not faults:

@@ -24,19 +24,24 @@ the others are offered again). Newcomers still waiting when the job's ranks have
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any, Iterable
 
 from ..events import get_logger
-from . import playbooks
+from . import ledger
+from .ranks import Agent
 from .states import Outcome as O, State as S
+
+if TYPE_CHECKING:
+    from .controller import Controller
 
 log = get_logger("control.controller")
 
 
 class Elastic:
-    def __init__(self, controller):
+    def __init__(self, controller: Controller):
         self.c = controller
         self.dp = 0                           # the data-parallel size the job runs at, scaled in (0: its own)
-        self.layout: dict | None = None       # the layout of the last resize (for status)
+        self.layout: dict[str, Any] | None = None      # the layout of the last resize (for status)
         self.spare_wait: float | None = None  # this episode: seconds recover waits for a lost node
         self.left: set[int] = set()           # ranks out of the layout since a scale-in
         self.agent_pid: dict[int, int] = {}   # node -> its agent's pid when its ranks left
@@ -44,7 +49,7 @@ class Elastic:
         self.at = 0.0                          # when the last newcomer registered
 
     # ---- scale-in: the strategy choice ------------------------------------------------------------
-    def order(self, ordered: list) -> tuple[list, str]:
+    def order(self, ordered: list[str]) -> tuple[list[str], str]:
         """The strategies to try, in order, for the faults of this episode, and why one was dropped."""
         c, self.spare_wait = self.c, None
         if self.dp:
@@ -63,20 +68,17 @@ class Elastic:
         return (f"; lost node(s) of rank(s) {sorted(self.c.table.lost())}: their replacement is waited for up to "
                 f"{self.spare_wait:g} s (--ha-spare-wait), then the job scales in without them")
 
-    def switched(self, reason: str) -> O:
-        """recover waited out the spare wait: the same episode scales in."""
+    def switched(self, reason: str) -> None:
+        """recover waited out the spare wait: the same episode scales in (the controller plays it)."""
         c = self.c
-        stranded = sorted(c.restarting)
-        c.restarting.clear()
-        c.strategy_note = reason
+        stranded = sorted(c.restarts.restarting)
+        c.restarts.restarting.clear()
         c.events.emit("strategy", outcome=O.ELASTIC.value, reason=reason)
         log.warning("recover: %s", reason)
-        c._to_agents("leave", {"ranks": stranded})  # (their agents are gone; a late one must not wait)
-        c.playbook, c.chosen = playbooks.ELASTIC, O.ELASTIC
-        return O.ELASTIC
+        c.orders.to_agents("leave", {"ranks": stranded})  # (their agents are gone; a late one must not wait)
 
     # ---- after a resize ---------------------------------------------------------------------------
-    def scaled(self, dp: int, replica_groups: dict) -> None:
+    def scaled(self, dp: int, replica_groups: dict[int, list[int]]) -> None:
         """The job runs at data-parallel size ``dp``; ``replica_groups``: every rank of the new layout
         (all of the job's ranks when it is whole again) -> its replica group."""
         c = self.c
@@ -91,10 +93,10 @@ class Elastic:
         if lost:  # newcomers lost during a scale-out that was then undone: the others may be offered again
             self.leave(lost, "they were lost while the job scaled out")
 
-    def leave(self, ranks, reason: str) -> None:
+    def leave(self, ranks: Iterable[int], reason: str) -> None:
         """These ranks are out of the layout — the lost ones are not restarted, the live ones
         (parked) are told to exit 0."""
-        c = self.c
+        c, ranks = self.c, list(ranks)
         live = sorted(set(ranks) & c.table.live())
         for r in ranks:
             if r in c.ranks:
@@ -105,17 +107,17 @@ class Elastic:
             if set(a.ranks) & set(ranks):
                 self.agent_pid[a.node_rank] = a.pid
         if live:
-            c.order("exit", live, {"code": 0, "diagnosis": f"mindspeed-ha: rank(s) {live} leave the job: {reason}"})
-        c._to_agents("leave", {"ranks": sorted(ranks)})
+            c.orders.send("exit", live, {"code": 0, "diagnosis": f"mindspeed-ha: rank(s) {live} leave the job: {reason}"})
+        c.orders.to_agents("leave", {"ranks": sorted(ranks)})
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         if not self.layout:
             return {}
         return {"layout": {**self.layout, "left": sorted(self.left), "joining": sorted(self.offered)}}
 
     # ---- scale-out ----------------------------------------------------------------------------------
 
-    def offer(self, agent) -> None:
+    def offer(self, agent: Agent) -> None:
         """A node's agent registered: if it is a new one holding ranks that left, they are to be started
         (counted in ``restarting``: the agent is told to start them — again on each of its hellos that
         shows them without a process, as for recover, since a first order can go to a link that is
@@ -125,7 +127,7 @@ class Elastic:
         if not mine or not self.dp or self.agent_pid.get(agent.node_rank) == agent.pid:
             return
         self.offered |= set(mine)
-        c.restarting |= set(mine)
+        c.restarts.restarting |= set(mine)
         c.events.emit("scale_out_offer", node_rank=agent.node_rank, node=agent.node, ranks=mine)
         log.info("elastic: node %s (agent %d) is back: starting rank(s) %s to scale out", agent.node,
                  agent.node_rank, mine)
@@ -142,15 +144,14 @@ class Elastic:
         live = c.table.live()
         if not self.offered or not self.offered <= live or c.machine.state != S.NORMAL or c.first_step is not None:
             return
-        if any(f["kind"] == "scale-out" for f in c.active_faults):
+        if any(f["kind"] == "scale-out" for f in c.ledger.active):
             return
-        rec = {"ranks": sorted(self.offered), "kind": "scale-out", "iteration": c.table.newest_iteration(),
-               "phase": "boundary", "detect_s": 0.0, "detail": "returned ranks registered", "time": time.time(),
-               "nodes": [c.ranks[r].node for r in sorted(self.offered)], "t_detect": self.at or time.monotonic(),
-               "cpu_detect": time.thread_time()}
-        c.active_faults.append(rec)
-        c.events.emit("scale_out_requested", ranks=rec["ranks"], iteration=rec["iteration"])
-        c._feed(O.SCALE_OUT)
+        ranks = sorted(self.offered)
+        f = ledger.record(ranks, "scale-out", c.table.newest_iteration(), "boundary", [c.ranks[r].node for r in ranks],
+                          detail="returned ranks registered", t_detect=self.at or time.monotonic())
+        c.ledger.active.append(f)  # (no fault: not in the job's faults, nor its diagnosis)
+        c.events.emit("scale_out_requested", ranks=ranks, iteration=f["iteration"])
+        c.feed(O.SCALE_OUT)
 
     def ended_without(self) -> bool:
         """The job's ranks have all ended while newcomers still wait to scale out: they are told to
@@ -162,6 +163,6 @@ class Elastic:
         self.leave(sorted(waiting), "the job ended before they could join it")
         return True
 
-    def newcomers(self) -> set:
+    def newcomers(self) -> set[int]:
         """Registered newcomers: no stop for them (they train nothing yet)."""
         return self.offered & self.c.table.live()

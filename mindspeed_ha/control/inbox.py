@@ -5,6 +5,7 @@ type, in one table (``handlers``)."""
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..events import get_logger
 from ..faults import PROCESS_FATAL_EXIT
@@ -12,29 +13,35 @@ from . import protocol as P
 from .ranks import Agent, Rank
 from .states import Outcome as O, State as S
 
+if TYPE_CHECKING:
+    from .controller import Controller
+
 log = get_logger("control.controller")
+Msg = dict[str, Any]                       # a decoded, validated message (protocol.py)
+Handler = Callable[[bytes, Msg], None]    # (the sender's socket identity, its message)
 
 
 class Inbox:
-    def __init__(self, controller):
+    def __init__(self, controller: Controller):
         self.c = controller
         self.fenced_once: set[int] = set()
 
-    def handlers(self) -> dict:
+    def handlers(self) -> dict[str, Handler]:
         fenced = {"register": self.register, "hb": self.heartbeat, "fault": self.fault, "result": self.result,
                   "bye": self.bye}
         return {**{t: self._fenced(fn) for t, fn in fenced.items()}, "agent": self.agent,
                 "agent_hb": self.agent_heartbeat, "exit": self.exit, "status?": self.status, "inject": self.inject,
                 "migrate": self.migrate, "health": self.health, "preempt": self.preempt}
 
-    def _fenced(self, handle):
+    def _fenced(self, handle: Handler) -> Handler:
         """A rank's message from a process this controller declared lost — a partition that healed, a
         rank stopped and replaced meanwhile — is dropped, and that process is told to exit: the job
         has another process for its rank (or will have)."""
-        def checked(ident, msg):
+        def checked(ident: bytes, msg: Msg) -> None:
             r = self.c.table.check(msg["rank"])
             if not self.c.table.stale(r, msg.get("pid")):
-                return handle(ident, msg)
+                handle(ident, msg)
+                return
             self.c.router.drops.drop("stale", f"rank {r} pid {msg.get('pid')}: {msg['t']}")
             text = (f"mindspeed-ha: rank {r}, process {msg.get('pid')}, was declared lost and replaced; this "
                     "process must not come back into the job, so it ends here")
@@ -47,7 +54,7 @@ class Inbox:
                             r, msg.get("pid"))
         return checked
 
-    def register(self, ident, msg) -> None:
+    def register(self, ident: bytes, msg: Msg) -> None:
         r = self.c.table.check(msg["rank"])
         if msg["world"] != self.c.world:
             raise ValueError(f"rank {r} says world {msg['world']}, controller has {self.c.world}")
@@ -63,22 +70,22 @@ class Inbox:
             log.warning("rank %d re-registered with a new pid %d (was %d)", r, info.pid, old.pid)
         if old is not None and not old.alive:
             # A dead rank stays dead, unless it is the worker the recover strategy restarted.
-            info.alive = old.pid != info.pid and r in self.c.restarting
+            info.alive = old.pid != info.pid and r in self.c.restarts.restarting
             if info.alive:
-                self.c.restarting.discard(r)
+                self.c.restarts.restarting.discard(r)
                 self.c.events.emit("rejoined", rank=r, pid=info.pid, old_pid=old.pid)
                 log.info("rank %d rejoined with pid %d (was %d)", r, info.pid, old.pid)
         self.c.ranks[r] = info
         self.c.table.by_ident[ident] = r
-        self.c.router.send(ident, self.c._ack)
+        self.c.router.send(ident, self.c.ack)
         if old is not None and old.ident != ident and old.pid in (info.pid, 0):  # 0: placeholder of a takeover
-            self.c._resend_pending(r)
+            self.c.orders.resend(r)
         if info.alive:
             self.c.elastic.registered(r)
         if self.c.machine.state == S.INIT and not self.c.standby and self.c.table.all_in():
-            self.c._feed(O.REGISTERED)
+            self.c.feed(O.REGISTERED)
 
-    def heartbeat(self, ident, msg) -> None:
+    def heartbeat(self, ident: bytes, msg: Msg) -> None:
         known = self.c.ranks.get(msg["rank"])
         reconnected = known is not None and known.ident != ident
         info = self.c.table.heard(ident, msg, time.monotonic())
@@ -88,10 +95,10 @@ class Inbox:
         if "busy" in msg:
             self.c.migrations.observe(info)
         if reconnected:
-            self.c._resend_pending(msg["rank"])
-        self.c.router.send(ident, self.c._ack)
+            self.c.orders.resend(msg["rank"])
+        self.c.router.send(ident, self.c.ack)
 
-    def fault(self, ident, msg) -> None:
+    def fault(self, ident: bytes, msg: Msg) -> None:
         r = self.c.table.check(msg["rank"])
         info = self.c.ranks.get(r)
         if info:
@@ -99,17 +106,15 @@ class Inbox:
             info.it = max(info.it, msg["iteration"])
             info.phase = msg["phase"]
         at = msg.get("at")
-        self.c._fault([r], msg["kind"], msg["iteration"], msg["phase"],
+        self.c.fault([r], msg["kind"], msg["iteration"], msg["phase"],
                     detect_s=max(0.0, time.time() - at) if at else 0.0, detail=msg.get("detail", ""),
                     key=("fault", r, msg["kind"], at), rid=msg.get("rid"))
 
-    def result(self, ident, msg) -> None:
+    def result(self, ident: bytes, msg: Msg) -> None:
         r = self.c.table.check(msg["rank"])
-        pend = self.c.pending.get(msg["id"])
+        pend = self.c.orders.answer(r, msg["id"], msg["ok"], msg.get("data") if msg["ok"] else msg.get("error", ""))
         if pend is None:
             return
-        pend["waiting"].discard(r)
-        pend["results"][r] = (msg["ok"], msg.get("data") if msg["ok"] else msg.get("error", ""))
         if msg["action"] == "stop" and r in self.c.ranks:
             self.c.ranks[r].stopped = True
         if msg["action"] == "takeover":
@@ -121,54 +126,52 @@ class Inbox:
         if msg["action"] == "standby" and msg["ok"]:
             self.c.standbys.up(r, msg.get("data") or "")
             self.c.push_backups()
-            self.c._announce(quiet=True)  # a client that never got an ack naming it finds it there
+            self.c.succession.announce(quiet=True)  # a client that never got an ack naming it finds it there
             self.c.events.emit("standby", rank=r, endpoint=msg.get("data") or "")
-        if pend.get("cli") is not None:
-            self.c.router.send(pend["cli"], P.encode("status", body={
+        if pend.cli is not None:
+            self.c.router.send(pend.cli, P.encode("status", body={
                 "ok": msg["ok"], "rank": r, "action": msg["action"], "data": msg.get("data"),
                 "error": msg.get("error", "")}))
-        if not pend["waiting"]:
-            self.c.answered[msg["id"]] = self.c.pending.pop(msg["id"])["results"]
 
-    def bye(self, ident, msg) -> None:
+    def bye(self, ident: bytes, msg: Msg) -> None:
         r = self.c.table.check(msg["rank"])
         if r in self.c.ranks:
             self.c.ranks[r].done = True
             self.c.ranks[r].seen = time.monotonic()
 
-    def agent(self, ident, msg) -> None:
+    def agent(self, ident: bytes, msg: Msg) -> None:
         n = msg["node_rank"]
         old = self.c.agents.get(n)
         self.c.agents[n] = Agent(n, ident, msg["node"], list(msg["ranks"]), list(msg["pids"]), seen=time.monotonic(),
                                  pid=msg["pid"])
-        self.c.router.send(ident, self.c._ack)
+        self.c.router.send(ident, self.c.ack)
         # A node started again (a new agent), or an agent with no worker for a rank we think alive
         # (a standby that took over never knew the old node): those processes are gone.
         replaced = old is not None and old.pid and old.pid != msg["pid"]
         live = self.c.table.live()
         gone = sorted(r for r, pid in zip(msg["ranks"], msg["pids"])
-                      if r in live and (replaced or not pid) and r not in self.c.restarting)
+                      if r in live and (replaced or not pid) and r not in self.c.restarts.restarting)
         if gone:
             info = self.c.ranks[gone[0]]
-            self.c._fault(gone, "node-lost", info.it, info.phase,
+            self.c.fault(gone, "node-lost", info.it, info.phase,
                           detail=f"node {n} came back as a new agent (pid {msg['pid']}) without these ranks' processes",
                           key=("node-replaced", n, msg["pid"]))
         self.c.elastic.offer(self.c.agents[n])
         # Ranks of this node that the recovery under way waits for: this agent starts them.
         # (a scale-out's newcomers too: the offer above counts them in)
-        due = sorted(r for r, pid in zip(msg["ranks"], msg["pids"]) if not pid and r in self.c.restarting)
+        due = sorted(r for r, pid in zip(msg["ranks"], msg["pids"]) if not pid and r in self.c.restarts.restarting)
         if due:
             self.c.router.send(ident, P.encode("do", action="restart", id=0, args={"ranks": due}, epoch=self.c.epoch))
 
-    def agent_heartbeat(self, ident, msg) -> None:
+    def agent_heartbeat(self, ident: bytes, msg: Msg) -> None:
         a = self.c.agents.get(msg["node_rank"])
         if a is None:
             self.c.router.send(ident, P.encode("refused", reason="register first"))
             return
         a.ident, a.seen, a.spares = ident, time.monotonic(), msg.get("spares", a.spares)
-        self.c.router.send(ident, self.c._ack)
+        self.c.router.send(ident, self.c.ack)
 
-    def exit(self, ident, msg) -> None:
+    def exit(self, ident: bytes, msg: Msg) -> None:
         r = self.c.table.check(msg["rank"])
         code, sig = msg.get("code", 0), msg.get("signal", 0)
         info = self.c.ranks.get(r)
@@ -193,13 +196,13 @@ class Inbox:
         it = msg.get("iteration", info.it if info else -1)
         phase = msg.get("phase", info.phase if info else "unknown")
         at = msg.get("at")
-        self.c._fault([r], "process-exit", it, phase, detect_s=max(0.0, time.time() - at) if at else 0.0,
+        self.c.fault([r], "process-exit", it, phase, detect_s=max(0.0, time.time() - at) if at else 0.0,
                     detail=f"pid {msg['pid']} {how}", key=("exit", r, msg["pid"]), rid=msg.get("rid"))
 
-    def status(self, ident, msg) -> None:
+    def status(self, ident: bytes, msg: Msg) -> None:
         self.c.router.send(ident, P.encode("status", body=self.c.status()))
 
-    def inject(self, ident, msg) -> None:
+    def inject(self, ident: bytes, msg: Msg) -> None:
         r = self.c.table.check(msg["rank"])
         info = self.c.ranks.get(r)
         if info is None or not info.alive or self.c.standby:
@@ -208,14 +211,14 @@ class Inbox:
         if msg["kind"] not in P.INJECT_KINDS or msg.get("phase", "forward") not in P.INJECT_PHASES:
             self.c.router.send(ident, P.encode("refused", reason=f"unknown fault {msg['kind']!r}/{msg.get('phase')!r}"))
             return
-        args = {k: msg[k] for k in ("kind", "step", "phase", "factor") if k in msg}
-        oid = self.c.order("inject", [r], args)
+        args: dict[str, Any] = {k: msg[k] for k in ("kind", "step", "phase", "factor") if k in msg}
+        oid = self.c.orders.send("inject", [r], args)
         # Answer on delivery: the fault may kill the rank before its handler's result gets out.
         self.c.router.send(ident, P.encode("status", body={"ok": True, "rank": r, "action": "inject", "id": oid,
                                                          "detail": "delivered", **args}))
         self.c.events.emit("inject", target=r, **args)
 
-    def migrate(self, ident, msg) -> None:
+    def migrate(self, ident: bytes, msg: Msg) -> None:
         r = msg["rank"]
         why = (self.c.migrations.request(r, msg.get("reason") or "requested") if 0 <= r < self.c.world
                else f"there is no rank {r} in this job (ranks 0..{self.c.world - 1})")
@@ -225,7 +228,7 @@ class Inbox:
         self.c.router.send(ident, P.encode("status", body={"ok": True, "rank": r, "action": "migrate",
                                                          "detail": "at the next step boundary"}))
 
-    def preempt(self, ident, msg) -> None:
+    def preempt(self, ident: bytes, msg: Msg) -> None:
         """The scheduler is taking the job away: stop now, write the dying gasp, exit (once, whoever
         got the signal first: any agent, any rank)."""
         import signal
@@ -236,10 +239,10 @@ class Inbox:
         who = f"rank {msg['rank']}" if "rank" in msg else f"node {msg.get('node_rank', '?')}'s agent"
         ranks = [msg["rank"]] if "rank" in msg else (self.c.agents[msg["node_rank"]].ranks
                                                      if msg.get("node_rank") in self.c.agents else [])
-        self.c._fault(ranks, "preempted", self.c.table.newest_iteration(), "step",
+        self.c.fault(ranks, "preempted", self.c.table.newest_iteration(), "step",
                       detail=f"{name} to {who}", key=("preempted",))
 
-    def health(self, ident, msg) -> None:
+    def health(self, ident: bytes, msg: Msg) -> None:
         """An agent's health hook named ranks of its node sub-healthy."""
         for r in msg["ranks"]:
             self.c.migrations.sub_healthy(self.c.table.check(r), msg.get("detail") or "health check")

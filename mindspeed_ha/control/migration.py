@@ -11,20 +11,26 @@ recovery's first step closes it with a ``migrated`` event.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ..events import get_logger
-from .ranks import WARM_UP_STEPS
+from .ledger import Fault
+from .ranks import WARM_UP_STEPS, Rank
 from .states import State as S
 from .stragglers import StragglerWatch
+
+if TYPE_CHECKING:
+    from .controller import Controller
 
 log = get_logger("control.controller")
 
 
 class Migrations:
-    def __init__(self, controller):
+    def __init__(self, controller: Controller):
         self.c = controller
         opts = controller.options
         self.watch = StragglerWatch(opts.straggler_ratio, opts.straggler_steps)
-        self.moving: dict[int, dict] = {}   # rank -> what it was (pid, node) and why it moves
+        self.moving: dict[int, dict[str, Any]] = {}   # rank -> what it was (pid, node) and why it moves
         self.settle_until = 0               # no straggler judged up to this iteration (after a recovery)
 
     def refusal(self, r: int) -> str | None:
@@ -74,8 +80,8 @@ class Migrations:
         c.events.emit("migrate", rank=r, old_pid=info.pid, node=info.node, reason=reason)
         log.warning("migrating rank %d (pid %d on %s) to a spare at the next step boundary: %s",
                     r, info.pid, info.node, reason)
-        c._fault([r], "migrate", info.it, info.phase, detail=f"{reason} (pid {info.pid} on {info.node})",
-                 key=("migrate", r, info.pid))
+        c.fault([r], "migrate", info.it, info.phase, detail=f"{reason} (pid {info.pid} on {info.node})",
+                key=("migrate", r, info.pid))
         return None
 
     def outrun(self) -> bool:
@@ -83,8 +89,7 @@ class Migrations:
         job's last step (a rank parks only before a step it will run, and no rank finishes while
         another is parked), so the job is ending, not waiting."""
         c = self.c
-        return (bool(c.active_faults) and all(f["kind"] == "migrate" for f in c.active_faults)
-                and any(i.done for i in c.ranks.values()))
+        return c.ledger.of_kind("migrate") and any(i.done for i in c.ranks.values())
 
     def abandon(self) -> None:
         for r, was in sorted(self.moving.items()):
@@ -92,9 +97,9 @@ class Migrations:
                                why="the job ended its last step first")
             log.info("migration of rank %d abandoned: the job ended its last step first", r)
         self.moving.clear()
-        self.c.active_faults.clear()
+        self.c.ledger.active.clear()
 
-    def observe(self, info) -> None:
+    def observe(self, info: Rank) -> None:
         """A heartbeat told a rank's own work per step: a straggler is named (and moved, if asked)."""
         c = self.c
         if c.machine.state != S.NORMAL or c.first_step is not None or info.it <= self.settle_until:
@@ -121,7 +126,7 @@ class Migrations:
         if c.options.migrate_stragglers and c.machine.state == S.NORMAL:
             self.request(r, why)
 
-    def closed(self, faults: list, now: float, moved_bytes: int, phases: dict) -> None:
+    def closed(self, faults: list[Fault], now: float, moved_bytes: int, phases: dict[str, float]) -> None:
         """The recovery of these faults has ended its first step: each migration in it is done.
         Its pause is the time no rank trained: from the last rank parked to the resume."""
         pause = sum(v for k, v in phases.items() if k not in ("detect", "stop", "status", "first_step"))

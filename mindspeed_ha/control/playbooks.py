@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..events import get_logger
 from .. import plan as planner
-from .rounds import DONE, NEXT, Answers, Fail, Goto, Round, Switch
+from .ledger import Fault
+from .rounds import DONE, NEXT, Answers, Fail, Goto, Port, Round, Step, Switch
 from .states import State as S
 
 log = get_logger("control.playbooks")
@@ -45,37 +46,37 @@ WRITE_WAIT_S = 7 * 24 * 3600.0  # (the DUMP state's own time limit, which grows 
 @dataclasses.dataclass
 class Episode:
     """The working memory of one recovery: what the playbook learned and decided so far."""
-    port: Any
+    port: Port
     strategy: str
     world: int
-    faults: list                           # the episode's faults (the controller appends while it runs)
-    groups: dict                           # rank -> replica group as registered
+    faults: list[Fault]                    # the episode's faults (the controller appends while it runs)
+    groups: dict[int, list[int]]           # rank -> replica group as registered
     replica: bool = True                   # the ranks run the replica optimizer (else: reload)
-    fallback: tuple | None = None          # dump: newest periodic checkpoint (iteration, path)
-    phases: dict = dataclasses.field(default_factory=dict)
-    statuses: dict = dataclasses.field(default_factory=dict)   # rank -> its answer to status
-    joiners: list = dataclasses.field(default_factory=list)    # restarted ranks (hold nothing yet)
-    plan: Any = None
+    fallback: tuple[int, str] | None = None  # dump: newest periodic checkpoint (iteration, path)
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    statuses: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # rank -> its answer to status
+    joiners: list[int] = dataclasses.field(default_factory=list)    # restarted ranks (hold nothing yet)
+    plan: Any = None                       # the planner's plan (plan.py): repair, reload, elastic or dump
     mode: str = ""                         # repair (from the twins) or reload (the periodic checkpoint)
     generation: int = 0
     how: str = ""
     lost_steps: int = 0
-    result: dict | None = None             # dump: the written checkpoint
+    result: dict[str, Any] | None = None            # dump: the written checkpoint
     state_bytes: int = 0                   # dump: what the survivors will write (sets its time limit)
     moved_bytes: int = 0                   # repair: shard bytes copied from the twins
-    dropped: list = dataclasses.field(default_factory=list)   # elastic: ranks out of the new layout
+    dropped: list[int] = dataclasses.field(default_factory=list)   # elastic: ranks out of the new layout
     old_dp: int = 0                        # elastic: the data-parallel size before
-    running: list = dataclasses.field(default_factory=list)   # scale-out: the ranks training before
+    running: list[int] = dataclasses.field(default_factory=list)   # scale-out: the ranks training before
     spare_wait: float | None = None        # recover with elastic on: seconds a lost node is waited for
     restart_at: float = 0.0                # when the restart round asked for the replacements
-    left: frozenset = frozenset()          # elastic: ranks out of the layout since a scale-in (no shard)
+    left: frozenset[int] = frozenset()         # elastic: ranks out of the layout since a scale-in (no shard)
     started: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
     def target(self) -> int:
-        return self.plan.iteration
+        return int(self.plan.iteration)
 
-    def group_of(self, rank: int):
+    def group_of(self, rank: int) -> list[int] | None:
         """A rank's replica group: as it registered, or (a backup controller it never registered
         with) from a survivor's group that contains it."""
         if self.groups.get(rank):
@@ -87,15 +88,15 @@ class Episode:
 @dataclasses.dataclass(frozen=True)
 class Playbook:
     name: str
-    states: dict                  # State -> [Round, ...]
+    states: dict[S, list[Round]]
     event_on_fail: str            # repair_failed | dump_refused
 
-    def rounds(self, state: S) -> list:
+    def rounds(self, state: S) -> list[Round]:
         return self.states[state]
 
 
 # ---- retry / recover / reload: REPAIR ---------------------------------------------------------------
-def _ha_status(ep: Episode, ans: Answers):
+def _ha_status(ep: Episode, ans: Answers) -> Step:
     if ans.failed:
         return Fail(f"status failed ({ans.why()})")
     # A rank restarted by an earlier round of this recovery (a new fault came while it was joining)
@@ -105,12 +106,12 @@ def _ha_status(ep: Episode, ans: Answers):
     return NEXT
 
 
-def hung(ep: Episode) -> set:
+def hung(ep: Episode) -> set[int]:
     """Ranks a hang fault names: alive, but their training thread will not serve an order."""
     return {r for f in ep.faults if f["kind"] == "hang" for r in f["ranks"]}
 
 
-def replaced(ep: Episode) -> set:
+def replaced(ep: Episode) -> set[int]:
     """Live ranks recover replaces: the hung, and those migrating to a spare."""
     return {r for f in ep.faults if f["kind"] in ("hang", "migrate") for r in f["ranks"]}
 
@@ -121,7 +122,7 @@ STATUS = Round("status", order="ha-status", decide=_ha_status, wait_s=ROUND_WAIT
 STATUS_OR_HUNG = dataclasses.replace(STATUS, silent_is_hung=True)
 
 
-def _restart(ep: Episode):
+def _restart(ep: Episode) -> Step:
     """Have the agents restart every lost, hung or migrating worker (the agent ends a live one
     first); they join at the rebuild."""
     ep.port.condemn(sorted(replaced(ep) & ep.port.live()))
@@ -146,7 +147,7 @@ def _waited_out(ep: Episode) -> bool:
     return ep.spare_wait is not None and time.monotonic() - ep.restart_at > ep.spare_wait
 
 
-def _restarted(ep: Episode, ans: Answers):
+def _restarted(ep: Episode, ans: Answers) -> Step:
     waiting = sorted(ep.port.restarting())
     if waiting and ep.spare_wait is not None and (ans.failed or _waited_out(ep)):
         return Switch("elastic-training", f"no replacement for rank(s) {waiting} within --ha-spare-wait "
@@ -161,7 +162,7 @@ RESTART = Round("restart", act=_restart, ready=lambda ep: not ep.port.restarting
                 wait_s=RESTART_WAIT_S, when=lambda ep: bool(ep.port.lost() or replaced(ep) & ep.port.live()))
 
 
-def _plan(ep: Episode):
+def _plan(ep: Episode) -> Step:
     """Repair from the twins where every shard has a healthy holder; else (no replicas, or both holders
     of a shard lost or poisoned) every rank reloads the newest periodic checkpoint they all have."""
     why = "no replicas"
@@ -193,14 +194,14 @@ def _plan(ep: Episode):
     return NEXT
 
 
-def _rebuild_args(ep: Episode) -> dict:
+def _rebuild_args(ep: Episode) -> dict[str, Any]:
     host, port = ep.port.store()
     return {"store_host": host, "store_port": port, "generation": ep.generation}
 
 
-def _then(name: str, step, how: str = ""):
+def _then(name: str, step: Step, how: str = "") -> Callable[[Episode, Answers], Step]:
     """Every rank did ``name``: go on with ``step`` (NEXT or DONE); any failure fails the state."""
-    def decide(ep: Episode, ans: Answers):
+    def decide(ep: Episode, ans: Answers) -> Step:
         if ans.failed:
             return Fail(f"{name} failed ({ans.why()})")
         ep.how = how or ep.how
@@ -210,7 +211,7 @@ def _then(name: str, step, how: str = ""):
 
 PLAN = Round("plan", act=_plan, timed=False)
 REBUILD = Round("rebuild", order="rebuild", args=_rebuild_args, decide=_then("rebuild", NEXT))
-def _repaired(ep: Episode, ans: Answers):
+def _repaired(ep: Episode, ans: Answers) -> Step:
     if ans.failed:
         return Fail(f"repair failed ({ans.why()})")
     ep.moved_bytes = sum(int((a or {}).get("received") or 0) for a in ans.ok.values())
@@ -224,7 +225,7 @@ RELOAD = Round("reload", order="reload", decide=_then("reload", DONE, how="reloa
 
 
 # ---- ROLLBACK ---------------------------------------------------------------------------------------
-def _rolled(ep: Episode, ans: Answers):
+def _rolled(ep: Episode, ans: Answers) -> Step:
     if ans.failed:
         return Fail(f"rollback failed ({ans.why()})")
     ep.how = "/".join(sorted({str(how) for how in ans.ok.values()}))
@@ -246,14 +247,14 @@ RECOVER = Playbook("recover", {S.REPAIR: [STATUS_OR_HUNG, RESTART, *(dataclasses
 
 
 # ---- elastic-training: DOWNGRADE (scale in without a spare) ---------------------------------------------
-def _replicas(ep: Episode) -> list:
+def _replicas(ep: Episode) -> list[list[int]]:
     """The job's data-parallel replicas now, from the ranks' data-parallel groups (job ranks): the
     d-th member of every group, the groups in their members' order (TP, then PP position)."""
     dp_groups = sorted({tuple(st["layout"]["dp_ranks"]) for st in ep.statuses.values() if st.get("layout")})
     return [[g[d] for g in dp_groups] for d in range(len(dp_groups[0]))] if dp_groups else []
 
 
-def _plan_elastic(ep: Episode):
+def _plan_elastic(ep: Episode) -> Step:
     layout = next((st["layout"] for st in ep.statuses.values() if st.get("layout")), None)
     replicas = _replicas(ep)
     if layout is None or not replicas:
@@ -285,12 +286,12 @@ def _plan_elastic(ep: Episode):
     return NEXT
 
 
-def _scale_in_args(ep: Episode) -> dict:
+def _scale_in_args(ep: Episode) -> dict[str, Any]:
     host, port = ep.port.store()
     return {"plan": ep.plan.to_wire(), "store_host": host, "store_port": port, "generation": ep.generation}
 
 
-def _scaled_in(ep: Episode, ans: Answers):
+def _scaled_in(ep: Episode, ans: Answers) -> Step:
     if ans.failed:
         return Fail(f"scale-in failed ({ans.why()})")
     ep.moved_bytes = sum(int((a or {}).get("received") or 0) for a in ans.ok.values())
@@ -306,13 +307,13 @@ def _scaled_in(ep: Episode, ans: Answers):
     return DONE
 
 
-def _fresh_rollback(ep: Episode) -> dict:
+def _fresh_rollback(ep: Episode) -> dict[str, Any]:
     """A new layout: back to the plan's iteration, data read at the new data-parallel rank and size.
     (Its decision keeps the episode's ``how``: the resize, "data-parallel size 4 -> 2".)"""
     return {"iteration": ep.target, "fresh_data": True}
 
 
-def _kept(ep: Episode) -> list:
+def _kept(ep: Episode) -> list[int]:
     return sorted(r for rep in ep.plan.kept for r in rep)
 
 
@@ -326,7 +327,7 @@ ELASTIC = Playbook("elastic-training", {
 
 
 # ---- elastic-training: UPGRADE (scale out when a lost node's ranks registered again) ---------------------
-def _plan_scale_out(ep: Episode):
+def _plan_scale_out(ep: Episode) -> Step:
     """Newcomers (``ep.joiners``: the returned ranks, registered, holding nothing) join as whole
     replicas; a plan that cannot be made leaves them out and the job trains on as it was."""
     layout = next((st["layout"] for st in ep.statuses.values() if st.get("layout")), None)
@@ -356,7 +357,7 @@ def _plan_scale_out(ep: Episode):
     return NEXT
 
 
-def _scaled_out(ep: Episode, ans: Answers):
+def _scaled_out(ep: Episode, ans: Answers) -> Step:
     if ans.failed:
         return Fail(f"scale-out failed ({ans.why()})")
     ep.moved_bytes = sum(int((a or {}).get("received") or 0) for a in ans.ok.values())
@@ -368,7 +369,7 @@ def _scaled_out(ep: Episode, ans: Answers):
     return DONE
 
 
-def _new_layout(ep: Episode) -> list:
+def _new_layout(ep: Episode) -> list[int]:
     return _kept(ep) if ep.plan.ok else ep.running
 
 
@@ -383,14 +384,14 @@ SCALE_OUT = Playbook("scale-out", {
 
 
 # ---- dump (the dying-gasp checkpoint) -----------------------------------------------------------------
-def _dump_status_to(ep: Episode) -> list:
+def _dump_status_to(ep: Episode) -> list[int]:
     # A hung rank will not answer. (One with nothing to save says so: corrupted, or still joining.)
     asked = sorted(ep.port.live() - hung(ep))
     log.info("dump: asking %d live rank(s) for their shard state", len(asked))
     return asked
 
 
-def _dump_statuses(ep: Episode, ans: Answers):
+def _dump_statuses(ep: Episode, ans: Answers) -> Step:
     refused = {r: why for r, why in ans.failed.items() if why not in ("lost", "no answer")}
     empty = {r: s.get("why", "") for r, s in ans.ok.items() if not s.get("holds", True)}
     if empty:
@@ -407,7 +408,7 @@ def _dump_statuses(ep: Episode, ans: Answers):
     return NEXT
 
 
-def _plan_dump(ep: Episode):
+def _plan_dump(ep: Episode) -> Step:
     live = ep.port.live()
     statuses = {r: s for r, s in ep.statuses.items() if r in live}
     holders = {r: h for r, h in planner.holders(ep.world, statuses, ep.groups).items() if r not in ep.left}
@@ -420,6 +421,7 @@ def _plan_dump(ep: Episode):
     writing = sorted(statuses)
     # Survivors whose own shard is newer than the plan: another shard's newest state died (a lost rank
     # can take the last message of a step with it, leaving its twin inside that step).
+    assert plan.iteration is not None  # (a plan that is ok names its iteration)
     ahead = sorted(r for r in writing if max(planner.servable(holders[r]), default=-1) > plan.iteration)
     ep.port.emit("dump_plan", iteration=plan.iteration, writers=sorted(plan.writers.values()),
                  survivors=writing, generation=ep.generation, finishing=list(plan.finishing), ahead=ahead)
@@ -427,13 +429,13 @@ def _plan_dump(ep: Episode):
     return NEXT
 
 
-def _write_args(ep: Episode) -> dict:
+def _write_args(ep: Episode) -> dict[str, Any]:
     host, port = ep.port.store()
     return {"survivors": sorted(ep.statuses), "store_host": host, "store_port": port,
             "generation": ep.generation, "plan": ep.plan.to_wire()}
 
 
-def _written(ep: Episode, ans: Answers):
+def _written(ep: Episode, ans: Answers) -> Step:
     lost = [r for r, why in ans.failed.items() if why == "lost"]
     if lost:  # the others were stopped by the runner: plan again over the rest
         log.warning("dump: rank(s) %s lost while writing; re-planning without them", sorted(lost))
@@ -481,7 +483,7 @@ class FirstStep:
     has completed the step after the iteration it resumed at (``recovered``, with the MTTR from the
     first fault's detection; a scale-out: ``scaled_out``, timed from the newcomers' registration)."""
 
-    def __init__(self, ep: Episode, faults: list, resumed_at: float):
+    def __init__(self, ep: Episode, faults: list[Fault], resumed_at: float):
         self.ep, self.faults, self.resumed_at = ep, faults, resumed_at
         self.target = ep.target + 1
 

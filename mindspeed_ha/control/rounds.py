@@ -19,12 +19,15 @@ import dataclasses
 import time
 from typing import Any, Callable, Iterable, Protocol
 
+from .ledger import Fault
+
 
 class Port(Protocol):
-    """The controller as a playbook sees it."""
+    """The controller as a playbook sees it: exactly what the playbooks use, nothing else of its state."""
 
-    def order(self, action: str, ranks: Iterable[int], args: dict) -> int:
-        """Send ``action`` to ``ranks``; returns the order's id."""
+    # ---- orders and who is there
+    def order(self, action: str, ranks: Iterable[int], args: dict[str, Any]) -> int:
+        """Send ``action`` to the live ones of ``ranks``; returns the order's id."""
 
     def answers(self, order_id: int) -> dict[int, tuple[bool, Any]]:
         """rank -> (ok, data or error text) for every rank that has answered so far."""
@@ -32,33 +35,49 @@ class Port(Protocol):
     def live(self) -> set[int]:
         """Ranks alive and not finished."""
 
-    def restart(self, ranks: list[int]) -> tuple[list[int], list[int]]:
+    def lost(self) -> set[int]:
+        """Ranks of the job that are dead (their process lost or condemned)."""
+
+    def host_rank(self) -> int | None:
+        """The rank whose process runs this controller (None: a process of its own)."""
+
+    # ---- recover: restarts
+    def condemn(self, ranks: list[int]) -> None:
+        """Live ranks to be replaced like dead ones (hung, or migrating): marked dead, they owe no answers."""
+
+    def restart(self, ranks: list[int]) -> tuple[list[int], list[int], list[int]]:
         """Have the launcher agents restart these ranks: (restarted by an agent, awaiting a
-        replacement node)."""
+        replacement node, without any agent — nothing was restarted then)."""
 
     def restarting(self) -> set[int]:
         """Restarted ranks that have not registered again yet."""
 
+    # ---- the rebuild
     def store(self) -> tuple[str, int]:
         """(host, port) of the TCPStore the ranks' new communicators meet at."""
 
+    def new_generation(self) -> int:
+        """A fresh key space in that store for one rebuild or dump."""
+
+    # ---- what happened
     def hung(self, ranks: list[int], detail: str) -> None:
         """Live ranks that stopped answering: a new fault (the recovery starts over with it)."""
 
-    def emit(self, event: str, **fields) -> None:
+    def emit(self, event: str, **fields: Any) -> None:
         """An event in the controller's event log."""
 
-    def closed(self, faults: list, now: float, moved_bytes: int, phases: dict) -> None:
+    def set_note(self, text: str) -> None:
+        """What the diagnosis says of the strategy (e.g. where the dying gasp was written)."""
+
+    def closed(self, faults: list[Fault], now: float, moved_bytes: int, phases: dict[str, float]) -> None:
         """A recovery's first step ended: what the faults started (a migration) is done."""
 
-    def scaled(self, dp: int, replica_groups: dict) -> None:
-        """elastic: the job runs at data-parallel size ``dp``; the kept ranks' new replica groups."""
+    # ---- elastic
+    def scaled(self, dp: int, replica_groups: dict[int, list[int]]) -> None:
+        """The job runs at data-parallel size ``dp``; the kept ranks' new replica groups."""
 
     def leave(self, ranks: list[int], reason: str) -> None:
-        """elastic: these ranks are out of the layout for good (live ones are told to exit 0)."""
-
-    def host_rank(self) -> int | None:
-        """The rank whose process runs this controller (None: a process of its own)."""
+        """These ranks are out of the layout for good (live ones are told to exit 0)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,36 +99,49 @@ class Switch:
 
 
 NEXT, DONE = object(), object()
+Step = Any                     # what a round's decide returns: NEXT, DONE, Goto, Fail or Switch
+RunOutcome = str | tuple[str, ...]   # "ok", ("failed", reason) or ("switch", strategy, reason)
 
 
 @dataclasses.dataclass
 class Answers:
     """What a round collected: ``ok`` rank -> data; ``failed`` rank -> why (an error, "no answer"
     past the round's time limit, "lost" when the rank died meanwhile)."""
-    ok: dict
-    failed: dict
+    ok: dict[int, Any]
+    failed: dict[int, Any]
     seconds: float
 
     def why(self, limit: int = 500) -> str:
         return "; ".join(f"rank {r}: {d}" for r, d in sorted(self.failed.items()))[:limit]
 
 
-def everyone(ep) -> list[int]:
+class Memory(Protocol):
+    """What the runner needs of an episode (playbooks.Episode): the port, and where rounds are timed."""
+    port: Port
+    phases: dict[str, float]
+
+
+def everyone(ep: Memory) -> list[int]:
     return sorted(ep.port.live())
+
+
+def _failed_if_any(ep: Any, ans: Answers) -> Step:
+    return NEXT if not ans.failed else Fail(f"failed ({ans.why()})")
 
 
 @dataclasses.dataclass(frozen=True)
 class Round:
     name: str                                     # its entry in the recovery's timed phases
     order: str | None = None                      # action sent to the ranks (None: the controller acts alone)
+    # (each callable takes the playbook's episode)
     to: Callable[[Any], Iterable[int]] = everyone
-    args: Callable[[Any], dict] = lambda ep: {}
-    decide: Callable[[Any, Answers], Any] = lambda ep, ans: NEXT if not ans.failed else Fail(f"failed ({ans.why()})")
+    args: Callable[[Any], dict[str, Any]] = lambda ep: {}
+    decide: Callable[[Any, Answers], Step] = _failed_if_any
     wait_s: float = 30.0
     partial: bool = False                         # past wait_s, go on with whoever answered
     silent_is_hung: bool = False                  # past wait_s, a live rank that did not answer is hung
     stop_on_loss: bool = False                    # a rank lost meanwhile: stop the others (they may be blocked on it)
-    act: Callable[[Any], Any] | None = None       # controller-only: runs once when the round starts
+    act: Callable[[Any], Step] | None = None      # controller-only: runs once when the round starts
     ready: Callable[[Any], bool] | None = None    # controller-only: the round ends when this holds (or at wait_s)
     timed: bool = True                            # counted in the recovery's phases
     when: Callable[[Any], bool] | None = None     # skipped (not even timed) unless this holds
@@ -120,21 +152,21 @@ class Runner:
     and ``phases``). ``start()`` then ``tick()`` until either returns an outcome: ``"ok"`` or
     ``("failed", reason)``."""
 
-    def __init__(self, rounds: list[Round], ep, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, rounds: list[Round], ep: Memory, clock: Callable[[], float] = time.monotonic):
         if not rounds:
             raise ValueError("a playbook state needs at least one round")
         self.rounds, self.ep, self.clock = list(rounds), ep, clock
-        self.index = -1
-        self.current: Round | None = None
-        self.order_id = None
+        self.index = 0
+        self.current: Round = rounds[0]
+        self.order_id = -1
         self.waiting: set[int] = set()
         self.t0 = 0.0
         self.stopped_for: set[int] = set()
 
-    def start(self):
+    def start(self) -> RunOutcome | None:
         return self._enter(0)
 
-    def _enter(self, index: int):
+    def _enter(self, index: int) -> RunOutcome | None:
         while True:
             self.index, self.current = index, self.rounds[index]
             self.t0, self.stopped_for = self.clock(), set()
@@ -159,7 +191,7 @@ class Runner:
                 continue
             return out
 
-    def _follow(self, step):
+    def _follow(self, step: Step) -> int | RunOutcome:
         """A decision -> the next round's index, or the state's outcome."""
         r = self.current
         if r.timed:
@@ -178,14 +210,15 @@ class Runner:
             return ("switch", step.strategy, step.reason)
         raise TypeError(f"round {r.name}: decision {step!r}")
 
-    def tick(self):
+    def tick(self) -> RunOutcome | None:
         """None while the round waits; else the state's outcome."""
         r, now = self.current, self.clock()
         late = now - self.t0 > r.wait_s
         if r.order is None:  # the controller acts alone and waits for a condition
-            if not (r.ready(self.ep) or late):
+            ready = r.ready is None or r.ready(self.ep)
+            if not (ready or late):
                 return None
-            step = r.decide(self.ep, Answers({}, {} if r.ready(self.ep) else {-1: "timed out"}, now - self.t0))
+            step = r.decide(self.ep, Answers({}, {} if ready else {-1: "timed out"}, now - self.t0))
         else:
             live = self.ep.port.live()
             got = self.ep.port.answers(self.order_id)
@@ -201,7 +234,8 @@ class Runner:
             if silent and r.silent_is_hung:
                 self.ep.port.hung(silent, f"no answer to {r.name} within {r.wait_s:g}s")
                 return None  # (a new fault: the controller starts the recovery over)
-            ok, failed = {}, {}
+            ok: dict[int, Any] = {}
+            failed: dict[int, Any] = {}
             for q in self.waiting:
                 if q not in live:
                     failed[q] = "lost"  # (an answer from before its death is stale)

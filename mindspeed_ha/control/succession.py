@@ -1,6 +1,9 @@
 """Who controls the job next: standbys named and replaced, a standby's takeover when the controller
 is lost, and a planned handover when the controller's own host rank is to be migrated.
 
+The active controller announces where it listens (``announce``: controller.json in the log dir, and
+the job store, where nodes without that dir look) and serves the metrics.
+
 A takeover (election.py says when one may happen) is the standby becoming the active controller
 with the next epoch: the ranks that never came over are expected like any other (lost if they stay
 silent), the faults reported to it while it stood by are handled.
@@ -11,20 +14,60 @@ retires — its process trains on as an ordinary rank, which the new controller 
 """
 from __future__ import annotations
 
+import os
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
 from ..events import get_logger
-from . import election
-from .states import Machine, State as S
+from . import discovery, election
+from .states import State as S
+
+if TYPE_CHECKING:
+    from .controller import Controller
 
 log = get_logger("control.controller")
 HANDOVER_WAIT_S = 30.0   # the new controller waits this long for the job to come over before migrating
 
 
 class Succession:
-    def __init__(self, controller):
+    def __init__(self, controller: Controller):
         self.c = controller
         self.handing_to: int | None = None     # the standby ordered to take over (this controller retires)
-        self.ordered: dict | None = None       # a standby: the takeover ordered by the active controller
-        self.after: tuple | None = None        # a new controller: (rank to migrate, reason, since)
+        self.ordered: dict[str, Any] | None = None  # a standby: the takeover ordered by the active controller
+        self.after: tuple[int, str, float] | None = None  # a new controller: (rank to migrate, reason, since)
+
+    # ---- where the active controller is -------------------------------------------------------------
+    def announce(self, quiet: bool = False) -> None:
+        c = self.c
+        info = {"host": c.host, "port": c.port_number, "endpoint": c.endpoint,
+                "server_public_key": c.keys.server_public_text(), "secure": c.keys.secure,
+                "epoch": c.epoch, "rank": c.rank, "pid": os.getpid(), "job_id": c.job_id,
+                "world_size": c.world, "hostname": socket.gethostname(), "started": time.time(),
+                "backups": c.standbys.endpoints()}
+        if c.write_json:
+            election.write_controller_json(c.log_dir, info)
+        if c.job_store is not None:  # where nodes without this log dir find us
+            c.job_store.publish(discovery.CONTROLLER_KEY, info, epoch=c.epoch)
+        if not quiet:
+            log.info("controller (epoch %d) listening on %s, world %d, %s", c.epoch, c.endpoint,
+                     c.world, "CurveZMQ" if c.keys.secure else "INSECURE")
+
+    def serve_metrics(self) -> None:
+        """--ha-metrics-port: the active controller (a standby from its takeover) serves /metrics."""
+        c = self.c
+        port = c.options.metrics_port
+        if not port or c.metrics is not None:
+            return
+        from .metrics import Metrics
+        try:
+            c.metrics = Metrics(c.host, port, c.world)
+        except OSError as e:  # metrics are for people: a taken port must not take the job down
+            log.error("--ha-metrics-port %d on %s: cannot serve metrics (%s)", port, c.host, e)
+            c.events.emit("metrics_failed", port=port, host=c.host, error=str(e))
+            return
+        c.metrics.set_state(c.machine.state.value)
+        c.events.listeners.append(c.metrics.on_event)
 
     # ---- standbys -----------------------------------------------------------------------------
     def name_standbys(self) -> None:
@@ -35,10 +78,10 @@ class Succession:
             return
         lost, new = c.standbys.renew(c.ranks, c.rank)
         if new:
-            c.order("standby", new, {"world": c.world, "epoch": c.epoch, "controller": -1 if c.rank is None else c.rank})
+            c.orders.send("standby", new, {"world": c.world, "epoch": c.epoch, "controller": -1 if c.rank is None else c.rank})
         if lost:
             c.push_backups()
-            c._announce(quiet=True)
+            self.announce(quiet=True)
             log.info("standby controller(s) on rank(s) %s lost; new standby on %s", lost, new)
 
     # ---- a standby ----------------------------------------------------------------------------
@@ -61,21 +104,15 @@ class Succession:
 
     def _promote(self, now: float, reachable: int, epoch: int, why: str) -> None:
         c = self.c
-        c.standby = False
-        c.epoch = max(epoch, c.epoch + 1)
-        c.machine = Machine(c._on_transition, state=S.NORMAL)
-        c.table.heard_all(now)  # start the clocks now for ranks that have not come over yet
-        c.table.expect_all(now)
-        c._announce()
-        c._serve_metrics()
+        c.become_active(epoch, now)
+        self.announce()
+        self.serve_metrics()
         c.events.emit("takeover", rank=c.rank, epoch=c.epoch, reachable=reachable, why=why)
         log.warning("controller takeover by rank %s (epoch %d, %s): %d of %d ranks reachable",
                     c.rank, c.epoch, why, reachable, c.world)
-        c._refresh_ack()
-        deferred, c._deferred = c._deferred, []
-        for rec in deferred:
-            c._fault(rec["ranks"], rec["kind"], rec["iteration"], rec["phase"], rec["detect_s"],
-                     rec["detail"], key=("deferred", tuple(rec["ranks"]), rec["kind"], rec["time"]), rid=rec.get("rid"))
+        for f in c.ledger.take_deferred():
+            c.fault(f["ranks"], f["kind"], f["iteration"], f["phase"], f["detect_s"], f["detail"],
+                    key=("deferred", tuple(f["ranks"]), f["kind"], f["time"]), rid=f["rid"])
 
     # ---- a handover ---------------------------------------------------------------------------
     def hand_over(self, r: int, reason: str) -> str | None:
@@ -89,7 +126,7 @@ class Succession:
             return (f"rank {r} hosts the controller, and no standby stands by to take it over (they are named "
                     "while the job trains; ask again in a moment)")
         self.handing_to = live[0]
-        c.order("takeover", [live[0]], {"epoch": c.epoch + 1, "migrate": r, "reason": reason})
+        c.orders.send("takeover", [live[0]], {"epoch": c.epoch + 1, "migrate": r, "reason": reason})
         c.events.emit("handover", to=live[0], rank=r, reason=reason)
         log.warning("rank %d hosts this controller: handing it over to the standby on rank %d, which then "
                     "migrates rank %d", r, live[0], r)
@@ -99,8 +136,8 @@ class Succession:
         """The standby took over: everyone goes there, and this controller retires."""
         c = self.c
         args = {"endpoint": endpoint}
-        c.order("reconnect", sorted(c.table.live()), args)
-        c._to_agents("reconnect", args)
+        c.orders.send("reconnect", sorted(c.table.live()), args)
+        c.orders.to_agents("reconnect", args)
         c.events.emit("retired", to=self.handing_to, endpoint=endpoint)
         log.warning("controller handed over to rank %s at %s: this one retires", self.handing_to, endpoint)
         c.retire()
@@ -116,8 +153,8 @@ class Succession:
             self.after = None
             c.events.emit("migrate_refused", rank=r, reason=reason, why="the job did not come over in time")
             return
-        info = c.ranks.get(r)
-        if info is None or not info.pid or not c.agents or not c.table.agent_of(r) or c.table.agent_of(r).spares < 1:
+        info, agent = c.ranks.get(r), c.table.agent_of(r)
+        if info is None or not info.pid or agent is None or agent.spares < 1:
             return
         if c.migrations.request(r, reason) is None:
             self.after = None

@@ -1,0 +1,90 @@
+"""Orders: what the controller tells ranks and launcher agents to do, and the answers that come back.
+
+An order goes to the live ones of a set of ranks under an id; each answer is kept under that id
+until no rank owes one (``answers``). A rank that dies owes nothing (``excuse``); a rank that comes
+back on a new connection gets the orders it still owes again (``resend``: it drops by id what it did
+receive). Agents get one-way orders (``to_agents``): restart, leave, reconnect, exit. Every order
+carries the controller's epoch, so that a rank obeys only the newest controller.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Iterable
+
+from . import protocol as P
+from .ranks import RankTable
+from .router import Router
+
+Answer = tuple[bool, Any]   # (ok, the handler's data, or its error text)
+
+
+@dataclasses.dataclass
+class Pending:
+    action: str
+    waiting: set[int]                 # ranks that owe an answer
+    data: bytes                       # the order as sent (re-sent to a rank that reconnects)
+    cli: bytes | None = None          # a CLI's socket identity: it gets each answer as it comes
+    results: dict[int, Answer] = dataclasses.field(default_factory=dict)
+    sent: float = dataclasses.field(default_factory=time.monotonic)
+
+
+class Orders:
+    def __init__(self, router: Router, table: RankTable, epoch: Callable[[], int], host_rank: int | None):
+        self.router, self.table, self.epoch, self.host_rank = router, table, epoch, host_rank
+        self.pending: dict[int, Pending] = {}
+        self.answered: dict[int, dict[int, Answer]] = {}   # order id -> answers, once none is owed
+        self._next_id = 1
+
+    def send(self, action: str, ranks: Iterable[int], args: dict[str, Any] | None = None,
+             cli: bytes | None = None) -> int:
+        """Send ``action`` to the live ones of ``ranks``; their answers collect under the returned id.
+        The host rank's ``exit`` is left out: it exits last, locally."""
+        oid = self._next_id
+        self._next_id += 1
+        data = P.encode("do", action=action, id=oid, args=args or {}, epoch=self.epoch())
+        skip = self.host_rank if action == "exit" else None
+        ranks_ = self.table.ranks
+        targets = [ranks_[r] for r in ranks if r in ranks_ and ranks_[r].alive and r != skip]
+        self.router.fan_out((i.ident for i in targets), data)
+        self.pending[oid] = Pending(action, {i.rank for i in targets}, data, cli)
+        if not targets:
+            self.answered[oid] = self.pending.pop(oid).results
+        return oid
+
+    def to_agents(self, action: str, args: dict[str, Any]) -> None:
+        data = P.encode("do", action=action, id=0, args=args, epoch=self.epoch())
+        self.router.fan_out((a.ident for a in self.table.agents.values()), data)
+
+    def answer(self, r: int, oid: int, ok: bool, data: Any) -> Pending | None:
+        """Rank ``r`` answered order ``oid``; returns the order (None: not one that waits)."""
+        pend = self.pending.get(oid)
+        if pend is None:
+            return None
+        pend.waiting.discard(r)
+        pend.results[r] = (ok, data)
+        if not pend.waiting:
+            self.answered[oid] = self.pending.pop(oid).results
+        return pend
+
+    def answers(self, oid: int) -> dict[int, Answer]:
+        """rank -> (ok, data or error text) for every rank that has answered so far."""
+        pend = self.pending.get(oid)
+        return dict(pend.results) if pend else self.answered.get(oid, {})
+
+    def waiting(self, oid: int | None) -> set[int]:
+        """The ranks that still owe an answer to order ``oid``."""
+        pend = self.pending.get(oid) if oid is not None else None
+        return set(pend.waiting) if pend else set()
+
+    def excuse(self, ranks: Iterable[int]) -> None:
+        """These ranks are dead (or condemned): they owe no answers, nor do their successors."""
+        gone = set(ranks)
+        for pend in self.pending.values():
+            pend.waiting -= gone
+
+    def resend(self, r: int) -> None:
+        """Rank ``r`` came back on a new connection: the orders it owes may have been lost."""
+        for pend in list(self.pending.values()):
+            if r in pend.waiting:
+                self.router.send(self.table.ranks[r].ident, pend.data)

@@ -1,0 +1,67 @@
+"""Restarts: the recover strategy's lost ranks, started again by their launcher agents.
+
+A rank's agent restarts its worker (or hands the rank to a spare); the ranks of a node lost with its
+agent wait for a replacement node (``mindspeed-ha run`` with the same --node-rank starts them as
+joiners by itself). Until a restarted rank registers again it is ``restarting``: its registration
+then revives it (any other process of a dead rank stays dead). Every restart counts against the
+budget (budget.py), which may refuse recover for the next fault.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+from ..events import EventLog, get_logger
+from .budget import RestartBudget
+from .orders import Orders
+from .ranks import RankTable
+
+log = get_logger("control.controller")
+
+
+class Restarts:
+    def __init__(self, table: RankTable, orders: Orders, events: EventLog, max_restarts: int,
+                 host_rank: int | None, end_host: Callable[[], None] | None):
+        self.table, self.orders, self.events = table, orders, events
+        self.host_rank, self.end_host = host_rank, end_host
+        self.budget = RestartBudget(max_restarts)
+        self.restarting: set[int] = set()    # ranks restarted by their agent, not registered again yet
+        self.died_in: dict[int, int] = {}    # rank -> the iteration its process was lost in
+
+    def lost(self, ranks: Iterable[int], iteration: int) -> None:
+        self.died_in.update({r: int(iteration) for r in ranks})
+
+    def restart(self, ranks: Iterable[int]) -> tuple[list[int], list[int], list[int]]:
+        """The agents restart these ranks' workers. Returns (restarted by an agent, awaiting a
+        replacement node, without any agent — nothing restarted then)."""
+        ranks = sorted(ranks)
+        agents = self.table.agents.values()
+        orphans = sorted(set(ranks) - {r for a in agents for r in a.ranks})
+        if orphans:
+            return [], [], orphans
+        if self.host_rank in ranks and self.end_host is not None:
+            # The controller's own host must go (hung): it cannot drive its own replacement. It ends
+            # the process instead; its agent reports the exit, and a standby takes over the recovery.
+            self.events.emit("host_ends", rank=self.host_rank,
+                             reason="the controller's host rank is to be replaced")
+            log.error("rank %d hosts this controller and must be replaced: ending it, a standby takes over",
+                      self.host_rank)
+            self.end_host()
+        live_agents = self.table.live_agents(time.monotonic())
+        by_agent = sorted(r for a in live_agents for r in a.ranks if r in ranks)
+        awaiting = sorted(set(ranks) - set(by_agent))
+        self.restarting = set(ranks)
+        self.budget.count({r: self.died_in.get(r, -1) for r in ranks},
+                          [a.node_rank for a in agents if set(a.ranks) & set(awaiting)])
+        if by_agent:
+            self.orders.to_agents("restart", {"ranks": by_agent})
+        return by_agent, awaiting, []
+
+    def refusal(self) -> str | None:
+        """Why recover may not restart the lost ranks now (None: it may)."""
+        now = time.monotonic()
+        ranks = self.table.ranks
+        lost = {r: self.died_in.get(r, ranks[r].it) for r in self.table.lost() if r in ranks}
+        live_agents = self.table.live_agents(now)
+        gone = {a.node_rank for a in self.table.agents.values() if set(a.ranks) & set(lost) and a not in live_agents}
+        return self.budget.refusal(lost, gone)
