@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 import zmq
 
@@ -70,6 +71,7 @@ def cmd_status(args) -> int:
     from .control import protocol as P
     msg = _request(args, P.encode("status?"))
     log_dir = log_dir_from_env(args.log_dir)
+    st: dict[str, Any]
     if msg is None or msg["t"] != "status":
         faults = [e for e in read_events(os.path.join(log_dir, "events", "controller.jsonl"))
                   if e.get("event") == "fault"]

@@ -15,10 +15,14 @@ from __future__ import annotations
 import datetime
 import re
 import warnings
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 TESTED_TORCH = ("2.11.0", "2.13.0", "2.14.1")
 TESTED_MEGATRON_CORE = ("0.16.1",)
@@ -63,16 +67,18 @@ def registered_groups() -> list:
 
 def register_group(pg, backend: str, store, name: str, rank_mapping: dict[int, int]) -> None:
     """Make ``pg`` a group torch knows (its rank mapping, name, backend and tag), as new_group does."""
-    config = str(c10d.BackendConfig(backend))
+    # BackendConfig takes a backend's plain name as well (it calls str() on it first)
+    config = str(c10d.BackendConfig(backend))  # type: ignore[arg-type]
+    group_name = cast("GroupName", name)  # torch's NewType over str (absent from older torch)
     if _HAS_REGISTER_PG_IN_WORLD:
-        c10d._register_pg_in_world(pg, backend_name=backend, store=store, group_name=name,
+        c10d._register_pg_in_world(pg, backend_name=backend, store=store, group_name=group_name,
                                    backend_config=config, rank_mapping=rank_mapping)
         return
     w = c10d._world
     w.pg_map[pg] = (backend, store)
-    w.pg_names[pg] = name
+    w.pg_names[pg] = group_name
     w.pg_backend_config[pg] = config
-    c10d._register_process_group(name, pg)
+    c10d._register_process_group(group_name, pg)
     w.pg_group_ranks[pg] = rank_mapping
     tag = f"ptd:{name}"
     w.tags_to_pg.setdefault(tag, []).append(pg)
@@ -111,6 +117,7 @@ def make_communicator(store, rank: int, size: int, backend: str, timeout: dateti
     """A ProcessGroup of one backend over ``store`` (what new_group builds inside, without registering
     anything): gloo for CPU tensors, NCCL for CUDA ones."""
     pg = dist.ProcessGroup(store, rank, size)
+    inner: dist.ProcessGroupNCCL | dist.ProcessGroupGloo
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout

@@ -59,7 +59,7 @@ class EventLog:
 
 def read_events(path: str) -> list[dict]:
     """Parse a .jsonl event file, skipping a torn last line."""
-    out = []
+    out: list[dict] = []
     if not os.path.exists(path):
         return out
     with open(path) as f:

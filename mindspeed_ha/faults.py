@@ -8,6 +8,8 @@ when its memory fault could otherwise be repaired in place.
 """
 from __future__ import annotations
 
+from typing import Iterator
+
 # The exit code of a rank that ends itself because its device context is poisoned: its agent
 # reports the exit, and recover replaces the process (its twin holds its shard).
 from .exitcodes import PROCESS_FATAL as PROCESS_FATAL_EXIT  # noqa: F401
@@ -42,7 +44,7 @@ CUDA_STICKY_MARKERS = (
 )
 
 
-def _chain(exc: BaseException):
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

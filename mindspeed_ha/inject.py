@@ -36,7 +36,7 @@ import threading
 import time
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 from mindspeed_ha.events import EventLog, get_logger
 from mindspeed_ha.faults import CommFault, MemoryFault
@@ -113,7 +113,7 @@ def parse(value: str) -> list[Fault]:
         if not spec:
             continue
         kind, *fields = [p.strip() for p in spec.split(":")]
-        kv: dict[str, str] = {}
+        kv: dict[str, Any] = {}  # the given strings; rank, step and factor then converted
         for f in fields:
             key, eq, val = f.partition("=")
             if not eq or not val:
@@ -171,6 +171,10 @@ def job_id(env: Mapping[str, str] | None = None) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in jid)[:80]
 
 
+class ShardCorruptor(Protocol):
+    def __call__(self, bit_flip: bool = ...) -> object: ...
+
+
 class Injector:
     def __init__(self, rank: int, log_dir: str, events: EventLog | None, faults=(), job: str | None = None):
         self.rank = rank
@@ -178,7 +182,7 @@ class Injector:
         self.events = events
         self._lock = threading.Lock()
         self._pending: list[Fault] = [f for f in faults if f.rank == rank]
-        self._uce_corruptor: Callable[[], None] | None = None
+        self._uce_corruptor: ShardCorruptor | None = None
         self._comm_breaker: Callable[[], None] | None = None
         self._live = 0
         self._step_t = 0.0       # when the last step began (its forward point)
@@ -190,7 +194,7 @@ class Injector:
         env = os.environ if env is None else env
         return cls(rank, log_dir, events, parse(env.get(ENV, "")), job_id(env))  # every rank validates every fault
 
-    def set_uce_corruptor(self, fn: Callable[[], None]) -> None:
+    def set_uce_corruptor(self, fn: ShardCorruptor) -> None:
         """``fn(bit_flip=False)`` corrupts this rank's optimizer shard (the trainer knows where it
         lives); with ``bit_flip=True`` it flips a single bit instead."""
         self._uce_corruptor = fn
@@ -213,7 +217,6 @@ class Injector:
     def pending(self) -> list[Fault]:
         with self._lock:
             return list(self._pending)
-
     def fire_point(self, phase: str, iteration: int) -> None:
         """Called by the trainer at each phase point; fires the faults due here (at most once per job)."""
         last = self._step_t

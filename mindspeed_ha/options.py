@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import re
+from typing import Mapping, overload
 
 STRATEGIES = ("dump", "retry", "recover", "elastic-training")
 PREFERENCE = ("retry", "recover", "elastic-training", "dump")  # the controller tries them in this order
@@ -33,7 +34,7 @@ class HAConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class HAOptions:
-    strategies: frozenset = frozenset()
+    strategies: frozenset[str] = frozenset()
     replica: bool = True           # False with --distributed-optimizer-no-replica
     replica_num: int = 2
     verify_replicas_interval: int = 0
@@ -157,11 +158,19 @@ def _parse_tft(value: str) -> set[str]:
     return out
 
 
+@overload
+def _seconds(args, name: str, default: float) -> float: ...
+
+
+@overload
+def _seconds(args, name: str, default: None) -> float | None: ...
+
+
 def _seconds(args, name: str, default: float | None) -> float | None:
     """A time flag: a finite number of seconds above zero (None: not given, where that is allowed)."""
     value = getattr(args, name, default)
     if value is None:
-        return None
+        return default
     flag = "--" + name.replace("_", "-")
     try:
         value = float(value)
@@ -172,7 +181,7 @@ def _seconds(args, name: str, default: float | None) -> float | None:
     return value
 
 
-def from_args(args: argparse.Namespace, env: dict | None = None) -> HAOptions:
+def from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> HAOptions:
     env = os.environ if env is None else env
     if "HIGH_AVAILABILITY" in env:  # set, even to nothing: it decides (an empty value is a mistake)
         strategies, source = _parse_list(env["HIGH_AVAILABILITY"], "HIGH_AVAILABILITY"), "HIGH_AVAILABILITY"
@@ -250,7 +259,7 @@ def from_args(args: argparse.Namespace, env: dict | None = None) -> HAOptions:
         metrics_port=None if metrics_port is None else int(metrics_port))
 
 
-def from_script_args(script_args: list[str], env=None) -> HAOptions | None:
+def from_script_args(script_args: list[str], env: Mapping[str, str] | None = None) -> HAOptions | None:
     """The HA options of a training script's command line (what a launcher agent needs of them);
     None when they are invalid (the workers report that, with the flag to change)."""
     ns, _ = add_ha_args(argparse.ArgumentParser(add_help=False)).parse_known_args(script_args)

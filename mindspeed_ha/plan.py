@@ -20,18 +20,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any, Iterable, Mapping, Sequence
+
+Shard = tuple[int, ...]                # a shard, named by its sorted replica group
+Holders = dict[int, dict[str, Any]]    # rank -> its holder (see above)
 
 
 @dataclasses.dataclass(frozen=True)
 class DumpPlan:
     ok: bool
     iteration: int | None = None
-    writers: dict = dataclasses.field(default_factory=dict)   # shard (sorted replica group) -> rank
-    at_target: tuple = ()     # live ranks whose shard is (or, once finished, will be) at `iteration`
-    finishing: tuple = ()     # live ranks inside their update: they must finish it before the dump
-    missing: tuple = ()       # shards with no live holder at all (every replica lost)
+    writers: dict[Shard, int] = dataclasses.field(default_factory=dict)   # shard (sorted replica group) -> rank
+    at_target: tuple[int, ...] = ()     # live ranks whose shard is (or, once finished, will be) at `iteration`
+    finishing: tuple[int, ...] = ()     # live ranks inside their update: they must finish it before the dump
+    missing: tuple[Shard, ...] = ()     # shards with no live holder at all (every replica lost)
     reason: str = ""
-    fallback: tuple | None = None  # (iteration, path) of the newest periodic checkpoint, or None
+    fallback: tuple[int, str] | None = None  # (iteration, path) of the newest periodic checkpoint, or None
 
     def message(self) -> str:
         if self.ok:
@@ -41,7 +45,7 @@ class DumpPlan:
               if self.fallback else "no periodic checkpoint exists to fall back on")
         return f"dying-gasp checkpoint refused, nothing written: {self.reason}; {fb}"
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         """The plan as an order's argument (msgpack: shard tuples become "r,r" keys)."""
         d = dataclasses.asdict(self)
         d["writers"] = {",".join(map(str, g)): r for g, r in self.writers.items()}
@@ -52,7 +56,7 @@ class DumpPlan:
         return d
 
     @classmethod
-    def from_wire(cls, d: dict) -> "DumpPlan":
+    def from_wire(cls, d: dict[str, Any]) -> "DumpPlan":
         d = dict(d)
         d["writers"] = {tuple(int(r) for r in g.split(",")): int(w) for g, w in d["writers"].items()}
         for k in ("at_target", "finishing"):
@@ -69,7 +73,7 @@ class DumpPlan:
         return cls.from_wire(json.loads(text))
 
 
-def servable(h: dict) -> set:
+def servable(h: Mapping[str, Any]) -> set[int]:
     """Iterations a holder's shard can be served (written, copied) at.
 
     Not updating: its ``iteration``. Updating: the optimizer update toward ``iteration + 1`` is local
@@ -86,7 +90,8 @@ def servable(h: dict) -> set:
     return {it + 1} if h.get("touched", True) else {it}
 
 
-def holders(world: int, statuses: dict, groups: dict | None = None, unusable=()) -> dict:
+def holders(world: int, statuses: Mapping[int, Mapping[str, Any]],
+            groups: Mapping[int, Sequence[int] | None] | None = None, unusable: Iterable[int] = ()) -> Holders:
     """``plan_dump``'s input for the whole job, from what the ranks reported.
 
     ``statuses``: rank -> its shard status (``iteration``, ``updating``, ``touched``,
@@ -96,11 +101,12 @@ def holders(world: int, statuses: dict, groups: dict | None = None, unusable=())
     Every other rank is lost; its replica group is the known one, or the survivors' group that
     names it, or just itself (a whole replica group lost: its shard is reported missing)."""
     known = {int(r): list(g) for r, g in (groups or {}).items() if g}
+    s: Mapping[str, Any] | None
     for s in statuses.values():
         for m in s.get("replica_group") or ():
             known.setdefault(int(m), list(s["replica_group"]))
     unusable = set(unusable)
-    out = {}
+    out: Holders = {}
     for r in range(world):
         s = statuses.get(r)
         if s is not None and "iteration" in s:
@@ -113,11 +119,11 @@ def holders(world: int, statuses: dict, groups: dict | None = None, unusable=())
     return out
 
 
-def plan_dump(holders: dict, fallback: tuple | None = None) -> DumpPlan:
+def plan_dump(holders: Holders, fallback: tuple[int, str] | None = None) -> DumpPlan:
     """``holders``: rank -> {"iteration", "updating", "replica_group", "alive"[, "touched"]} for every
     rank of the job (dead ones included: their replica group says which shard is at stake).
     ``fallback``: (iteration, path) of the newest periodic checkpoint, for the refusal message."""
-    shards: dict[tuple, list[int]] = {}
+    shards: dict[Shard, list[int]] = {}
     for rank, h in holders.items():
         group = tuple(sorted(int(r) for r in h["replica_group"]))
         if rank not in group:
@@ -155,20 +161,20 @@ def plan_dump(holders: dict, fallback: tuple | None = None) -> DumpPlan:
 class RepairPlan:
     ok: bool
     iteration: int | None = None
-    copies: tuple = ()        # (src, dst): dst's shard is overwritten with src's
-    joiners: tuple = ()       # (restarted rank, its twin that sends it the counters, scheduler and RNG)
+    copies: tuple[tuple[int, int], ...] = ()   # (src, dst): dst's shard is overwritten with src's
+    joiners: tuple[tuple[int, int], ...] = ()  # (restarted rank, its twin: it sends the counters, scheduler and RNG)
     reason: str = ""
 
     @property
-    def pairs_flat(self) -> list:
+    def pairs_flat(self) -> list[int]:
         return [r for pair in self.copies for r in pair]
 
     @property
-    def joiners_flat(self) -> list:
+    def joiners_flat(self) -> list[int]:
         return [r for pair in self.joiners for r in pair]
 
 
-def plan_repair(holders: dict, joiners=()) -> RepairPlan:
+def plan_repair(holders: Holders, joiners: Iterable[int] = ()) -> RepairPlan:
     """In-place repair: the dump's choice of iteration and holder per shard; every holder that is
     not usable at that iteration (poisoned, restarted, stopped behind its twin) gets the shard from
     its writer, and each restarted rank takes its counters from that writer too."""
@@ -190,14 +196,16 @@ class ReloadPlan:
     reason: str = ""
 
 
-def plan_reload(statuses: dict) -> ReloadPlan:
+def plan_reload(statuses: Mapping[int, Mapping[str, Any]]) -> ReloadPlan:
     """No replicas: every rank reloads the newest periodic checkpoint; the steps since it are lost
     (and recomputed). ``statuses``: rank -> {"checkpoint": [iteration, path] or None, "ended"}."""
     ckpts = {tuple(s["checkpoint"]) if s.get("checkpoint") else None for s in statuses.values()}
     if not statuses or None in ckpts or len(ckpts) != 1:
         return ReloadPlan(False, reason="no replicas and no periodic checkpoint every rank can reload "
                                         "(--save with --save-interval)")
-    iteration, path = ckpts.pop()
+    newest = ckpts.pop()
+    assert newest is not None  # ruled out above
+    iteration, path = newest
     lost = max(int(s["ended"]) for s in statuses.values()) - int(iteration)
     return ReloadPlan(True, int(iteration), str(path), lost)
 
@@ -208,16 +216,16 @@ class ElasticPlan:
     iteration: int | None = None
     dp: int = 0                # the new data-parallel size
     instances: int = 1         # optimizer instances at the new size (2: every shard has a twin)
-    kept: tuple = ()           # the replicas that train on, in their new data-parallel order
-    parked: tuple = ()         # live ranks left out (a replica with a lost rank, or one too many)
-    writers: dict = dataclasses.field(default_factory=dict)  # shard (sorted replica group) -> kept rank
+    kept: tuple[Sequence[int], ...] = ()  # the replicas that train on, in their new data-parallel order
+    parked: tuple[int, ...] = ()          # live ranks left out (a replica with a lost rank, or one too many)
+    writers: dict[Shard, int] = dataclasses.field(default_factory=dict)  # shard (sorted replica group) -> kept rank
     microbatches: int = 0      # per rank and step at the new size (the global batch is unchanged)
     reason: str = ""
-    sources: dict = dataclasses.field(default_factory=dict)  # scale-out: newcomer -> the kept rank it copies
+    sources: dict[int, int] = dataclasses.field(default_factory=dict)  # scale-out: newcomer -> the kept rank it copies
     direction: str = "in"      # in: whole replicas dropped; out: newcomer replicas added
 
     @property
-    def order(self) -> list:
+    def order(self) -> list[int]:
         """The job ranks of the new layout in their new default-group order."""
         return [r for rep in self.kept for r in rep]
 
@@ -225,7 +233,7 @@ class ElasticPlan:
     def redundancy(self) -> bool:
         return self.instances > 1
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["kept"] = [list(r) for r in self.kept]
         d["parked"] = list(self.parked)
@@ -234,7 +242,7 @@ class ElasticPlan:
         return d
 
     @classmethod
-    def from_wire(cls, d: dict) -> "ElasticPlan":
+    def from_wire(cls, d: dict[str, Any]) -> "ElasticPlan":
         d = dict(d)
         d["kept"] = tuple(tuple(int(r) for r in rep) for rep in d["kept"])
         d["parked"] = tuple(d["parked"])
@@ -253,7 +261,7 @@ class ElasticPlan:
                 + (f"; ranks {list(self.parked)} parked" if self.parked else ""))
 
 
-def plan_elastic(holders: dict, replicas, global_batch: int, micro_batch: int,
+def plan_elastic(holders: Holders, replicas: Sequence[Sequence[int]], global_batch: int, micro_batch: int,
                  instances: int = 2) -> ElasticPlan:
     """Scale in: train on the whole data-parallel replicas that survive, without a spare.
 
@@ -278,11 +286,11 @@ def plan_elastic(holders: dict, replicas, global_batch: int, micro_batch: int,
     replicas = [tuple(int(r) for r in rep) for rep in replicas]
     whole = [i for i, rep in enumerate(replicas) if all(holders[r].get("alive", True) for r in rep)]
 
-    def shards(i):  # the shards replica i holds: twins hold the same set
+    def shards(i: int) -> frozenset[Shard]:  # the shards replica i holds: twins hold the same set
         return frozenset(tuple(sorted(holders[r]["replica_group"])) for r in replicas[i])
 
     needed = {shards(i) for i in range(len(replicas))}
-    serving = {}
+    serving: dict[frozenset[Shard], int] = {}
     for i in whole:
         if all(target in servable(holders[r]) for r in replicas[i]):
             serving.setdefault(shards(i), i)
@@ -311,8 +319,8 @@ def plan_elastic(holders: dict, replicas, global_batch: int, micro_batch: int,
                        global_batch // (micro_batch * dp))
 
 
-def plan_scale_out(holders: dict, replicas, joiners, global_batch: int, micro_batch: int,
-                   instances: int = 2) -> ElasticPlan:
+def plan_scale_out(holders: Holders, replicas: Sequence[Sequence[int]], joiners: Iterable[int], global_batch: int,
+                   micro_batch: int, instances: int = 2) -> ElasticPlan:
     """Scale out: ranks that registered again (``joiners``, job ranks; fresh processes holding
     nothing) rejoin the job's ``replicas`` (as for ``plan_elastic``, every one live) as whole
     data-parallel replicas.
@@ -332,8 +340,8 @@ def plan_scale_out(holders: dict, replicas, joiners, global_batch: int, micro_ba
     target, width = dump.iteration, len(replicas[0])
     joined = {int(r) for r in joiners}
     incoming = sorted({r // width for r in joined})
-    whole = [tuple(range(d * width, (d + 1) * width)) for d in incoming
-             if set(range(d * width, (d + 1) * width)) <= joined]
+    whole: list[Sequence[int]] = [tuple(range(d * width, (d + 1) * width)) for d in incoming
+                                  if set(range(d * width, (d + 1) * width)) <= joined]
     current = len(replicas)
     now_instances = instances if current % instances == 0 else 1
     sizes = [d for d in range(current + len(whole), current, -1)

@@ -11,11 +11,17 @@ import contextlib
 import os
 import threading
 import time
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch.distributed as dist
 
 from mindspeed_ha.events import EventLog, get_logger, setup_text_log
 from mindspeed_ha.options import HAOptions
+
+if TYPE_CHECKING:
+    from mindspeed_ha.control.processor import Processor
+    from mindspeed_ha.replica.topology import ReplicaTopology
+    from mindspeed_ha.trainer.interface import TrainerInterface
 
 log = get_logger("session")
 _current: "RankSession | None" = None
@@ -36,22 +42,25 @@ class RankSession:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         setup_text_log(options.log_dir, rank)
         self.events = EventLog.for_rank(options.log_dir, rank)
-        self.trainer = None
-        self.optimizer = None
-        self.topology = None
-        self.expert_topology = None
+        # (a Megatron-LM joiner's is a stand-in with setup() only until its loop builds the model)
+        self.trainer: TrainerInterface | None = None
+        self.optimizer: Any = None  # the megatron optimizer, made a replica one (make_replica)
+        self.topology: ReplicaTopology | None = None
+        self.expert_topology: ReplicaTopology | None = None
         from mindspeed_ha.inject import Injector
         self.injector = Injector.from_env(rank, options.log_dir, self.events)  # also takes live faults
-        self.processor = None
+        self.processor: Processor | None = None
         self._replica_pg = None
         self._writes_loss = False
-        self.last_step = (None, None)  # the iteration and loss of the last step that ended here
+        # the iteration and loss of the last step that ended here
+        self.last_step: tuple[int | None, float | None] = (None, None)
         self.phase = "startup"
         self.joining = False  # a restarted worker until it has resumed (recover, elastic scale-out)
         # A memory error corrupted this rank's optimizer shard: its status says so, and the plans
         # take the shard from its twin (what the rank holds now decides, not the faults reported).
         self.shard_poisoned = False
-        self.after_setup = None  # a newcomer's scale-out, to finish once its loop has built the model
+        # a newcomer's scale-out, to finish once its loop has built the model
+        self.after_setup: Callable[[TrainerInterface], object] | None = None
         self._tracking = False
         self._t_step = time.perf_counter()  # start of the step in flight
         self.serving = False                # serving a recovery's orders on the training thread
@@ -165,6 +174,7 @@ class RankSession:
         if self.optimizer is None or self._tracking:
             return
         self._tracking = True
+        assert self.trainer is not None  # (attach_trainer came first)
         self.trainer.rng.record(self.trainer.iteration)  # after setup/--load, before any forward: the current RNG
         self._track_rng(self.optimizer)
         if self.processor is not None and self.trainer.save_dir:
@@ -172,6 +182,7 @@ class RankSession:
             checkpoint.prewarm_writer(asynchronous=self.trainer.async_saves)
 
     def _track_rng(self, optimizer) -> None:
+        assert self.trainer is not None  # (only once trainer_ready ran)
         history = self.trainer.rng
         optimizer.ha_add_listener(lambda event, it: history.record(it) if event == "update_end" else None)
 
@@ -212,6 +223,7 @@ class RankSession:
         if self.processor is None:
             self.start_processor()
             log.info("rank %d: restarted worker, waiting for the controller to bring it into the job", self.rank)
+        assert self.processor is not None  # (start_processor made it)
         wait = max(120.0, 3 * self.options.hang_timeout_s)
         with self._serving():
             while True:
@@ -260,6 +272,7 @@ class RankSession:
             self._report(kind, exc, iteration, self.phase)
             log.error("rank %d: %s fault in iteration %d (%s): %s", self.rank, kind, iteration, self.phase, exc)
         wait = max(30.0, 3 * self.options.hang_timeout_s)
+        assert self.processor.link is not None  # (start_processor started it)
         with self._serving():
             quiet = time.monotonic()
             while True:
@@ -283,11 +296,13 @@ class RankSession:
         from mindspeed_ha.faults import fault_kind
         kind = fault_kind(exc)
         log.error("rank %d: %s fault while serving a recovery: %s", self.rank, kind, exc)
+        assert self.trainer is not None  # (a recovery is served with a trainer)
         self._report(kind, exc, self.trainer.iteration + 1, "recovery")
 
     def _report(self, kind: str, exc: BaseException, iteration: int, phase: str) -> None:
         if kind == "memory-error":  # (until a twin's copy or a checkpoint overwrites it)
             self.shard_poisoned = True
+        assert self.processor is not None  # (faults are reported only with a control plane)
         self.processor.report_fault(kind, f"{type(exc).__name__}: {exc}", iteration, phase)
 
     def survive(self, attempt, iteration_of, after_recovery=None):

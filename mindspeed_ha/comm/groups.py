@@ -59,7 +59,8 @@ class StableGroup(dist.ProcessGroup):
 
     def __init__(self, key: str, ranks: Sequence[int], group_rank: int, backend: str,
                  timeout: datetime.timedelta, desc: str):
-        super().__init__(group_rank, len(ranks))
+        # torch's stub lists only the (store, rank, size) constructor; (rank, size) makes a group of no backend
+        super().__init__(group_rank, len(ranks))  # type: ignore[call-arg]
         self.key, self.ranks, self.group_rank = key, tuple(ranks), group_rank
         self.backend, self.timeout, self._desc = backend, timeout, desc
         self._inner: dist.ProcessGroup | None = None
@@ -71,15 +72,17 @@ class StableGroup(dist.ProcessGroup):
     def size(self) -> int:
         return len(self.ranks)
 
+    # torch types the name as GroupName, its NewType over str (absent from older torch): the key is one
     @property
-    def group_name(self) -> str:
+    def group_name(self) -> str:  # type: ignore[override]
         return self.key
 
     @property
     def group_desc(self) -> str:
         return self._desc
 
-    @property
+    # Read-only here (torch's is settable): the group's communicators are replaced, none is bound to a device
+    @property  # type: ignore[misc]
     def bound_device_id(self):
         return None
 
@@ -101,6 +104,7 @@ class StableGroup(dist.ProcessGroup):
             with _lock:
                 if self._inner is None or self._inner_gen != _gen.number:
                     self._swap(_connect(self, _gen))
+        assert self._inner is not None  # (_swap put a communicator in place)
         return self._inner
 
     # Ending a communicator never connects one first.
@@ -152,7 +156,8 @@ for _name, _value in list(vars(dist.ProcessGroup).items()):
     if _name.startswith("__") or isinstance(_value, type) or _name.isupper() or _name in vars(StableGroup):
         continue
     if isinstance(_value, property):
-        setattr(StableGroup, _name, property(lambda self, n=_name: getattr(self.inner(), n)))
+        # (mypy infers no type for a lambda whose default argument binds the name)
+        setattr(StableGroup, _name, property(lambda self, n=_name: getattr(self.inner(), n)))  # type: ignore[misc]
     elif callable(_value):
         setattr(StableGroup, _name, _delegate(_name))
 

@@ -98,7 +98,11 @@ def request_park(reason: str, grace_s: float) -> None:
     global _park_timer
     _cancel_park()
     _park.set()
-    _park_timer = threading.Timer(grace_s, lambda: _park.is_set() and request_stop(reason))
+
+    def stop_if_parked() -> None:
+        if _park.is_set():
+            request_stop(reason)
+    _park_timer = threading.Timer(grace_s, stop_if_parked)
     _park_timer.daemon = True
     _park_timer.start()
 
@@ -275,7 +279,7 @@ class _WaiterPool:
     scheduling round trip). One left blocked on a hung peer after a stop is simply not reused;
     daemon, so it never holds up the process' exit."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = 0
@@ -409,7 +413,7 @@ def _answer_alone(fn: Callable, args, kwargs):
     name = fn.__name__
     a = inspect.signature(fn).bind(*args, **kwargs).arguments
     if name in ("all_gather_into_tensor", "_all_gather_base"):
-        out, inp = a.get("output_tensor"), a.get("input_tensor")
+        out, inp = a["output_tensor"], a["input_tensor"]  # (required parameters: always bound)
         out.view(-1).copy_(inp.reshape(-1).repeat(out.numel() // max(1, inp.numel())))
     elif name == "all_gather":
         for t in a["tensor_list"]:
@@ -464,7 +468,7 @@ def make_interruptible(fn: Callable) -> Callable:
             _answer_deferred(fn, args, kwargs, e)
         return None
 
-    wrapper.__mindspeed_ha_original__ = fn
+    setattr(wrapper, "__mindspeed_ha_original__", fn)
     return wrapper
 
 
@@ -492,7 +496,7 @@ def make_interruptible_p2p(fn: Callable) -> Callable:
             return work
         return PollingWork(work, p2p=True)
 
-    wrapper.__mindspeed_ha_original__ = fn
+    setattr(wrapper, "__mindspeed_ha_original__", fn)
     return wrapper
 
 
@@ -506,7 +510,7 @@ def make_interruptible_batch_p2p(fn: Callable) -> Callable:
             return works
         return [w if w is None or isinstance(w, PollingWork) else PollingWork(w, p2p=True) for w in works]
 
-    wrapper.__mindspeed_ha_original__ = fn
+    setattr(wrapper, "__mindspeed_ha_original__", fn)
     return wrapper
 
 
@@ -537,7 +541,7 @@ def make_interruptible_coalescing_manager(orig_cm: Callable) -> Callable:
         if not async_ops:
             _wait_all(cm)
 
-    wrapper.__mindspeed_ha_original__ = orig_cm
+    setattr(wrapper, "__mindspeed_ha_original__", orig_cm)
     return wrapper
 
 
@@ -569,7 +573,7 @@ def _abort_hccl(reason: str) -> None:
         return
     stop_device = getattr(torch.npu, "stop_device", None) if hasattr(torch, "npu") else None
     if stop_device is not None:
-        stop_device(torch.npu.current_device())
+        stop_device(torch.npu.current_device())  # type: ignore[attr-defined]  # (torch_npu adds torch.npu)
 
 
 add_abort_hook(_abort_nccl)

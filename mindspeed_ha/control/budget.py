@@ -11,19 +11,19 @@ import collections
 class RestartBudget:
     def __init__(self, max_restarts: int):
         self.max = int(max_restarts)
-        self.restarts: collections.Counter = collections.Counter()       # rank -> restarts so far
+        self.restarts: collections.Counter[int] = collections.Counter()       # rank -> restarts so far
         self.died_in: dict[int, int] = {}                                  # rank -> iteration it last died in
-        self.replacements: collections.Counter = collections.Counter()   # node rank -> nodes replaced
+        self.replacements: collections.Counter[int] = collections.Counter()   # node rank -> nodes replaced
         self.spent = ""      # why a fault of this job went unrecovered because of the budget
 
-    def count(self, restarted: dict, awaiting_nodes: list) -> None:
+    def count(self, restarted: dict[int, int], awaiting_nodes: list[int]) -> None:
         """A recover round restarted ``restarted`` ranks (rank -> the iteration it died in) and waits
         for replacements of ``awaiting_nodes``."""
         self.restarts.update(restarted.keys())
         self.died_in.update(restarted)
         self.replacements.update(set(awaiting_nodes))
 
-    def refusal(self, lost: dict, nodes_lost: set) -> str | None:
+    def refusal(self, lost: dict[int, int], nodes_lost: set[int]) -> str | None:
         """Why recover may not restart these ranks (None: it may). ``lost``: rank -> the iteration
         it died in; ``nodes_lost``: nodes whose agent is gone with them."""
         over = sorted(r for r in lost if self.restarts[r] >= self.max)

@@ -24,8 +24,12 @@ import json
 import os
 import threading
 import time
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ..events import get_logger
+
+if TYPE_CHECKING:
+    from torch.distributed import Store, TCPStore
 
 log = get_logger("control.discovery")
 ENV = "MINDSPEED_HA_JOB_STORE"      # host:port of the job store, set by mindspeed-ha run for its workers
@@ -37,7 +41,7 @@ def agent_key(node_rank: int) -> str:
     return f"mindspeed_ha/agent/{int(node_rank)}"
 
 
-def store_address(env=os.environ) -> tuple[str, int] | None:
+def store_address(env: Mapping[str, str] = os.environ) -> tuple[str, int] | None:
     """The job store of this process: ``MINDSPEED_HA_JOB_STORE``, else torchrun's agent store
     (``MASTER_ADDR:MASTER_PORT`` when the workers use it), else none."""
     text = env.get(ENV, "")
@@ -47,13 +51,13 @@ def store_address(env=os.environ) -> tuple[str, int] | None:
     return (host, int(port)) if host and port.isdigit() else None
 
 
-def controller_is_external(env=os.environ) -> bool:
+def controller_is_external(env: Mapping[str, str] = os.environ) -> bool:
     """The job's controller runs as its own process (``mindspeed-ha controller``), not in rank 0:
     ``MINDSPEED_HA_CONTROLLER=external``, or MindSpore's ``MS_TFT_IP`` naming where it listens."""
     return env.get("MINDSPEED_HA_CONTROLLER", "rank0") != "rank0" or bool(env.get("MS_TFT_IP"))
 
 
-def external_controller(env=os.environ) -> str | None:
+def external_controller(env: Mapping[str, str] = os.environ) -> str | None:
     """``MS_TFT_IP`` / ``MS_TFT_PORT``: an external controller (``mindspeed-ha controller``) listens there."""
     ip, port = env.get("MS_TFT_IP"), env.get("MS_TFT_PORT")
     return f"tcp://{ip}:{int(port)}" if ip and port and port.isdigit() else None
@@ -67,10 +71,10 @@ class JobStore:
         self.address = address
         self.period_s, self.connect_timeout_s = period_s, connect_timeout_s
         self._lock = threading.Lock()
-        self._own: dict[str, tuple[dict, int | None]] = {}   # key -> (record, epoch or None)
-        self._seen: dict[str, dict] = {}                      # key -> newest record read
+        self._own: dict[str, tuple[dict[str, Any], int | None]] = {}   # key -> (record, epoch or None)
+        self._seen: dict[str, dict[str, Any]] = {}                      # key -> newest record read
         self._watch: set[str] = set()
-        self._client = None
+        self._client: TCPStore | None = None
         self.reachable = False
         self.ever_reached = False
         self._wake = threading.Event()
@@ -79,7 +83,7 @@ class JobStore:
         self._thread.start()
 
     @classmethod
-    def from_env(cls, env=os.environ) -> "JobStore | None":
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> "JobStore | None":
         addr = store_address(env)
         if addr is None:
             return None
@@ -90,7 +94,7 @@ class JobStore:
         return cls(addr)
 
     # ---- what callers use ---------------------------------------------------------------------
-    def publish(self, key: str, record: dict, epoch: int | None = None) -> None:
+    def publish(self, key: str, record: dict[str, Any], epoch: int | None = None) -> None:
         """Keep ``record`` under ``key`` (``epoch``: never over a record of a newer epoch)."""
         with self._lock:
             self._own[key] = (dict(record), epoch)
@@ -105,7 +109,7 @@ class JobStore:
             self._watch.update(keys)
         self._wake.set()
 
-    def seen(self, key: str) -> dict | None:
+    def seen(self, key: str) -> dict[str, Any] | None:
         with self._lock:
             return self._seen.get(key)
 
@@ -132,7 +136,7 @@ class JobStore:
     # ---- the thread -----------------------------------------------------------------------------
     _rounds = 0
 
-    def _connect(self):
+    def _connect(self) -> TCPStore:
         import torch.distributed as dist
         host, port = self.address
         return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=self.connect_timeout_s),
@@ -157,7 +161,7 @@ class JobStore:
             self._wake.wait(self.period_s)
             self._wake.clear()
 
-    def _round(self, store) -> None:
+    def _round(self, store: Store) -> None:
         with self._lock:
             own, watch = dict(self._own), set(self._watch)
         for key, (record, epoch) in own.items():
@@ -171,7 +175,7 @@ class JobStore:
                     self._seen[key] = value
 
     @staticmethod
-    def _keep(store, key: str, record: dict, epoch: int | None) -> None:
+    def _keep(store: Store, key: str, record: dict[str, Any], epoch: int | None) -> None:
         data = json.dumps(record, sort_keys=True).encode()
         current = store.get(key) if store.check([key]) else b""
         if current == data:
@@ -182,10 +186,11 @@ class JobStore:
                     return  # a newer controller took over: its record stands
             except ValueError:
                 pass
-        store.compare_set(key, current, data)  # lost a race with another writer: the next round looks again
+        # (torch's stub types the values str; the binding's std::string takes these bytes as they are)
+        store.compare_set(key, current, data)  # type: ignore[arg-type]  # lost a race with another writer: the next round looks again
 
 
-def _read(store, key: str) -> dict | None:
+def _read(store: Store, key: str) -> dict[str, Any] | None:
     if not store.check([key]):
         return None
     try:

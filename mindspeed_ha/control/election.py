@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .discovery import JobStore
+    from .ranks import Rank
 
 
 def choose_backups(nodes: dict[int, str], controller_rank: int | None, n: int = 2) -> list[int]:
     """``nodes``: rank -> node name. Prefer ranks on other nodes than the controller's, one per node,
     then any other rank; deterministic (lowest rank first within a node)."""
-    ctrl_node = nodes.get(controller_rank)
+    ctrl_node = nodes.get(controller_rank) if controller_rank is not None else None
     picked: list[int] = []
     used_nodes = {ctrl_node}
     by_rank = sorted(r for r in nodes if r != controller_rank)
@@ -44,7 +49,7 @@ def may_take_over(reachable: int, world: int, controller_reachable: bool) -> boo
     return has_quorum(reachable, world) or (world > 0 and 2 * reachable == world and not controller_reachable)
 
 
-def read_controller_json(log_dir: str, job_id: str | None = None) -> dict | None:
+def read_controller_json(log_dir: str, job_id: str | None = None) -> dict[str, Any] | None:
     path = os.path.join(log_dir, "controller.json")
     try:
         with open(path) as f:
@@ -58,7 +63,7 @@ def read_controller_json(log_dir: str, job_id: str | None = None) -> dict | None
     return info
 
 
-def write_controller_json(log_dir: str, info: dict) -> None:
+def write_controller_json(log_dir: str, info: dict[str, Any]) -> None:
     os.makedirs(log_dir, exist_ok=True)
     path = os.path.join(log_dir, "controller.json")
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -75,7 +80,7 @@ class Candidates:
     answer at all for ``answer_wait``."""
 
     def __init__(self, log_dir: str, job_id: str | None, answer_wait: float = 1.0, standby_wait: float = 4.0,
-                 store=None):
+                 store: JobStore | None = None):
         self.log_dir, self.job_id, self.store = log_dir, job_id, store
         self.answer_wait, self.standby_wait = answer_wait, standby_wait
         self.backups: list[str] = []
@@ -83,7 +88,7 @@ class Candidates:
         self.epoch = 0
         self._tried: list[str] = []
 
-    def announced(self) -> tuple[str, int, list] | None:
+    def announced(self) -> tuple[str, int, list[str]] | None:
         """(endpoint, epoch, standbys) of the newest announcement this process can see."""
         from .discovery import CONTROLLER_KEY, external_controller
         found = [read_controller_json(self.log_dir, self.job_id)]
@@ -91,11 +96,11 @@ class Candidates:
             rec = self.store.seen(CONTROLLER_KEY)
             if rec and "endpoint" in rec and (not self.job_id or rec.get("job_id") in (None, self.job_id)):
                 found.append(rec)
-        found = [f for f in found if f]
-        if not found:
+        records = [f for f in found if f]
+        if not records:
             ext = external_controller()
             return (ext, 1, []) if ext else None
-        info = max(found, key=lambda f: int(f.get("epoch", 1)))
+        info = max(records, key=lambda f: int(f.get("epoch", 1)))
         return info["endpoint"], int(info.get("epoch", 1)), list(info.get("backups") or [])
 
     def next(self, lost: str | None) -> str | None:
@@ -117,7 +122,7 @@ class Candidates:
         self._tried.append(untried[0])
         return untried[0]
 
-    def connected(self, endpoint: str, epoch: int) -> None:
+    def connected(self, endpoint: str | None, epoch: int) -> None:
         self.current, self.epoch, self._tried = endpoint, max(self.epoch, epoch), []
 
 
@@ -139,7 +144,7 @@ class Standbys:
     def up(self, rank: int, endpoint: str) -> None:
         self.eps[rank] = endpoint
 
-    def renew(self, ranks: dict, controller_rank: int | None) -> tuple[list[int], list[int]]:
+    def renew(self, ranks: dict[int, Rank], controller_rank: int | None) -> tuple[list[int], list[int]]:
         """Drop standbys whose process is gone (a restarted rank runs no standby) and name new ones
         up to ``count``. ``ranks``: rank -> record with ``alive``, ``pid``, ``node``.
         Returns (lost, newly named): the caller orders the new ones to stand by."""

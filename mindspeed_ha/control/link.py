@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import os
 import time
+from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..events import get_logger
 from . import election, protocol as P, security
+
+if TYPE_CHECKING:
+    from .discovery import JobStore
 
 log = get_logger("control.link")
 # A controller whose connection closed and did not come back within this long is gone: its process
@@ -30,8 +34,9 @@ class ControllerLink:
     controller was dying reaches its successor — until a controller says it ``settled`` them (a
     recovery dealt with their fault): a successor must not recover the same fault twice."""
 
-    def __init__(self, keys: security.Keys, log_dir: str, job_id: str | None, hello, heartbeat_s: float,
-                 name: str = "processor", ctx: zmq.Context | None = None, store=None):
+    def __init__(self, keys: security.Keys, log_dir: str, job_id: str | None, hello: Callable[[], bytes],
+                 heartbeat_s: float, name: str = "processor", ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+                 store: JobStore | None = None):
         self.ctx = ctx or zmq.Context.instance()
         self.keys, self.hello, self.name = keys, hello, name
         self.cands = election.Candidates(log_dir, job_id, answer_wait=max(1.0, 2 * heartbeat_s),
@@ -42,9 +47,9 @@ class ControllerLink:
         # A starved controller is slow, not dead, and so is a starved processor thread that did not
         # read its acks (8 ranks on 2 cores: > 3 s seen); switching then loses orders in flight.
         self.lost_after = max(6 * heartbeat_s, 6.0)
-        self.sock: zmq.Socket | None = None
-        self.monitor: zmq.Socket | None = None   # the socket's connection events
-        self._closed_at = 0.0                    # when the controller's connection closed (0: it is open)
+        self.sock: zmq.Socket[bytes] | None = None
+        self.monitor: zmq.Socket[bytes] | None = None   # the socket's connection events
+        self._closed_at = 0.0                           # when the controller's connection closed (0: it is open)
         self.endpoint: str | None = None
         self.epoch = 0
         self.active = False          # answered by a controller that is not a standby
@@ -75,6 +80,7 @@ class ControllerLink:
             self._send_raw(data)
 
     def _send_raw(self, data: bytes) -> None:
+        assert self.sock is not None  # (its callers send on a connected link only)
         try:
             self.sock.send(data, zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -142,11 +148,11 @@ class ControllerLink:
             log.info("%s: the controller moved to %s", self.name, endpoint)
             self._connect(endpoint)
 
-    def receive(self, timeout_ms: int) -> list[dict]:
+    def receive(self, timeout_ms: int) -> list[dict[str, Any]]:
         if self.sock is None:
             time.sleep(timeout_ms / 1000)
             return []
-        out = []
+        out: list[dict[str, Any]] = []
         if not self.sock.poll(timeout_ms):
             return out
         while True:
@@ -195,7 +201,8 @@ class ControllerLink:
 
     def _close_sockets(self, linger: int) -> None:
         if self.monitor is not None:
-            self.sock.disable_monitor()
+            if self.sock is not None:  # (None when the last connect raised: its socket never became ours)
+                self.sock.disable_monitor()
             self.monitor.close(linger=0)
             self.monitor = None
         if self.sock is not None:

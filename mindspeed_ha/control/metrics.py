@@ -7,6 +7,8 @@ the active one. prometheus_client is imported only when metrics are asked for.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from ..events import get_logger
 
 log = get_logger("control.metrics")
@@ -51,7 +53,7 @@ class Metrics:
             self._ckpt = iteration
             self.checkpoint.set(iteration)
 
-    def on_event(self, record: dict) -> None:
+    def on_event(self, record: dict[str, Any]) -> None:
         """An event the controller emitted (EventLog listener)."""
         event = record.get("event")
         if event == "fault":

@@ -16,6 +16,8 @@ import socket as _socket
 import sys
 import threading
 import time
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Callable, Mapping, SupportsFloat
 
 from .. import exitcodes
 from ..events import EventLog, get_logger, setup_text_log
@@ -26,7 +28,12 @@ from .discovery import JobStore, controller_is_external
 from .link import ControllerLink, job_id_from_env
 from .ranks import WARM_UP_STEPS
 
+if TYPE_CHECKING:
+    from .controller import Controller
+
 log = get_logger("control.processor")
+# An order's handler: its arguments -> its answer (a msgpack tree, or a Later).
+Handler = Callable[[dict[str, Any]], object]
 
 
 class Later:
@@ -34,10 +41,11 @@ class Later:
     first (a newcomer of Megatron-LM's loop builds its model before it can finish a scale-out).
     ``finish(fn)`` runs the rest and answers with its result (or its exception)."""
 
-    def __init__(self):
-        self._send = None
+    def __init__(self) -> None:
+        self._send: Callable[..., None] | None = None
 
-    def finish(self, fn) -> bool:
+    def finish(self, fn: Callable[[], object]) -> bool:
+        assert self._send is not None  # (set when the handler that made it returned)
         try:
             data = fn()
         except Exception as e:
@@ -56,8 +64,8 @@ class Processor:
         self.groups = [list(map(int, g)) for g in (replica_groups or []) if rank in g]
         self.log_dir = options.log_dir
         self.job_id = job_id_from_env()
-        self.handlers: dict[str, callable] = {}
-        self.controller = None         # the Controller hosted here (rank 0, or a standby)
+        self.handlers: dict[str, Handler] = {}
+        self.controller: Controller | None = None  # the Controller hosted here (rank 0, or a standby)
         self.iteration = -1
         self.steps_done = 0   # steps this process has ended (its warm-up is the first few)
         # A step's own work (its time less the time blocked in collectives, waiting for slower peers):
@@ -70,30 +78,31 @@ class Processor:
         self.updating = False
         self.phase = "startup"
         self.health = "ok"
-        self.loss = None
+        self.loss: float | None = None
         self.checkpoint = -1   # the newest iteration this rank saved
         self._progress = 0.0
         self._reports = 0      # fault reports made (each one's rid)
         # Reports of any rank that a controller settled: a standby hosted here learns them, so that
         # one re-sent to it after a takeover is not recovered twice.
         self.settled: set[str] = set()
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._work: queue.SimpleQueue = queue.SimpleQueue()
-        self._main: queue.SimpleQueue = queue.SimpleQueue()   # orders for the training thread
+        self._outbox: queue.SimpleQueue[bytes | tuple[bytes, str]] = queue.SimpleQueue()   # a frame, or a report and its rid
+        self._work: queue.SimpleQueue[tuple[str, int, dict[str, Any]] | None] = queue.SimpleQueue()
+        self._main: queue.SimpleQueue[tuple[str, int, dict[str, Any]]] = queue.SimpleQueue()   # orders for the training thread
         self._main_actions: set[str] = set()
         self._hb_on_step = self._hb_now = False
-        self._done_ids: collections.deque = collections.deque(maxlen=256)
+        self._done_ids: collections.deque[tuple[int, int]] = collections.deque(maxlen=256)
         self._stop = threading.Event()
         self._sent = threading.Event()
-        self._thread = self._worker = None
+        self._thread: threading.Thread | None = None
+        self._worker: threading.Thread | None = None
         self.link: ControllerLink | None = None
         self.job_store: JobStore | None = None
         self.events: EventLog | None = events  # the rank's event log, when the caller has one open
         self.board: ProgressBoard | None = None
         # Whether the training thread is blocked in a collective (waiting for a peer, not stuck itself):
         # the session knows, through the interruptible collectives.
-        self.in_collective = lambda: False
-        self.waited_s = lambda: 0.0   # seconds blocked in collectives so far (the same)
+        self.in_collective: Callable[[], bool] = lambda: False
+        self.waited_s: Callable[[], float] = lambda: 0.0   # seconds blocked in collectives so far (the same)
 
     # ---- life ---------------------------------------------------------------------------------
     def start(self) -> "Processor":
@@ -142,7 +151,7 @@ class Processor:
                 continue
             previous = signal.getsignal(sig)
 
-            def on_signal(signum, frame, previous=previous):
+            def on_signal(signum: int, frame: FrameType | None, previous: object = previous) -> None:
                 rid = f"{os.getpid()}.preempt"
                 self._outbox.put((P.encode("preempt", signal=int(signum), rank=self.rank, pid=os.getpid(), rid=rid),
                                   rid))
@@ -169,7 +178,7 @@ class Processor:
             self.job_store.close()
         self._thread = None
 
-    def serve(self, handlers: dict, training_thread: bool) -> None:
+    def serve(self, handlers: Mapping[str, Handler], training_thread: bool) -> None:
         """Take orders: ``handlers`` maps an action to ``fn(args) -> answer``.
         ``training_thread``: they need the training thread (collectives, the model): they wait in a
         queue until that thread, parked after a fault, runs ``serve_order``."""
@@ -188,6 +197,7 @@ class Processor:
         off without anyone knowing (a controller listening where this node cannot reach it). Waits up
         to --ha-register-timeout from the processor's start (normally the first ack came long
         before), then ends the process with 201 and a diagnosis."""
+        assert self.link is not None  # (start() made it)
         deadline = self._t_start + self.options.register_timeout_s
         while not self.link.ever_active:
             if time.monotonic() > deadline:
@@ -219,7 +229,7 @@ class Processor:
         self._busy_sum, self._busy_n, self._busy_avg = 0.0, 0, 0.0
         self._judge_from = self.steps_done + WARM_UP_STEPS + 1
 
-    def step_end(self, iteration: int, loss=None) -> None:
+    def step_end(self, iteration: int, loss: SupportsFloat | None = None) -> None:
         self.iteration = int(iteration)
         self.steps_done += 1
         if self._step_t0:
@@ -297,6 +307,7 @@ class Processor:
                         restarts=int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0))
 
     def _run(self) -> None:
+        assert self.link is not None and self.events is not None  # (start() made them before this thread)
         hb = self.options.heartbeat_s
         next_hb = 0.0
         was_active = False
@@ -336,12 +347,13 @@ class Processor:
                 time.sleep(0.1)
         self.link.close()
 
-    def _dispatch(self, msg: dict) -> None:
+    def _dispatch(self, msg: dict[str, Any]) -> None:
         action, aid, args = msg["action"], msg["id"], msg.get("args", {})
         key = (msg["epoch"], aid)
         if aid and key in self._done_ids:
             return  # re-sent after a reconnection, already taken
         self._done_ids.append(key)
+        assert self.events is not None  # (start() opened it)
         self.events.emit("action", action=action, id=aid, args={k: v for k, v in args.items() if k != "diagnosis"})
         if action == "exit":
             if not aid and args.get("diagnosis"):  # (aid 0: an order to this process alone, e.g. fenced)
@@ -355,7 +367,7 @@ class Processor:
         else:
             self._work.put((action, aid, args))
 
-    def _run_handler(self, action, aid, args) -> None:
+    def _run_handler(self, action: str, aid: int, args: dict[str, Any]) -> None:
         fn = self.handlers.get(action) or {"stop": self._stop_collectives, "standby": self._stand_by,
                                            "takeover": self._take_over, "reconnect": self._reconnect}.get(action)
         if fn is None:
@@ -372,7 +384,7 @@ class Processor:
             return
         self._result(action, aid, True, data=answer)
 
-    def _result(self, action, aid, ok: bool, data=None, error: str = "") -> None:
+    def _result(self, action: str, aid: int, ok: bool, data: object = None, error: str = "") -> None:
         fields = {"data": data} if ok and data is not None else {"error": error} if not ok else {}
         try:
             msg = P.encode("result", rank=self.rank, action=action, id=aid, ok=ok, pid=os.getpid(), **fields)
@@ -380,6 +392,7 @@ class Processor:
             msg = P.encode("result", rank=self.rank, action=action, id=aid, ok=False,
                            error=f"rank {self.rank} could not send its answer to {action}: {e}")
         if threading.current_thread() is self._thread:
+            assert self.link is not None  # (its thread runs only with it)
             self.link.send(msg)
         else:
             self._outbox.put(msg)
@@ -392,7 +405,7 @@ class Processor:
             self._run_handler(*item)
 
     # ---- the processor's own orders -----------------------------------------------------------
-    def _stop_collectives(self, args):
+    def _stop_collectives(self, args: dict[str, Any]) -> str:
         from mindspeed_ha.comm.interruptible import request_park, request_stop
         reason = str(args.get("reason", "controller"))
         if args.get("boundary"):  # planned: between two steps; stopped mid-step only if held up there
@@ -401,7 +414,7 @@ class Processor:
         request_stop(reason)
         return "stop requested"
 
-    def _stand_by(self, args):
+    def _stand_by(self, args: dict[str, Any]) -> str:
         from .controller import Controller
         if self.controller is None:
             self.controller = Controller(self.log_dir, self.world, self.options, self.keys, rank=self.rank,
@@ -410,20 +423,21 @@ class Processor:
                                          previous=int(args.get("controller", -1)), settled=self.settled).start()
         return self.controller.endpoint
 
-    def _settled(self, rids) -> None:
+    def _settled(self, rids: list[str]) -> None:
         self.settled.update(rids)
         if self.controller is not None and self.controller.standby:
             self.controller.settle(rids)
 
-    def _take_over(self, args):
+    def _take_over(self, args: dict[str, Any]) -> str:
         """The active controller hands itself over to this standby (its host is to be migrated)."""
         if self.controller is None or not self.controller.standby:
             raise RuntimeError(f"rank {self.rank} runs no standby controller")
         self.controller.succession.ordered = dict(args)  # (its own thread promotes it)
         return self.controller.endpoint
 
-    def _reconnect(self, args):
+    def _reconnect(self, args: dict[str, Any]) -> str:
         """The controller moved (a handover): go there now."""
+        assert self.link is not None  # (orders come through it)
         self.link.switch(str(args["endpoint"]))
         return "reconnecting"
 

@@ -13,7 +13,9 @@ hundred bytes per rank.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
+from typing import Any
 
 import msgpack
 
@@ -41,7 +43,7 @@ class ProtocolError(ValueError):
 _int, _str, _bool, _float = "int", "str", "bool", "float"
 
 
-def _check(kind, value, name):
+def _check(kind: str, value: object, name: str) -> None:
     if kind == _int:
         ok = isinstance(value, int) and not isinstance(value, bool) and -MAX_INT < value < MAX_INT
     elif kind == _str:
@@ -71,7 +73,7 @@ def _check(kind, value, name):
         raise ProtocolError(f"field {name!r}: bad {kind}")
 
 
-def _tree(value, depth: int) -> bool:
+def _tree(value: object, depth: int) -> bool:
     if value is None or isinstance(value, (bool, float)):
         return True
     if isinstance(value, int):
@@ -134,8 +136,8 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
 class DropCounter:
     """Counts dropped input per reason; logs the first of each reason and then every 1000th."""
 
-    def __init__(self, log):
-        self.counts: collections.Counter = collections.Counter()
+    def __init__(self, log: logging.Logger):
+        self.counts: collections.Counter[str] = collections.Counter()
         self._log = log
         self._lock = threading.Lock()
 
@@ -151,29 +153,30 @@ class DropCounter:
         return sum(self.counts.values())
 
 
-def encode(t: str, **fields) -> bytes:
+def encode(t: str, **fields: Any) -> bytes:
     msg = {"v": VERSION, "t": t}
     msg.update(fields)
     validate(msg)  # we never send what we would refuse to read
-    return msgpack.packb(msg, use_bin_type=True)
+    data: bytes = msgpack.packb(msg, use_bin_type=True)
+    return data
 
 
-def decode(frame: bytes) -> dict:
+def decode(frame: bytes) -> dict[str, Any]:
     if not isinstance(frame, (bytes, bytearray, memoryview)):
         raise ProtocolError("not bytes")
     if len(frame) > MAX_BYTES:
         raise ProtocolError(f"oversized ({len(frame)} bytes)")
     try:
-        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True,
-                              max_array_len=MAX_LIST, max_map_len=MAX_KEYS, max_str_len=MAX_STR,
-                              max_bin_len=0, max_ext_len=0)
+        msg: dict[str, Any] = msgpack.unpackb(frame, raw=False, strict_map_key=True,
+                                              max_array_len=MAX_LIST, max_map_len=MAX_KEYS, max_str_len=MAX_STR,
+                                              max_bin_len=0, max_ext_len=0)
     except Exception as e:  # msgpack raises many types for garbage
         raise ProtocolError(f"undecodable: {type(e).__name__}") from None
-    validate(msg)
+    validate(msg)  # (raises unless msg is a map of the schema)
     return msg
 
 
-def validate(msg) -> None:
+def validate(msg: object) -> None:
     if not isinstance(msg, dict):
         raise ProtocolError("not a map")
     if msg.get("v") != VERSION:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+from typing import Any, Collection, Iterable
 
 PHASE_ORDER = {p: i for i, p in enumerate(("startup", "forward", "backward", "grad-sync", "optimizer",
                                            "param-sync", "checkpoint", "step"))}
@@ -26,7 +27,7 @@ class Rank:
     node: str = "?"
     pid: int = 0
     host: str = ""
-    groups: list = dataclasses.field(default_factory=list)
+    groups: list[list[int]] = dataclasses.field(default_factory=list)
     it: int = -1
     upd: bool = False
     health: str = "ok"
@@ -49,8 +50,8 @@ class Agent:
     node_rank: int
     ident: bytes
     node: str
-    ranks: list
-    pids: list
+    ranks: list[int]
+    pids: list[int]
     seen: float = 0.0
     spares: int = 0              # spare workers ready to take a rank (as of its last heartbeat)
     pid: int = 0                 # the agent's own process: a new one for a node means the node was replaced
@@ -59,13 +60,13 @@ class Agent:
 @dataclasses.dataclass(frozen=True)
 class Detected:
     """A fault the table found: handed to the controller's fault intake."""
-    ranks: list
+    ranks: list[int]
     kind: str
     iteration: int
     phase: str
     detect_s: float
     detail: str
-    key: tuple
+    key: tuple[str | int, ...]
 
 
 class RankTable:
@@ -77,17 +78,17 @@ class RankTable:
         self.ranks: dict[int, Rank] = {}
         self.agents: dict[int, Agent] = {}
         self.by_ident: dict[bytes, int] = {}
-        self.retired: dict[int, set] = {}   # rank -> pids of its processes declared lost: never back
+        self.retired: dict[int, set[int]] = {}   # rank -> pids of its processes declared lost: never back
 
     def check(self, r: int) -> int:
         if not 0 <= r < self.world:
             raise ValueError(f"rank {r} outside world {self.world}")
         return r
 
-    def live(self) -> set:
+    def live(self) -> set[int]:
         return {r for r, i in self.ranks.items() if i.alive and not i.done}
 
-    def lost(self) -> set:
+    def lost(self) -> set[int]:
         return {r for r, i in self.ranks.items() if not i.alive and not i.done}
 
     def all_in(self) -> bool:
@@ -99,10 +100,10 @@ class RankTable:
     def agent_of(self, r: int) -> Agent | None:
         return next((a for a in self.agents.values() if r in a.ranks), None)
 
-    def live_agents(self, now: float) -> list:
+    def live_agents(self, now: float) -> list[Agent]:
         return [a for a in self.agents.values() if now - a.seen <= self.dead_after]
 
-    def heard(self, ident: bytes, msg: dict, now: float) -> Rank | None:
+    def heard(self, ident: bytes, msg: dict[str, Any], now: float) -> Rank | None:
         """A heartbeat. None: the rank is unknown (it must register first)."""
         r = msg["rank"]
         info = self.ranks.get(r)
@@ -123,7 +124,7 @@ class RankTable:
         info.waiting = bool(msg.get("wait", False))
         return info
 
-    def mark_dead(self, ranks) -> None:
+    def mark_dead(self, ranks: Iterable[int]) -> None:
         for r in ranks:
             if r in self.ranks:
                 self.ranks[r].alive = False
@@ -153,7 +154,7 @@ class RankTable:
         for i in self.ranks.values():
             i.seen = max(i.seen, now)
 
-    def completed(self, step: int, outside=frozenset()) -> bool:
+    def completed(self, step: int, outside: Collection[int] = frozenset()) -> bool:
         """Every live rank has ended ``step`` (or saved after it, or moved on); ``outside``: live ranks
         that train nothing (newcomers waiting to scale out)."""
         return all(i.done or i.it > step or (i.it == step and i.phase in ("step", "checkpoint"))
@@ -211,7 +212,7 @@ class RankTable:
                                 ("hang", first.it)))
         return out
 
-    def status(self, now: float) -> list[dict]:
+    def status(self, now: float) -> list[dict[str, Any]]:
         return [{"rank": i.rank, "pid": i.pid, "node": i.node, "iteration": i.it, "phase": i.phase,
                  "update": i.upd, "health": i.health, "alive": i.alive, "done": i.done,
                  "last_seen_s": round(now - i.seen, 3), "replica_groups": i.groups}

@@ -5,6 +5,8 @@ and counted, never raised: a broken or hostile peer must not stall or kill the c
 """
 from __future__ import annotations
 
+from typing import Any, Iterable, Iterator, cast
+
 import zmq
 
 from ..events import get_logger
@@ -38,13 +40,13 @@ class Router:
                 raise
             self.sock.bind(f"tcp://127.0.0.1:{port or '*'}")  # (a system with only 127.0.0.1 on its loopback)
             host = "127.0.0.1"
-        self.port = int(self.sock.last_endpoint.decode().rsplit(":", 1)[1])
+        self.port = int(cast(bytes, self.sock.last_endpoint).decode().rsplit(":", 1)[1])  # (LAST_ENDPOINT: bytes)
         self.endpoint = f"tcp://{host}:{self.port}"
         self.drops = P.DropCounter(log)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
 
-    def receive(self, timeout_ms: int, limit: int = 5000):
+    def receive(self, timeout_ms: int, limit: int = 5000) -> Iterator[tuple[bytes, dict[str, Any]]]:
         """(ident, message) pairs that arrived within ``timeout_ms``, from senders whose key may send
         that message (security.MAY_SEND); at most ``limit`` at a time, so that timers keep running
         under a flood."""
@@ -52,8 +54,8 @@ class Router:
             return
         secure = self.keys.secure
         for _ in range(limit):
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=not secure)
+            try:  # (Frames when secure, for the key each came with; bytes otherwise)
+                frames = cast("list[Any]", self.sock.recv_multipart(zmq.NOBLOCK, copy=not secure))
             except zmq.Again:
                 return
             if len(frames) != 2:
@@ -67,7 +69,7 @@ class Router:
                 continue
             if secure:
                 role = self.keys.role_of(frames[1].get("User-Id"))
-                if msg["t"] not in security.MAY_SEND.get(role, ()):
+                if role is None or msg["t"] not in security.MAY_SEND.get(role, ()):
                     self.drops.drop("role", f"a {role} key may not send {msg['t']!r}")
                     continue
             yield ident, msg
@@ -79,7 +81,7 @@ class Router:
         except zmq.ZMQError:
             pass  # a peer that vanished or is flooded must not stall us
 
-    def fan_out(self, idents, data: bytes) -> None:
+    def fan_out(self, idents: Iterable[bytes], data: bytes) -> None:
         """The same frame to many peers: the hot loop of a decision at scale, kept flat."""
         sock, send, more, nb = self.sock, _raw_send, _MORE_NB, zmq.NOBLOCK
         for ident in idents:

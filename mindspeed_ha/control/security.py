@@ -153,7 +153,7 @@ class Keys:
         return self.server_public.decode() if self.server_public else None
 
 
-def secure_server(sock: zmq.Socket, keys: Keys) -> None:
+def secure_server(sock: zmq.Socket[bytes], keys: Keys) -> None:
     if not keys.secure:
         return
     if keys.server_secret is None:
@@ -163,7 +163,7 @@ def secure_server(sock: zmq.Socket, keys: Keys) -> None:
     sock.curve_server = True
 
 
-def secure_client(sock: zmq.Socket, keys: Keys, server_public: bytes | None = None) -> None:
+def secure_client(sock: zmq.Socket[bytes], keys: Keys, server_public: bytes | None = None) -> None:
     """Pin the server key from the key dir (never the one advertised in controller.json: a forged
     controller.json must not make a client trust a forged controller)."""
     if not keys.secure:
@@ -176,9 +176,9 @@ def secure_client(sock: zmq.Socket, keys: Keys, server_public: bytes | None = No
 _auth_by_ctx: dict[int, ThreadAuthenticator] = {}
 
 
-def start_authenticator(ctx: zmq.Context, keys: Keys) -> ThreadAuthenticator | None:
+def start_authenticator(ctx: zmq.Context[zmq.Socket[bytes]], keys: Keys) -> ThreadAuthenticator | None:
     """One ZAP handler per context (ZAP is per context): accept only the job's client keys."""
-    if not keys.secure:
+    if keys.key_dir is None:  # insecure
         return None
     auth = _auth_by_ctx.get(id(ctx))
     if auth is None:
@@ -202,7 +202,7 @@ def _authorized_dir(key_dir: str) -> str:
     return tmp
 
 
-def stop_authenticator(ctx: zmq.Context) -> None:
+def stop_authenticator(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     auth = _auth_by_ctx.pop(id(ctx), None)
     if auth is not None:
         auth.stop()

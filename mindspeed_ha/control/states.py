@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Callable, Iterable
 
 
 class State(str, enum.Enum):
@@ -116,7 +117,7 @@ def next_state(state: State, outcome: Outcome) -> State:
 # Which strategy can handle which fault class. retry repairs in place (the process is alive);
 # recover restarts a lost process (or moves a live one: migrate); dump saves whatever the survivors
 # hold (and is all a preempted job has time for); elastic drops a domain.
-HANDLES: dict[str, frozenset] = {
+HANDLES: dict[str, frozenset[str]] = {
     "retry": frozenset({"memory-error", "comm-failure"}),
     "recover": frozenset({"memory-error", "comm-failure", "other", "process-exit", "hang",
                           "heartbeat-lost", "controller-lost", "node-lost", "migrate"}),
@@ -130,7 +131,7 @@ HANDLES: dict[str, frozenset] = {
 STRATEGY_OUTCOME = {"retry": O.RETRY, "recover": O.RECOVER, "dump": O.DUMP, "elastic-training": O.ELASTIC}
 
 
-def choose_strategy(ordered: list[str], fault_kinds, built: set[str]) -> tuple[Outcome, str]:
+def choose_strategy(ordered: list[str], fault_kinds: Iterable[str], built: set[str]) -> tuple[Outcome, str]:
     """First enabled (``ordered``, preference order) and built strategy that handles every fault.
 
     Returns the outcome to feed the table and a reason for the log.
@@ -152,7 +153,8 @@ def choose_strategy(ordered: list[str], fault_kinds, built: set[str]) -> tuple[O
 class Machine:
     """The current state and the clock of its entry; ``feed`` applies the table and logs the move."""
 
-    def __init__(self, on_transition=None, state: State = S.INIT):
+    def __init__(self, on_transition: Callable[[State, Outcome, State, float], None] | None = None,
+                 state: State = S.INIT):
         self.state = state
         self.entered = time.monotonic()
         self.history: list[tuple[State, Outcome, State, float]] = []

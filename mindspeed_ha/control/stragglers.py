@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 
-from .ranks import WARM_UP_STEPS
+from .ranks import WARM_UP_STEPS, Rank
 
 NOISE_S = 0.02
 
@@ -20,10 +20,10 @@ NOISE_S = 0.02
 class StragglerWatch:
     def __init__(self, ratio: float, steps: int):
         self.ratio, self.steps = float(ratio), int(steps)
-        self.slow: dict[tuple, int] = {}    # (rank, pid) -> slow steps in a row
-        self.named: set[tuple] = set()      # (rank, pid) already named
+        self.slow: dict[tuple[int, int], int] = {}    # (rank, pid) -> slow steps in a row
+        self.named: set[tuple[int, int]] = set()      # (rank, pid) already named
 
-    def observe(self, info, live: list) -> float | None:
+    def observe(self, info: Rank, live: list[Rank]) -> float | None:
         """``info``: a rank that just reported its work (``busy`` over ``busy_steps`` steps);
         ``live``: every live rank. Returns its ratio to the others' median the moment it becomes
         a straggler, else None."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+from typing import Mapping
 
 import torch
 
@@ -69,7 +70,7 @@ class Device:
         _here = dev
         return dev
 
-    def check_local_ranks(self, local_ranks: int, env: dict | None = None) -> None:
+    def check_local_ranks(self, local_ranks: int, env: Mapping[str, str] | None = None) -> None:
         """One device per local rank (the node's ``--nproc-per-node``), before anything is built: a
         clear refusal instead of 'invalid device ordinal' in the middle of a set-up."""
         env = os.environ if env is None else env
@@ -94,7 +95,7 @@ class Device:
             "with MINDSPEED_HA_DEVICE=cpu")
 
 
-def local_ranks(env: dict | None = None) -> int:
+def local_ranks(env: Mapping[str, str] | None = None) -> int:
     """Ranks of this node, as the launcher (torchrun, ``mindspeed-ha run``) says."""
     env = os.environ if env is None else env
     try:
@@ -107,7 +108,7 @@ def _npu_importable() -> bool:
     return importlib.util.find_spec("torch_npu") is not None
 
 
-def detect(env: dict | None = None) -> Device:
+def detect(env: Mapping[str, str] | None = None) -> Device:
     env = os.environ if env is None else env
     forced = env.get("MINDSPEED_HA_DEVICE", "").strip().lower()
     if forced:

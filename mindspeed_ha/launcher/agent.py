@@ -345,8 +345,8 @@ class Agent:
                 h.close()
             self.link.close()
             shutil.rmtree(self.board_dir, ignore_errors=True)
-            for s, h in old.items():
-                signal.signal(s, h)
+            for s, handler in old.items():
+                signal.signal(s, handler)
 
     def _meet(self) -> bool | None:
         """Meet the other agents at the job store: False for a new job (start the workers), True to

@@ -152,7 +152,8 @@ class DeviceHealth:
         return events
 
     def _drain_xids(self) -> dict[int, list[int]]:
-        nv, got = self.nvml, {}
+        nv = self.nvml
+        got: dict[int, list[int]] = {}
         if self.events is None:
             return got
         while True:

@@ -15,6 +15,7 @@ import os
 import subprocess
 import tempfile
 import time
+from typing import IO
 
 from ..events import get_logger
 
@@ -26,7 +27,7 @@ class HealthHook:
         self.cmd, self.interval = cmd, float(interval_s)
         self.next_at = time.monotonic() + self.interval
         self.proc: subprocess.Popen | None = None
-        self.out = None
+        self.out: IO[bytes] | None = None
         self.started = 0.0
 
     def poll(self, now: float, workers: dict) -> list[tuple[list[int], str]]:
@@ -58,6 +59,7 @@ class HealthHook:
 
     def _finish(self, workers: dict) -> list[tuple[list[int], str]]:
         proc, out = self.proc, self.out
+        assert proc is not None and out is not None  # (poll calls this only while a check runs)
         self.proc = self.out = None
         timed_out = proc.poll() is None
         if timed_out:

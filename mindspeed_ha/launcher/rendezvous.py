@@ -41,7 +41,7 @@ def meet(store: JobStore, node_rank: int, nnodes: int, nproc: int, job_id: str, 
             return "running"
         agents = {n: store.seen(agent_key(n)) for n in range(nnodes)}
         here = {n for n, a in agents.items() if a and a.get("job_id") == job_id}
-        if any(agents[n].get("running") for n in here if n != node_rank):
+        if any(a.get("running") for n, a in agents.items() if a and n in here and n != node_rank):
             pass  # the job runs: its controller's record comes into this store within a second
         elif len(here) == nnodes:
             return "new"

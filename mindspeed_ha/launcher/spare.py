@@ -186,7 +186,8 @@ class Forked:
     from the template's report."""
 
     def __init__(self, pid: int, pool: "Pool"):
-        self.pid, self.pool, self.returncode = pid, pool, None
+        self.pid, self.pool = pid, pool
+        self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -197,12 +198,12 @@ class Forked:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
+        t0 = time.monotonic()
+        while (code := self.poll()) is None:
+            if timeout is not None and time.monotonic() > t0 + timeout:
                 raise subprocess.TimeoutExpired(f"spare {self.pid}", timeout)
             time.sleep(0.01)
-        return self.returncode
+        return code
 
 
 def _kill_group(pid: int) -> None:
@@ -235,7 +236,7 @@ class Pool:
                  fork_workers: bool = False):
         """``fork_workers``: the template also starts the node's first workers (``start_workers``)."""
         self.wanted, self.cmd, self.env, self.events, self.who = wanted_n, cmd, env, events, who
-        self.spares: list = []          # Forked or Popen, in the order they were made
+        self.spares: list[Forked | subprocess.Popen] = []  # in the order they were made
         self.ready: set[int] = set()    # pids that reported waiting for a rank
         self.ended: dict[int, int] = {}  # forked pid -> exit code, as the template reported it
         self.started: dict[int, Forked] = {}  # rank -> a first worker the template forked
@@ -259,6 +260,7 @@ class Pool:
         ended with what it started (nothing may run twice) and the caller starts them all."""
         if self.template is None:
             return {}
+        assert self.template.stdin is not None  # (_popen opens it as a pipe)
         try:
             self.template.stdin.write(b"".join(b"start " + line for line in assignments.values()))
             self.template.stdin.flush()
@@ -283,6 +285,7 @@ class Pool:
         return dict(self.started)
 
     def maintain(self, now: float) -> None:
+        p: Forked | subprocess.Popen  # a spare, in each loop below
         self.read_reports()
         if self.template is not None and self.template.poll() is not None:
             code = self.template.returncode
@@ -311,7 +314,7 @@ class Pool:
                 self.spares.append(p)
                 self.events.emit("spare_start", worker_pid=p.pid, forked=False)
 
-    def hand_over(self, line: bytes) -> tuple[object, bool] | None:
+    def hand_over(self, line: bytes) -> tuple[Forked | subprocess.Popen, bool] | None:
         """Give a spare the assignment ``line``: (its process handle, whether it was ready), or None
         when there is none. A ready spare first; one still starting is better than none."""
         self.read_reports()
@@ -336,8 +339,8 @@ class Pool:
             pass
         *lines, self._buf = self._buf.split(b"\n")
         for text in lines:
-            what, pid, *rest = text.decode().split()
-            pid = int(pid)
+            what, word, *rest = text.decode().split()
+            pid = int(word)
             if what == "exit":
                 self.ended[pid] = int(rest[0])
             elif what == "worker":
@@ -367,6 +370,7 @@ class Pool:
                                 pass_fds=(self._report_w,))
 
     def _request(self, n: int) -> None:
+        assert self.template is not None and self.template.stdin is not None  # (only while the template runs)
         try:
             self.template.stdin.write(b"spawn\n" * n)
             self.template.stdin.flush()

@@ -176,6 +176,7 @@ class MegatronLMTrainer(TrainerInterface):
         the reloaded position)."""
         from mindspeed_ha import session
         from mindspeed_ha.comm.interruptible import raise_deferred
+        assert self.fns is not None  # (bind_step came first: the loop's, or train_step checked)
         original, forward_step_func, config, forward_backward_func = self.fns
         if iteration is not None and self.iteration < iteration:
             self._run_catch_up(iteration)
@@ -183,6 +184,7 @@ class MegatronLMTrainer(TrainerInterface):
             self.loop.catch_up = None  # (reloaded at the loop's own position: nothing to catch up)
         it = (self.iteration if iteration is None else iteration) + 1
         s = session.current()
+        assert s is not None  # (the hooks made the session before the trainer)
         self.loop.running = it
         self._phase_points(config)
         self._mark_step_start()
@@ -202,12 +204,14 @@ class MegatronLMTrainer(TrainerInterface):
         from megatron.core.num_microbatches_calculator import update_num_microbatches
         from megatron.training import get_args
         from mindspeed_ha import session
+        assert self.fns is not None  # (called from run_step)
         original, forward_step_func, config, forward_backward_func = self.fns
         if self.loop.catch_up is None:
             raise RuntimeError(f"trainer at iteration {self.iteration}, Megatron-LM's loop at {loop_iteration}, "
                                "and no reloaded data position to catch up from")
         data, self.loop.catch_up = self._reloaded_data(), None  # (a fault in here reloads and sets it again)
         s, t0, first = session.current(), time.perf_counter(), self.iteration
+        assert s is not None  # (the hooks made the session before the trainer)
         try:
             while self.iteration < loop_iteration:
                 it = self.iteration + 1
@@ -236,7 +240,9 @@ class MegatronLMTrainer(TrainerInterface):
         loss = None
         if ps.is_pipeline_last_stage(ignore_virtual=True) and "lm loss" in out[0]:
             loss = float(out[0]["lm loss"])  # all-reduced over DP x CP and divided by its tokens
-        session.current().step_end(it, loss, grad_norm=out[5], lr=self._lr(), samples_hash=self.step.samples_hash)
+        s = session.current()
+        assert s is not None  # (the hooks made the session before the trainer)
+        s.step_end(it, loss, grad_norm=out[5], lr=self._lr(), samples_hash=self.step.samples_hash)
         return out
 
     def _recording(self, forward_backward_func):
@@ -282,10 +288,10 @@ class MegatronLMTrainer(TrainerInterface):
             return None
         out = {}
         for key in losses[0]:
-            val = [x[key].view(-1) for x in losses]
-            if val[0].numel() != 2:
+            parts = [x[key].view(-1) for x in losses]
+            if parts[0].numel() != 2:
                 return None  # Megatron's legacy per-microbatch mean: nothing reduced over DP
-            val = torch.vstack(val).sum(dim=0)
+            val = torch.vstack(parts).sum(dim=0)
             dist.all_reduce(val, group=ps.get_data_parallel_group(with_context_parallel=True))
             out[key] = val
         return out
@@ -419,7 +425,7 @@ class MegatronLMTrainer(TrainerInterface):
         def finalize_model_grads(*args, **kwargs):
             session.current().fire("grad-sync", self.loop.running)
             return f(*args, **kwargs)
-        finalize_model_grads.ha_phase_point = True
+        setattr(finalize_model_grads, "ha_phase_point", True)
         config.finalize_model_grads_func = finalize_model_grads
 
     def log_recovery(self, iteration: int, seconds: float, lost_steps: int) -> None:

@@ -18,12 +18,19 @@ import dataclasses
 import os
 import shutil
 import time
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from mindspeed_ha.events import get_logger
+from mindspeed_ha.events import EventLog, get_logger
 from mindspeed_ha.plan import DumpPlan
+
+if TYPE_CHECKING:
+    from mindspeed_ha.comm.groups import World
+    from mindspeed_ha.trainer.interface import TrainerInterface
+
+Ident = tuple[str, tuple[int, ...], tuple[int, int] | None]  # a checkpoint item: key, offset, flattened range
 
 log = get_logger("dump")
 
@@ -32,7 +39,7 @@ class DumpError(RuntimeError):
     """Nothing was written (or the temporary directory was removed): the dump did not happen."""
 
 
-def local_status(trainer) -> dict:
+def local_status(trainer: TrainerInterface) -> dict[str, Any]:
     """This rank's shard for the plan (``mindspeed_ha.plan``): a few scalars and its replica group,
     whatever the job's size."""
     from mindspeed_ha.comm.groups import job_rank
@@ -53,7 +60,7 @@ class DumpResult:
     iteration: int
     path: str
     seconds: float
-    writers: list
+    writers: list[int]
     files: int
     bytes: int
 
@@ -61,16 +68,16 @@ class DumpResult:
 @dataclasses.dataclass
 class Prepared:
     """What a survivor reads while its old process groups still exist (see ``prepare``)."""
-    trainer: object
-    status: dict
-    sd: dict                  # sharded state dict of the live state (model tensors are the parameters)
-    params: dict              # parameter name -> (parameter, position)
-    shard: list               # this rank's shard description, with positions
+    trainer: TrainerInterface
+    status: dict[str, Any]
+    sd: dict[str, Any]        # sharded state dict of the live state (model tensors are the parameters)
+    params: dict[str, tuple[torch.nn.Parameter, tuple[str | int, ...]]]  # parameter name -> (parameter, position)
+    shard: list[dict[str, Any]]  # this rank's shard description, with positions
     seconds: float
     bytes: int = 0            # what this rank holds of the state (its shard and its weights)
 
 
-def prepare(trainer, abandon_update: bool = False) -> Prepared:
+def prepare(trainer: TrainerInterface, abandon_update: bool = False) -> Prepared:
     """Local, no collective. Call on every survivor once it has stopped (and finished an update it
     had begun), before ``survivor_world``: a sharded state dict describes the job's layout, which
     the survivors' world no longer has.
@@ -98,13 +105,13 @@ def prepare(trainer, abandon_update: bool = False) -> Prepared:
     return Prepared(trainer, local_status(trainer), sd, params, shard, time.perf_counter() - t0, size)
 
 
-def _resync_model_weights(prep: Prepared, plan: DumpPlan, world) -> None:
+def _resync_model_weights(prep: Prepared, plan: DumpPlan, world: World) -> None:
     """Model weights := the writers' fp32 main params (cast like the distributed optimizer's own
     copy). A fault between the shard updates and the parameter all-gather leaves stale weights for
     other ranks' shards; this is that all-gather, from the chosen holders only."""
     me = world.rank
     dev = next(iter(prep.params.values()))[0].device  # NCCL/HCCL broadcast device tensors only
-    descs = [None] * len(world.ranks)
+    descs: list[list[dict[str, Any]] | None] = [None] * len(world.ranks)
     dist.all_gather_object(descs, prep.shard if me in plan.writers.values() else None)
     for src, desc in enumerate(descs):
         if desc is None:
@@ -133,6 +140,7 @@ def _normalize(prep: Prepared, plan: DumpPlan) -> bool:
     as of that iteration is known."""
     from mindspeed_ha.trainer import checkpoint
     trainer = prep.trainer
+    assert plan.iteration is not None  # an ok plan (write() refuses any other) names its iteration
     state = trainer.rng.at(plan.iteration)
     if state is None and not trainer.rng.states and plan.iteration == trainer.iteration:
         state = prep.sd["rng_state"].data[0]  # untracked: the live RNG, right only if no forward ran since
@@ -143,12 +151,12 @@ def _normalize(prep: Prepared, plan: DumpPlan) -> bool:
     return state is not None
 
 
-def _ident(obj) -> tuple:
+def _ident(obj: Any) -> Ident:
     fr = getattr(obj, "flattened_range", None)
     return (obj.key, tuple(obj.global_offset), (fr.start, fr.stop) if fr is not None else None)
 
 
-def _elect(sd: dict, plan: DumpPlan, world, eligible: dict) -> int:
+def _elect(sd: dict[str, Any], plan: DumpPlan, world: World, eligible: dict[str, bool]) -> int:
     """Rewrite replica_id so that every (key, offset) has exactly one main replica among the
     survivors: a plan writer if one is eligible, else the lowest eligible survivor. ``eligible``
     says per section whether this rank's copy is at the plan's iteration (optimizer: shard at the
@@ -167,10 +175,10 @@ def _elect(sd: dict, plan: DumpPlan, world, eligible: dict) -> int:
             if isinstance(v, ShardedBase):
                 mine.append((kind, v))
     offer = list(dict.fromkeys((_ident(v), eligible[kind]) for kind, v in mine))
-    offers = [None] * len(world.ranks)
+    offers: list[Any] = [None] * len(world.ranks)  # filled by all_gather_object
     dist.all_gather_object(offers, offer)
     writers = {world.ranks.index(r) for r in plan.writers.values() if r in world.ranks}
-    chosen: dict[tuple, int] = {}
+    chosen: dict[Ident, int | None] = {}
     for src, items in enumerate(offers):
         for ident, ok in items:
             chosen.setdefault(ident, None)
@@ -197,7 +205,7 @@ def _elect(sd: dict, plan: DumpPlan, world, eligible: dict) -> int:
     return count
 
 
-def _verify(tmp: str, world, manifest: dict) -> None:
+def _verify(tmp: str, world: World, manifest: dict[str, Any]) -> None:
     """Re-read another rank's files and compare with the manifest; rank 0 checks that the torch
     DCP metadata only points into manifest files, inside their sizes."""
     from mindspeed_ha.trainer.checkpoint_dir import mismatches
@@ -215,14 +223,15 @@ def _verify(tmp: str, world, manifest: dict) -> None:
         missing = [k for k in manifest["keys"] if k not in meta.state_dict_metadata]
         if missing:
             errors.append(f"metadata lacks {len(missing)} key(s), e.g. {missing[:3]}")
-    found = [None] * size
+    found: list[Any] = [None] * size  # filled by all_gather_object
     dist.all_gather_object(found, errors)
     bad = [e for errs in found for e in errs]
     if bad:
         raise DumpError("verification failed: " + "; ".join(bad[:5]))
 
 
-def write(prep: Prepared, plan: DumpPlan, world, save_dir: str, events=None, progress=lambda: None) -> DumpResult:
+def write(prep: Prepared, plan: DumpPlan, world: World, save_dir: str, events: EventLog | None = None,
+          progress: Callable[[], None] = lambda: None) -> DumpResult:
     """Collective over ``world``, the survivors' default group from ``comm.groups.survivor_world``
     (called after ``prepare``). ``plan`` must be the same on every survivor. ``progress()`` is called
     after each part (the controller extends the dump's time limit while writers make progress)."""
@@ -231,6 +240,7 @@ def write(prep: Prepared, plan: DumpPlan, world, save_dir: str, events=None, pro
     t0 = time.perf_counter()
     if not plan.ok:
         raise DumpError(plan.message())
+    assert plan.iteration is not None  # an ok plan names its iteration
     opt = prep.trainer.optimizer
     at_target = world.rank in plan.at_target
     if at_target and opt.ha_iteration != plan.iteration:
@@ -263,11 +273,11 @@ def write(prep: Prepared, plan: DumpPlan, world, save_dir: str, events=None, pro
         progress()
         # Checksums: each rank hashes what it wrote; rank 0 records them all in the manifest.
         mine = checkpoint_dir.checksums(tmp, world.new_rank, len(world.ranks))
-        every = [None] * len(world.ranks)
+        every: list[Any] = [None] * len(world.ranks)  # filled by all_gather_object
         dist.all_gather_object(every, (mine, keys))
-        manifest = {"kind": "dying_gasp", "iteration": plan.iteration, "files": {},
-                    "writers": sorted(plan.writers.values()), "survivors": list(world.ranks),
-                    "keys": sorted({k for _, ks in every for k in ks})}
+        manifest: dict[str, Any] = {"kind": "dying_gasp", "iteration": plan.iteration, "files": {},
+                                    "writers": sorted(plan.writers.values()), "survivors": list(world.ranks),
+                                    "keys": sorted({k for _, ks in every for k in ks})}
         for files, _ in every:
             manifest["files"].update(files)
         if me0:
@@ -297,7 +307,7 @@ def write(prep: Prepared, plan: DumpPlan, world, save_dir: str, events=None, pro
     return result
 
 
-def _sharded_keys(sd: dict):
+def _sharded_keys(sd: dict[str, Any]) -> Iterator[str]:
     """Checkpoint keys this rank writes as main replica (as torch DCP's metadata names them)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica

@@ -23,6 +23,7 @@ which the optimizer instance count changes.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -30,10 +31,14 @@ from mindspeed_ha.events import get_logger
 from mindspeed_ha.replica.optimizer import _inner_optimizers, set_adam_steps
 from mindspeed_ha.replica.reshard import described, exchange, schedule, state_io
 
+if TYPE_CHECKING:
+    from mindspeed_ha.plan import ElasticPlan
+    from mindspeed_ha.trainer.interface import TrainerInterface
+
 log = get_logger("recovery.elastic")
 
 
-def _step(optimizer) -> float:
+def _step(optimizer: Any) -> float:
     """Adam's step count (every entry has the same; a shard can be empty)."""
     for inner in _inner_optimizers(optimizer):
         for st in inner.optimizer.state.values():
@@ -42,8 +47,8 @@ def _step(optimizer) -> float:
     return 0.0
 
 
-def resize(trainer, plan, rank: int, store_host: str, store_port: int, generation: int,
-           backend: str = "gloo", host_store: bool = False) -> dict:
+def resize(trainer: TrainerInterface, plan: ElasticPlan, rank: int, store_host: str, store_port: int,
+           generation: int, backend: str = "gloo", host_store: bool = False) -> dict[str, Any]:
     """This rank's part of ``plan`` (an ok ``ElasticPlan``), meeting the others over the store at
     ``store_host:store_port`` (the controller's; ``host_store``: the first rank of the new layout
     serves it). ``trainer``: a running one, or a newcomer's not set up yet (no optimizer).
@@ -52,7 +57,7 @@ def resize(trainer, plan, rank: int, store_host: str, store_port: int, generatio
     return move_state(trainer, plan, rank, entered)
 
 
-def holdings(trainer) -> dict:
+def holdings(trainer: TrainerInterface) -> dict[str, Any]:
     """Step 1: what this rank brings to a resize — its optimizer shard in parameter coordinates (live
     views of the tensors: they stay valid while the rank re-wraps its model) and Adam's step; a
     newcomer brings nothing. A resize that does not complete leaves the trainer between two layouts;
@@ -62,8 +67,9 @@ def holdings(trainer) -> dict:
             "newcomer": old is None}
 
 
-def enter_layout(trainer, plan, rank: int, store_host: str, store_port: int, generation: int,
-                 backend: str = "gloo", host_store: bool = False, held: dict | None = None) -> dict:
+def enter_layout(trainer: TrainerInterface, plan: ElasticPlan, rank: int, store_host: str, store_port: int,
+                 generation: int, backend: str = "gloo", host_store: bool = False,
+                 held: dict[str, Any] | None = None) -> dict[str, Any]:
     """Steps 1-3 (``held``: ``holdings`` taken before an earlier resize that did not complete). A
     newcomer whose loop builds its own model (Megatron-LM's) has only its groups afterwards (no
     optimizer yet): ``move_state`` follows once its loop has built them."""
@@ -81,7 +87,7 @@ def enter_layout(trainer, plan, rank: int, store_host: str, store_port: int, gen
     return {"t": t, "world": world, **held}
 
 
-def move_state(trainer, plan, rank: int, entered: dict) -> dict:
+def move_state(trainer: TrainerInterface, plan: ElasticPlan, rank: int, entered: dict[str, Any]) -> dict[str, Any]:
     """Step 4, with every rank of the new layout."""
     from mindspeed_ha.recovery.repair import transfer_bookkeeping
     t, old_ranges, newcomer = entered["t"], entered["old_ranges"], entered["newcomer"]
@@ -89,7 +95,7 @@ def move_state(trainer, plan, rank: int, entered: dict) -> dict:
     writer = rank in plan.writers.values()
     new = trainer.optimizer
     new_ranges = new.ha_state_ranges()
-    every = [None] * len(plan.order)
+    every: list[Any] = [None] * len(plan.order)  # filled by all_gather_object
     dist.all_gather_object(every, {"held": described(old_ranges) if writer else [],
                                    "wanted": described(new_ranges), "step": entered["step"]})
     steps = {e["step"] for e in every if e["held"]}

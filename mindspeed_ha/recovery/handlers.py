@@ -20,8 +20,15 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from typing import TYPE_CHECKING, Any, Callable
 
 from mindspeed_ha.events import get_logger
+
+if TYPE_CHECKING:
+    from mindspeed_ha.control.processor import Later
+    from mindspeed_ha.recovery.dump import Prepared
+    from mindspeed_ha.session import RankSession
+    from mindspeed_ha.trainer.interface import TrainerInterface
 
 log = get_logger("recovery.handlers")
 REBUILD_TIMEOUT = datetime.timedelta(seconds=60)
@@ -31,23 +38,25 @@ class RankRecovery:
     """The rank side of every recovery. ``session``: the rank's RankSession (options, events, the
     trainer and its hooks); nothing here keeps state across orders except the dump's prepared part."""
 
-    def __init__(self, session):
+    def __init__(self, session: RankSession) -> None:
         self.s = session
-        self.prepared = None
-        self.unfinished = None  # a resize that did not complete: what the rank held before it (its state)
+        self.prepared: Prepared | None = None
+        # a resize that did not complete: what the rank held before it (its state)
+        self.unfinished: dict[str, dict[str, Any]] | None = None
 
-    def handlers(self) -> dict:
+    def handlers(self) -> dict[str, Callable[[dict[str, Any]], object]]:
         return {"ha-status": self.ha_status, "rebuild": self.rebuild, "repair": self.repair,
                 "reload": self.reload, "rollback": self.rollback, "resume": self.resume, "scale-in": self.resize,
                 "scale-out": self.resize,
                 "dump-status": self.dump_status, "dump": self.dump}
 
     @property
-    def trainer(self):
+    def trainer(self) -> TrainerInterface:
+        assert self.s.trainer is not None  # (the processor that serves these starts with a trainer attached)
         return self.s.trainer
 
     # ---- retry / recover / reload ------------------------------------------------------------
-    def ha_status(self, args: dict) -> dict:
+    def ha_status(self, args: dict[str, Any]) -> dict[str, Any]:
         if self.s.joining:  # restarted, not resumed yet (a fault came during its recovery): holds nothing
             return {"replica": True, "joining": True}
         if self.unfinished is not None:  # between two layouts: its state is what it held before the resize
@@ -58,7 +67,7 @@ class RankRecovery:
             self.s.report_fault_in_recovery(e)  # starts over with it (this answer still stands)
         return self._status()
 
-    def _status(self) -> dict:
+    def _status(self) -> dict[str, Any]:
         from mindspeed_ha.recovery import repair
         from mindspeed_ha.trainer import checkpoint_dir
         # The newest periodic checkpoint, for when no twin can serve (no replicas, or both lost).
@@ -69,15 +78,16 @@ class RankRecovery:
         elastic = {"layout": self.layout()} if "elastic-training" in self.s.options.strategies else {}
         return {"replica": True, **repair.status(self.trainer), **found, **elastic, "poisoned": self.s.shard_poisoned}
 
-    def layout(self) -> dict:
+    def layout(self) -> dict[str, Any]:
         """What an elastic plan needs of the job's layout: this rank's data-parallel
         group (job ranks, in order), the batch sizes and the optimizer instance count."""
         from mindspeed_ha.comm.groups import job_rank
         topo = self.s.topology
+        assert topo is not None  # (made with the replica optimizer, which _status checked)
         return {"dp_ranks": [job_rank(r) for r in topo.dp_ranks], "global_batch": int(self.trainer.global_batch_size),
                 "micro_batch": int(self.trainer.micro_batch_size), "replica_num": int(topo.replica_num)}
 
-    def rebuild(self, args: dict) -> str:
+    def rebuild(self, args: dict[str, Any]) -> str:
         from mindspeed_ha.comm import groups
         from mindspeed_ha.comm.interruptible import alone, clear_stop
         t0 = time.perf_counter()
@@ -95,7 +105,7 @@ class RankRecovery:
         got = groups.reconnect(*store, timeout=REBUILD_TIMEOUT)
         return f"{got['groups']} groups reconnected in {got['seconds']:.3f}s"
 
-    def repair(self, args: dict) -> dict:
+    def repair(self, args: dict[str, Any]) -> dict[str, Any]:
         from mindspeed_ha.recovery import repair
         flat = list(args.get("pairs", []))
         pairs = list(zip(flat[0::2], flat[1::2]))
@@ -114,22 +124,23 @@ class RankRecovery:
                                sources=[s for s, d in pairs if d == self.s.rank])
         return {"received": got}
 
-    def reload(self, args: dict) -> dict:
+    def reload(self, args: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
+        assert self.trainer.save_dir is not None  # (a reload plan needs every rank's checkpoint, in --save)
         it = self.trainer.load_checkpoint(self.trainer.save_dir)
         self.s.shard_poisoned = False
         self.trainer.after_reload(int(args.get("ended", it)))
         self.s.loaded(it, self.trainer.save_dir, time.perf_counter() - t0)
         return {"iteration": it}
 
-    def rollback(self, args: dict) -> str:
+    def rollback(self, args: dict[str, Any]) -> str:
         from mindspeed_ha.recovery import repair
         how = repair.resume_at(self.trainer, int(args["iteration"]))
         if args.get("fresh_data"):  # a new layout: the data position at the new data-parallel rank and size
             self.trainer.restart_from(self.trainer.iteration)
         return how
 
-    def resize(self, args: dict):
+    def resize(self, args: dict[str, Any]) -> dict[str, Any] | Later:
         """Scale in or out. Until the state has moved the rank is between two layouts: a fault then
         (a peer lost, a stop) leaves ``unfinished`` set — the rank answers the next status with what it
         held before, the controller plans again with every loss known, and the next resize moves
@@ -149,7 +160,8 @@ class RankRecovery:
                                        int(args["generation"]), backend=self.s.device.backend,
                                        held=self.unfinished["held"])
 
-        def rest(trainer=None) -> dict:
+        def rest(trainer: TrainerInterface | None = None) -> dict[str, Any]:
+            assert plan.iteration is not None  # (an ok plan names its iteration)
             self.s.fire("resize", plan.iteration + 1)
             out = elastic.move_state(trainer or self.trainer, plan, self.s.rank, entered)
             self.unfinished = None
@@ -170,12 +182,12 @@ class RankRecovery:
         self.s.after_setup = lambda trainer: later.finish(lambda: rest(trainer))
         return later
 
-    def resume(self, args: dict) -> str:
+    def resume(self, args: dict[str, Any]) -> str:
         self.s.resumed(int(args.get("lost_steps", 0)))
         return "resumed"
 
     # ---- the dump ----------------------------------------------------------------------------
-    def dump_status(self, args: dict) -> dict:
+    def dump_status(self, args: dict[str, Any]) -> dict[str, Any]:
         """Prepare this rank's part of the checkpoint (locally, while the job's groups exist) and
         report the shard's state for the controller's plan. A rank with nothing to save says so (the
         others save the job without it): restarted and still joining (Megatron-LM's loop may not
@@ -206,7 +218,7 @@ class RankRecovery:
                   bytes=self.prepared.bytes)
         return st
 
-    def dump(self, args: dict) -> dict:
+    def dump(self, args: dict[str, Any]) -> dict[str, Any]:
         from mindspeed_ha.comm import groups
         from mindspeed_ha.comm.interruptible import clear_stop
         from mindspeed_ha.plan import DumpPlan
@@ -219,6 +231,7 @@ class RankRecovery:
                                       int(args["store_port"]), int(args["generation"]),
                                       timeout=REBUILD_TIMEOUT, backend=self.s.device.backend)
         save = self.trainer.save_dir
+        assert save is not None  # (dump_status, which prepared the dump, refuses a rank without one)
         res = dump.write(self.prepared, plan, world, save, self.s.events, progress=self.s.progressed)
         return {"iteration": res.iteration, "path": res.path, "seconds": round(res.seconds, 4),
                 "bytes": res.bytes, "save": os.path.abspath(save)}

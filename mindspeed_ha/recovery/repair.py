@@ -15,12 +15,18 @@ the failed step had finished everywhere, so only its bookkeeping is finished.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 import torch.distributed as dist
 
 from mindspeed_ha.device import current
 from mindspeed_ha.events import get_logger
 from mindspeed_ha.trainer import rng
+
+if TYPE_CHECKING:
+    from mindspeed_ha.replica.optimizer import ReplicaMixin
+    from mindspeed_ha.trainer.interface import TrainerInterface
 
 log = get_logger("repair")
 
@@ -29,13 +35,13 @@ class RepairError(RuntimeError):
     pass
 
 
-def status(trainer) -> dict:
+def status(trainer: TrainerInterface) -> dict[str, Any]:
     """The shard's state for the plan (as the dump reports it) plus the last step that ended."""
     from mindspeed_ha.recovery.dump import local_status
     return {**local_status(trainer), "ended": trainer.ended}
 
 
-def transfer_shards(optimizer, pairs: list[tuple[int, int]], rank: int, iteration: int) -> int:
+def transfer_shards(optimizer: ReplicaMixin, pairs: list[tuple[int, int]], rank: int, iteration: int) -> int:
     """Point to point over the rebuilt default group: for each (src, dst) (job ranks), src sends its
     shard state (fp32 main params, exp_avg, exp_avg_sq, step), dst overwrites its own. Every rank
     walks the pairs in the same order. Each tensor travels on the rank's device (Adam's ``step`` is
@@ -63,15 +69,16 @@ def transfer_shards(optimizer, pairs: list[tuple[int, int]], rank: int, iteratio
     return got
 
 
-def transfer_bookkeeping(trainer, joiners: dict[int, int], rank: int) -> dict | None:
+def transfer_bookkeeping(trainer: TrainerInterface, joiners: dict[int, int], rank: int) -> dict[str, Any] | None:
     """``joiners``: restarted rank -> the twin that sends it what is not in the optimizer shard: the
     trainer's counters, scheduler and pending loss, the RNG now and as of recent iterations (so that
     ``resume_at`` rolls back or forward exactly as on the twin). Returns what this rank received."""
     from mindspeed_ha.comm.groups import dist_rank
-    received = None
+    received: dict[str, Any] | None = None
     for dst, src in sorted(joiners.items()):
         if rank == src:
-            box = [{"trainer": trainer.bookkeeping(), "rng_now": rng.snapshot(), "rng": trainer.rng.export()}]
+            box: list[Any] = [{"trainer": trainer.bookkeeping(), "rng_now": rng.snapshot(),
+                               "rng": trainer.rng.export()}]
             dist.send_object_list(box, dist_rank(dst))
         elif rank == dst:
             box = [None]
@@ -83,7 +90,7 @@ def transfer_bookkeeping(trainer, joiners: dict[int, int], rank: int) -> dict | 
     return received
 
 
-def resume_at(trainer, iteration: int) -> str:
+def resume_at(trainer: TrainerInterface, iteration: int) -> str:
     """Rollback (the failed step will be recomputed) or roll forward (its update is done: finish
     its bookkeeping and report its loss). Returns which."""
     if trainer.ended == iteration:

@@ -12,22 +12,25 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 
 from mindspeed_ha import compat
 from mindspeed_ha.replica.topology import ReplicaTopology
 
+if TYPE_CHECKING:
+    from mindspeed_ha.replica.reshard import Range
+
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 
-def _inner_optimizers(opt) -> list:
+def _inner_optimizers(opt: Any) -> list[Any]:
     """The DistributedOptimizers inside a (possibly chained) megatron optimizer."""
     return list(getattr(opt, "chained_optimizers", None) or [opt])
 
 
-def set_adam_steps(optimizer, step: float | None = None) -> None:
+def set_adam_steps(optimizer: Any, step: float | None = None) -> None:
     """Give every parameter its own Adam ``step`` tensor (``step``, or its group's count when None),
     where torch's Adam keeps it: on the parameter's device for a capturable or fused update, else a
     CPU scalar (on a GPU too)."""
@@ -44,7 +47,7 @@ def set_adam_steps(optimizer, step: float | None = None) -> None:
 
 class ReplicaMixin:
     ha_topology: "ReplicaTopology"
-    _ha_base: type  # the megatron class this replica class extends
+    _ha_base: type[Any]  # the megatron class this replica class extends
 
     # -- update window ---------------------------------------------------------------------------
     def ha_attach(self, topology: ReplicaTopology, iteration: int = 0) -> None:
@@ -52,7 +55,7 @@ class ReplicaMixin:
         self.ha_iteration = iteration
         self.ha_updating = False
         self.ha_touched = False  # inside the window: has the shard's arithmetic begun?
-        self.ha_grad_stats = [None, None]
+        self.ha_grad_stats: list[float | None] = [None, None]
         self._ha_listeners: list[Callable[[str, int], None]] = []
 
     def ha_add_listener(self, fn: Callable[[str, int], None]) -> None:
@@ -70,7 +73,7 @@ class ReplicaMixin:
             self.ha_iteration += 1
             self._ha_notify("update_end", self.ha_iteration)
 
-    def step(self):
+    def step(self) -> Any:
         target = self.ha_iteration + 1
         self.ha_updating, self.ha_touched = True, False
         self.ha_grad_stats = [None, None]  # (grad norm, zeros in grad) of this update, once computed
@@ -81,30 +84,31 @@ class ReplicaMixin:
 
     # What step() returns, kept as it is computed: a roll-forward recovery reports the update a
     # fault interrupted after these (e.g. in the parameter all-gather) without redoing it.
-    def get_grad_norm(self):
-        norm = self._ha_base.get_grad_norm(self)
+    def get_grad_norm(self) -> float:
+        norm: float = self._ha_base.get_grad_norm(self)
         self.ha_grad_stats[0] = norm
         return norm
 
-    def clip_grad_norm(self, clip_grad):
-        norm = self._ha_base.clip_grad_norm(self, clip_grad)
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        norm: float = self._ha_base.clip_grad_norm(self, clip_grad)
         self.ha_grad_stats[0] = norm
         return norm
 
-    def count_zeros(self):
-        zeros = self._ha_base.count_zeros(self)
+    def count_zeros(self) -> float:
+        zeros: float = self._ha_base.count_zeros(self)
         self.ha_grad_stats[1] = zeros
         return zeros
 
-    def step_with_ready_grads(self):
+    def step_with_ready_grads(self) -> bool:
         # Past the grad-norm all-reduce: from here to the parameter all-gather the update is local
         # arithmetic, which a stop cannot interrupt, so a rank stopped in its window either never
         # touched its shard (still at ha_iteration) or will finish the update (the dump relies on this).
         self.ha_touched = True
-        return self._ha_base.step_with_ready_grads(self)
+        ready: bool = self._ha_base.step_with_ready_grads(self)
+        return ready
 
     # -- shard state -----------------------------------------------------------------------------
-    def _ha_entries(self) -> Iterator[tuple[str, torch.Tensor, torch.nn.Parameter, object]]:
+    def _ha_entries(self) -> Iterator[tuple[str, torch.Tensor, torch.nn.Parameter, Any]]:
         """(name, main_param, model_param, inner_optimizer) in a stable order."""
         for o, inner in enumerate(_inner_optimizers(self)):
             model_groups = [a + b for a, b in zip(inner.model_float16_groups, inner.model_fp32_groups)]
@@ -112,16 +116,16 @@ class ReplicaMixin:
                 for i, main in enumerate(group["params"]):
                     yield f"o{o}.g{g}.p{i}", main, model_groups[g][i], inner
 
-    def ha_shard_description(self) -> list[dict]:
+    def ha_shard_description(self) -> list[dict[str, Any]]:
         desc = []
         for name, main, model_param, inner in self._ha_entries():
-            rng = compat.param_range(inner, model_param)
+            rng = compat.param_range(inner, model_param)  # type: ignore[no-untyped-call]  # compat's gate is untyped
             desc.append({"name": name, "param": compat.param_name(inner, model_param),
                          "shape": list(model_param.shape), "start": rng.start, "end": rng.end,
                          "dtype": str(main.dtype)})
         return desc
 
-    def ha_param_positions(self) -> dict:
+    def ha_param_positions(self) -> dict[str, tuple[torch.nn.Parameter, tuple[str | int, ...]]]:
         """Parameter name -> (parameter, position): DP peers hold the same tensor at the same
         position (dense: TP and PP rank; expert: expert-TP, EP and PP rank)."""
         from megatron.core import parallel_state as ps
@@ -131,16 +135,16 @@ class ReplicaMixin:
         return {name: (p, dense if getattr(p, "allreduce", True) else expert)
                 for inner in _inner_optimizers(self) for p, name in inner.param_to_name.items()}
 
-    def ha_state_ranges(self) -> dict:
+    def ha_state_ranges(self) -> dict[Range, tuple[torch.Tensor, ...]]:
         """This shard in parameter coordinates, what a reshard moves: ((position, parameter name),
         start, end) -> (main values, exp_avg, exp_avg_sq) of those flattened elements (live views:
         copy into them to install). ``step`` is not here: every entry shares its value."""
         self.ha_ensure_state()
         where = {name: position for name, (_, position) in self.ha_param_positions().items()}
-        out = {}
+        out: dict[Range, tuple[torch.Tensor, ...]] = {}
         for _, main, model_param, inner in self._ha_entries():
             name = compat.param_name(inner, model_param)
-            rng = compat.param_range(inner, model_param)
+            rng = compat.param_range(inner, model_param)  # type: ignore[no-untyped-call]  # compat's gate is untyped
             st = inner.optimizer.state[main]
             out[((where[name], name), rng.start, rng.end)] = (main, st["exp_avg"], st["exp_avg_sq"])
         return out
@@ -168,7 +172,7 @@ class ReplicaMixin:
                     out[f"{name}.{k}"] = v.detach() if torch.is_tensor(v) else torch.tensor(float(v), device="cpu")
         return out
 
-    def ha_import_shard(self, tensors: dict) -> None:
+    def ha_import_shard(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Overwrite this rank's shard with ``tensors`` (from ``ha_export_shard`` of a replica)."""
         self.ha_ensure_state()
         with torch.no_grad():
@@ -207,7 +211,7 @@ class ReplicaMixin:
 _classes: dict[type, type] = {}
 
 
-def make_replica(optimizer, topology: ReplicaTopology, iteration: int = 0):
+def make_replica(optimizer: Any, topology: ReplicaTopology, iteration: int = 0) -> Any:
     """Turn a megatron-core (Chained/)DistributedOptimizer into a ReplicaOptimizer in place."""
     cls = type(optimizer)
     if not is_replica(optimizer):
@@ -219,5 +223,5 @@ def make_replica(optimizer, topology: ReplicaTopology, iteration: int = 0):
     return optimizer
 
 
-def is_replica(optimizer) -> bool:
+def is_replica(optimizer: object) -> bool:
     return "_ha_base" in vars(type(optimizer))

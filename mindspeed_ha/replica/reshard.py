@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 
 from mindspeed_ha.device import current
+
+Range = tuple[Hashable, int, int]  # (parameter key, start, end) of its flattened elements
 
 
 class ReshardError(ValueError):
@@ -40,7 +42,7 @@ class Move:
         return self.end - self.start
 
 
-def schedule(held: dict, wanted: dict) -> list[Move]:
+def schedule(held: Mapping[int, Iterable[Range]], wanted: Mapping[int, Iterable[Range]]) -> list[Move]:
     """``held``: serving rank -> [(key, start, end), ...], one holder per old shard (ranges of one key
     must not overlap). ``wanted``: rank of the new layout -> [(key, start, end), ...]. A rank that
     holds part of what it needs takes it from itself (a move with src == dst, copied locally).
@@ -71,8 +73,8 @@ def schedule(held: dict, wanted: dict) -> list[Move]:
 
 
 def exchange(moves: list[Move], rank: int, read: Callable[[Move], torch.Tensor],
-             write: Callable[[Move, torch.Tensor], None], width: int = 3, dtype=torch.float32,
-             group=None) -> int:
+             write: Callable[[Move, torch.Tensor], None], width: int = 3, dtype: torch.dtype = torch.float32,
+             group: dist.ProcessGroup | None = None) -> int:
     """Carry out this rank's part of ``moves``. ``read(move)``: the piece as a [width, numel] tensor
     of ``dtype`` (the state tensors of the range: main values, exp_avg, exp_avg_sq); ``write(move,
     piece)`` installs one. Ranks are ranks of ``group``. Returns the bytes this rank received."""
@@ -104,14 +106,15 @@ def exchange(moves: list[Move], rank: int, read: Callable[[Move], torch.Tensor],
     return got
 
 
-def state_io(ranges: dict):
+def state_io(ranges: Mapping[Range, tuple[torch.Tensor, ...]]
+             ) -> tuple[Callable[[Move], torch.Tensor], Callable[[Move, torch.Tensor], None]]:
     """``read`` and ``write`` for ``exchange`` over an optimizer's ``ha_state_ranges()``: read from
     the old optimizer's, write into the new one's."""
     by_key = collections.defaultdict(list)
     for (key, a, b), tensors in ranges.items():
         by_key[key].append((a, b, tensors))
 
-    def find(m: Move):
+    def find(m: Move) -> tuple[int, tuple[torch.Tensor, ...]]:
         for a, b, tensors in by_key.get(m.key, ()):
             if a <= m.start and m.end <= b:
                 return a, tensors
@@ -130,6 +133,6 @@ def state_io(ranges: dict):
     return read, write
 
 
-def described(ranges: dict) -> list:
+def described(ranges: Iterable[Range]) -> list[Range]:
     """What ``schedule`` needs of a rank's ``ha_state_ranges()``: [(key, start, end), ...]."""
     return sorted(ranges, key=lambda r: (str(r[0]), r[1]))

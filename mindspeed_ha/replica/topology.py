@@ -8,6 +8,7 @@ instance: DP=4, R=2 -> instances [0,1] and [2,3], replica groups [0,2] and [1,3]
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch.distributed as dist
 
@@ -15,11 +16,11 @@ import torch.distributed as dist
 @dataclasses.dataclass(frozen=True)
 class ReplicaTopology:
     rank: int
-    dp_ranks: tuple  # global ranks of this rank's DP x CP group, in DP order
+    dp_ranks: tuple[int, ...]  # global ranks of this rank's DP x CP group, in DP order
     replica_num: int
     kind: str = "dense"  # dense | expert
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if len(self.dp_ranks) % self.replica_num:
             raise ValueError(f"DP group {list(self.dp_ranks)} does not split into {self.replica_num} instances")
 
@@ -55,7 +56,7 @@ class ReplicaTopology:
     def peers(self) -> list[int]:
         return [r for r in self.replica_group if r != self.rank]
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "dp_ranks": list(self.dp_ranks), "instance": self.instance,
                 "shard_index": self.shard_index, "replica_group": self.replica_group}
 

@@ -5,17 +5,23 @@ digests are gathered inside each replica group, and a mismatch flag is reduced o
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Callable
+
 import torch
 import torch.distributed as dist
 
 from mindspeed_ha.device import current
+
+if TYPE_CHECKING:
+    from mindspeed_ha.replica.optimizer import ReplicaMixin
 
 
 class ReplicaMismatchError(RuntimeError):
     pass
 
 
-def check_replicas(optimizer, iteration: int, replica_group_pg, job_rank=lambda r: r) -> dict:
+def check_replicas(optimizer: ReplicaMixin, iteration: int, replica_group_pg: dist.ProcessGroup | None,
+                   job_rank: Callable[[int], int] = lambda r: r) -> dict[str, Any]:
     """Returns the ``replica_check`` event fields; raises ReplicaMismatchError on every rank on a mismatch.
     ``job_rank``: the job's name of a rank of the default group (they differ after an elastic resize)."""
     topo = optimizer.ha_topology
@@ -24,7 +30,7 @@ def check_replicas(optimizer, iteration: int, replica_group_pg, job_rank=lambda 
     mine = torch.tensor(list(fp.values()), dtype=torch.int64, device=current())
     gathered = [torch.empty_like(mine) for _ in topo.replica_group]
     dist.all_gather(gathered, mine, group=replica_group_pg)
-    problem = None
+    problem: dict[str, Any] | None = None
     for peer, theirs in zip(topo.replica_group, gathered):
         if peer == topo.rank:
             continue
@@ -36,7 +42,7 @@ def check_replicas(optimizer, iteration: int, replica_group_pg, job_rank=lambda 
     flag = torch.tensor([1 if problem else 0], dtype=torch.int64, device=current())
     dist.all_reduce(flag)  # every rank learns whether anyone found a mismatch
     if int(flag.item()):
-        reports = [None] * dist.get_world_size()
+        reports: list[dict[str, Any] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(reports, problem)
         first = next(r for r in reports if r)
         msg = (f"replica mismatch at iteration {iteration}: ranks {first['ranks'][0]} and {first['ranks'][1]} "

@@ -205,7 +205,7 @@ class BuiltinTrainer(TrainerInterface):
         self._data_iter = self.data_iterator(self.consumed_samples)
 
     # -- data ------------------------------------------------------------------------------------
-    def data_iterator(self, consumed_samples: int):
+    def data_iterator(self, consumed_samples: int) -> data.SampleIterator:
         return data.SampleIterator(self.dataset, consumed_samples, self.args.micro_batch_size,
                                    ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
 
@@ -242,6 +242,7 @@ class BuiltinTrainer(TrainerInterface):
             forward_step_func=self._forward_step, data_iterator=self._data_iter, model=self.model_chunks,
             num_microbatches=get_num_microbatches(), seq_length=a.seq_length,
             micro_batch_size=a.micro_batch_size, decoder_seq_length=a.seq_length, forward_only=False)
+        assert self._data_iter is not None  # (the step read from it)
         # The DP-reduced loss, before the update: a roll-forward then needs no collective, and a
         # restarted worker can be handed it by its peer. (Same arithmetic as after the update.)
         # With it, the global batch's samples (whatever the data-parallel size): ``samples_hash``.
@@ -267,6 +268,7 @@ class BuiltinTrainer(TrainerInterface):
             self.scheduler.step(increment=a.global_batch_size)
             self.iteration = it
             self.consumed_samples += a.global_batch_size
+            assert self._data_iter is not None  # (a joiner's comes with its bookkeeping, before any step)
             if self._data_iter.next_index != self.consumed_samples:
                 # A restarted rank rolled forward: its predecessor read this step's samples, and its
                 # own reads start where its twin's counters stood, at the step's beginning.

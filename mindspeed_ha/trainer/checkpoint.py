@@ -13,6 +13,7 @@ import os
 import queue
 import shutil
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -111,7 +112,7 @@ def save(trainer, root: str, group=None) -> tuple[str, float]:
 def add_manifest(path: str, fields: dict, group=None) -> dict:
     """Collective: every rank checksums the files it wrote; the first writes the manifest."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    every = [None] * size
+    every: list[Any] = [None] * size  # (filled by all_gather_object)
     dist.all_gather_object(every, checksums(path, rank, size), group=group)
     manifest = {**fields, "files": {n: e for files in every for n, e in files.items()}}
     if rank == 0:
@@ -131,7 +132,7 @@ def verify(path: str, group=None) -> bool:
         return False
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     bad = mismatches(path, manifest, sorted(manifest["files"])[rank::size])
-    every = [None] * size
+    every: list[Any] = [None] * size  # (filled by all_gather_object)
     dist.all_gather_object(every, bad, group=group)
     bad = [b for part in every for b in part]
     if bad:

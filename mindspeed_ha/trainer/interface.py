@@ -9,24 +9,41 @@ the counters a restarted rank takes from its twin) has its implementation here.
 from __future__ import annotations
 
 import abc
-from typing import Iterator
+from typing import Any, Iterator
 
 from mindspeed_ha.trainer import rng
 
 
 class TrainerInterface(abc.ABC):
     model_chunks: list          # DDP-wrapped megatron modules, one per virtual pipeline stage
-    optimizer: object           # megatron optimizer (a ReplicaOptimizer when replicas are on)
-    scheduler: object           # OptimizerParamScheduler
+    optimizer: Any              # megatron optimizer (a ReplicaOptimizer when replicas are on)
+    scheduler: Any              # OptimizerParamScheduler
     iteration: int              # completed iterations
     ended: int                  # the last iteration whose bookkeeping (loss report) also finished
     consumed_samples: int       # data position: samples consumed by the whole job
-    save_dir: str | None        # --save (where a dying-gasp checkpoint goes)
-    global_batch_size: int      # samples per iteration (scheduler and data position steps)
-    micro_batch_size: int       # samples per micro-batch and data-parallel rank
-    async_saves: bool = False   # periodic saves written by another process (Megatron-LM's --async-save)
 
-    def __init__(self):
+    # What each trainer reads from its own arguments:
+    @property
+    @abc.abstractmethod
+    def save_dir(self) -> str | None:
+        """--save (where a dying-gasp checkpoint goes)."""
+
+    @property
+    @abc.abstractmethod
+    def global_batch_size(self) -> int:
+        """Samples per iteration (scheduler and data position steps)."""
+
+    @property
+    @abc.abstractmethod
+    def micro_batch_size(self) -> int:
+        """Samples per micro-batch and data-parallel rank."""
+
+    @property
+    def async_saves(self) -> bool:
+        """Periodic saves written by another process (Megatron-LM's --async-save)."""
+        return False
+
+    def __init__(self) -> None:
         self.model_chunks, self.optimizer, self.scheduler = [], None, None  # until setup()
         self.iteration = self.ended = self.consumed_samples = 0
         self.rng = rng.History()    # the RNG as of recent iterations' ends (rollback, dump)
@@ -57,9 +74,10 @@ class TrainerInterface(abc.ABC):
         """Rollback: the next step is ``iteration + 1`` again, with its data (the RNG was restored)."""
 
     @abc.abstractmethod
-    def finish_step(self, iteration: int) -> None:
+    def finish_step(self, iteration: int) -> float | None:
         """Roll forward: the update of step ``iteration`` completed on every shard; finish the rest
-        of the step (scheduler, counters, loss report)."""
+        of the step (scheduler, counters, loss report). A trainer may return the step's loss, as
+        ``train_step`` does."""
 
     def clean_partial_step(self) -> None:
         """Drop what an interrupted step left: gradients, DDP bucket state and pending handles (the

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 
 class Replayable:
-    def __init__(self, source):
+    def __init__(self, source) -> None:
         self._source = iter(source)
         self._drawn: list = []    # items of the current step, in order
         self._pending: list = []  # items to hand out again before reading on
