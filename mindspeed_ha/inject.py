@@ -217,6 +217,12 @@ class Injector:
     def pending(self) -> list[Fault]:
         with self._lock:
             return list(self._pending)
+
+    def unfired(self) -> list[Fault]:
+        """This rank's faults that no process of the job fired (asked at a process's end: a drill
+        that never fired tested nothing, and must say so)."""
+        return [f for f in self.pending() if not os.path.exists(self._marker(f))]
+
     def fire_point(self, phase: str, iteration: int) -> None:
         """Called by the trainer at each phase point; fires the faults due here (at most once per job)."""
         last = self._step_t
@@ -244,7 +250,7 @@ class Injector:
     def _claim(self, f: Fault, iteration: int) -> bool:
         """Atomically mark ``f`` fired for the whole job; False if some process already did."""
         os.makedirs(self.marker_dir, exist_ok=True)
-        path = os.path.join(self.marker_dir, f"{f.key()}.fired")
+        path = self._marker(f)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
@@ -254,6 +260,9 @@ class Injector:
             json.dump({"spec": f.spec(), "rank": self.rank, "pid": os.getpid(),
                        "iteration": iteration, "time": time.time()}, fh)
         return True
+
+    def _marker(self, f: Fault) -> str:
+        return os.path.join(self.marker_dir, f"{f.key()}.fired")
 
     def _fire(self, f: Fault, iteration: int) -> None:
         if self.events is not None:

@@ -8,11 +8,15 @@ scale-in is a recovery, "data-parallel size 4 -> 2", and a scale-out an episode 
 returned ranks' registration to ``scaled_out``), and a timeline picture, ``DIR/recovery_timeline.png``:
 training progress (iteration over time) with each episode shaded from the fault to its end and its
 recovery phases drawn as bars. The picture needs matplotlib (``pip install mindspeed-ha[report]``).
+
+A fault drill that never fired (a rank ended without reaching its phase and step) is an error: it is
+named on stderr, and the report exits 1.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 
 from mindspeed_ha.events import read_events
 
@@ -77,6 +81,15 @@ def episodes(log_dirs) -> list[dict]:
         if cur is not None and kind in END_EVENTS:
             cur = None
     return out
+
+
+def unfired(log_dirs) -> list[dict]:
+    """The drills no process fired, once each (every process of a rank reports its own)."""
+    seen: dict[str, dict] = {}
+    for e in _events([log_dirs] if isinstance(log_dirs, str) else list(log_dirs), "rank_"):
+        if e["event"] == "drill_unfired":
+            seen.setdefault(e["spec"], e)
+    return list(seen.values())
 
 
 def table(eps: list[dict]) -> str:
@@ -144,4 +157,9 @@ def main(log_dirs, picture: bool = True, as_json: bool = False) -> int:
             print(f"timeline: {path}")
         except ImportError:
             print("timeline picture skipped: matplotlib is not installed (pip install 'mindspeed-ha[report]')")
-    return 0
+    never = unfired(log_dirs)
+    for e in never:
+        print(f"ERROR: fault drill {e['spec']} never fired (rank {e['rank']} ended at iteration {e.get('iteration')} "
+              f"without reaching phase {e['phase']}{'' if e.get('step') is None else ' of iteration ' + str(e['step'])})",
+              file=sys.stderr)
+    return 1 if never else 0

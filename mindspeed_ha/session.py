@@ -450,6 +450,17 @@ class RankSession:
         self.events.emit("checkpoint", kind="periodic", iteration=iteration, path=os.path.abspath(path), seconds=seconds)
         log.info("saved iteration %d to %s in %.2f s", iteration, path, seconds)
 
+    def _report_unfired_drills(self) -> None:
+        """A drill (MINDSPEED_HA_INJECT, or `mindspeed-ha inject`) for this rank that never fired by its
+        end: an error in the log and the events (``report`` lists it), never a silent pass."""
+        for f in self.injector.unfired() if self.injector is not None else ():
+            at = f"phase {f.phase}" + ("" if f.step is None else f" of iteration {f.step}")
+            self.events.emit("drill_unfired", spec=f.spec(), kind=f.kind, step=f.step, phase=f.phase,
+                             iteration=getattr(self.trainer, "iteration", None))
+            log.error("fault drill %s never fired: rank %d ended without reaching %s (a phase this job does not "
+                      "run there, e.g. a checkpoint of a job that saves none, or a recovery that never came)",
+                      f.spec(), self.rank, at)
+
     def loaded(self, iteration: int, path: str, seconds: float) -> None:
         self.events.emit("load", iteration=iteration, path=os.path.abspath(path), seconds=seconds)
         log.info("loaded iteration %d from %s in %.2f s", iteration, path, seconds)
@@ -470,6 +481,7 @@ class RankSession:
             # is made now, as what the process holds with it unfinished.
             self.events.emit("resources", after="recovery", settled=False,
                              **self.resources(extra_threads=len(self._unsettled), wait_s=0.0))
+        self._report_unfired_drills()
         # One wait for the settle reports and the end's: a release still going after it waits for a
         # lost peer (it may never end), and the other ranks wait in the job's last barrier meanwhile.
         self.events.emit("end", iteration=getattr(self.trainer, "iteration", None),

@@ -85,3 +85,22 @@ def test_status_and_live_inject(tmp_path):
     faults = [e for e in events(tmp_path, "controller") if e["event"] == "fault"]
     assert any(f["ranks"] == [2] and f["kind"] == "other" for f in faults)
     assert not leftover_workers(tmp_path)
+
+
+@pytest.mark.drill_may_not_fire
+def test_a_drill_that_never_fires_is_an_error_in_the_log_the_events_and_the_report(tmp_path):
+    """Rank 1's drill is for the checkpoint of iteration 4 of a job that saves none: the job itself ends
+    well (exit 0), but the drill tested nothing — an error line in the log, a ``drill_unfired`` event, and ``report`` exits 1
+    naming it (the suite's own check fails every other test on such an event)."""
+    proc, _ = run_job(tmp_path, inject="exception:rank=1:step=4:phase=checkpoint,kill:rank=2:step=3:phase=forward",
+                      extra=("--enable-worker-reboot",))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    never = [e for e in all_rank_events(tmp_path) if e["event"] == "drill_unfired"]
+    assert [(e["rank"], e["spec"]) for e in never] == [(1, "exception:rank=1:step=4:phase=checkpoint")], never
+    log = (tmp_path / "ttp_log.log").read_text()
+    assert "fault drill exception:rank=1:step=4:phase=checkpoint never fired" in log
+    rep = subprocess.run(MINDSPEED_HA + ["report", str(tmp_path), "--no-picture"], env=clean_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert rep.returncode == 1 and "ERROR: fault drill exception:rank=1:step=4:phase=checkpoint never fired" \
+        in rep.stderr, rep.stdout + rep.stderr
+    assert "rank 2 process-exit" in rep.stdout  # (the kill did fire, and was recovered)
