@@ -379,6 +379,13 @@ class RankSession:
         if self.injector is not None:
             self.injector.fire_point(phase, iteration)
 
+    def backward_point(self, tensor: Any, iteration: int) -> None:
+        """The "backward" phase point, fired as the backward pass reaches ``tensor``: the loss on the
+        last pipeline stage, a stage's own output on every stage (the others have no loss: their
+        backward starts from the gradient the next stage sends)."""
+        if getattr(tensor, "requires_grad", False):
+            tensor.register_hook(lambda g: (self.fire("backward", iteration), g)[1])
+
     def step_start(self, iteration: int) -> None:
         self._t_step = time.perf_counter()
         if self.processor is not None:

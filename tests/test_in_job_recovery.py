@@ -83,6 +83,18 @@ def test_uce_then_kill_tp2_dp4(tmp_path, ref):
     assert [e["strategy"] for e in rec] == ["retry", "recover"]
 
 
+def test_pp2_dp2_drills_reach_the_first_stage_in_its_backward(tmp_path, ref):
+    """PP=2 x DP=2: ranks 0 and 1 are stage 0, which computes no loss (its backward starts from the
+    gradient stage 1 sends back). A memory error on rank 0 in its backward (retry), then rank 1 killed
+    in its backward (recover): both drills fire there, and every loss is bit-identical."""
+    proc = job(tmp_path, inject="uce:rank=0:step=3:phase=backward,kill:rank=1:step=6:phase=backward",
+               extra=["--pipeline-model-parallel-size", "2", "--enable-worker-reboot"])
+    rec = check_rejoined(proc, tmp_path, ref["pp2"], [1], n=2)
+    assert [e["strategy"] for e in rec] == ["retry", "recover"]
+    fired = sorted((e["rank"], e["phase"], e["iteration"]) for e in all_rank_events(tmp_path) if e["event"] == "inject")
+    assert fired == [(0, "backward", 3), (1, "backward", 6)]
+
+
 @pytest.mark.compat
 def test_two_uces_in_different_replica_pairs_at_once(tmp_path, ref):
     proc = job(tmp_path, inject="uce:rank=1:step=3:phase=backward,uce:rank=2:step=3:phase=backward")

@@ -405,12 +405,11 @@ class MegatronLMTrainer(TrainerInterface):
         def forward_step(data_iterator, model, *args, **kwargs):
             s.fire("forward", it)
             output, loss_func = forward_step_func(data_iterator, model, *args, **kwargs)
+            s.backward_point(output, it)  # (every pipeline stage, the last included)
 
             def loss_with_hook(*largs, **lkwargs):
                 result = loss_func(*largs, **lkwargs)
-                loss = result[0] if isinstance(result, tuple) else result
-                if getattr(loss, "requires_grad", False):
-                    loss.register_hook(lambda g: (s.fire("backward", it), g)[1])
+                s.backward_point(result[0] if isinstance(result, tuple) else result, it)
                 return result
             return output, loss_with_hook
         return forward_step

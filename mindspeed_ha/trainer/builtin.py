@@ -218,9 +218,7 @@ class BuiltinTrainer(TrainerInterface):
         losses = output_tensor.float()
         mask = loss_mask.view(-1).float()
         loss = torch.sum(losses.view(-1) * mask) / mask.sum()
-        if loss.requires_grad:
-            it = self.iteration + 1
-            loss.register_hook(lambda g: (self.session.fire("backward", it), g)[1])
+        self.session.backward_point(loss, self.iteration + 1)
         return loss, {"lm loss": loss.detach().clone()}
 
     def _forward_step(self, data_iterator, model):
@@ -228,6 +226,7 @@ class BuiltinTrainer(TrainerInterface):
         batch = next(data_iterator)
         tokens, labels = batch["tokens"], batch["labels"]
         out = model(tokens, batch["position_ids"], None, labels=labels)
+        self.session.backward_point(out, self.iteration + 1)  # (every pipeline stage, the last included)
         return out, partial(self._loss, batch["loss_mask"])
 
     def train_step(self) -> float | None:
