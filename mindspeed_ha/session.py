@@ -383,8 +383,11 @@ class RankSession:
         """The "backward" phase point, fired as the backward pass reaches ``tensor``: the loss on the
         last pipeline stage, a stage's own output on every stage (the others have no loss: their
         backward starts from the gradient the next stage sends)."""
+        def reached(grad: Any) -> Any:
+            self.fire("backward", iteration)
+            return grad
         if getattr(tensor, "requires_grad", False):
-            tensor.register_hook(lambda g: (self.fire("backward", iteration), g)[1])
+            tensor.register_hook(reached)
 
     def step_start(self, iteration: int) -> None:
         self._t_step = time.perf_counter()
