@@ -297,6 +297,23 @@ def test_megatron_lm_pp2_dp2_retry_and_recover_in_the_first_stages_backward(tmp_
     assert rec == [("retry", 0), ("recover", 0)]
 
 
+def test_megatron_lm_moe_retry_and_recover_a_kill_inside_the_update(tmp_path):
+    """Megatron-LM's loop with MoE (4 experts, EP=2) x DP=4: its optimizer is chained (dense, expert),
+    and a rank killed inside the update (recover) must not leave a survivor with one half of its
+    shard updated and the other not. A memory error in a backward (retry) first. Bit-identical."""
+    moe = ("--num-experts", "4", "--expert-model-parallel-size", "2")
+    ref = tmp_path / "ref"
+    assert_ok(_mindspeed_ha_run(ref, "--enable-high-availability", *moe, iters=8))
+    run_dir = tmp_path / "run"
+    proc = _mindspeed_ha_run(run_dir, "--enable-hbmfault-repair", "--enable-worker-reboot", *moe, *VERIFY, iters=8,
+                             inject="uce:rank=1:step=3:phase=backward,kill:rank=2:step=6:phase=optimizer")
+    assert_ok(proc)
+    assert losses(run_dir) == losses(ref)
+    from helpers import events as read_events
+    rec = [(e["strategy"], e["lost_steps"]) for e in read_events(run_dir, "controller") if e["event"] == "recovered"]
+    assert rec == [("retry", 0), ("recover", 0)]
+
+
 def test_megatron_lm_no_replica_reload_in_process(tmp_path):
     """--distributed-optimizer-no-replica through Megatron-LM's loop. A uce in step 6 (retry): every
     rank reloads Megatron-LM's iteration-3 checkpoint in process, recomputes 4 and 5 inside the

@@ -30,6 +30,16 @@ def _inner_optimizers(opt: Any) -> list[Any]:
     return list(getattr(opt, "chained_optimizers", None) or [opt])
 
 
+def _gathers_in_step(chained: Any, inners: list[Any]) -> bool:
+    """Each inner optimizer all-gathers its parameters inside its step (megatron-core's
+    DistributedOptimizer without overlapped or FSDP parameter gathers)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    if getattr(chained.config, "overlap_param_gather_with_optimizer_step", False):
+        return False
+    return all(isinstance(o, DistributedOptimizer) and not o.ddp_config.overlap_param_gather
+               and not getattr(o.ddp_config, "use_megatron_fsdp", False) for o in inners)
+
+
 def set_adam_steps(optimizer: Any, step: float | None = None) -> None:
     """Give every parameter its own Adam ``step`` tensor (``step``, or its group's count when None),
     where torch's Adam keeps it: on the parameter's device for a capturable or fused update, else a
@@ -104,8 +114,23 @@ class ReplicaMixin:
         # arithmetic, which a stop cannot interrupt, so a rank stopped in its window either never
         # touched its shard (still at ha_iteration) or will finish the update (the dump relies on this).
         self.ha_touched = True
-        ready: bool = self._ha_base.step_with_ready_grads(self)
-        return ready
+        inners = _inner_optimizers(self)
+        if len(inners) == 1 or not _gathers_in_step(self, inners):
+            ready: bool = self._ha_base.step_with_ready_grads(self)
+            return ready
+        # A chained optimizer (dense and expert parameters: MoE) lets each inner optimizer update its
+        # shard and then all-gather the parameters, the next one after: a stop in the first all-gather
+        # would leave the dense part of this rank's shard updated and the expert part not, an iteration
+        # no twin holds. Every local update first, then the same all-gathers: the shard is whole
+        # before any collective can stop the rank.
+        from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+        ok = True
+        for opt in inners:
+            ok &= bool(MixedPrecisionOptimizer.step_with_ready_grads(opt))
+        for opt in inners:
+            for chunk in opt.model_chunks:
+                chunk.start_param_sync()
+        return ok
 
     # -- shard state -----------------------------------------------------------------------------
     def _ha_entries(self) -> Iterator[tuple[str, torch.Tensor, torch.nn.Parameter, Any]]:
