@@ -100,6 +100,19 @@ def test_kill_each_phase_tp2_dp4(tmp_path, ref, phase, rank):
     check_resume(tmp_path / "resume", ck, ref["tp2"], 8, TP2)
 
 
+@pytest.mark.parametrize("phase,rank", [("backward", 1), ("optimizer", 2)])
+def test_kill_in_a_pp2_dp2_job_its_dying_gasp_resumes_bit_identically(tmp_path, ref, phase, rank):
+    """PP=2 x DP=2: a rank of the first stage killed in its backward, or of the last in its update.
+    The survivors' dying gasp (each stage's shards from their twins) loads into a fresh PP=2 x DP=2
+    job, every later loss bit-identical."""
+    pp2 = ("--pipeline-model-parallel-size", "2")
+    ck = tmp_path / "ck"
+    proc = job(tmp_path / "run", inject=f"kill:rank={rank}:step=6:phase={phase}", extra=("--save", str(ck), *pp2))
+    saved = check_saved(proc, tmp_path / "run", ck)
+    assert rank not in saved["survivors"]
+    check_resume(tmp_path / "resume", ck, ref["pp2"], 4, pp2)
+
+
 @pytest.mark.parametrize("phase,rank", [("forward", 1), ("backward", 2), ("grad-sync", 3), ("optimizer", 1),
                                         ("param-sync", 2)])
 def test_hang_at_every_phase_under_retry_ends_in_the_dump(tmp_path, ref, phase, rank):
