@@ -1,10 +1,14 @@
 """Protocol: round trips, limits, validation, and a fuzz of the decoders and of a live controller."""
+import collections
+import copy
+import math
+import re
 import time
 
 import msgpack
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
 from mindspeed_ha.control import protocol as P, security
 from mindspeed_ha.control.controller import Controller
@@ -71,12 +75,113 @@ scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st
 values = st.recursive(scalars, lambda c: st.one_of(st.lists(c, max_size=5),
                                                      st.dictionaries(st.text(max_size=8), c, max_size=5)),
                       max_leaves=20)
+FIELDS = sorted({f for s in P.SCHEMAS.values() for f in s})
 messages = st.builds(
     lambda t, fields, drop: {**{"v": P.VERSION, "t": t}, **{k: v for k, v in fields.items() if k not in drop}},
     st.sampled_from(sorted(P.SCHEMAS) + ["x"]),
-    st.dictionaries(st.sampled_from(sorted({f for s in P.SCHEMAS.values() for f in s}) + ["zz"]), values,
-                    max_size=8),
+    st.dictionaries(st.sampled_from(FIELDS + ["zz"]), values, max_size=8),
     st.sets(st.text(max_size=3), max_size=2))
+
+
+def _mutate(t, mutations):
+    """A valid message (SAMPLES[t]) with up to a few things changed: a field dropped, a field (known
+    to its type, to another type, or to none) set to any value, another version or type."""
+    m = {"v": P.VERSION, "t": t, **copy.deepcopy(SAMPLES[t])}
+    for what, *rest in mutations:
+        if what == "drop":
+            m.pop(rest[0], None)
+        else:
+            m[rest[0]] = rest[1]
+    return m
+
+
+mutated = st.builds(_mutate, st.sampled_from(sorted(SAMPLES)), st.lists(st.one_of(
+    st.tuples(st.just("drop"), st.sampled_from(FIELDS + ["v", "t"])),
+    st.tuples(st.just("set"), st.sampled_from(FIELDS + ["zz"]), values),
+    st.tuples(st.just("set"), st.just("v"), st.one_of(values, st.integers(P.VERSION - 1, P.VERSION + 1))),
+    st.tuples(st.just("set"), st.just("t"), st.one_of(values, st.sampled_from(sorted(P.SCHEMAS))))), max_size=3))
+
+
+# ---- an oracle, written apart from protocol.py: what a decoder must make of a message ------------------
+def _index(v):
+    return type(v) is int and 0 <= v < P.MAX_INT
+
+
+def _tree_ok(v, depth=P.MAX_DEPTH):
+    if v is None or type(v) in (bool, float, str):
+        return True
+    if type(v) is int:
+        return -P.MAX_INT < v < P.MAX_INT
+    if type(v) is list:
+        return depth > 0 and all(_tree_ok(x, depth - 1) for x in v)
+    if type(v) is dict:
+        return depth > 0 and all(type(k) is str and _tree_ok(x, depth - 1) for k, x in v.items())
+    return False  # bytes
+
+
+KIND_OK = {
+    "int": lambda v: type(v) is int and -P.MAX_INT < v < P.MAX_INT,
+    "str": lambda v: type(v) is str,
+    "bool": lambda v: type(v) is bool,
+    "float": lambda v: type(v) is int or type(v) is float and not math.isnan(v),
+    "ints": lambda v: type(v) is list and all(map(_index, v)),
+    "groups": lambda v: type(v) is list and all(type(g) is list and all(map(_index, g)) for g in v),
+    "strs": lambda v: type(v) is list and all(type(x) is str for x in v),
+    "map": lambda v: type(v) is dict and _tree_ok(v),
+    "tree": _tree_ok,
+}
+
+
+def _binary(v):
+    if isinstance(v, bytes):
+        return len(v) > 0  # (the decoder allows no binary but the empty one)
+    if isinstance(v, list):
+        return any(map(_binary, v))
+    if isinstance(v, dict):
+        return any(map(_binary, v.values()))
+    return False
+
+
+def refusals(m) -> list[str]:
+    """The reasons a decoder may give for refusing ``m`` (each a message's start); [] when ``m``
+    is a valid message that must decode as it is."""
+    if _binary(m):
+        return ["undecodable: "]
+    if m.get("v") != P.VERSION:
+        return [f"version {m.get('v')!r} != {P.VERSION}"]
+    t = m.get("t")
+    if type(t) is not str or t not in P.SCHEMAS:
+        return [f"unknown type {t!r}"]
+    schema = P.SCHEMAS[t]
+    out = [f"unknown field {k!r} in {t!r}" if k not in schema else f"field {k!r}: bad {schema[k][0]}"
+           for k, v in m.items() if k not in ("v", "t") and (k not in schema or not KIND_OK[schema[k][0]](v))]
+    return out + [f"missing field {k!r} in {t!r}" for k, (_, required) in schema.items() if required and k not in m]
+
+
+REASON = re.compile(r"(not bytes|oversized \(\d+ bytes\)|undecodable: \w+|not a map|version .+ != \d+|"
+                    r"unknown type .+|unknown field .+ in .+|field .+: bad \w+|missing field .+ in .+)", re.DOTALL)
+
+
+def _same(a, b) -> bool:
+    """Equal as messages: NaN equals NaN (a float field or a tree may carry one)."""
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_same, a, b))
+    return type(a) is type(b) and a == b or (type(a) in (int, float) and type(b) in (int, float) and a == b)
+
+
+def _round_trips(msg: dict) -> None:
+    P.validate(msg)  # what passes is a valid message
+    again = P.decode(P.encode(msg["t"], **{k: v for k, v in msg.items() if k not in ("v", "t")}))
+    assert _same(again, msg), (again, msg)
+
+
+def test_oracle_knows_every_kind():
+    assert {kind for s in P.SCHEMAS.values() for kind, _ in s.values()} <= set(KIND_OK)
+    assert all(refusals({"v": P.VERSION, "t": t, **SAMPLES[t]}) == [] for t in SAMPLES)
 
 
 @settings(max_examples=200, deadline=None)
@@ -84,20 +189,32 @@ messages = st.builds(
 def test_fuzz_decoder(data):
     try:
         msg = P.decode(data)
-    except P.ProtocolError:
+    except P.ProtocolError as e:
+        assert REASON.fullmatch(str(e)), f"refused without a reason: {e!r}"
         return
-    P.validate(msg)  # what passes is a valid message
-    assert P.decode(P.encode(msg["t"], **{k: v for k, v in msg.items() if k not in ("v", "t")})) == msg
+    _round_trips(msg)
 
 
 @settings(max_examples=100, deadline=None)
-@given(messages)
+@given(st.one_of(mutated, messages))
+@example({"v": P.VERSION, "t": "bye", "rank": 3})                    # valid: decodes, round trips
+@example({"v": P.VERSION, "t": "bye"})                               # a required field missing
+@example({"v": P.VERSION, "t": "hb", **SAMPLES["hb"], "upd": 0})     # a field of the wrong type
+@example({"v": P.VERSION + 1, "t": "bye", "rank": 3})                # another version
 def test_fuzz_mutated_valid(m):
-    data = msgpack.packb(m, use_bin_type=True)
+    """Each example either decodes into the very message, or is refused with one of its real faults."""
+    expected = refusals(m)
     try:
-        P.decode(data)
-    except P.ProtocolError:
-        pass
+        msg = P.decode(msgpack.packb(m, use_bin_type=True))
+    except P.ProtocolError as e:
+        event(f"refused: {str(e).split(' ', 1)[0]}")
+        assert expected, f"a valid message was refused: {e}"
+        assert any(str(e).startswith(r) for r in expected), f"refused for {e!r}; its faults are {expected}"
+        return
+    event("decoded")
+    assert not expected, f"accepted {m!r}, though {expected}"
+    assert _same(msg, m), (msg, m)
+    _round_trips(msg)
 
 
 @pytest.fixture(scope="module")
@@ -116,15 +233,31 @@ def live(tmp_path_factory):
     c.close()
 
 
-def _status(s):
-    while s.poll(0):
-        s.recv()
+def _status(s, owed: int = 0):
+    """The controller's status, asked after everything sent on ``s`` so far (ZeroMQ keeps a connection's
+    order, and the controller answers in it); ``owed``: status answers due to what was sent before.
+    (Other answers — ack, refused — are skipped.)"""
     s.send(P.encode("status?"))
-    assert s.poll(5000), "controller stopped answering"
-    while True:
-        msg = P.decode(s.recv())
-        if msg["t"] == "status":
-            return msg["body"]
+    for _ in range(owed + 1):
+        while True:
+            assert s.poll(5000), "controller stopped answering"
+            msg = P.decode(s.recv())
+            if msg["t"] == "status":
+                break
+    return msg["body"]
+
+
+# Valid messages a job's key may send that change nothing (a heartbeat of a rank that has not registered
+# is refused: register first): none of them may count as dropped.
+harmless = st.one_of(st.just(P.encode("status?")), st.builds(
+    lambda fields, extra: P.encode("hb", **fields, **extra),
+    st.fixed_dictionaries({"rank": st.integers(0, 3), "it": st.integers(-1, 10**6), "upd": st.booleans(),
+                           "health": st.text(max_size=10)}),
+    st.fixed_dictionaries({}, optional={"phase": st.sampled_from(P.PHASES), "wait": st.booleans(),
+                                        "progress": st.floats(allow_nan=False), "steps": st.integers(0, 10**6),
+                                        "busy": st.floats(0, 10), "ckpt": st.integers(-1, 10**6)})))
+# Valid messages a job's key may not send: each must be dropped for its role.
+FORBIDDEN = [P.encode(t, **SAMPLES[t]) for t in sorted(set(SAMPLES) - security.MAY_SEND["job"])]
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
@@ -132,15 +265,39 @@ def _status(s):
     st.binary(max_size=200),
     messages.map(lambda m: msgpack.packb(m, use_bin_type=True)),
     st.lists(st.binary(max_size=30), min_size=2, max_size=3),  # extra frames
+    harmless.map(lambda data: (data,)),  # (tagged: this one must not count as dropped)
+    st.sampled_from(FORBIDDEN),
 ))
 def test_fuzz_live_controller(live, data):
+    """After each example the controller still answers, and counts what it had to drop, by reason."""
     c, s = live
+    is_harmless = isinstance(data, tuple)
+    data = data[0] if is_harmless else data
+    before = collections.Counter(_status(s)["dropped"])
+    owed, must = 0, None  # must: the reason the input has to be dropped for (None: it may be taken)
     if isinstance(data, list):
         s.send_multipart(data)
+        must = "frames"
     else:
         s.send(data)
-    while s.poll(0):
-        s.recv()
+        try:
+            msg = P.decode(data)
+        except P.ProtocolError:
+            must = "malformed"
+        else:
+            if msg["t"] not in security.MAY_SEND["job"]:
+                must = "role"
+            owed = int(msg["t"] == "status?")
+    after = collections.Counter(_status(s, owed)["dropped"])
+    assert c._thread.is_alive()
+    rose = after - before
+    event(f"dropped: {sorted(rose) or 'nothing'}")
+    if must is not None:
+        assert rose == {must: 1}, f"{data!r}: expected one {must!r} drop, counted {dict(rose)}"
+    elif is_harmless:
+        assert not rose, f"a valid message counted as dropped: {dict(rose)}"
+    else:  # a valid message its handler may still refuse (a rank outside the world): once at most
+        assert sum(rose.values()) <= 1 and set(rose) <= {"invalid", "unexpected", "stale"}, dict(rose)
 
 
 def test_live_controller_survives_fuzz(live):
