@@ -301,21 +301,22 @@ class Controller:
             self.router.fan_out(self._everyone(), P.encode("settled", rids=rids))
 
     def fault(self, ranks: list[int], kind: str, iteration: int, phase: str, detect_s: float = 0.0,
-              detail: str = "", key: Hashable = None, rid: str | None = None) -> None:
-        """A fault, however it was found: recorded once, and fed to the state machine."""
+              detail: str = "", key: Hashable = None, rid: str | None = None, feed: bool = True) -> bool:
+        """A fault, however it was found: recorded once, and fed to the state machine (``feed``: at
+        once; else the caller feeds it, with others found together). True: recorded as a new fault."""
         if not self.ledger.first_time(key or (kind, tuple(ranks), iteration)):
-            return
+            return False
         if rid is not None and rid in self.ledger.settled:
             self.router.drops.drop("settled", f"rank(s) {list(ranks)} {kind} at iteration {iteration} ({rid})")
             self.events.emit("settled_fault", ranks=list(ranks), kind=kind, iteration=iteration, rid=rid)
             log.info("rank(s) %s: %s at iteration %s was re-sent (report %s), but a recovery already dealt with "
                      "it: ignored", list(ranks), kind, iteration, rid)
-            return
+            return False
         f = ledger.record(ranks, kind, iteration, phase, [self.ranks[r].node if r in self.ranks else "?" for r in ranks],
                           detect_s=detect_s, detail=detail, rid=rid)
         if self.standby:
             self.ledger.deferred.append(f)
-            return
+            return False
         if self.machine.state == S.INIT:  # the job was not whole yet: who never registered must be found too
             self.table.expect_all(time.monotonic())
         if self.machine.state == S.NORMAL and self.first_step is not None:
@@ -333,8 +334,9 @@ class Controller:
         self._record(f)
         log.error("fault: rank(s) %s %s at iteration %s, phase %s (%s), detected in %.3fs",
                   ranks, kind, iteration, phase, detail or "-", detect_s)
-        if self.machine.state != S.DONE:
+        if feed and self.machine.state != S.DONE:
             self.feed(O.FAULT)
+        return True
 
     def _record(self, f: Fault) -> None:
         self.ledger.add(f)
@@ -349,8 +351,15 @@ class Controller:
         self._publish()
         if self.machine.state in (S.INIT, S.EXIT, S.DONE):
             return
-        for d in self.table.scan(now, training=self.machine.state == S.NORMAL):
-            self.fault(d.ranks, d.kind, d.iteration, d.phase, detect_s=d.detect_s, detail=d.detail, key=d.key)
+        # What one scan finds (every rank silent past the loss limit, a hang) is fed to the state
+        # machine once: the survivors are stopped once, not once per lost rank — at 16,384 ranks a
+        # stop to every survivor for each of a thousand silent ranks kept the controller from reading
+        # the heartbeats of the others, and they went "silent" too.
+        found = [d for d in self.table.scan(now, training=self.machine.state == S.NORMAL)
+                 if self.fault(d.ranks, d.kind, d.iteration, d.phase, detect_s=d.detect_s, detail=d.detail,
+                               key=d.key, feed=False)]
+        if found:  # (fault() fed nothing: the state is as it was)
+            self.feed(O.FAULT)
 
     # ---- state machine ------------------------------------------------------------------------
     def _on_transition(self, old: S, outcome: O, new: S, seconds: float) -> None:
