@@ -10,23 +10,60 @@ With ``--recovery`` one rank reports a memory error instead, and the simulated r
 controller's orders as real ones would, with the status payloads of a DP=N layout (replica pairs r
 and r + N/2): the controller plays its whole retry playbook (stop, status, plan, rebuild, repair,
 rollback, resume, first step) at that scale, then ``mindspeed-ha status --json`` runs against it.
+A recovery that fails says where and why (``recovery_failure``: the round, timeout / refusal / lost
+message / new fault, and the controller's events that show it); the benchmark's log dir is kept then.
+
+Every wait of the benchmark follows from the world size (``limits``): a round at N ranks is N orders
+out and N answers in through one controller thread, and on a loaded host each costs milliseconds.
+With ``--recovery`` so does the controller's loss limit (MINDSPEED_HA_DEAD_AFTER, unless set): a
+simulator's ranks answer each round in turn, and at 16,384 ranks on a loaded 2-core host the default
+1.8 heartbeats declared hundreds of answering ranks lost — faults retry cannot take, so no recovery.
 
     python benchmarks/controller_scale.py --ranks 16384 [--recovery]
 Last line: JSON with ranks, detect_s, decide_ms, heartbeat_s (and more; with --recovery also
-recovery_ok, recovery_s, recovery_round_s — the slowest round — and status_ok).
+recovery_ok, recovery_s, recovery_round / recovery_round_s — the slowest round —, status_ok and,
+when it failed, recovery_failure).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import queue
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import zmq
+
+# What a round costs per rank on a loaded 2-core host, with margin: an order out and an answer in,
+# each CurveZMQ-sealed, through the controller's one thread and the simulators' (unloaded, a round
+# at 16,384 ranks takes about 1 s: 60 us a rank).
+PER_RANK_S = 2e-3
+# The retry playbook's timed steps: stop, status, rebuild, repair, rollback, resume, first step.
+RECOVERY_STEPS = 7
+
+
+def limits(ranks: int, heartbeat: float) -> dict:
+    """Every wait of the benchmark, from the world size (and the heartbeat interval)."""
+    round_s = 10.0 + ranks * PER_RANK_S                  # one fan-out and its answers: 43 s at 16,384
+    return {"register_s": 30.0 + ranks * 5 * PER_RANK_S,   # handshakes + registrations: 194 s at 16,384
+            "round_s": round_s,
+            "report_s": round_s + 10 * heartbeat,       # the simulators report who got the stop
+            "recovery_s": RECOVERY_STEPS * round_s,     # the whole playbook
+            "status_s": round_s,                         # mindspeed-ha status --json
+            # --recovery: the controller's loss limit (MINDSPEED_HA_DEAD_AFTER). Its default, 1.8
+            # heartbeats, is what the silence run measures; but while a round's N orders and N answers
+            # go through, a simulator answers thousands of orders in turn and the controller reads
+            # thousands of answers before the heartbeats queued behind them: on a loaded host, ranks
+            # silent for seconds that a real rank's own heartbeat thread would never be. Lost ranks
+            # there are no fault the recovery is measured on (retry cannot take them: it fails).
+            "dead_after_s": max(1.8 * heartbeat, 3.0) + ranks * PER_RANK_S}
 
 
 def simulate(a) -> None:
@@ -37,6 +74,16 @@ def simulate(a) -> None:
     ctx.max_sockets = 65536
     ranks = list(range(a.lo, a.hi))
     socks = {}
+    unsent: collections.Counter = collections.Counter()  # frames a full queue refused: lost messages
+
+    def send(r, data, what):
+        try:
+            socks[r].send(data, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            unsent[what] += 1
+            return False
+
     for r in ranks:
         s = ctx.socket(zmq.DEALER)
         s.linger = 0
@@ -44,20 +91,36 @@ def simulate(a) -> None:
         s.handshake_ivl = 300_000
         security.secure_client(s, keys)
         s.connect(a.endpoint)
-        s.send(P.encode("register", rank=r, world=a.world, node=f"sim{r // 8}", pid=100000 + r,
-                        groups=[[r, (r + a.world // 2) % a.world]]))
         socks[r] = s
+        send(r, P.encode("register", rank=r, world=a.world, node=f"sim{r // 8}", pid=100000 + r,
+                         groups=[[r, (r + a.world // 2) % a.world]]), "register")
     print(json.dumps({"ready": len(ranks)}), flush=True)
     hb = a.heartbeat
     n = len(ranks)
     # Heartbeats go out in 20 ms batches, each rank on its own phase of the interval.
-    os.set_blocking(sys.stdin.fileno(), True)
-    assert sys.stdin.readline().strip() == "go"  # heartbeats start once every rank is in: a starved
-    start = time.monotonic()                      # controller must first finish the handshakes
+    stdin = sys.stdin.fileno()  # (read raw: commands come in lines, and an empty read is the benchmark's end)
+    os.set_blocking(stdin, True)
+    buf = b""
+    while b"\n" not in buf:    # heartbeats start once every rank is in: a starved controller must first
+        chunk = os.read(stdin, 65536)  # finish the handshakes
+        if not chunk:
+            return
+        buf += chunk
+    line, buf = buf.split(b"\n", 1)
+    assert line.strip() == b"go", line
+    start = time.monotonic()
     due = [start + hb * (i / n) for i in range(n)]
     nxt = 0
     silenced, last_hb = None, {}
     got_stop: dict[int, float] = {}
+    # What this simulator saw, for a failed recovery's explanation: orders received and answered per
+    # action (distinct ranks), the longest gap between two heartbeats of one rank and between two
+    # turns of this loop (a starved simulator is silent ranks to the controller).
+    received: dict[str, set] = collections.defaultdict(set)
+    answered: dict[str, set] = collections.defaultdict(set)
+    sent_at: dict[int, float] = {}
+    hb_gap = [0.0, None, None]  # seconds, rank, when (wall clock)
+    loop_gap, loop_at = 0.0, time.monotonic()
     # epoll on each socket's ZMQ_FD costs O(ready sockets) per wake-up; zmq.Poller would rebuild a
     # 4096-entry poll set every time and steal the CPU the controller is measured on.
     ep = select.epoll()
@@ -65,13 +128,16 @@ def simulate(a) -> None:
     for r, s in socks.items():
         by_fd[s.getsockopt(zmq.FD)] = r
         ep.register(s.getsockopt(zmq.FD), select.EPOLLIN)
-    os.set_blocking(sys.stdin.fileno(), False)
-    buf = ""
+    os.set_blocking(stdin, False)
     report_at = None
     stop_after = None
 
     iteration = {"it": 10, "phase": "forward"}
     half = a.world // 2
+    # --misbehave ACTION:HOW (to see a failed recovery explained): the odd ranks refuse ACTION, never
+    # answer it (silent), or never receive it (lost).
+    bad_action, _, bad_how = (a.misbehave or "").partition(":")
+    bad_action = ACTIONS.get(bad_action, bad_action)  # (a round's name, or its order's)
 
     def answer(r, msg):
         """Recovery mode: what a real rank's handler would answer (a DP=world layout)."""
@@ -83,11 +149,11 @@ def simulate(a) -> None:
             data = {"rollback": "rollback", "repair": {"received": 0}}.get(action, "ok")
         else:
             return
-        socks[r].send(P.encode("result", rank=r, action=action, id=msg["id"], ok=True, data=data), zmq.NOBLOCK)
+        if send(r, P.encode("result", rank=r, action=action, id=msg["id"], ok=True, data=data), f"result:{action}"):
+            answered[action].add(r)
         if action == "resume":  # the next step ends at once: the controller's MTTR stops there
             iteration.update(it=11, phase="step")
-            socks[r].send(P.encode("hb", rank=r, it=11, upd=False, health="ok", phase="step", progress=2.0),
-                          zmq.NOBLOCK)
+            send(r, P.encode("hb", rank=r, it=11, upd=False, health="ok", phase="step", progress=2.0), "hb")
 
     def drain(r):
         s = socks[r]
@@ -98,47 +164,93 @@ def simulate(a) -> None:
             msg = P.decode(data)
             if msg["t"] != "do":
                 continue
+            if msg["action"] == bad_action and bad_how == "lost" and r % 2:
+                continue  # (--misbehave: as if it never came)
+            received[msg["action"]].add(r)
             if msg["action"] == "stop" and r not in got_stop:
                 got_stop[r] = time.time()
+            if msg["action"] == bad_action and bad_how == "silent" and r % 2:
+                continue
+            if msg["action"] == bad_action and bad_how == "refuse" and r % 2:
+                if send(r, P.encode("result", rank=r, action=bad_action, id=msg["id"], ok=False,
+                                    error=f"simulated refusal of {bad_action}"), f"result:{bad_action}"):
+                    answered[bad_action].add(r)
+                continue
             if a.respond:
                 answer(r, msg)
+
+    summary_path = os.path.join(a.log_dir, f"sim-{a.lo}.json")
+    summarized = 0.0
+
+    def summarize():
+        """What this simulator saw so far, in a file: the benchmark reads it even if we are swamped."""
+        with open(summary_path + ".tmp", "w") as f:
+            json.dump({"ranks": [a.lo, a.hi], "received": {k: len(v) for k, v in received.items()},
+                       "answered": {k: len(v) for k, v in answered.items()}, "unsent": dict(unsent),
+                       "missed": {k: sorted(set(ranks) - v)[:8] for k, v in received.items() if len(v) < n},
+                       "hb_gap_s": round(hb_gap[0], 3), "hb_gap_rank": hb_gap[1], "hb_gap_at": hb_gap[2],
+                       "loop_gap_s": round(loop_gap, 3)}, f)
+        os.replace(summary_path + ".tmp", summary_path)
+
+    beaten: list[int] = []  # sockets a heartbeat went out on: a send can consume the FD's edge
+
+    def beat():
+        """The heartbeats that are due. A real rank's heartbeat thread does not wait while its rank
+        answers an order; here thousands of ranks answer in turn, so this runs between their answers
+        too (else a round's orders hold every heartbeat back for seconds on a loaded host)."""
+        nonlocal nxt
+        now = time.monotonic()
+        k = 0
+        while due[nxt] <= now + 0.01 and k < n:
+            r = ranks[nxt]
+            if r != silenced:
+                send(r, P.encode("hb", rank=r, it=iteration["it"], upd=False, health="ok",
+                                 phase=iteration["phase"], progress=1.0), "hb")
+                last_hb[r] = time.time()
+                if r in sent_at and now - sent_at[r] > hb_gap[0]:
+                    hb_gap[:] = [now - sent_at[r], r, time.time()]
+                sent_at[r] = now
+                beaten.append(r)
+            due[nxt] += hb
+            nxt = (nxt + 1) % n
+            k += 1
 
     for r in ranks:
         drain(r)
     while True:
         now = time.monotonic()
-        sent = []
-        while due[nxt] <= now + 0.01 and len(sent) < n:
-            r = ranks[nxt]
-            if r != silenced:
-                socks[r].send(P.encode("hb", rank=r, it=iteration["it"], upd=False, health="ok",
-                                       phase=iteration["phase"], progress=1.0), zmq.NOBLOCK)
-                last_hb[r] = time.time()
-                sent.append(r)
-            due[nxt] += hb
-            nxt = (nxt + 1) % n
-        for r in sent:  # a send can consume the FD's edge: look at those sockets directly
-            drain(r)
+        loop_gap, loop_at = max(loop_gap, now - loop_at), now
+        if now - summarized > 1.0:
+            summarized = now
+            summarize()
+        beat()
+        while beaten:
+            drain(beaten.pop())
         wait = max(0.0, min(0.02, due[nxt] - time.monotonic()))
-        for fd, _ in ep.poll(wait):
+        for i, (fd, _) in enumerate(ep.poll(wait)):
             drain(by_fd[fd])
+            if i % 64 == 63:
+                beat()
         try:
-            buf += sys.stdin.read() or ""
-        except (TypeError, OSError):
+            chunk = os.read(stdin, 65536)
+            if not chunk:  # the benchmark is gone: so are we (never heartbeat on, loading the host)
+                stop_after = time.monotonic()
+            buf += chunk
+        except BlockingIOError:
             pass
-        while "\n" in buf:
-            line, buf = buf.split("\n", 1)
-            cmd = line.split()
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            cmd = line.decode().split()
             if cmd and cmd[0] == "fault":  # this rank's memory error (recovery mode)
                 r = int(cmd[1])
                 if a.lo <= r < a.hi:
-                    socks[r].send(P.encode("fault", rank=r, kind="memory-error", iteration=11, phase="backward",
-                                           detail="UCE ERROR (simulated)", at=time.time()))
-                report_at = time.monotonic() + 10 * hb + 5
+                    send(r, P.encode("fault", rank=r, kind="memory-error", iteration=11, phase="backward",
+                                     detail="UCE ERROR (simulated)", at=time.time()), "fault")
+                report_at = time.monotonic() + a.report_s
             elif cmd and cmd[0] == "silence":
                 silenced = int(cmd[1]) if a.lo <= int(cmd[1]) < a.hi else None
                 print(json.dumps({"silenced": silenced, "last_hb": last_hb.get(silenced)}), flush=True)
-                report_at = time.monotonic() + 10 * hb + 5
+                report_at = time.monotonic() + a.report_s
             elif cmd and cmd[0] == "quit":
                 stop_after = time.monotonic()
         live = [r for r in ranks if r != silenced]
@@ -148,31 +260,185 @@ def simulate(a) -> None:
             report_at = None
         if stop_after is not None:
             break
+    summarize()
     for s in socks.values():
         s.close()
     ctx.term()
 
 
-def wait_recovery(log_dir: str, timeout: float) -> dict | None:
-    """The controller's ``recovered`` event (None: a failure or the end of the job came instead)."""
-    path = os.path.join(log_dir, "events", "controller.jsonl")
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        for line in open(path):
-            e = json.loads(line)
-            if e["event"] == "recovered":
-                return e
-            if e["event"] in ("repair_failed", "diagnosis"):
-                print(f"recovery failed: {e}", flush=True)
+class Events:
+    """The controller's event log (events/controller.jsonl), read as it grows."""
+
+    def __init__(self, log_dir: str):
+        self.path = os.path.join(log_dir, "events", "controller.jsonl")
+        self.all: list[dict] = []
+        self._pos, self._rest = 0, b""
+
+    def poll(self) -> list[dict]:
+        """The events written since the last call."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._pos)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self._pos += len(data)
+        lines = (self._rest + data).split(b"\n")
+        self._rest = lines.pop()
+        new = [json.loads(line) for line in lines if line.strip()]
+        self.all.extend(new)
+        return new
+
+    def wait(self, match, timeout: float, step: float = 0.05) -> dict | None:
+        """The first event (from the start) that ``match`` accepts, waiting up to ``timeout``."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while True:
+            self.poll()
+            for e in self.all[seen:]:
+                if match(e):
+                    return e
+            seen = len(self.all)
+            if time.monotonic() > deadline:
                 return None
-        time.sleep(0.2)
-    return None
+            time.sleep(step)
 
 
-def status_json(log_dir: str, ranks: int, insecure: bool) -> bool:
+class Sim:
+    """A simulator process and its report lines (read by a thread: a starved simulator must not
+    block the benchmark past its limits)."""
+
+    def __init__(self, cmd: list[str]):
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.lines.put(json.loads(line))
+            except ValueError:
+                pass
+        self.lines.put(None)  # its end
+
+    def tell(self, line: str) -> None:
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass
+
+    def report(self, key: str, timeout: float) -> dict | None:
+        """Its next report that has ``key`` (None: none within ``timeout``, or it ended)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                msg = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if msg is None:
+                return None
+            if key in msg:
+                return msg
+
+
+# The retry playbook's rounds, in order; each fails as "<round> failed (...)".
+ROUNDS = ("stop", "status", "plan", "rebuild", "repair", "rollback", "resume", "first_step")
+ACTIONS = {"stop": "stop", "status": "ha-status", "rebuild": "rebuild", "repair": "repair", "rollback": "rollback",
+           "resume": "resume"}
+
+
+def explain(events: list[dict], injected: dict | None, controller, summaries: list[dict], world: int,
+            waited: float) -> dict:
+    """Why a recovery did not come: the round, the kind of failure, and the events that show it.
+
+    kind: "new fault" (faults other than the injected one came during the recovery: the playbook
+    starts over, or falls back), "timeout" (a state past its time limit, a round past its wait),
+    "refusal" (a rank answered an order with an error, a plan could not be made, the dump was
+    refused), "lost message" (an order some simulated ranks never received, or answers they sent
+    that the controller never counted), "no outcome" (none of those within the benchmark's wait)."""
+    t0 = injected["time"] if injected else (events[0]["time"] if events else 0.0)
+    after = [e for e in events if e["time"] >= t0]
+    states = [e for e in after if e["event"] == "state"]
+    moves = [f"{e['from']}-({e['outcome']})->{e['to']} after {e['seconds']}s" for e in states
+             if e["from"] != e["to"]]
+    others = [e for e in after if e["event"] == "fault" and e is not injected]
+    failed = next((e for e in after if e["event"] in ("repair_failed", "dump_refused")), None)
+    timeouts = [e for e in states if e["outcome"] == "timeout"]
+    state = states[-1]["to"] if states else "normal"
+    # What the controller was doing when the benchmark gave up (read from it, where it exposes it).
+    runner = getattr(controller, "runner", None)
+    current = getattr(getattr(runner, "current", None), "name", None)
+    episode = getattr(controller, "episode", None)
+    phases = dict(getattr(episode, "phases", None) or {})
+    waiting = len(getattr(runner, "waiting", ()) or ()) if runner is not None else None
+    received = collections.Counter()
+    answered = collections.Counter()
+    unsent = collections.Counter()
+    for s in summaries:
+        received.update(s.get("received", {}))
+        answered.update(s.get("answered", {}))
+        unsent.update(s.get("unsent", {}))
+    out: dict = {"state": state, "transitions": moves[:20], "phases_done": phases, "waited_s": round(waited, 1)}
+    if summaries:
+        out["simulators"] = {"received": dict(received), "answered": dict(answered), "unsent": dict(unsent),
+                             "hb_gap_s": max(s.get("hb_gap_s", 0) for s in summaries),
+                             "loop_gap_s": max(s.get("loop_gap_s", 0) for s in summaries)}
+    reason = failed and (failed.get("reason") or failed.get("message") or "")
+    round_ = current
+    if reason:
+        head = reason.split(" failed", 1)[0].strip()
+        round_ = head if head in ROUNDS else ("plan" if failed["event"] == "repair_failed" else "dump")
+    elif state in ("pause", "decide"):
+        round_ = "stop"
+    out["round"] = round_
+    if others:
+        kinds = collections.Counter(e["kind"] for e in others)
+        first = others[0]
+        where = next((s["from"] for s in states if s["time"] >= first["time"]), state)
+        out.update(kind="new fault", why=f"{len(others)} fault(s) besides the injected one during the recovery "
+                   f"({', '.join(f'{n} {k}' for k, n in kinds.most_common())}); the first: rank(s) "
+                   f"{first['ranks'][:8]} {first['kind']} ({first.get('detail', '')}) in state {where}",
+                   faults=[{k: e.get(k) for k in ("ranks", "kind", "detail", "detect_s")} for e in others[:5]])
+    elif timeouts:
+        e = timeouts[0]
+        out.update(kind="timeout", why=f"state {e['from']} ran past its time limit after {e['seconds']}s "
+                   f"(round {round_ or '?'})")
+    elif reason and ("no answer" in reason or "timed out" in reason):
+        action = ACTIONS.get(round_ or "")
+        silent = received.get(action, 0) - answered.get(action, 0) if action and summaries else None
+        secs = next((e["seconds"] for e in reversed(states) if e["outcome"] == "failed"), None)
+        out.update(kind="timeout", why=(f"{silent} simulated rank(s) received {action!r} and never answered; "
+                                        if silent else "") + f"the round gave up after {secs}s: {reason[:300]}")
+    elif reason:
+        out.update(kind="refusal", why=reason[:400])
+    else:
+        out.update(kind="no outcome", why=f"no recovered, repair_failed or diagnosis event within {waited:.0f}s; "
+                   f"the controller is in state {state}" + (f", round {current} waiting for {waiting} rank(s)"
+                                                             if current else ""))
+    action = ACTIONS.get(round_ or "")
+    if action and summaries and out["kind"] in ("timeout", "no outcome"):
+        # Who never got the order (lost on its way), who answered but was not counted (lost on the way back)
+        got = received.get(action, 0)
+        if got < world:
+            out.update(kind="lost message", why=f"{world - got} simulated rank(s) never received {action!r}; " +
+                       out["why"], missed=[m for s in summaries for m in s.get("missed", {}).get(action, [])][:8])
+        elif unsent.get(f"result:{action}"):
+            out.update(kind="lost message", why=f"{unsent[f'result:{action}']} answer(s) to {action!r} could not "
+                       f"be sent (queue full); " + out["why"])
+    return out
+
+
+def status_json(log_dir: str, ranks: int, insecure: bool, timeout: float) -> bool:
     """``mindspeed-ha status --json`` against the running controller: every rank listed."""
-    cmd = [sys.executable, "-m", "mindspeed_ha.cli", "status", "--log-dir", log_dir, "--json", "--timeout", "30"]
-    proc = subprocess.run(cmd + (["--ha-insecure"] if insecure else []), capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, "-m", "mindspeed_ha.cli", "status", "--log-dir", log_dir, "--json",
+           "--timeout", f"{timeout:g}"]
+    try:
+        proc = subprocess.run(cmd + (["--ha-insecure"] if insecure else []), capture_output=True, text=True,
+                              timeout=2 * timeout + 60)  # (+ the CLI's own start: imports)
+    except subprocess.TimeoutExpired:
+        print(f"status --json did not end within {2 * timeout + 60:g}s", flush=True)
+        return False
     if proc.returncode != 0:
         print(f"status --json failed ({proc.returncode}): {proc.stderr[-1000:]}", flush=True)
         return False
@@ -188,14 +454,19 @@ def main() -> None:
     p.add_argument("--procs", type=int, default=4, help="simulator processes")
     p.add_argument("--heartbeat", type=float, default=2.0,
                    help="heartbeat interval, seconds (the controller declares a rank lost after "
-                        "max(1.8 heartbeats, 3 s), or MINDSPEED_HA_DEAD_AFTER)")
+                        "max(1.8 heartbeats, 3 s), or MINDSPEED_HA_DEAD_AFTER; with --recovery plus "
+                        "2 ms a rank, unless that is set)")
     p.add_argument("--insecure", action="store_true", help="without CurveZMQ")
     p.add_argument("--recovery", action="store_true",
                    help="a memory error instead of a silenced rank: the whole retry playbook at this scale")
+    p.add_argument("--keep", action="store_true", help="keep the log dir (it is kept anyway when a recovery fails)")
+    p.add_argument("--misbehave", metavar="ACTION:HOW",
+                   help="--recovery: the simulated odd ranks refuse ACTION (HOW=refuse), never answer it "
+                        "(silent) or never receive it (lost), e.g. rebuild:refuse — a failed recovery, explained")
     p.add_argument("--respond", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sim", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--lo", type=int), p.add_argument("--hi", type=int), p.add_argument("--world", type=int)
-    p.add_argument("--endpoint"), p.add_argument("--log-dir")
+    p.add_argument("--endpoint"), p.add_argument("--log-dir"), p.add_argument("--report-s", type=float)
     a = p.parse_args()
     if a.sim:
         return simulate(a)
@@ -204,14 +475,21 @@ def main() -> None:
     from mindspeed_ha.control.controller import Controller
     from mindspeed_ha.events import setup_text_log
     from mindspeed_ha.options import HAOptions
+    lim = limits(a.ranks, a.heartbeat)
+    if a.recovery and not os.environ.get("MINDSPEED_HA_DEAD_AFTER"):
+        os.environ["MINDSPEED_HA_DEAD_AFTER"] = f"{lim['dead_after_s']:.1f}"  # (read by the Controller below)
+    else:
+        lim.pop("dead_after_s")
     log_dir = tempfile.mkdtemp(prefix="ctl-scale-")
     setup_text_log(log_dir)
     import logging
     logging.getLogger("mindspeed_ha").handlers[-1].setLevel(logging.ERROR)  # keep stdout for results
     opts = HAOptions(strategies=frozenset({"dump", "retry"} if a.recovery else {"dump"}), log_dir=log_dir,
-                     insecure=a.insecure, heartbeat_s=a.heartbeat, hang_timeout_s=3600)
+                     insecure=a.insecure, heartbeat_s=a.heartbeat, hang_timeout_s=3600,
+                     register_timeout_s=lim["register_s"])
     keys = security.Keys.load(log_dir, insecure=a.insecure, create=True)
     c = Controller(log_dir, a.ranks, opts, keys, host="127.0.0.1").start()
+    events = Events(log_dir)
     if a.recovery:
         c.store()  # (a controller hosted by rank 0 has torch imported already; this one would pay it in rebuild)
     t0 = time.time()
@@ -220,81 +498,125 @@ def main() -> None:
     for i in range(a.procs):
         lo, hi = i * per, min(a.ranks, (i + 1) * per)
         cmd = [sys.executable, __file__, "--sim", "--lo", str(lo), "--hi", str(hi), "--world", str(a.ranks),
-               "--endpoint", c.endpoint, "--log-dir", log_dir, "--heartbeat", str(a.heartbeat)]
+               "--endpoint", c.endpoint, "--log-dir", log_dir, "--heartbeat", str(a.heartbeat),
+               "--report-s", str(lim["report_s"])]
         if a.insecure:
             cmd.append("--insecure")
         if a.recovery:
             cmd.append("--respond")
-        sims.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        if a.misbehave:
+            cmd += ["--misbehave", a.misbehave]
+        sims.append(Sim(cmd))
+    try:
+        result = run(a, c, events, sims, lim, t0, log_dir)
+    except SystemExit:
+        print(f"events and text log kept in {log_dir}", flush=True)
+        raise
+    finally:
+        for s in sims:
+            s.tell("quit")
+        deadline = time.monotonic() + lim["round_s"]
+        for s in sims:
+            try:
+                s.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                s.proc.kill()  # (swamped: its last summary is in its file)
+        c.close()
+    summaries = []
+    for i in range(len(sims)):
+        try:
+            with open(os.path.join(log_dir, f"sim-{i * per}.json")) as f:
+                summaries.append(json.load(f))
+        except (OSError, ValueError):
+            pass
+    if a.recovery and not result["recovery_ok"]:
+        result["recovery_failure"] = explain(events.all, result.pop("_injected"), c, summaries, a.ranks,
+                                             result.pop("_waited"))
+        f = result["recovery_failure"]
+        print(f"recovery FAILED in round {f['round']} ({f['kind']}): {f['why'][:300]}", flush=True)
+        print(f"  transitions: {'; '.join(f['transitions']) or '-'}", flush=True)
+        if "simulators" in f:
+            print(f"  simulators: {json.dumps(f['simulators'])}", flush=True)
+        if a.misbehave and not a.keep:  # (a failure asked for)
+            shutil.rmtree(log_dir, ignore_errors=True)
+        else:
+            print(f"  events and text log kept in {log_dir}", flush=True)
+            result["log_dir"] = log_dir
+    else:
+        result.pop("_injected", None), result.pop("_waited", None)
+        if a.keep:
+            result["log_dir"] = log_dir
+        else:
+            shutil.rmtree(log_dir, ignore_errors=True)
+    print(json.dumps(result))
+
+
+def run(a, c, events: Events, sims: list[Sim], lim: dict, t0: float, log_dir: str) -> dict:
     for s in sims:
-        json.loads(s.stdout.readline())
-    while c.machine.state.value == "init":
-        time.sleep(0.05)
-        if time.time() - t0 > 600:
-            raise SystemExit("ranks did not all register within 600 s")
+        if s.report("ready", lim["register_s"]) is None:
+            raise SystemExit(f"a simulator did not connect its ranks within {lim['register_s']:g} s")
+    up = events.wait(lambda e: e["event"] == "state" and e["from"] == "init", lim["register_s"] - (time.time() - t0))
+    if up is None or up["to"] != "normal":
+        raise SystemExit(f"ranks did not all register within {lim['register_s']:g} s ({up and up['outcome']})")
     t_reg = time.time() - t0
     for s in sims:
-        s.stdin.write("go\n")
-        s.stdin.flush()
+        s.tell("go")
     print(f"{a.ranks} ranks registered in {t_reg:.1f}s ({'insecure' if a.insecure else 'CurveZMQ'}), "
           f"heartbeat {a.heartbeat}s over {a.procs} simulator processes", flush=True)
     time.sleep(3 * a.heartbeat)  # steady state
     victim = a.ranks // 2 + 1
     for s in sims:
-        s.stdin.write(f"{'fault' if a.recovery else 'silence'} {victim}\n")
-        s.stdin.flush()
-    last_hb = None if a.recovery else [json.loads(s.stdout.readline())["last_hb"] for s in sims][victim // per]
-    while not c.faults:
-        time.sleep(0.002)
-    fault = c.faults[0]
-    detect_s = fault["detect_s"] if a.recovery else fault["time"] - last_hb
-    t_dec = time.time() + 10
-    decision = None
-    while decision is None and time.time() < t_dec:
-        for line in open(os.path.join(log_dir, "events", "controller.jsonl")):
-            e = json.loads(line)
-            if e["event"] == "decision":
-                decision = e
-                break
-        time.sleep(0.05)
-    stops = [json.loads(s.stdout.readline()) for s in sims]
-    last = max((s["last_stop"] or 0) for s in stops)
-    received = sum(s["stop_received"] for s in stops)
+        s.tell(f"{'fault' if a.recovery else 'silence'} {victim}")
+    last_hb = None
+    if not a.recovery:
+        reports = [s.report("silenced", lim["round_s"]) for s in sims]
+        last_hb = (reports[victim // -(-a.ranks // len(sims))] or {}).get("last_hb")
+    # The fault we caused (a rank's loss found meanwhile is reported as what it is: a new fault).
+    kind = "memory-error" if a.recovery else "heartbeat-lost"
+    fault = events.wait(lambda e: e["event"] == "fault", lim["round_s"] + 10 * a.heartbeat)
+    if fault is None:
+        raise SystemExit(f"the controller reported no fault within {lim['round_s'] + 10 * a.heartbeat:g} s")
+    injected = events.wait(lambda e: e["event"] == "fault" and e["kind"] == kind and victim in e["ranks"],
+                           lim["round_s"])
+    if fault is not injected:
+        print(f"first fault is not the one injected: {fault}", flush=True)
+        fault = injected or fault  # (the figures are the injected fault's, where it came)
+    detect_s = fault["detect_s"] if a.recovery or last_hb is None else fault["time"] - last_hb
+    decision = events.wait(lambda e: e["event"] == "decision" and e["time"] >= fault["time"], lim["round_s"])
+    stops = [s.report("stop_received", lim["report_s"] + lim["round_s"]) or {} for s in sims]
+    last = max((s.get("last_stop") or 0) for s in stops)
+    received = sum(s.get("stop_received", 0) for s in stops)
     deliver_ms = (last - fault["time"]) * 1e3 if last else None
-    recovery = wait_recovery(log_dir, timeout=600) if a.recovery else None
-    status_ok = status_json(log_dir, a.ranks, a.insecure) if a.recovery else None
-    for s in sims:
-        try:
-            s.stdin.write("quit\n")
-            s.stdin.flush()
-        except BrokenPipeError:
-            pass
-    for s in sims:
-        try:
-            s.wait(30)
-        except subprocess.TimeoutExpired:
-            s.kill()
-    c.close()
     res = {"ranks": a.ranks, "heartbeat_s": a.heartbeat, "detect_s": round(detect_s, 3),
            "detect_heartbeats": round(detect_s / a.heartbeat, 2), "fault_kind": fault["kind"],
-           "fault_ranks": fault["ranks"][:4], "victim": victim, "loadavg": [round(x, 1) for x in os.getloadavg()],
+           "fault_ranks": fault["ranks"][:4], "victim": victim, "limits": {k: round(v, 1) for k, v in lim.items()},
            "decide_ms": decision and decision["decide_ms"],
            "decide_cpu_ms": decision and decision.get("cpu_ms"), "deliver_ms": deliver_ms and round(deliver_ms, 1),
-           "stop_received": received, "register_s": round(t_reg, 1), "secure": not a.insecure,
-           "dropped": sum(c.router.drops.counts.values())}
+           "stop_received": received, "register_s": round(t_reg, 1), "secure": not a.insecure}
     if a.recovery:
-        phases = (recovery or {}).get("phases", {})
+        t_wait = time.monotonic()
+        end = events.wait(lambda e: e["event"] in ("recovered", "repair_failed", "dump_refused", "diagnosis"),
+                          lim["recovery_s"])
+        recovered = end if end is not None and end["event"] == "recovered" else None
+        status_ok = status_json(log_dir, a.ranks, a.insecure, lim["status_s"])
+        phases = (recovered or {}).get("phases", {})
         rounds = {k: v for k, v in phases.items() if k not in ("detect", "first_step")}
-        res.update(recovery_ok=bool(recovery), recovery_s=recovery and recovery["mttr_s"],
-                   recovery_phases=phases, recovery_round_s=max(rounds.values()) if rounds else None,
-                   status_ok=status_ok)
-        print(f"recovery at {a.ranks} ranks: {'ok' if recovery else 'FAILED'}, MTTR {res['recovery_s']} s, "
-              f"phases {phases}; status --json {'ok' if status_ok else 'FAILED'}")
-    if not a.recovery:
+        slowest = max(rounds, key=rounds.get) if rounds else None
+        res.update(recovery_ok=bool(recovered), recovery_s=recovered and recovered["mttr_s"],
+                   recovery_phases=phases, recovery_round=slowest,
+                   recovery_round_s=rounds[slowest] if slowest else None, status_ok=status_ok,
+                   _injected=injected, _waited=time.monotonic() - t_wait)
+        if recovered:
+            print(f"recovery at {a.ranks} ranks: ok, MTTR {res['recovery_s']} s, phases {phases}; slowest round "
+                  f"{slowest} {res['recovery_round_s']} s; status --json {'ok' if status_ok else 'FAILED'}",
+                  flush=True)
+    else:
         print(f"silenced rank {victim}: detected after {detect_s:.3f}s ({detect_s / a.heartbeat:.2f} heartbeats); "
               f"stop sent to {decision and decision['ranks']} ranks {res['decide_ms']} ms after detection, "
-              f"received by all {res['deliver_ms']} ms after detection")
-    print(json.dumps(res))
+              f"received by all {res['deliver_ms']} ms after detection", flush=True)
+    res["dropped"] = sum(c.router.drops.counts.values())
+    res["loadavg"] = [round(x, 1) for x in os.getloadavg()]
+    return res
 
 
 if __name__ == "__main__":

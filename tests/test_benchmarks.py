@@ -60,3 +60,17 @@ def test_controller_scale_recovery_smoke():
     assert result["recovery_ok"] and result["status_ok"], proc.stdout[-3000:]
     assert result["stop_received"] == 64 and result["dropped"] == 0
     assert set(result["recovery_phases"]) >= {"stop", "status", "rebuild", "repair", "rollback", "resume"}
+
+
+def test_controller_scale_says_which_round_failed_and_why():
+    """A recovery that fails names its round and why: here the odd simulated ranks refuse the rebuild."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "controller_scale.py"), "--ranks", "64",
+                           "--recovery", "--misbehave", "rebuild:refuse"], env=clean_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    failure = result.get("recovery_failure")
+    assert not result["recovery_ok"] and failure, proc.stdout[-3000:]
+    assert failure["round"] == "rebuild" and failure["kind"] == "refusal", failure
+    assert "rank 1: simulated refusal of rebuild" in failure["why"], failure
+    assert "recovery FAILED in round rebuild (refusal)" in proc.stdout
