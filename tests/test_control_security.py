@@ -118,6 +118,23 @@ def test_forged_controller_gets_nothing(ctl, tmp_path):
     link.close()
 
 
+def test_a_link_whose_connect_failed_connects_again(ctl):
+    """An endpoint that cannot be connected to (a malformed address in controller.json or in an
+    ack's backups) fails that connect only: the next one, to the real controller, registers."""
+    d, keys, c = ctl
+    link = ControllerLink(keys, d, None, lambda: P.encode("register", rank=1, world=4, node="n", pid=7), 0.2)
+    try:
+        with pytest.raises(zmq.ZMQError):
+            link._connect("tcp://127.0.0.1:not-a-port")
+        link._connect(c.endpoint)
+        t = time.time()
+        while time.time() - t < 5 and not any(r["pid"] == 7 for r in c.status()["ranks"]):
+            link.receive(20)
+        assert any(r["rank"] == 1 and r["pid"] == 7 for r in c.status()["ranks"])
+    finally:
+        link.close()
+
+
 def test_insecure_is_loud(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         k = security.Keys.load(str(tmp_path), insecure=True)
