@@ -231,7 +231,12 @@ _COMM_CHILD = textwrap.dedent("""
         except Exception as e:
             out = {"iteration": it, "class": classify(e), "type": type(e).__name__}
             break
-    print(json.dumps(out))
+    print(json.dumps(out), flush=True)
+    # As a rank does after a fault (mindspeed_ha.process): no finalisation. The aborted group's gloo
+    # threads may still run, and the interpreter's teardown then aborts ("terminate called without
+    # an active exception"), which is not what this checks.
+    import os
+    os._exit(0)
 """)
 
 
