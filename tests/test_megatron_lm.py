@@ -277,41 +277,37 @@ def test_megatron_lm_migrates_a_straggler(tmp_path, fault_free):
     assert {r: len(p) for r, p in pids.items()} == {0: 1, 1: 1, 2: 1, 3: 2}
 
 
-def test_megatron_lm_pp2_dp2_retry_and_recover_in_the_first_stages_backward(tmp_path):
-    """Megatron-LM's loop with PP=2 x DP=2 (ranks 0 and 1: stage 0, no loss there): a memory error on
-    rank 0 in its backward (retry), then rank 1 killed in its backward (recover). Both drills fire
-    on the first stage; every loss equals a fault-free PP=2 x DP=2 run's, bit for bit."""
-    pp = ("--pipeline-model-parallel-size", "2")
+def _retry_then_recover(tmp_path, layout: tuple, inject: str):
+    """A drill job (retry, then recover) against a fault-free run of the same layout, 8 iterations:
+    every loss bit-identical, two recoveries with nothing lost. Returns the drill's log dir."""
     ref = tmp_path / "ref"
-    assert_ok(_mindspeed_ha_run(ref, "--enable-high-availability", *pp, iters=8))
+    assert_ok(_mindspeed_ha_run(ref, "--enable-high-availability", *layout, iters=8))
     run_dir = tmp_path / "run"
-    proc = _mindspeed_ha_run(run_dir, "--enable-hbmfault-repair", "--enable-worker-reboot", *pp, *VERIFY, iters=8,
-                             inject="uce:rank=0:step=3:phase=backward,kill:rank=1:step=6:phase=backward")
-    assert_ok(proc)
-    evs = all_rank_events(run_dir)
-    assert sorted((e["rank"], e["phase"], e["iteration"]) for e in evs if e["event"] == "inject") == \
-        [(0, "backward", 3), (1, "backward", 6)]
+    assert_ok(_mindspeed_ha_run(run_dir, "--enable-hbmfault-repair", "--enable-worker-reboot", *layout, *VERIFY,
+                                iters=8, inject=inject))
     assert losses(run_dir) == losses(ref)
     from helpers import events as read_events
     rec = [(e["strategy"], e["lost_steps"]) for e in read_events(run_dir, "controller") if e["event"] == "recovered"]
     assert rec == [("retry", 0), ("recover", 0)]
+    return run_dir
+
+
+def test_megatron_lm_pp2_dp2_retry_and_recover_in_the_first_stages_backward(tmp_path):
+    """Megatron-LM's loop with PP=2 x DP=2 (ranks 0 and 1: stage 0, no loss there): a memory error on
+    rank 0 in its backward (retry), then rank 1 killed in its backward (recover). Both drills fire
+    on the first stage; every loss equals a fault-free PP=2 x DP=2 run's, bit for bit."""
+    run_dir = _retry_then_recover(tmp_path, ("--pipeline-model-parallel-size", "2"),
+                                  "uce:rank=0:step=3:phase=backward,kill:rank=1:step=6:phase=backward")
+    assert sorted((e["rank"], e["phase"], e["iteration"]) for e in all_rank_events(run_dir)
+                  if e["event"] == "inject") == [(0, "backward", 3), (1, "backward", 6)]
 
 
 def test_megatron_lm_moe_retry_and_recover_a_kill_inside_the_update(tmp_path):
     """Megatron-LM's loop with MoE (4 experts, EP=2) x DP=4: its optimizer is chained (dense, expert),
     and a rank killed inside the update (recover) must not leave a survivor with one half of its
     shard updated and the other not. A memory error in a backward (retry) first. Bit-identical."""
-    moe = ("--num-experts", "4", "--expert-model-parallel-size", "2")
-    ref = tmp_path / "ref"
-    assert_ok(_mindspeed_ha_run(ref, "--enable-high-availability", *moe, iters=8))
-    run_dir = tmp_path / "run"
-    proc = _mindspeed_ha_run(run_dir, "--enable-hbmfault-repair", "--enable-worker-reboot", *moe, *VERIFY, iters=8,
-                             inject="uce:rank=1:step=3:phase=backward,kill:rank=2:step=6:phase=optimizer")
-    assert_ok(proc)
-    assert losses(run_dir) == losses(ref)
-    from helpers import events as read_events
-    rec = [(e["strategy"], e["lost_steps"]) for e in read_events(run_dir, "controller") if e["event"] == "recovered"]
-    assert rec == [("retry", 0), ("recover", 0)]
+    _retry_then_recover(tmp_path, ("--num-experts", "4", "--expert-model-parallel-size", "2"),
+                        "uce:rank=1:step=3:phase=backward,kill:rank=2:step=6:phase=optimizer")
 
 
 def test_megatron_lm_no_replica_reload_in_process(tmp_path):
