@@ -61,7 +61,8 @@ class Inbox:
         now = time.monotonic()
         old = self.c.ranks.get(r)
         info = Rank(rank=r, ident=ident, node=msg["node"], pid=msg["pid"], host=msg.get("host", ""),
-                    groups=msg.get("groups", []), it=msg.get("iteration", -1), seen=now, progress_at=now)
+                    groups=msg.get("groups", []), it=msg.get("iteration", -1), seen=now, progress_at=now,
+                    agent_node=msg.get("agent_node"))
         if old is not None and old.pid == info.pid:
             info.it, info.phase, info.progress, info.progress_at = old.it, old.phase, old.progress, old.progress_at
         if old is not None and not info.groups:

@@ -36,6 +36,13 @@ log = get_logger("control.processor")
 Handler = Callable[[dict[str, Any]], object]
 
 
+def _agent_node() -> dict[str, int]:
+    """The node rank of the ``mindspeed-ha run`` agent that started this process (none: another
+    launcher, which cannot restart it)."""
+    node = os.environ.get("MINDSPEED_HA_AGENT_NODE", "")
+    return {"agent_node": int(node)} if node.isdigit() else {}
+
+
 class Later:
     """A handler's answer that is sent after the handler returns: the training loop has to run on
     first (a newcomer of Megatron-LM's loop builds its model before it can finish a scale-out).
@@ -304,7 +311,8 @@ class Processor:
         return P.encode("register", rank=self.rank, world=self.world, node=self.node, pid=os.getpid(),
                         local_rank=self.local_rank, groups=self.groups, host=_socket.gethostname(),
                         iteration=self.iteration,
-                        restarts=int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0))
+                        restarts=int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0),
+                        **_agent_node())
 
     def _run(self) -> None:
         assert self.link is not None and self.events is not None  # (start() made them before this thread)

@@ -43,6 +43,7 @@ class Rank:
     busy: float = 0.0            # its own work per step (step time less waits for peers), lately
     busy_steps: int = 0          # the steps that figure covers (ended since the heartbeat before)
     checkpoint: int = -1         # the newest iteration it saved (periodic checkpoints)
+    agent_node: int | None = None  # the node rank of the mindspeed-ha run agent that started it
 
 
 @dataclasses.dataclass

@@ -36,7 +36,10 @@ class Restarts:
         replacement node, without any agent — nothing restarted then)."""
         ranks = sorted(ranks)
         agents = self.table.agents.values()
-        orphans = sorted(set(ranks) - {r for a in agents for r in a.ranks})
+        # (a rank an agent started, whose agent has not registered yet, waits for that node as for
+        # a lost one: its agent, or a replacement, restarts it when it registers)
+        by_agents = {r for a in agents for r in a.ranks} | {r for r in ranks if self._started_by(r) is not None}
+        orphans = sorted(set(ranks) - by_agents)
         if orphans:
             return [], [], orphans
         if self.host_rank in ranks and self.end_host is not None:
@@ -51,11 +54,18 @@ class Restarts:
         by_agent = sorted(r for a in live_agents for r in a.ranks if r in ranks)
         awaiting = sorted(set(ranks) - set(by_agent))
         self.restarting = set(ranks)
-        self.budget.count({r: self.died_in.get(r, -1) for r in ranks},
-                          [a.node_rank for a in agents if set(a.ranks) & set(awaiting)])
+        nodes = {a.node_rank for a in agents if set(a.ranks) & set(awaiting)}
+        nodes |= {n for r in awaiting if (n := self._started_by(r)) is not None}
+        self.budget.count({r: self.died_in.get(r, -1) for r in ranks}, sorted(nodes))
         if by_agent:
             self.orders.to_agents("restart", {"ranks": by_agent})
         return by_agent, awaiting, []
+
+    def _started_by(self, r: int) -> int | None:
+        """The node rank of the agent that started rank ``r``, as the rank registered (None: another
+        launcher, or not known)."""
+        info = self.table.ranks.get(r)
+        return None if info is None else info.agent_node
 
     def refusal(self) -> str | None:
         """Why recover may not restart the lost ranks now (None: it may)."""

@@ -126,6 +126,9 @@ class Agent:
                    TORCHELASTIC_RUN_ID=self.job_id, MINDSPEED_HA_JOB_STORE=f"{a.master_addr}:{a.master_port}",
                    MINDSPEED_HA_LOG_DIR=self.log_dir, MINDSPEED_HA_JOB_ID=self.job_id,
                    MINDSPEED_HA_NODE=self.node, MINDSPEED_HA_NODE_HOST=self.node_host,
+                   # (the rank tells the controller which agent restarts it, should this agent
+                   # not have registered yet when the rank is lost)
+                   MINDSPEED_HA_AGENT_NODE=str(a.node_rank),
                    MINDSPEED_HA_RESTART_COUNT=str(restarts), MINDSPEED_HA_HEARTBEAT=str(self.hb),
                    MINDSPEED_HA_PROGRESS_DIR=self.board_dir,
                    MINDSPEED_HA_TERM_SIGNALS=",".join(s.name for s in a.term_signals))
