@@ -121,6 +121,9 @@ def test_exact_half_takes_over_only_without_the_controllers_rank():
     from mindspeed_ha.control.election import may_take_over
     assert may_take_over(3, 4, True) and may_take_over(2, 4, False)   # two nodes, the controller's lost
     assert not may_take_over(2, 4, True) and not may_take_over(1, 4, False) and not may_take_over(2, 5, False)
+    # exactly half, the controller's rank not among them, but the store still hears the controller (or
+    # this standby cannot see the store): the other half of a partition, which must not go on
+    assert not may_take_over(2, 4, False, store_lost_it=False) and may_take_over(3, 4, True, store_lost_it=False)
 
 
 class _Links:
@@ -197,6 +200,77 @@ def test_half_the_world_takes_over_only_once_the_standbys_own_rank_came_over(tmp
         assert not sb.standby and sb.epoch == 2
     finally:
         links.close()
+
+
+def _store_and_standbys(tmp_path, monkeypatch, ranks=(2, 3)):
+    """The job store (a TCPStore, as node 0's agent serves it) and a standby on each of ``ranks``,
+    each with its own view of the store, their controller (rank 0) gone."""
+    import torch.distributed as dist
+    from helpers import free_port
+    from mindspeed_ha.control.discovery import JobStore
+    monkeypatch.setenv("MINDSPEED_HA_DEAD_AFTER", "0.6")
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
+    out = []
+    for r in ranks:
+        d = tmp_path / f"standby{r}"
+        d.mkdir()
+        keys = _security.Keys.load(str(tmp_path), create=True)
+        opts = _HAOptions(strategies=frozenset({"dump"}), log_dir=str(d), heartbeat_s=0.2)
+        sb = _Controller(str(d), 4, opts, keys, rank=r, standby=True, epoch=1, previous=0,
+                         job_store=JobStore(("127.0.0.1", port))).start()
+        out.append(_Links(sb, keys))
+    return server, port, out
+
+
+def test_two_standbys_each_with_half_the_world_only_one_takes_over(tmp_path, monkeypatch):
+    """The controller's rank 0 is gone. Rank 1's link tried the standby on rank 2, then the one on rank 3:
+    each standby has heard from half of the world (its own rank and rank 1) within its window. Once the
+    store shows the old controller's counter standing still, both may take over; the store's
+    takeover claim lets exactly one."""
+    server, _, (a, b) = _store_and_standbys(tmp_path, monkeypatch)
+    try:
+        a.join(2)
+        a.join(1)
+        b.join(3)
+        b.join(1)
+        deadline = _time.time() + 15
+        while _time.time() < deadline and a.sb.standby and b.sb.standby:
+            a.beat(0.2)
+            b.beat(0.2)
+        a.beat(1.0)
+        b.beat(1.0)
+        assert [a.sb.standby, b.sb.standby].count(False) == 1, "one standby, and only one, takes over"
+        winner = a.sb if not a.sb.standby else b.sb
+        assert winner.epoch == 2
+    finally:
+        a.close()
+        b.close()
+        for sb in (a.sb, b.sb):
+            sb.job_store.close()
+        del server
+
+
+def test_half_the_world_does_not_take_over_while_the_store_hears_the_controller(tmp_path, monkeypatch):
+    """The far side of a partition: the standby's half (ranks 2 and 3) lost the controller, but the job
+    store still hears it (its counter moves): this half must not go on. Once the store is gone with its
+    host still up (it refuses connections: not a cut link), the standby takes over."""
+    from mindspeed_ha.control.discovery import JobStore, beat_key
+    server, port, (a,) = _store_and_standbys(tmp_path, monkeypatch, ranks=(3,))
+    controller_side = JobStore(("127.0.0.1", port))
+    controller_side.beat(beat_key(1))
+    try:
+        a.join(3)
+        a.join(2)
+        a.beat(6.0)  # (twice the time the store must show the counter still)
+        assert a.sb.standby
+        controller_side.close()
+        del server  # (the store's host is up, the store is gone)
+        a.beat(3.0)
+        assert not a.sb.standby and a.sb.epoch == 2
+    finally:
+        a.close()
+        a.sb.job_store.close()
 
 
 def test_hang_clock_gives_the_first_steps_their_warm_up():

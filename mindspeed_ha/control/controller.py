@@ -229,6 +229,8 @@ class Controller:
                 self.succession.maybe_promote(now)
                 return
             self.succession.migrate_when_ready(now)
+            if self.succession.superseded():
+                return
             if now - self._last_scan >= self.hb / 10:
                 self._last_scan = now
                 self._scan(now)

@@ -7,6 +7,12 @@ there too). It holds, under ``mindspeed_ha/``:
     controller          the active controller's record: endpoint, epoch, standbys' endpoints, rank,
                         job id, public key (JSON)
     agent/<node rank>   each launcher agent: pid, host, and whether it has seen the job train
+    beat/<epoch>        a counter the active controller of that epoch counts up every round: a
+                        standby that reaches the store and sees it stand still knows the controller
+                        has lost the store (its process, its node, or its network)
+    takeover/<epoch>    the standby that may start that epoch with exactly half of the world: the
+                        first to claim it (compare-and-set), so that two standbys that each hear
+                        from half the ranks cannot both take over
 
 Publishers re-write their records whenever the store lacks them (a replacement of node 0 serves a
 new, empty store) and a controller never writes over a newer epoch's record. All store traffic
@@ -22,6 +28,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Mapping
@@ -39,6 +46,14 @@ PERIOD_S = 0.5
 
 def agent_key(node_rank: int) -> str:
     return f"mindspeed_ha/agent/{int(node_rank)}"
+
+
+def beat_key(epoch: int) -> str:
+    return f"mindspeed_ha/beat/{int(epoch)}"
+
+
+def takeover_key(epoch: int) -> str:
+    return f"mindspeed_ha/takeover/{int(epoch)}"
 
 
 def store_address(env: Mapping[str, str] = os.environ) -> tuple[str, int] | None:
@@ -74,9 +89,14 @@ class JobStore:
         self._own: dict[str, tuple[dict[str, Any], int | None]] = {}   # key -> (record, epoch or None)
         self._seen: dict[str, dict[str, Any]] = {}                      # key -> newest record read
         self._watch: set[str] = set()
+        self._beats: set[str] = set()                                    # counters counted up each round
+        self._counters: dict[str, tuple[int, float, float]] = {}  # counter -> (value, when it moved, last read)
+        self._claims: dict[str, tuple[str, str | None]] = {}     # key -> (our claim, the winner's, once read)
         self._client: TCPStore | None = None
         self.reachable = False
         self.ever_reached = False
+        self.answered_at = 0.0       # (monotonic) the end of the last round the store answered in full
+        self.refused = False         # since then, its host refused the connection: up, with no store
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mindspeed-ha-job-store", daemon=True)
@@ -108,6 +128,33 @@ class JobStore:
         with self._lock:
             self._watch.update(keys)
         self._wake.set()
+
+    def beat(self, key: str) -> None:
+        """Count the counter ``key`` up every round from now on, while the store answers."""
+        with self._lock:
+            self._beats.add(key)
+        self._wake.set()
+
+    def still_for(self, key: str) -> float:
+        """Seconds the counter ``key`` stood still between reads of an unbroken run of them: 0.0
+        before its first read and after the store failed to answer (a process that cannot see the
+        store cannot tell a silent counter from a lost view of it; one whose read hangs learns no
+        more until it answers)."""
+        with self._lock:
+            if key not in self._counters:
+                self._counters[key] = (-1, 0.0, 0.0)  # (asked for: read from the next round on)
+            _, moved, read = self._counters[key]
+        return read - moved
+
+    def claim(self, key: str, value: str) -> bool | None:
+        """Claim ``key`` for ``value``, first come first served: True once the store says it is ours,
+        False once it is another's, None until the store has answered (the claim is made then)."""
+        with self._lock:
+            mine, winner = self._claims.setdefault(key, (value, None))
+        if winner is None:
+            self._wake.set()
+            return None
+        return winner == mine
 
     def seen(self, key: str) -> dict[str, Any] | None:
         with self._lock:
@@ -148,6 +195,7 @@ class JobStore:
                 if self._client is None:
                     self._client = self._connect()
                 self._round(self._client)
+                self.answered_at, self.refused = time.monotonic(), False
                 if not self.reachable:
                     log.debug("job store %s:%d reached", *self.address)
                 self.reachable = self.ever_reached = True
@@ -156,6 +204,9 @@ class JobStore:
                     log.warning("job store %s:%d unreachable (%s); retrying", *self.address, str(e)[:120])
                 self.reachable = False
                 self._client = None
+                self.refused = _refuses(self.address)
+                with self._lock:
+                    self._counters = {k: (-1, 0.0, 0.0) for k in self._counters}
             with self._lock:
                 self._rounds += 1
             self._wake.wait(self.period_s)
@@ -163,9 +214,22 @@ class JobStore:
 
     def _round(self, store: Store) -> None:
         with self._lock:
-            own, watch = dict(self._own), set(self._watch)
+            own, watch, beats, counters = dict(self._own), set(self._watch), set(self._beats), dict(self._counters)
+            claims = {k: mine for k, (mine, winner) in self._claims.items() if winner is None}
+        for key, mine in claims.items():
+            # (the value is set only where the key is new: whoever set it first has it)
+            winner = store.compare_set(key, "", mine)
+            with self._lock:
+                self._claims[key] = (mine, winner.decode() if isinstance(winner, bytes) else str(winner))
         for key, (record, epoch) in own.items():
             self._keep(store, key, record, epoch)
+        for key in beats:
+            store.add(key, 1)
+        for key, (last, moved, _) in counters.items():
+            count = store.add(key, 0)
+            now = time.monotonic()
+            with self._lock:
+                self._counters[key] = (count, now, now) if count != last else (last, moved, now)
         for key in watch:
             value = _read(store, key)
             with self._lock:
@@ -188,6 +252,18 @@ class JobStore:
                 pass
         # (torch's stub types the values str; the binding's std::string takes these bytes as they are)
         store.compare_set(key, current, data)  # type: ignore[arg-type]  # lost a race with another writer: the next round looks again
+
+
+def _refuses(address: tuple[str, int]) -> bool:
+    """The store's host answers, refusing the connection: the store is gone, not out of reach (a
+    cut link or a dead host stays silent instead, and the two cannot be told apart)."""
+    try:
+        socket.create_connection(address, timeout=1.0).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False  # (it accepts again: the next round will tell)
 
 
 def _read(store: Store, key: str) -> dict[str, Any] | None:

@@ -27,8 +27,8 @@ import time
 from typing import TYPE_CHECKING, Any, Iterable
 
 from ..events import get_logger
-from . import ledger
-from .ranks import Agent
+from . import election, ledger
+from .ranks import Agent, this_host
 from .states import Outcome as O, State as S
 
 if TYPE_CHECKING:
@@ -55,6 +55,9 @@ class Elastic:
         if self.dp:
             return [s for s in ordered if s not in ("retry", "recover")], \
                 f"the job runs scaled in (data-parallel size {self.dp}): retry and recover not tried"
+        cut_off = self.cut_off()
+        if cut_off:  # (recover waits for the lost ranks' node as ever, and never scales in)
+            return [s for s in ordered if s != "elastic-training"], cut_off
         agents = c.table.live_agents(time.monotonic())
         stranded = sorted(r for r in c.table.lost() if not any(r in a.ranks for a in agents))
         if stranded and "recover" in ordered:
@@ -63,6 +66,27 @@ class Elastic:
                 return ordered, ""
             return [s for s in ordered if s != "recover"], f"no spare for rank(s) {stranded} (their node is lost)"
         return ordered, ""
+
+    def cut_off(self) -> str:
+        """Why this controller's side of the job must not train on without its lost ranks: the rule
+        a standby takes over by (election.py), applied to the side that has the controller. A
+        majority of the job's members (its ranks, less those a scale-in left out) goes on; exactly
+        half goes on only where the job store says it is the store's side (it answers, or its host
+        refuses: the store is gone, not out of reach); less than half never (it may be the cut-off
+        side of a partition whose other side goes on). Empty: it may."""
+        c = self.c
+        here = this_host()
+        if all(c.ranks[r].host == here for r in c.table.lost()):
+            return ""  # (every lost rank ran on this host: nothing between them to cut)
+        members = c.world - len(self.left)
+        live = len(c.table.live() - self.left)
+        store = c.job_store
+        if election.has_quorum(live, members) or (2 * live == members and (
+                store is None or store.refused or time.monotonic() - store.answered_at < election.LEASE_S)):
+            return ""
+        why = "no majority" if 2 * live < members else "half of them, and the job store does not answer"
+        return (f"elastic not tried: {live} of the job's {members} ranks live ({why}): this may be the cut-off "
+                "side of a partition, which must not train on alone")
 
     def waiting_note(self) -> str:
         return (f"; lost node(s) of rank(s) {sorted(self.c.table.lost())}: their replacement is waited for up to "

@@ -41,12 +41,21 @@ def has_quorum(reachable: int, world: int) -> bool:
     return world > 0 and 2 * reachable > world
 
 
-def may_take_over(reachable: int, world: int, controller_reachable: bool) -> bool:
+LEASE_S = 3.0  # the active controller's store counter (0.5 s rounds) standing still this long: it lost the store
+
+
+def may_take_over(reachable: int, world: int, controller_reachable: bool, store_lost_it: bool = True) -> bool:
     """A standby takes over with a quorum, or with exactly half of the world when the controller's
-    own rank is not among them: a job of two nodes that loses the controller's node keeps half its
-    ranks. (Split exactly in half by a partition, both halves could then have a controller; the
-    epochs fence the older one once it heals.)"""
-    return has_quorum(reachable, world) or (world > 0 and 2 * reachable == world and not controller_reachable)
+    own rank is not among them and the job store agrees that the controller is gone
+    (``store_lost_it``: this standby reaches the store, where the controller's counter has stood
+    still for LEASE_S, or the store's host refuses connections: it is up, its store is gone; jobs
+    without a store have nothing to ask). A two-node job that loses the controller's node keeps half
+    its ranks; a partition into two exact halves goes on only in the half that reaches the store:
+    the other half's standby finds the store silent, so never takes over. (A node that dies silent
+    with the store cannot be told from a partition: its half waits for the node's replacement, whose
+    new store lets it take over.)"""
+    return has_quorum(reachable, world) or (world > 0 and 2 * reachable == world and not controller_reachable
+                                            and store_lost_it)
 
 
 def read_controller_json(log_dir: str, job_id: str | None = None) -> dict[str, Any] | None:

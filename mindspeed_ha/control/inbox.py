@@ -160,7 +160,7 @@ class Inbox:
         self.c.elastic.offer(self.c.agents[n])
         # Ranks of this node that the recovery under way waits for: this agent starts them.
         # (a scale-out's newcomers too: the offer above counts them in)
-        due = sorted(r for r, pid in zip(msg["ranks"], msg["pids"]) if not pid and r in self.c.restarts.restarting)
+        due = self.c.restarts.due(msg["ranks"], msg["pids"])
         if due:
             self.c.router.send(ident, P.encode("do", action="restart", id=0, args={"ranks": due}, epoch=self.c.epoch))
 

@@ -26,7 +26,7 @@ from . import protocol as P, security
 from .board import ProgressBoard, board_path
 from .discovery import JobStore, controller_is_external
 from .link import ControllerLink, job_id_from_env
-from .ranks import WARM_UP_STEPS
+from .ranks import WARM_UP_STEPS, this_host
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -208,20 +208,23 @@ class Processor:
         deadline = self._t_start + self.options.register_timeout_s
         while not self.link.ever_active:
             if time.monotonic() > deadline:
-                from mindspeed_ha.process import exit_now
                 store = os.environ.get("MINDSPEED_HA_JOB_STORE")
-                text = (f"mindspeed-ha: rank {self.rank} could not reach a controller within --ha-register-timeout "
-                        f"{self.options.register_timeout_s:g} s (last tried: {self.link.endpoint or 'none announced'}"
-                        f"{f'; controllers announce themselves in the job store at {store}' if store else ''}). "
-                        "HA would be off, so the rank ends here. A controller listens on its node's address "
-                        "(mindspeed-ha run: the route to --master-addr, or --local-addr): check that this node "
-                        "reaches it (firewall, keys in --ha-key-dir).")
-                log.error("%s", text)
-                if self.events:
-                    self.events.emit("diagnosis", text=text, exit_code=exitcodes.NOT_REGISTERED)
-                print(text, file=sys.stderr, flush=True)
-                exit_now(exitcodes.NOT_REGISTERED)
+                self._end_unheard(
+                    f"mindspeed-ha: rank {self.rank} could not reach a controller within --ha-register-timeout "
+                    f"{self.options.register_timeout_s:g} s (last tried: {self.link.endpoint or 'none announced'}"
+                    f"{f'; controllers announce themselves in the job store at {store}' if store else ''}). "
+                    "HA would be off, so the rank ends here. A controller listens on its node's address "
+                    "(mindspeed-ha run: the route to --master-addr, or --local-addr): check that this node "
+                    "reaches it (firewall, keys in --ha-key-dir).", exitcodes.NOT_REGISTERED)
             time.sleep(0.02)
+
+    def _end_unheard(self, text: str, code: int) -> None:
+        from mindspeed_ha.process import exit_now
+        log.error("%s", text)
+        if self.events:
+            self.events.emit("diagnosis", text=text, exit_code=code)
+        print(text, file=sys.stderr, flush=True)
+        exit_now(code)
 
     def step_start(self, iteration: int) -> None:
         self.iteration = int(iteration)
@@ -309,7 +312,7 @@ class Processor:
     # ---- processor thread ---------------------------------------------------------------------
     def _hello(self) -> bytes:
         return P.encode("register", rank=self.rank, world=self.world, node=self.node, pid=os.getpid(),
-                        local_rank=self.local_rank, groups=self.groups, host=_socket.gethostname(),
+                        local_rank=self.local_rank, groups=self.groups, host=this_host(),
                         iteration=self.iteration,
                         restarts=int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0),
                         **_agent_node())
@@ -350,6 +353,14 @@ class Processor:
                 if self.link.active and not was_active:
                     self.events.emit("controller", endpoint=self.link.endpoint, epoch=self.link.epoch)
                 was_active = self.link.active
+                unheard = now - self.link.active_at
+                if self.link.ever_active and not self.link.active and unheard > self.options.register_timeout_s:
+                    self._end_unheard(
+                        f"mindspeed-ha: rank {self.rank} has heard from no controller for {unheard:.0f} s "
+                        f"(--ha-register-timeout {self.options.register_timeout_s:g} s; last: {self.link.endpoint}): "
+                        "this node is cut off from the job (a partition, or the controller's side is gone). "
+                        "The job goes on without it on the side that reaches the job store, or ended there; "
+                        "this rank ends here.", exitcodes.FAULT)
             except Exception:
                 log.exception("processor loop error (continuing)")
                 time.sleep(0.1)

@@ -12,6 +12,7 @@ WARM_UP_S; when every rank stands still at once, twice the limit.
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 from typing import Any, Collection, Iterable
 
@@ -220,11 +221,22 @@ class RankTable:
                 for i in sorted(self.ranks.values(), key=lambda i: i.rank)]
 
 
+def this_host() -> str:
+    """This process's host, as ``runs_here`` compares it: the host name and, where Linux names it,
+    the network namespace. A process in another one is as far away as another host whatever its
+    pid says (a node in a namespace of its own, a container sharing the host's pids): a cut link
+    silences it while it runs on."""
+    try:
+        return f"{socket.gethostname()}/{os.readlink('/proc/self/ns/net')}"
+    except OSError:
+        return socket.gethostname()
+
+
 def runs_here(info: Rank) -> bool:
     """The rank's process runs on this host (not a zombie, not stopped: a stopped process is as
     silent as a lost one and must be treated as one)."""
     import psutil
-    if not info.pid or info.host != socket.gethostname():
+    if not info.pid or info.host != this_host():
         return False
     try:
         return psutil.Process(info.pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_STOPPED,

@@ -26,6 +26,7 @@ class Restarts:
         self.host_rank, self.end_host = host_rank, end_host
         self.budget = RestartBudget(max_restarts)
         self.restarting: set[int] = set()    # ranks restarted by their agent, not registered again yet
+        self.awaiting: set[int] = set()      # of those, the ranks whose agent was not there to order
         self.died_in: dict[int, int] = {}    # rank -> the iteration its process was lost in
 
     def lost(self, ranks: Iterable[int], iteration: int) -> None:
@@ -53,13 +54,21 @@ class Restarts:
         live_agents = self.table.live_agents(time.monotonic())
         by_agent = sorted(r for a in live_agents for r in a.ranks if r in ranks)
         awaiting = sorted(set(ranks) - set(by_agent))
-        self.restarting = set(ranks)
+        self.restarting, self.awaiting = set(ranks), set(awaiting)
         nodes = {a.node_rank for a in agents if set(a.ranks) & set(awaiting)}
         nodes |= {n for r in awaiting if (n := self._started_by(r)) is not None}
         self.budget.count({r: self.died_in.get(r, -1) for r in ranks}, sorted(nodes))
         if by_agent:
             self.orders.to_agents("restart", {"ranks": by_agent})
         return by_agent, awaiting, []
+
+    def due(self, ranks: Iterable[int], pids: Iterable[int]) -> list[int]:
+        """An agent registered with these ranks (``pids``: its workers, 0 for none): those of them
+        this recovery restarts and nobody ordered yet — a replacement node's, or those of a node that
+        was cut off and is back (its old workers, still running, are ended by the restart)."""
+        due = sorted(r for r, pid in zip(ranks, pids) if r in self.restarting and (not pid or r in self.awaiting))
+        self.awaiting -= set(due)
+        return due
 
     def _started_by(self, r: int) -> int | None:
         """The node rank of the agent that started rank ``r``, as the rank registered (None: another

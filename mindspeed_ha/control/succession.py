@@ -49,6 +49,8 @@ class Succession:
             election.write_controller_json(c.log_dir, info)
         if c.job_store is not None:  # where nodes without this log dir find us
             c.job_store.publish(discovery.CONTROLLER_KEY, info, epoch=c.epoch)
+            c.job_store.beat(discovery.beat_key(c.epoch))  # (that this controller still reaches the store)
+            c.job_store.watch(discovery.CONTROLLER_KEY)    # (a newer one's record, after a partition)
         if not quiet:
             log.info("controller (epoch %d) listening on %s, world %d, %s", c.epoch, c.endpoint,
                      c.world, "CurveZMQ" if c.keys.secure else "INSECURE")
@@ -68,6 +70,26 @@ class Succession:
             return
         c.metrics.set_state(c.machine.state.value)
         c.events.listeners.append(c.metrics.on_event)
+
+    def superseded(self) -> bool:
+        """A newer controller is announced in the job store: a standby on the store's side of a
+        partition took over while this controller was cut off from it. This one retires and sends
+        every rank and agent it still reaches there (the new controller declared this side's ranks
+        lost: it fences them and has their agents restart them)."""
+        c = self.c
+        rec = c.job_store.seen(discovery.CONTROLLER_KEY) if c.job_store is not None else None
+        if (not rec or int(rec.get("epoch", 0)) <= c.epoch or rec.get("job_id") not in (None, c.job_id)
+                or c.machine.state == S.DONE or self.handing_to is not None):  # (a handover: taken_over)
+            return False
+        args = {"endpoint": str(rec["endpoint"])}
+        c.orders.send("reconnect", sorted(c.table.live()), args)
+        c.orders.to_agents("reconnect", args)
+        c.events.emit("superseded", epoch=int(rec["epoch"]), endpoint=args["endpoint"])
+        log.error("a newer controller (epoch %d, %s) took over while this one (epoch %d) was cut off from the job "
+                  "store: this one retires, and its ranks and agents go there", int(rec["epoch"]), args["endpoint"],
+                  c.epoch)
+        c.retire()
+        return True
 
     # ---- standbys -----------------------------------------------------------------------------
     def name_standbys(self) -> None:
@@ -99,8 +121,17 @@ class Succession:
             self.after = (int(ordered["migrate"]), str(ordered.get("reason") or "requested"), now)
             return
         known_lost = c.previous is not None and c.previous >= 0 and c.previous not in reachable
-        if election.may_take_over(len(reachable), c.world, not known_lost):
-            self._promote(now, len(reachable), c.epoch + 1, "quorum")
+        store = c.job_store
+        store_lost_it = store is None or store.refused or \
+            store.still_for(discovery.beat_key(c.epoch)) >= election.LEASE_S
+        if not election.may_take_over(len(reachable), c.world, not known_lost, store_lost_it):
+            return
+        if not election.has_quorum(len(reachable), c.world) and store is not None and not store.refused:
+            # Exactly half: another standby may hear from the other half of the ranks. The store
+            # lets one of them go on (without a store, or with it gone, the first takes over).
+            if not store.claim(discovery.takeover_key(c.epoch + 1), f"{c.rank}:{os.getpid()}"):
+                return
+        self._promote(now, len(reachable), c.epoch + 1, "quorum")
 
     def _promote(self, now: float, reachable: int, epoch: int, why: str) -> None:
         c = self.c
