@@ -135,7 +135,7 @@ def free_port() -> int:
 # `mindspeed-ha run` with HA on (a recovery strategy does not change a fault-free run's bits), DP=4 on
 # 4 ranks, TP=2 x DP=4 on 8, or PP=2 x DP=2 on 4.
 TINY_ITERS = 9
-TINY_LAYOUTS = {"dp4": (4, []), "tp2": (8, ["--tensor-model-parallel-size", "2"]),
+TINY_LAYOUTS = {"dp4": (4, []), "dp6": (6, []), "tp2": (8, ["--tensor-model-parallel-size", "2"]),
                 "pp2": (4, ["--pipeline-model-parallel-size", "2"])}
 
 

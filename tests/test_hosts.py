@@ -2,12 +2,14 @@
 nothing but --master-addr, as on real hosts whose name resolves to a loopback address (this
 machine's /etc/hosts maps its name to 127.0.0.1, in every namespace)."""
 import json
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 
-from helpers import PRETRAIN, TINY, TINY_ITERS, clean_env, events, free_port, losses
+from helpers import PRETRAIN, TINY, TINY_ITERS, all_rank_events, clean_env, events, free_port, losses
 from hosts import Hosts
 
 pytestmark = pytest.mark.timeout(300)
@@ -43,21 +45,44 @@ def start_nodes(hosts: Hosts, tmp_path, flags: list, env: dict) -> tuple[list, l
     return agents, dirs
 
 
+FLAGS = [*TINY, "--train-iters", str(TINY_ITERS), "--enable-worker-reboot", "--ha-verify-replicas-interval", "1"]
+PACED = {"MINDSPEED_HA_INJECT": "slow:rank=0:step=any:factor=4"}  # (0.3 s a step: time for the drill)
+
+
+def run_nodes(hosts: Hosts, tmp_path, env: dict, flags: list = FLAGS, drill=None, timeout: float = 240) -> list:
+    """The job on every host, ``drill(agents, dirs)`` while it runs; every agent must end with 0."""
+    agents, dirs = start_nodes(hosts, tmp_path, flags, env)
+    try:
+        if drill is not None:
+            drill(agents, dirs)
+        codes = [p.wait(timeout) for p in agents]
+    finally:
+        for p in agents:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0] * len(agents), "\n".join((d / "agent.out").read_text()[-3000:] for d in dirs)
+    return dirs
+
+
+def cut_at(hosts: Hosts, agents: list, dirs: list, node: int, iteration: int, seconds: float) -> None:
+    """Once the job has logged ``iteration``, ``node``'s link is down for ``seconds``."""
+    deadline = time.monotonic() + 120
+    while max([e["iteration"] for e in all_rank_events(dirs) if e["event"] == "step"] or [0]) < iteration:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in agents), \
+            "\n".join((d / "agent.out").read_text()[-3000:] for d in dirs)
+        time.sleep(0.2)
+    hosts.cut(node)
+    time.sleep(seconds)
+    hosts.heal(node)
+
+
 def test_two_hosts_given_only_the_master_address_train_under_ha(tmp_path, hosts, references):
     """Two nodes of two ranks, each with its own log dir; GLOO_SOCKET_IFNAME unset. Each agent picks
     the interface on the route to the master address and says so; the controller listens on node
     0's address, not on a loopback one; every rank of both nodes registers with it, so that rank 3
     (node 1), killed in step 5, is restarted by node 1's agent and recovered from its twin on node
     0: losses bit-identical to the fault-free run's."""
-    flags = [*TINY, "--train-iters", str(TINY_ITERS), "--enable-worker-reboot", "--ha-verify-replicas-interval", "1"]
-    agents, dirs = start_nodes(hosts, tmp_path, flags, {"MINDSPEED_HA_INJECT": "kill:rank=3:step=5:phase=backward"})
-    try:
-        codes = [p.wait(240) for p in agents]
-    finally:
-        for p in agents:
-            if p.poll() is None:
-                p.kill()
-    assert codes == [0, 0], "\n".join((d / "agent.out").read_text()[-3000:] for d in dirs)
+    dirs = run_nodes(hosts, tmp_path, {"MINDSPEED_HA_INJECT": "kill:rank=3:step=5:phase=backward"})
     assert losses(dirs) == references.tiny("dp4")
     for node, d in enumerate(dirs):
         (net,) = [e for e in events(d, f"agent_{node}") if e["event"] == "network"]
@@ -92,3 +117,70 @@ print("trained without a controller after", time.monotonic() - t0)
     assert "HA would be off" in proc.stderr and "trained" not in proc.stdout
     diag = [e for e in events(tmp_path, "rank_1") if e["event"] == "diagnosis"]
     assert diag and diag[0]["exit_code"] == 201
+
+
+@pytest.mark.parametrize("cut_s", [1.0, 25.0])
+def test_node_1_cut_off_then_healed_finishes_bit_identical(tmp_path, hosts, references, cut_s):
+    """Node 1's link goes down at iteration 3 for ``cut_s`` seconds, then comes back; both nodes run
+    on. Shorter than detection, training just waits (TCP retransmits). Longer, the controller's half
+    (node 0, with the job store) goes on: node 1's ranks are lost and, once the link heals, restarted
+    by node 1's agent and recovered from their twins; node 1's standby never takes over with its half
+    of the world. Either way the job finishes bit-identical and no iteration is logged with two losses."""
+    dirs = run_nodes(hosts, tmp_path, PACED, drill=lambda agents, dirs: cut_at(hosts, agents, dirs, 1, 3, cut_s))
+    assert losses(dirs) == references.tiny("dp4")
+    ctl = events(dirs, "controller")
+    assert not [e for e in ctl if e["event"] == "takeover"]
+    if cut_s > 10:
+        (rec,) = [e for e in ctl if e["event"] == "recovered"]
+        assert rec["strategy"] == "recover"
+
+
+def test_a_rank_cut_off_from_every_controller_ends_with_a_diagnosis(tmp_path):
+    """A rank that had a controller and then hears from none (its node cut off for good, or every
+    controller gone) does not wait forever: after --ha-register-timeout it ends with 1 and a diagnosis
+    that names the cut (the side that reaches the job store goes on without it)."""
+    code = f"""
+import time
+from mindspeed_ha.control import security
+from mindspeed_ha.control.controller import Controller
+from mindspeed_ha.control.processor import Processor
+from mindspeed_ha.options import HAOptions
+opts = HAOptions(strategies=frozenset({{"dump"}}), log_dir={str(tmp_path)!r}, insecure=True, register_timeout_s=1.5)
+c = Controller({str(tmp_path)!r}, 4, opts, security.Keys.load({str(tmp_path)!r}, insecure=True), host="127.0.0.1").start()
+p = Processor(1, 4, 1, "n0", opts, [[1, 3]]).start()
+p.await_controller()
+print("registered", flush=True)
+c.close()
+time.sleep(30)
+print("went on without a controller")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60,
+                          cwd=str(tmp_path))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "registered" in proc.stdout and "went on" not in proc.stdout
+    assert re.search(r"has heard from no controller for \d+ s", proc.stderr) and "cut off from the job" in proc.stderr
+
+
+def test_three_hosts_the_controllers_node_cut_off_the_majority_goes_on(tmp_path, references):
+    """Node 0 — rank 0 with the controller, and the job store — is cut off for 25 s. Nodes 1 and 2
+    hold the majority: a standby there takes over (and only one), declares node 0's ranks lost and
+    waits for their node. When the link heals, node 0's controller finds the newer one in the job
+    store and retires, sending its ranks and agent there; the new controller fences the old ranks, has
+    node 0's agent restart them, and they take their state from their twins. Bit-identical to the
+    fault-free run on six ranks, one loss per iteration."""
+    if WHY_NOT:
+        pytest.skip(WHY_NOT)
+    hosts = Hosts(3)
+    try:
+        dirs = run_nodes(hosts, tmp_path, PACED, drill=lambda agents, dirs: cut_at(hosts, agents, dirs, 0, 3, 25.0))
+    finally:
+        hosts.close()
+    assert losses(dirs) == references.tiny("dp6")
+    ctl = events(dirs, "controller")
+    (takeover,) = [e for e in ctl if e["event"] == "takeover"]
+    assert takeover["rank"] >= 2 and takeover["why"] == "quorum" and takeover["reachable"] >= 4
+    (retired,) = [e for e in ctl if e["event"] == "superseded"]
+    assert retired["epoch"] == takeover["epoch"]
+    recovered = [e for e in ctl if e["event"] == "recovered" and e["pid"] == takeover["pid"]]
+    assert [e["strategy"] for e in recovered] == ["recover"]
+    assert sorted(e["rank"] for e in ctl if e["event"] == "rejoined") == [0, 1]
