@@ -240,8 +240,8 @@ def test_a_standby_named_by_an_earlier_controller_takes_over_with_a_newer_epoch(
 def test_ranks_whose_agent_has_not_registered_wait_for_their_node(tmp_path):
     """Node 1's ranks registered, saying which agent started them, but that agent had not registered
     yet when the node was lost: recover waits for the node (its agent, or a replacement, restarts
-    them when it registers) instead of giving up on ranks 'without an agent'. Ranks another launcher
-    started are still refused: nothing could restart them."""
+    them when it registers) instead of giving up on ranks 'without an agent'. The ranks of a job
+    another launcher started are still refused: nothing could restart them."""
     from mindspeed_ha.control.ranks import Agent, Rank
     keys = security.Keys.load(str(tmp_path), create=True)
     opts = HAOptions(strategies=frozenset({"recover", "dump"}), log_dir=str(tmp_path))
@@ -252,7 +252,9 @@ def test_ranks_whose_agent_has_not_registered_wait_for_their_node(tmp_path):
         c.agents[0] = Agent(0, b"a0", "vm:0", [0, 1], [100, 101], seen=now, pid=99)
         assert c.restarts.restart([2, 3]) == ([], [2, 3], [])
         assert c.restarts.restarting == {2, 3} and c.restarts.budget.replacements[1] == 1
-        c.ranks[3].agent_node = None  # (started by torchrun, say)
-        assert c.restarts.restart([2, 3]) == ([], [], [3])
+        c.agents.clear()  # a job no agent launched (torchrun, say): nothing can restart its ranks
+        for r in range(4):
+            c.ranks[r].agent_node = None
+        assert c.restarts.restart([2, 3]) == ([], [], [2, 3])
     finally:
         c.router.close()

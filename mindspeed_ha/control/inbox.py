@@ -70,8 +70,13 @@ class Inbox:
         if old is not None and old.pid != info.pid and old.alive and self.c.machine.state != S.INIT:
             log.warning("rank %d re-registered with a new pid %d (was %d)", r, info.pid, old.pid)
         if old is not None and not old.alive:
-            # A dead rank stays dead, unless it is the worker the recover strategy restarted.
-            info.alive = old.pid != info.pid and r in self.c.restarts.restarting
+            # A dead rank stays dead, unless it is the worker the recover strategy restarted: a new
+            # process, and where the lost one's pid is not known (a controller that took over never
+            # heard from it) the one its agent says it started — not the lost one coming back
+            # (a node whose link healed: its old workers reconnect before their agent ends them).
+            agent = self.c.table.agent_of(r)
+            started = agent is not None and agent.pids[agent.ranks.index(r)] == info.pid
+            info.alive = old.pid != info.pid and r in self.c.restarts.restarting and (old.pid != 0 or started)
             if info.alive:
                 self.c.restarts.restarting.discard(r)
                 self.c.events.emit("rejoined", rank=r, pid=info.pid, old_pid=old.pid)

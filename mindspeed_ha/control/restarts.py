@@ -8,6 +8,7 @@ budget (budget.py), which may refuse recover for the next fault.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, Iterable
 
@@ -37,10 +38,12 @@ class Restarts:
         replacement node, without any agent — nothing restarted then)."""
         ranks = sorted(ranks)
         agents = self.table.agents.values()
-        # (a rank an agent started, whose agent has not registered yet, waits for that node as for
-        # a lost one: its agent, or a replacement, restarts it when it registers)
-        by_agents = {r for a in agents for r in a.ranks} | {r for r in ranks if self._started_by(r) is not None}
-        orphans = sorted(set(ranks) - by_agents)
+        # A rank an agent started whose agent has not registered here (not yet; or never with this
+        # controller, a standby that took over while that node was cut off) waits for that node as
+        # for a lost one: its agent, or a replacement, restarts it when it registers. Only a job
+        # that no agent launched has ranks nothing can restart.
+        under_agents = bool(self.table.agents) or os.environ.get("MINDSPEED_HA_AGENT_NODE", "").isdigit()
+        orphans = [] if under_agents else sorted(r for r in ranks if self._started_by(r) is None)
         if orphans:
             return [], [], orphans
         if self.host_rank in ranks and self.end_host is not None:
