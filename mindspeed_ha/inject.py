@@ -4,6 +4,8 @@
     KIND   kill (SIGKILL self) | exit (os._exit(1)) | exception (RuntimeError in the step)
            | uce (corrupt this rank's optimizer shard, raise a "UCE ERROR" MemoryFault)
            | hang (the calling thread sleeps forever; other threads keep running)
+           | freeze (the whole process stops, SIGSTOP: silent, its sockets open, as on a frozen
+             node; SIGCONT resumes it)
            | comm (abort this rank's communicators, raise a CommFault)
            | bitflip (flip one bit of this rank's optimizer shard, silently: a drill for
              --ha-verify-replicas-interval)
@@ -42,7 +44,8 @@ from mindspeed_ha.events import EventLog, get_logger
 from mindspeed_ha.faults import CommFault, MemoryFault
 
 ENV = "MINDSPEED_HA_INJECT"
-KINDS = ("kill", "exit", "exception", "uce", "hang", "comm", "bitflip", "ecc", "slow", "cuda-illegal-address")
+KINDS = ("kill", "exit", "exception", "uce", "hang", "freeze", "comm", "bitflip", "ecc", "slow",
+         "cuda-illegal-address")
 DEVICE_KINDS = {"cuda-illegal-address": "cuda"}  # drills that need a real device of that kind
 PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "step-end", "checkpoint", "recovery",
           "rebuild", "resize")
@@ -302,6 +305,8 @@ class Injector:
         elif f.kind == "hang":
             while True:  # alive, no progress; only this thread stops
                 time.sleep(3600)
+        elif f.kind == "freeze":  # the whole process stops (SIGSTOP), silent, its sockets open: a frozen node
+            os.kill(os.getpid(), signal.SIGSTOP)
         elif f.kind == "comm":
             (self._comm_breaker or default_comm_breaker)()
             raise CommFault(f"injected communication failure: communicators aborted ({where})")

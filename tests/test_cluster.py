@@ -12,8 +12,8 @@ import urllib.request
 
 import pytest
 
-from helpers import (MLM_ENV, MLM_MISSING, MLM_READY, MLM_TINY, PRETRAIN, TINY, assert_ok, clean_env, events,
-                     free_port, losses)
+from helpers import (MLM_ENV, MLM_MISSING, MLM_READY, MLM_TINY, PRETRAIN, TINY, all_rank_events, assert_ok,
+                     clean_env, events, free_port, losses)
 
 pytestmark = pytest.mark.timeout(420)
 MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
@@ -474,3 +474,41 @@ def test_elastic_rank_0s_node_lost_a_standby_scales_the_job_in(tmp_path, keys, l
     scaled = c.controller("scaled_in")
     assert [(e["old_dp"], e["dp"], e["kept"], e["dropped"]) for e in scaled] == [(4, 2, [[2], [3]], [0, 1])]
     assert_resized_losses(losses(c.dirs), ref, scaled[0]["iteration"], 1e-4)
+
+
+def test_a_frozen_node_replaced_then_thawed_finishes_bit_identical(tmp_path, keys, ref):
+    """Node 1 freezes (SIGSTOP: silent, its sockets open) while its ranks are in different phases of
+    step 7: rank 2 at the start of its forward, rank 3 at the start of its grad-sync. The survivors run
+    step 7's forward and backward and block in its gradient reduction. Node 1's agent freezes too; a
+    replacement node joins and its ranks are recovered from their twins (step 7 recomputed); then the
+    frozen processes are thawed and go on where they stopped, sending into the survivors' old
+    communicators: that must change nothing. Every loss bit-identical to the fault-free run's."""
+    c = Cluster(tmp_path, keys, free_port(), env={
+        "MINDSPEED_HA_INJECT": "freeze:rank=2:step=7:phase=forward,freeze:rank=3:step=7:phase=grad-sync"})
+    frozen = []
+    try:
+        c.start(0)
+        c.start(1)
+        c.whole()
+        c.wait(lambda: len([e for e in all_rank_events(c.node_dir[1]) if e["event"] == "inject"]) == 2,
+               "both ranks of node 1 to freeze")
+        frozen = [c.agents[1].pid, *_processes(c.node_dir[1], 1)]
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        old_agent = c.agents[1]
+        c.env.pop("MINDSPEED_HA_INJECT")  # (the replacement's workers: no drill of their own)
+        c.start(1)
+        c.wait(lambda: c.controller("recovered"), "the replacement node's recovery")
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        assert c.agents[0].wait(180) == 0, c.out(0)
+        assert c.agents[1].wait(60) == 0, c.out(1)
+        old_agent.wait(60)
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        c.close()
+    assert losses(c.dirs) == ref
