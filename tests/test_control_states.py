@@ -361,6 +361,7 @@ def test_restart_budget_counts_restarts_replacements_and_crash_loops():
     b.count({1: 5}, [])                               # died in step 5, restarted
     assert b.refusal({1: 6}, set()) is None           # got past step 5 before dying again: may go again
     assert "crash loop" in b.refusal({1: 5}, set())   # died again in (or before) the step its predecessor did
+    assert b.refusal({1: 5}, set(), crashed=set()) is None  # fell silent with its node (a cut link): no loop
     b.count({1: 6}, [])
     assert "restarted 2 time(s) already (--ha-max-restarts 2)" in b.refusal({1: 9}, set())
     b.count({}, [1, 1])

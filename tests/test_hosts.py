@@ -184,3 +184,25 @@ def test_three_hosts_the_controllers_node_cut_off_the_majority_goes_on(tmp_path,
     recovered = [e for e in ctl if e["event"] == "recovered" and e["pid"] == takeover["pid"]]
     assert [e["strategy"] for e in recovered] == ["recover"]
     assert sorted(e["rank"] for e in ctl if e["event"] == "rejoined") == [0, 1]
+
+
+def test_node_1_cut_off_during_its_recovery_finishes_bit_identical(tmp_path, hosts, references):
+    """Rank 3 (node 1) is killed in step 4; while recover has node 1's agent restart it, node 1's link
+    goes down for 12 s. The recovery under way learns of node 1's loss (a new fault: it plans again,
+    with rank 2 lost too), waits for node 1, and once the link heals takes ranks 2 and 3 back from
+    their twins on node 0. Bit-identical, one loss per iteration. (A rank of node 0 killed instead
+    would lose both holders of its shard to the cut: a double fault, which ends in the dump.)"""
+    def drill(agents, dirs):
+        deadline = time.monotonic() + 120
+        while not [e for e in events(dirs[0], "controller") if e["event"] == "restart"]:
+            assert time.monotonic() < deadline, "\n".join((d / "agent.out").read_text()[-3000:] for d in dirs)
+            time.sleep(0.05)
+        hosts.cut(1)
+        time.sleep(12.0)
+        hosts.heal(1)
+
+    dirs = run_nodes(hosts, tmp_path, {"MINDSPEED_HA_INJECT": "kill:rank=3:step=4:phase=backward"}, drill=drill)
+    assert losses(dirs) == references.tiny("dp4")
+    ctl = events(dirs, "controller")
+    assert not [e for e in ctl if e["event"] == "takeover"]
+    assert {e["rank"] for e in ctl if e["event"] == "rejoined"} == {2, 3}

@@ -23,14 +23,17 @@ class RestartBudget:
         self.died_in.update(restarted)
         self.replacements.update(set(awaiting_nodes))
 
-    def refusal(self, lost: dict[int, int], nodes_lost: set[int]) -> str | None:
+    def refusal(self, lost: dict[int, int], nodes_lost: set[int], crashed: set[int] | None = None) -> str | None:
         """Why recover may not restart these ranks (None: it may). ``lost``: rank -> the iteration
-        it died in; ``nodes_lost``: nodes whose agent is gone with them."""
+        it died in; ``nodes_lost``: nodes whose agent is gone with them; ``crashed``: those of the
+        lost whose process died (not fell silent with its node), which alone can be a crash loop
+        (default: all)."""
         over = sorted(r for r in lost if self.restarts[r] >= self.max)
         if over:
             return (f"rank(s) {over} were restarted {self.restarts[over[0]]} time(s) already "
                     f"(--ha-max-restarts {self.max})")
-        looping = sorted(r for r, it in lost.items() if r in self.died_in and it <= self.died_in[r])
+        looping = sorted(r for r, it in lost.items() if r in self.died_in and it <= self.died_in[r]
+                         and (crashed is None or r in crashed))
         if looping:
             return (f"rank(s) {looping} died again, restarted, before getting past the step their last process died "
                     "in: a crash loop, which another restart would repeat")

@@ -330,7 +330,7 @@ class Controller:
             self.first_step = None
         if kind in ("process-exit", "heartbeat-lost", "controller-lost", "node-lost"):
             self.table.mark_dead(ranks)
-            self.restarts.lost(ranks, iteration)
+            self.restarts.lost(ranks, iteration, kind)
             self.orders.excuse(ranks)  # a dead rank owes no answers (nor its successor)
             self._publish()  # a scrape during the recovery that follows counts them out already
         self._record(f)

@@ -29,9 +29,15 @@ class Restarts:
         self.restarting: set[int] = set()    # ranks restarted by their agent, not registered again yet
         self.awaiting: set[int] = set()      # of those, the ranks whose agent was not there to order
         self.died_in: dict[int, int] = {}    # rank -> the iteration its process was lost in
+        self.fell_silent: set[int] = set()   # of those, lost to silence (a node or its network), not a death seen
 
-    def lost(self, ranks: Iterable[int], iteration: int) -> None:
+    def lost(self, ranks: Iterable[int], iteration: int, kind: str) -> None:
+        ranks = list(ranks)
         self.died_in.update({r: int(iteration) for r in ranks})
+        if kind in ("heartbeat-lost", "node-lost", "controller-lost"):
+            self.fell_silent.update(ranks)
+        else:
+            self.fell_silent.difference_update(ranks)
 
     def restart(self, ranks: Iterable[int]) -> tuple[list[int], list[int], list[int]]:
         """The agents restart these ranks' workers. Returns (restarted by an agent, awaiting a
@@ -86,4 +92,7 @@ class Restarts:
         lost = {r: self.died_in.get(r, ranks[r].it) for r in self.table.lost() if r in ranks}
         live_agents = self.table.live_agents(now)
         gone = {a.node_rank for a in self.table.agents.values() if set(a.ranks) & set(lost) and a not in live_agents}
-        return self.budget.refusal(lost, gone)
+        # (a crash loop is a restarted process dying again: not one still on its way back, nor one
+        # that fell silent with its node — a cut link, a lost host —, though the budget counts both)
+        crashed = {r for r in lost if r not in self.fell_silent and r not in self.restarting}
+        return self.budget.refusal(lost, gone, crashed=crashed)
