@@ -206,3 +206,41 @@ def test_node_1_cut_off_during_its_recovery_finishes_bit_identical(tmp_path, hos
     ctl = events(dirs, "controller")
     assert not [e for e in ctl if e["event"] == "takeover"]
     assert {e["rank"] for e in ctl if e["event"] == "rejoined"} == {2, 3}
+
+
+def test_elastic_node_1_cut_off_the_store_side_scales_in_and_out_again(tmp_path, hosts, references):
+    """elastic-training only, node 1 cut for 12 s: node 0's half reaches the job store, so it goes
+    on — it scales in to DP=2 and trains — while node 1's half, which does not, takes no controller
+    and trains nothing. When the link heals, node 1's agent is back: its old workers are ended, its
+    ranks start again and the job scales out to DP=4. Every iteration is logged once (no second
+    history); bit-identical before the cut, within the bound of another data-parallel size after."""
+    iters = 100
+    flags = [*TINY, "--train-iters", str(iters), "--ha-verify-replicas-interval", "1"]
+    ref = references.losses(f"tiny-dp4-{iters}", 4, [*flags, "--enable-high-availability"])
+    pace = {"HIGH_AVAILABILITY": "elastic-training", "MINDSPEED_HA_INJECT": "slow:rank=0:step=3:factor=8"}
+
+    def drill(agents, dirs):
+        cut_at(hosts, agents, dirs, 1, 3, 12.0)
+        deadline = time.monotonic() + 120
+        while not [e for e in events(dirs[0], "controller") if e["event"] == "scaled_out"]:
+            assert time.monotonic() < deadline and agents[0].poll() is None, \
+                "\n".join((d / "agent.out").read_text()[-3000:] for d in dirs)
+            time.sleep(0.2)
+        unpace = MINDSPEED_HA + ["inject", "--log-dir", str(dirs[0]), "--kind", "slow", "--rank", "0", "--factor", "1",
+                                 "--timeout", "15"]
+        p = hosts.popen(0, unpace, env=clean_env({"MINDSPEED_HA_KEY_DIR": str(tmp_path / "keys")}),
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert p.wait(60) == 0, p.stdout.read()
+
+    dirs = run_nodes(hosts, tmp_path, pace, flags=flags, drill=drill)
+    ctl = events(dirs, "controller")
+    assert not [e for e in ctl if e["event"] == "takeover"]
+    scaled_in = [e for e in ctl if e["event"] == "scaled_in"]
+    scaled_out = [e for e in ctl if e["event"] == "scaled_out"]
+    assert [(e["old_dp"], e["dp"], e["dropped"]) for e in scaled_in] == [(4, 2, [2, 3])]
+    assert [(e["old_dp"], e["dp"], e["added"]) for e in scaled_out] == [(2, 4, [2, 3])]
+    steps = [e["iteration"] for e in events(dirs[0], "rank_0") if e["event"] == "step"]
+    assert sorted(steps) == sorted(set(steps)) == list(range(1, iters + 1))
+    got, first = losses(dirs), scaled_in[0]["iteration"]
+    assert {i: got[i] for i in ref if i <= first} == {i: ref[i] for i in ref if i <= first}
+    assert max(abs(float.fromhex(got[i]) / float.fromhex(ref[i]) - 1) for i in ref if i > first) < 1e-4

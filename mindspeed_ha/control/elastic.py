@@ -141,17 +141,19 @@ class Elastic:
 
     # ---- scale-out ----------------------------------------------------------------------------------
 
-    def offer(self, agent: Agent) -> None:
-        """A node's agent registered: if it is a new one holding ranks that left, they are to be started
-        (counted in ``restarting``: the agent is told to start them — again on each of its hellos that
-        shows them without a process, as for recover, since a first order can go to a link that is
-        still being set up)."""
+    def offer(self, agent: Agent, returned: bool = False) -> None:
+        """A node's agent registered: if it is a new one holding ranks that left, or the same one back
+        from a silence (``returned``: a node whose link was cut), they are to be started (counted in
+        ``restarting``: the agent is told to start them, its old workers ended first — again on each
+        of its hellos that shows them without a process, as for recover, since a first order can go
+        to a link that is still being set up)."""
         c = self.c
         mine = sorted(set(agent.ranks) & self.left - self.offered)
-        if not mine or not self.dp or self.agent_pid.get(agent.node_rank) == agent.pid:
+        if not mine or not self.dp or (self.agent_pid.get(agent.node_rank) == agent.pid and not returned):
             return
         self.offered |= set(mine)
         c.restarts.restarting |= set(mine)
+        c.restarts.awaiting.update(dict.fromkeys(mine))
         c.events.emit("scale_out_offer", node_rank=agent.node_rank, node=agent.node, ranks=mine)
         log.info("elastic: node %s (agent %d) is back: starting rank(s) %s to scale out", agent.node,
                  agent.node_rank, mine)

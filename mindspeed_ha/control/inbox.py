@@ -79,6 +79,7 @@ class Inbox:
             info.alive = old.pid != info.pid and r in self.c.restarts.restarting and (old.pid != 0 or started)
             if info.alive:
                 self.c.restarts.restarting.discard(r)
+                self.c.restarts.awaiting.pop(r, None)
                 self.c.events.emit("rejoined", rank=r, pid=info.pid, old_pid=old.pid)
                 log.info("rank %d rejoined with pid %d (was %d)", r, info.pid, old.pid)
         self.c.ranks[r] = info
@@ -148,6 +149,8 @@ class Inbox:
     def agent(self, ident: bytes, msg: Msg) -> None:
         n = msg["node_rank"]
         old = self.c.agents.get(n)
+        # (the same agent, silent past the loss limit until now: its node's link was cut, and healed)
+        returned = old is not None and old.pid == msg["pid"] and time.monotonic() - old.seen > self.c.table.dead_after
         self.c.agents[n] = Agent(n, ident, msg["node"], list(msg["ranks"]), list(msg["pids"]), seen=time.monotonic(),
                                  pid=msg["pid"])
         self.c.router.send(ident, self.c.ack)
@@ -162,10 +165,13 @@ class Inbox:
             self.c.fault(gone, "node-lost", info.it, info.phase,
                           detail=f"node {n} came back as a new agent (pid {msg['pid']}) without these ranks' processes",
                           key=("node-replaced", n, msg["pid"]))
-        self.c.elastic.offer(self.c.agents[n])
-        # Ranks of this node that the recovery under way waits for: this agent starts them.
-        # (a scale-out's newcomers too: the offer above counts them in)
-        due = self.c.restarts.due(msg["ranks"], msg["pids"])
+        self._start_due(ident, self.c.agents[n], returned)
+
+    def _start_due(self, ident: bytes, agent: Agent, returned: bool) -> None:
+        """The ranks this agent is to start now: those the recovery under way waits for, and a
+        scale-out's newcomers (the offer counts them in) — its node new, or back from a silence."""
+        self.c.elastic.offer(agent, returned)
+        due = self.c.restarts.due(agent.ranks, agent.pids)
         if due:
             self.c.router.send(ident, P.encode("do", action="restart", id=0, args={"ranks": due}, epoch=self.c.epoch))
 
@@ -174,8 +180,13 @@ class Inbox:
         if a is None:
             self.c.router.send(ident, P.encode("refused", reason="register first"))
             return
-        a.ident, a.seen, a.spares = ident, time.monotonic(), msg.get("spares", a.spares)
+        now = time.monotonic()
+        # (heartbeats queued while the node's link was cut can arrive before its agent registers again)
+        returned = now - a.seen > self.c.table.dead_after
+        a.ident, a.seen, a.spares = ident, now, msg.get("spares", a.spares)
         self.c.router.send(ident, self.c.ack)
+        if returned:
+            self._start_due(ident, a, returned)
 
     def exit(self, ident: bytes, msg: Msg) -> None:
         r = self.c.table.check(msg["rank"])

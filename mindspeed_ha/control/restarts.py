@@ -27,7 +27,9 @@ class Restarts:
         self.host_rank, self.end_host = host_rank, end_host
         self.budget = RestartBudget(max_restarts)
         self.restarting: set[int] = set()    # ranks restarted by their agent, not registered again yet
-        self.awaiting: set[int] = set()      # of those, the ranks whose agent was not there to order
+        # Of those, the ranks whose agent was not there to order: rank -> the worker pid its agent
+        # listed when it was ordered at last (None: not yet), until the agent lists another one.
+        self.awaiting: dict[int, int | None] = {}
         self.died_in: dict[int, int] = {}    # rank -> the iteration its process was lost in
         self.fell_silent: set[int] = set()   # of those, lost to silence (a node or its network), not a death seen
 
@@ -63,7 +65,7 @@ class Restarts:
         live_agents = self.table.live_agents(time.monotonic())
         by_agent = sorted(r for a in live_agents for r in a.ranks if r in ranks)
         awaiting = sorted(set(ranks) - set(by_agent))
-        self.restarting, self.awaiting = set(ranks), set(awaiting)
+        self.restarting, self.awaiting = set(ranks), dict.fromkeys(awaiting)
         nodes = {a.node_rank for a in agents if set(a.ranks) & set(awaiting)}
         nodes |= {n for r in awaiting if (n := self._started_by(r)) is not None}
         self.budget.count({r: self.died_in.get(r, -1) for r in ranks}, sorted(nodes))
@@ -75,9 +77,19 @@ class Restarts:
         """An agent registered with these ranks (``pids``: its workers, 0 for none): those of them
         this recovery restarts and nobody ordered yet — a replacement node's, or those of a node that
         was cut off and is back (its old workers, still running, are ended by the restart)."""
-        due = sorted(r for r, pid in zip(ranks, pids) if r in self.restarting and (not pid or r in self.awaiting))
-        self.awaiting -= set(due)
-        return due
+        due = []
+        for r, pid in zip(ranks, pids):
+            if r not in self.restarting:
+                continue
+            if r not in self.awaiting:
+                if not pid:  # (a node replaced while its ranks were being restarted elsewhere)
+                    due.append(r)
+            elif self.awaiting[r] in (None, pid):  # not ordered yet, or the order was lost on the way
+                self.awaiting[r] = pid
+                due.append(r)
+            else:  # a new worker: the order was carried out
+                del self.awaiting[r]
+        return sorted(due)
 
     def _started_by(self, r: int) -> int | None:
         """The node rank of the agent that started rank ``r``, as the rank registered (None: another

@@ -465,7 +465,11 @@ class Agent:
             # wait for it too (a controller whose own rank hung ends itself for a standby).
             succession = (self.link.ever_active and not self.link.active
                           and now - self.link.active_at < TAKEOVER_WAIT_S)
-            if (not self.link.ever_active or (waited > self.a.decision_timeout and not busy and not succession)
+            # (an HA job's agent that has not reached the controller yet waits for it as for an
+            # order — a rank lost right after the job started is the controller's to recover: the
+            # exit report goes there once the link connects)
+            if ((not self.link.ever_active and not self.ha)
+                    or (waited > self.a.decision_timeout and not busy and not succession)
                     or waited > self.a.decision_timeout + 150.0 or (all_gone_at and now - all_gone_at > 3.0)):
                 return self._act_alone(failed, alive)
 
