@@ -81,8 +81,8 @@ class Elastic:
         members = c.world - len(self.left)
         live = len(c.table.live() - self.left)
         store = c.job_store
-        if election.has_quorum(live, members) or (2 * live == members and (
-                store is None or store.refused or time.monotonic() - store.answered_at < election.LEASE_S)):
+        if election.may_go_on(live, members, store is None or store.refused
+                              or time.monotonic() - store.answered_at < election.LEASE_S):
             return ""
         why = "no majority" if 2 * live < members else "half of them, and the job store does not answer"
         return (f"elastic not tried: {live} of the job's {members} ranks live ({why}): this may be the cut-off "

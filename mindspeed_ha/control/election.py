@@ -44,6 +44,12 @@ def has_quorum(reachable: int, world: int) -> bool:
 LEASE_S = 3.0  # the active controller's store counter (0.5 s rounds) standing still this long: it lost the store
 
 
+def may_go_on(live: int, world: int, store_side: bool) -> bool:
+    """A side of a split job may train on without the rest: a majority of the ranks, or exactly half
+    on the job store's side (``store_side``)."""
+    return has_quorum(live, world) or (world > 0 and 2 * live == world and store_side)
+
+
 def may_take_over(reachable: int, world: int, controller_reachable: bool, store_lost_it: bool = True) -> bool:
     """A standby takes over with a quorum, or with exactly half of the world when the controller's
     own rank is not among them and the job store agrees that the controller is gone
@@ -54,8 +60,7 @@ def may_take_over(reachable: int, world: int, controller_reachable: bool, store_
     the other half's standby finds the store silent, so never takes over. (A node that dies silent
     with the store cannot be told from a partition: its half waits for the node's replacement, whose
     new store lets it take over.)"""
-    return has_quorum(reachable, world) or (world > 0 and 2 * reachable == world and not controller_reachable
-                                            and store_lost_it)
+    return may_go_on(reachable, world, not controller_reachable and store_lost_it)
 
 
 def read_controller_json(log_dir: str, job_id: str | None = None) -> dict[str, Any] | None:
