@@ -414,3 +414,42 @@ def test_every_rank_learns_the_standbys_at_once_not_at_its_next_heartbeat(tmp_pa
             s.close()
         ctx.term()
         c.close()
+
+
+def test_a_moved_job_store_keeps_the_records_at_home_for_a_replacement_of_node_0():
+    """The job store moved (node 0's agent, which served it, is gone): records go to the new store,
+    and to the home address too, where a replacement of node 0 — which knows nothing but
+    --master-addr — serves a new, empty store: it finds the running job's controller there. The
+    controller's counter, the tie-break of a split job, counts only in the store in use."""
+    from helpers import free_port
+    from mindspeed_ha.comm.stores import serve
+    from mindspeed_ha.control.discovery import CONTROLLER_KEY, JobStore, beat_key
+    home = ("127.0.0.1", free_port())
+    first, moved = serve(*home), serve("127.0.0.1")
+    record = {"endpoint": "tcp://127.0.0.1:1", "epoch": 1}
+    controller = JobStore(home, period_s=0.1)
+    readers: list = []
+    try:
+        controller.publish(CONTROLLER_KEY, record, epoch=1)
+        controller.beat(beat_key(1))
+
+        def seen_at(address):
+            reader = JobStore(address, period_s=0.1)
+            readers.append(reader)
+            reader.watch(CONTROLLER_KEY)
+            deadline = _time.time() + 10
+            while _time.time() < deadline and reader.seen(CONTROLLER_KEY) is None:
+                _time.sleep(0.05)
+            return reader.seen(CONTROLLER_KEY)
+
+        assert seen_at(home) == record
+        del first  # (node 0's agent is gone)
+        assert controller.move(("127.0.0.1", moved.port)) and not controller.move(("127.0.0.1", moved.port))
+        assert seen_at(("127.0.0.1", moved.port)) == record
+        replacement = serve(*home)  # (node 0 started again)
+        assert seen_at(home) == record
+        _time.sleep(0.5)
+        assert replacement.add(beat_key(1), 0) == 0 and moved.add(beat_key(1), 0) > 0
+    finally:
+        for s in (controller, *readers):
+            s.close()

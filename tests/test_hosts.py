@@ -2,7 +2,9 @@
 nothing but --master-addr, as on real hosts whose name resolves to a loopback address (this
 machine's /etc/hosts maps its name to 127.0.0.1, in every namespace)."""
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -165,7 +167,8 @@ def test_three_hosts_the_controllers_node_cut_off_the_majority_goes_on(tmp_path,
     """Node 0 — rank 0 with the controller, and the job store — is cut off for 25 s. Nodes 1 and 2
     hold the majority: a standby there takes over (and only one), declares node 0's ranks lost and
     waits for their node. When the link heals, node 0's controller finds the newer one in the job
-    store and retires, sending its ranks and agent there; the new controller fences the old ranks, has
+    store (the new controller moved the store to node 1's agent, and keeps its record at node 0's
+    too) and retires, sending its ranks and agent there; the new controller fences the old ranks, has
     node 0's agent restart them, and they take their state from their twins. Bit-identical to the
     fault-free run on six ranks, one loss per iteration."""
     if WHY_NOT:
@@ -179,6 +182,8 @@ def test_three_hosts_the_controllers_node_cut_off_the_majority_goes_on(tmp_path,
     ctl = events(dirs, "controller")
     (takeover,) = [e for e in ctl if e["event"] == "takeover"]
     assert takeover["rank"] >= 2 and takeover["why"] == "quorum" and takeover["reachable"] >= 4
+    (moved,) = [e for e in ctl if e["event"] == "store_moved"]  # (node 0's store is out of reach)
+    assert moved["pid"] == takeover["pid"] and moved["node_rank"] in (1, 2)
     (retired,) = [e for e in ctl if e["event"] == "superseded"]
     assert retired["epoch"] == takeover["epoch"]
     recovered = [e for e in ctl if e["event"] == "recovered" and e["pid"] == takeover["pid"]]
@@ -244,3 +249,52 @@ def test_elastic_node_1_cut_off_the_store_side_scales_in_and_out_again(tmp_path,
     got, first = losses(dirs), scaled_in[0]["iteration"]
     assert {i: got[i] for i in ref if i <= first} == {i: ref[i] for i in ref if i <= first}
     assert max(abs(float.fromhex(got[i]) / float.fromhex(ref[i]) - 1) for i in ref if i > first) < 1e-4
+
+
+def test_node_0s_agent_killed_the_job_store_moves_and_a_restarted_rank_finds_the_controller(tmp_path, hosts,
+                                                                                              references):
+    """Node 0's agent, which serves the job store, is killed (SIGKILL) at iteration 2; its workers,
+    rank 0 with the controller among them, train on. The store's host now refuses connections: the
+    controller moves the job store to node 1's agent, which stood ready with an empty one, and every
+    rank and agent follows. Then rank 3 (node 1) is killed: node 1's agent restarts it, pointed at
+    the store in use, and the new process — whose node has no controller.json — finds the controller
+    there and takes its state from its twin. Bit-identical, one loss per iteration."""
+    agents, dirs = start_nodes(hosts, tmp_path, FLAGS, {"MINDSPEED_HA_INJECT": "slow:rank=0:step=any:factor=16"})
+    orphans: list[int] = []
+
+    def wait_for(what, deadline_s=120):
+        deadline = time.monotonic() + deadline_s
+        while not what():
+            assert time.monotonic() < deadline and agents[1].poll() is None, \
+                "\n".join((d / "agent.out").read_text()[-3000:] for d in dirs)
+            time.sleep(0.1)
+
+    try:
+        wait_for(lambda: max([e["iteration"] for e in all_rank_events(dirs) if e["event"] == "step"] or [0]) >= 2)
+        orphans += [e["worker_pid"] for e in events(dirs[0], "agent_0") if e["event"] == "worker_start"]
+        agents[0].kill()
+        wait_for(lambda: [e for e in events(dirs[0], "controller") if e["event"] == "store_moved"])
+        kill = MINDSPEED_HA + ["inject", "--log-dir", str(dirs[0]), "--kind", "kill", "--rank", "3", "--timeout", "15"]
+        p = hosts.popen(0, kill, env=clean_env({"MINDSPEED_HA_KEY_DIR": str(tmp_path / "keys")}),
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert p.wait(60) == 0, p.stdout.read()
+        assert agents[1].wait(240) == 0, (dirs[1] / "agent.out").read_text()[-3000:]
+    finally:
+        for p in agents:
+            if p.poll() is None:
+                p.kill()
+        for pid in orphans:  # (node 0's workers, without their agent, end with the job; should the test fail)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert losses(dirs) == references.tiny("dp4")
+    ctl = events(dirs, "controller")
+    (moved,) = [e for e in ctl if e["event"] == "store_moved"]
+    assert moved["old"] == f"{hosts.addr(0)}:{moved['old'].rpartition(':')[2]}"
+    assert moved["node_rank"] == 1 and moved["new"].startswith(hosts.addr(1) + ":") and "refuses" in moved["why"]
+    (rec,) = [e for e in ctl if e["event"] == "recovered"]
+    assert rec["strategy"] == "recover"
+    assert [e["rank"] for e in ctl if e["event"] == "rejoined"] == [3]
+    assert not (dirs[1] / "controller.json").exists()
+    assert not [e for e in ctl if e["event"] == "takeover"]

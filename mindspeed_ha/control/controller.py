@@ -231,6 +231,7 @@ class Controller:
             self.succession.migrate_when_ready(now)
             if self.succession.superseded():
                 return
+            self.succession.keep_store(now)
             if now - self._last_scan >= self.hb / 10:
                 self._last_scan = now
                 self._scan(now)
@@ -241,8 +242,10 @@ class Controller:
 
     # ---- output -------------------------------------------------------------------------------
     def refresh_ack(self) -> None:
+        store = self.job_store
+        moved = {"store": discovery.address_text(store.address)} if store is not None and store.moves else {}
         self.ack = P.encode("ack", epoch=self.epoch, state=self.machine.state.value, standby=self.standby,
-                             backups=self.standbys.endpoints())
+                             backups=self.standbys.endpoints(), **moved)
 
     def push_backups(self) -> None:
         """Every live rank and agent learns the standbys now, not in its next heartbeat's answer: a

@@ -15,7 +15,14 @@ there too). It holds, under ``mindspeed_ha/``:
                         from half the ranks cannot both take over
 
 Publishers re-write their records whenever the store lacks them (a replacement of node 0 serves a
-new, empty store) and a controller never writes over a newer epoch's record. All store traffic
+new, empty store) and a controller never writes over a newer epoch's record.
+
+The store moves when it is lost while the job runs (node 0's agent died, or node 0 is cut off from
+a majority): every other agent stands ready with an empty store of its own, and the controller
+picks one (``Succession.keep_store``) and names it in every answer it sends (``ack``'s ``store``);
+each process's ``JobStore`` then ``move``s there. Records published keep going to the job's first
+store too (``--master-addr``, the *home* store), whenever it answers: a replacement of node 0, which
+knows nothing but that address, finds the running job there. All store traffic
 runs on one background thread per process (``JobStore``), so a store that is down or slow never
 blocks a heartbeat or the controller's loop: readers get the newest record that thread has seen.
 
@@ -62,8 +69,17 @@ def store_address(env: Mapping[str, str] = os.environ) -> tuple[str, int] | None
     text = env.get(ENV, "")
     if not text and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get("MASTER_ADDR"):
         text = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}"
+    return parse_address(text)
+
+
+def parse_address(text: str) -> tuple[str, int] | None:
+    """``host:port`` as (host, port); None for anything else."""
     host, _, port = text.rpartition(":")
     return (host, int(port)) if host and port.isdigit() else None
+
+
+def address_text(address: tuple[str, int]) -> str:
+    return f"{address[0]}:{address[1]}"
 
 
 def controller_is_external(env: Mapping[str, str] = os.environ) -> bool:
@@ -82,8 +98,12 @@ class JobStore:
     """This process's view of the job store: records it publishes (kept there) and records it
     watches (their newest values), both maintained on one daemon thread."""
 
-    def __init__(self, address: tuple[str, int], period_s: float = PERIOD_S, connect_timeout_s: float = 2.0):
-        self.address = address
+    def __init__(self, address: tuple[str, int], period_s: float = PERIOD_S, connect_timeout_s: float = 2.0,
+                 mirror_of: "JobStore | None" = None):
+        self.address = self.home = address
+        self._mirror: JobStore | None = None     # the home store, written to while the store is elsewhere
+        self._publish_only = mirror_of is not None
+        self.moves = 0                           # times the job store moved (0: it is at home)
         self.period_s, self.connect_timeout_s = period_s, connect_timeout_s
         self._lock = threading.Lock()
         self._own: dict[str, tuple[dict[str, Any], int | None]] = {}   # key -> (record, epoch or None)
@@ -92,15 +112,14 @@ class JobStore:
         self._beats: set[str] = set()                                    # counters counted up each round
         self._counters: dict[str, tuple[int, float, float]] = {}  # counter -> (value, when it moved, last read)
         self._claims: dict[str, tuple[str, str | None]] = {}     # key -> (our claim, the winner's, once read)
-        self._client: TCPStore | None = None
         self.reachable = False
         self.ever_reached = False
         self.answered_at = 0.0       # (monotonic) the end of the last round the store answered in full
         self.refused = False         # since then, its host refused the connection: up, with no store
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mindspeed-ha-job-store", daemon=True)
-        self._thread.start()
+        self._gen = 0        # the thread of this number talks to the store in use; a move starts another
+        self._thread = self._start_thread()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "JobStore | None":
@@ -118,11 +137,40 @@ class JobStore:
         """Keep ``record`` under ``key`` (``epoch``: never over a record of a newer epoch)."""
         with self._lock:
             self._own[key] = (dict(record), epoch)
+            mirror = self._mirror
+        if mirror is not None:
+            mirror.publish(key, record, epoch)
         self._wake.set()
 
     def withdraw(self, key: str) -> None:
         with self._lock:
             self._own.pop(key, None)
+            mirror = self._mirror
+        if mirror is not None:
+            mirror.withdraw(key)
+
+    def move(self, address: tuple[str, int]) -> bool:
+        """Use the job store at ``address`` from now on (the controller moved it there); True if it
+        is news. What this process publishes is written there, and to the home store as well."""
+        address = (str(address[0]), int(address[1]))
+        with self._lock:
+            if address == self.address:
+                return False
+            log.warning("the job store moved from %s:%d to %s:%d", *self.address, *address)
+            self.address = address
+            self._gen += 1
+            self.moves += 1
+            self._counters = {k: (-1, 0.0, 0.0) for k in self._counters}  # (another store's counters)
+            self.reachable, self.refused = False, False
+            if address != self.home and self._mirror is None:
+                self._mirror = JobStore(self.home, self.period_s, self.connect_timeout_s, mirror_of=self)
+                for key, (record, epoch) in self._own.items():
+                    self._mirror.publish(key, record, epoch)
+            # (a new thread: the old one may hang in a call to a store cut off, which returns only
+            # when the link heals; it ends at its next turn, and what it read then is dropped)
+            self._thread = self._start_thread()
+        self._wake.set()
+        return True
 
     def watch(self, *keys: str) -> None:
         with self._lock:
@@ -178,48 +226,64 @@ class JobStore:
         retries once within its timeout, so two timeouts and a margin bound the wait."""
         self._stop.set()
         self._wake.set()
+        if self._mirror is not None:
+            self._mirror.close()
         self._thread.join(3 * self.connect_timeout_s + 1.0)
 
     # ---- the thread -----------------------------------------------------------------------------
     _rounds = 0
 
+    def _start_thread(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, args=(self._gen,), name="mindspeed-ha-job-store", daemon=True)
+        thread.start()
+        return thread
+
     def _connect(self) -> TCPStore:
         import torch.distributed as dist
-        host, port = self.address
+        with self._lock:
+            host, port = self.address
         return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=self.connect_timeout_s),
                              wait_for_workers=False)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
+    def _run(self, gen: int) -> None:
+        client: TCPStore | None = None
+        while not self._stop.is_set() and self._gen == gen:
             try:
-                if self._client is None:
-                    self._client = self._connect()
-                self._round(self._client)
-                self.answered_at, self.refused = time.monotonic(), False
-                if not self.reachable:
-                    log.debug("job store %s:%d reached", *self.address)
-                self.reachable = self.ever_reached = True
+                if client is None:
+                    client = self._connect()
+                self._round(client, gen)
+                if self._gen == gen:  # (else what it tells is about the store it left)
+                    self.answered_at, self.refused = time.monotonic(), False
+                    if not self.reachable:
+                        log.debug("job store %s:%d reached", *self.address)
+                    self.reachable = self.ever_reached = True
             except Exception as e:  # down, restarting, or not yet up: try again next period
-                if self.reachable:
-                    log.warning("job store %s:%d unreachable (%s); retrying", *self.address, str(e)[:120])
-                self.reachable = False
-                self._client = None
-                self.refused = _refuses(self.address)
-                with self._lock:
-                    self._counters = {k: (-1, 0.0, 0.0) for k in self._counters}
+                client = None
+                if self._gen == gen:
+                    if self.reachable:
+                        log.warning("job store %s:%d unreachable (%s); retrying", *self.address, str(e)[:120])
+                    self.reachable = False
+                    refused = _refuses(self.address)
+                    with self._lock:
+                        self.refused = refused and self._gen == gen
+                        self._counters = {k: (-1, 0.0, 0.0) for k in self._counters}
             with self._lock:
                 self._rounds += 1
             self._wake.wait(self.period_s)
             self._wake.clear()
 
-    def _round(self, store: Store) -> None:
+    def _round(self, store: Store, gen: int) -> None:
         with self._lock:
             own, watch, beats, counters = dict(self._own), set(self._watch), set(self._beats), dict(self._counters)
             claims = {k: mine for k, (mine, winner) in self._claims.items() if winner is None}
+        if self._publish_only:  # (the home store, while the job's is elsewhere: records only)
+            watch, beats, counters, claims = set(), set(), {}, {}
         for key, mine in claims.items():
             # (the value is set only where the key is new: whoever set it first has it)
             winner = store.compare_set(key, "", mine)
             with self._lock:
+                if self._gen != gen:
+                    return
                 self._claims[key] = (mine, winner.decode() if isinstance(winner, bytes) else str(winner))
         for key, (record, epoch) in own.items():
             self._keep(store, key, record, epoch)
@@ -229,6 +293,8 @@ class JobStore:
             count = store.add(key, 0)
             now = time.monotonic()
             with self._lock:
+                if self._gen != gen:  # (read in the store it left)
+                    break
                 self._counters[key] = (count, now, now) if count != last else (last, moved, now)
         for key in watch:
             value = _read(store, key)

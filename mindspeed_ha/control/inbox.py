@@ -74,8 +74,11 @@ class Inbox:
             # process, and where the lost one's pid is not known (a controller that took over never
             # heard from it) the one its agent says it started — not the lost one coming back
             # (a node whose link healed: its old workers reconnect before their agent ends them).
+            # While the restart is awaited, the pid the agent lists is the old worker's: its new one
+            # is listed only once the agent carried the order out.
             agent = self.c.table.agent_of(r)
-            started = agent is not None and agent.pids[agent.ranks.index(r)] == info.pid
+            started = agent is not None and agent.pids[agent.ranks.index(r)] == info.pid \
+                and r not in self.c.restarts.awaiting
             info.alive = old.pid != info.pid and r in self.c.restarts.restarting and (old.pid != 0 or started)
             if info.alive:
                 self.c.restarts.restarting.discard(r)
@@ -152,7 +155,7 @@ class Inbox:
         # (the same agent, silent past the loss limit until now: its node's link was cut, and healed)
         returned = old is not None and old.pid == msg["pid"] and time.monotonic() - old.seen > self.c.table.dead_after
         self.c.agents[n] = Agent(n, ident, msg["node"], list(msg["ranks"]), list(msg["pids"]), seen=time.monotonic(),
-                                 pid=msg["pid"])
+                                 pid=msg["pid"], store=msg.get("store", ""))
         self.c.router.send(ident, self.c.ack)
         # A node started again (a new agent), or an agent with no worker for a rank we think alive
         # (a standby that took over never knew the old node): those processes are gone.

@@ -183,6 +183,7 @@ class ControllerLink:
                     self.epoch = msg["epoch"]
                     self.state = msg["state"]
                     self.cands.connected(self.endpoint, msg["epoch"])
+                    self._follow_store(msg.get("store"))
                 if msg.get("backups"):
                     self.cands.backups = list(msg["backups"])
             elif t == "refused":
@@ -198,6 +199,13 @@ class ControllerLink:
             else:
                 out.append(msg)
         return out
+
+    def _follow_store(self, text: str | None) -> None:
+        """The active controller names the job store in use: it moved there when the first was lost."""
+        from .discovery import parse_address
+        address = parse_address(text) if text else None
+        if address is not None and self.cands.store is not None:
+            self.cands.store.move(address)
 
     def _close_sockets(self, linger: int) -> None:
         if self.monitor is not None:

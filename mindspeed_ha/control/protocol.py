@@ -115,8 +115,10 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "preempt": {"signal": (_int, R), "rank": (_int, O), "node_rank": (_int, O), "pid": (_int, O),
                 "rid": (_str, O)},
     # agent -> controller
+    # ``store``: host:port of the job store this agent serves, or stands ready to (the job store
+    # moves there should the one in use be lost)
     "agent": {"node": (_str, R), "node_rank": (_int, R), "nnodes": (_int, R), "pid": (_int, R),
-              "ranks": ("ints", R), "pids": ("ints", R)},
+              "ranks": ("ints", R), "pids": ("ints", R), "store": (_str, O)},
     "agent_hb": {"node_rank": (_int, R), "spares": (_int, O)},
     "health": {"node_rank": (_int, R), "ranks": ("ints", R), "detail": (_str, O)},
     "exit": {"node_rank": (_int, R), "rank": (_int, R), "pid": (_int, R), "code": (_int, O),
@@ -127,7 +129,9 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "inject": {"kind": (_str, R), "rank": (_int, R), "step": (_int, O), "phase": (_str, O), "factor": (_float, O)},
     "migrate": {"rank": (_int, R), "reason": (_str, O)},
     # controller -> peers
-    "ack": {"epoch": (_int, R), "state": (_str, R), "standby": (_bool, O), "backups": ("strs", O)},
+    # ``store``: host:port of the job store in use (it moved from --master-addr when that one was lost)
+    "ack": {"epoch": (_int, R), "state": (_str, R), "standby": (_bool, O), "backups": ("strs", O),
+            "store": (_str, O)},
     "do": {"action": (_str, R), "id": (_int, R), "args": ("map", O), "epoch": (_int, R)},
     "status": {"body": ("map", R)},
     "settled": {"rids": ("strs", R)},  # reports whose fault a recovery has dealt with: never re-send them

@@ -57,6 +57,7 @@ class Agent:
     seen: float = 0.0
     spares: int = 0              # spare workers ready to take a rank (as of its last heartbeat)
     pid: int = 0                 # the agent's own process: a new one for a node means the node was replaced
+    store: str = ""              # host:port of the job store it serves or stands ready to serve
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,6 +36,8 @@ class Succession:
         self.handing_to: int | None = None     # the standby ordered to take over (this controller retires)
         self.ordered: dict[str, Any] | None = None  # a standby: the takeover ordered by the active controller
         self.after: tuple[int, str, float] | None = None  # a new controller: (rank to migrate, reason, since)
+        self._store_moved_at = 0.0                        # when this controller moved the job store
+        self._store_nowhere_said = False
 
     # ---- where the active controller is -------------------------------------------------------------
     def announce(self, quiet: bool = False) -> None:
@@ -54,6 +56,42 @@ class Succession:
         if not quiet:
             log.info("controller (epoch %d) listening on %s, world %d, %s", c.epoch, c.endpoint,
                      c.world, "CurveZMQ" if c.keys.secure else "INSECURE")
+
+    def keep_store(self, now: float) -> None:
+        """Move the job store to a live agent's when it is lost while the job runs: its host refuses
+        connections (node 0's agent, which served it, is gone), or it stays silent while this
+        controller hears a majority of the ranks (node 0 is cut off or dead; less than half, and
+        this controller may be the side cut off: the store stays the tie-break of the side that
+        reaches it). Without a store, a restarted rank on a node without this log dir would find
+        no controller, and a standby could not take over with half of the world."""
+        c = self.c
+        store = c.job_store
+        # (since the last round it answered in full: a call to a store cut off may hang, not fail)
+        silent = now - max(store.answered_at, self._store_moved_at) if store is not None and store.ever_reached else 0.0
+        if store is None or silent < 1.0:
+            return
+        if store.refused:
+            why = "its host refuses connections (the agent that served it is gone)"
+        elif silent >= 2 * election.LEASE_S and election.has_quorum(len(c.table.live()), c.world):
+            why = f"it has not answered for {silent:.0f} s, while this controller hears a majority of the ranks"
+        else:
+            return
+        here = discovery.address_text(store.address)
+        offers = sorted((a for a in c.table.live_agents(now) if a.store and a.store != here), key=lambda a: a.node_rank)
+        if not offers:
+            if not self._store_nowhere_said:
+                self._store_nowhere_said = True
+                log.error("the job store %s is lost (%s) and no live agent offers one: a rank restarted on a node "
+                          "without this log dir will not find the controller", here, why)
+            return
+        to = offers[0]
+        address = discovery.parse_address(to.store)
+        if address is None or not store.move(address):
+            return
+        self._store_moved_at, self._store_nowhere_said = now, False
+        c.events.emit("store_moved", old=here, new=to.store, node_rank=to.node_rank, why=why)
+        log.warning("the job store %s is lost: %s; it moves to node %d's agent, %s", here, why, to.node_rank, to.store)
+        c.push_backups()  # (every answer names the store in use from now on)
 
     def serve_metrics(self) -> None:
         """--ha-metrics-port: the active controller (a standby from its takeover) serves /metrics."""

@@ -123,7 +123,7 @@ class Agent:
                    # The rendezvous meets at the store this job's node 0 agent serves (torchrun's way):
                    # it outlives any worker, rank 0 included.
                    TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
-                   TORCHELASTIC_RUN_ID=self.job_id, MINDSPEED_HA_JOB_STORE=f"{a.master_addr}:{a.master_port}",
+                   TORCHELASTIC_RUN_ID=self.job_id, MINDSPEED_HA_JOB_STORE=self._job_store(),
                    MINDSPEED_HA_LOG_DIR=self.log_dir, MINDSPEED_HA_JOB_ID=self.job_id,
                    MINDSPEED_HA_NODE=self.node, MINDSPEED_HA_NODE_HOST=self.node_host,
                    # (the rank tells the controller which agent restarts it, should this agent
@@ -137,6 +137,11 @@ class Agent:
         else:
             env["MINDSPEED_HA_KEY_DIR"] = self.key_dir
         return env
+
+    def _job_store(self) -> str:
+        """Where a worker started now finds the controller: the job store in use (it may have moved
+        from --master-addr)."""
+        return discovery.address_text(self.store.address)
 
     def _spawn(self, local_rank: int, restarts: int = 0) -> Worker:
         rank = self.a.node_rank * self.a.nproc_per_node + local_rank
@@ -176,7 +181,8 @@ class Agent:
         old = self.workers.get(rank)
         local_rank = rank - self.a.node_rank * self.a.nproc_per_node
         restarts = old.restarts + 1 if old is not None else 1
-        taken = self.spares.hand_over(spare.assignment(rank, local_rank, restarts, self.logs.env(local_rank)))
+        taken = self.spares.hand_over(spare.assignment(rank, local_rank, restarts,
+                                                       {**self.logs.env(local_rank), discovery.ENV: self._job_store()}))
         if taken is None:
             self._spawn(local_rank, restarts)
             return
@@ -223,8 +229,9 @@ class Agent:
         ranks = ranks_of(self.a.node_rank, self.a.nproc_per_node)
         # (a replacement node's ranks have no worker until the controller orders their restart: pid 0)
         pids = [self.workers[r].popen.pid if r in self.workers else 0 for r in ranks]
+        offer = {"store": self.store_offer} if self.store_offer else {}
         return P.encode("agent", node=self.node, node_rank=self.a.node_rank, nnodes=self.a.nnodes,
-                        pid=os.getpid(), ranks=ranks, pids=pids)
+                        pid=os.getpid(), ranks=ranks, pids=pids, **offer)
 
     # ---- controller orders --------------------------------------------------------------------
     def _on_do(self, msg: dict) -> None:
@@ -285,14 +292,23 @@ class Agent:
         self.logs = WorkerLogs(a.log_dir, a.redirects, a.tee, a.local_ranks_filter, self.job_id,
                                a.nproc_per_node, a.node_rank, a.role)
         self.served = None
+        self.store_offer = ""   # host:port of the store this agent serves, or stands ready to
+        from ..comm.stores import serve
         if a.node_rank == 0:  # the job store: where this job's workers and agents meet
-            from ..comm.stores import serve
             try:
                 self.served = serve(a.master_addr, a.master_port)
             except OSError as e:
                 raise LaunchError(f"node 0's agent cannot serve the job store at {a.master_addr}:{a.master_port} "
                                   f"({e.strerror or e}): run node 0 on the host --master-addr names, with a free "
                                   "--master-port") from None
+            self.store_offer = f"{a.master_addr}:{a.master_port}"
+        elif self.ha:  # an empty one, for the job store to move to should node 0's be lost
+            try:
+                self.served = serve(self.node_host, 0)
+                self.store_offer = f"{self.node_host}:{self.served.port}"
+            except OSError as e:
+                log.warning("agent %d: cannot serve a standby job store on %s (%s): the job store cannot move here",
+                            a.node_rank, self.node_host, e.strerror or e)
         self.store = JobStore((a.master_addr, a.master_port))
         try:
             return self._run()
