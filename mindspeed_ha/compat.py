@@ -103,6 +103,11 @@ def is_placeholder_work(work) -> bool:
     return isinstance(work, c10d._IllegalWork)
 
 
+def coalescing(group) -> bool:
+    """A coalescing block is open on ``group``: its collectives are recorded, not issued."""
+    return group in c10d._world.pg_coalesce_state
+
+
 def drop_coalescing(group) -> None:
     """Forget a coalescing block's recorded ops (torch leaves them behind when the block raises)."""
     c10d._world.pg_coalesce_state.pop(group, None)

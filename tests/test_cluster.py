@@ -476,15 +476,22 @@ def test_elastic_rank_0s_node_lost_a_standby_scales_the_job_in(tmp_path, keys, l
     assert_resized_losses(losses(c.dirs), ref, scaled[0]["iteration"], 1e-4)
 
 
-def test_a_frozen_node_replaced_then_thawed_finishes_bit_identical(tmp_path, keys, ref):
-    """Node 1 freezes (SIGSTOP: silent, its sockets open) while its ranks are in different phases of
-    step 7: rank 2 at the start of its forward, rank 3 at the start of its grad-sync. The survivors run
-    step 7's forward and backward and block in its gradient reduction. Node 1's agent freezes too; a
-    replacement node joins and its ranks are recovered from their twins (step 7 recomputed); then the
-    frozen processes are thawed and go on where they stopped, sending into the survivors' old
-    communicators: that must change nothing. Every loss bit-identical to the fault-free run's."""
+@pytest.mark.parametrize("where", ["rank=2:step=7:phase=forward", "rank=2:step=7:phase=grad-sync"],
+                         ids=["phases", "grad-sync"])
+def test_a_frozen_node_replaced_then_thawed_finishes_bit_identical(tmp_path, keys, ref, where):
+    """Node 1 freezes (SIGSTOP: silent, its sockets open) with rank 3 at the start of step 7's
+    grad-sync and rank 2 at the start of its forward (ranks in different phases) or of its grad-sync
+    too. The survivors run step 7's forward and backward and block in its gradient reduction. Node
+    1's agent freezes too; a replacement node joins and its ranks are recovered from their twins (step
+    7 recomputed); then the frozen workers are thawed (their agent 3 s later) and go on where they
+    stopped, until the controller tells them to exit. Ranks thawed in their grad-sync complete the
+    survivors' stopped reduction in the old communicators at once, while the survivors, slowed down
+    from step 8 to 13, sit between zeroing their gradient buffer and their next backward. That must
+    change nothing: the late result lands in no buffer of theirs (without that, one run in two of
+    the second case diverged). Every loss bit-identical to the fault-free run's."""
+    slow = ",".join(f"slow:rank={r}:step={s}:factor={f}" for r in (0, 1) for s, f in ((8, 5), (14, 1)))
     c = Cluster(tmp_path, keys, free_port(), env={
-        "MINDSPEED_HA_INJECT": "freeze:rank=2:step=7:phase=forward,freeze:rank=3:step=7:phase=grad-sync"})
+        "MINDSPEED_HA_INJECT": f"freeze:{where},freeze:rank=3:step=7:phase=grad-sync,{slow}"})
     frozen = []
     try:
         c.start(0)
@@ -499,8 +506,10 @@ def test_a_frozen_node_replaced_then_thawed_finishes_bit_identical(tmp_path, key
         c.env.pop("MINDSPEED_HA_INJECT")  # (the replacement's workers: no drill of their own)
         c.start(1)
         c.wait(lambda: c.controller("recovered"), "the replacement node's recovery")
-        for pid in frozen:
+        for pid in frozen[1:]:  # the workers first: they go on with step 7 before their agent can stop them
             os.kill(pid, signal.SIGCONT)
+        time.sleep(3.0)
+        os.kill(frozen[0], signal.SIGCONT)
         assert c.agents[0].wait(180) == 0, c.out(0)
         assert c.agents[1].wait(60) == 0, c.out(1)
         old_agent.wait(60)

@@ -197,6 +197,66 @@ def worker_uncovered_lost(rank, port, port2, out):
     os._exit(0)
 
 
+def worker_late(rank, port, port2, out):
+    """Ranks 0-2 are stopped in three collectives rank 3 has not reached: an all-reduce, megatron's
+    grad-sync (a coalesced reduce-scatter into a shard of its own input) and its param-sync (an
+    all-gather into the buffer that holds its input); they then put those tensors to other use (a
+    rollback and the next step). Rank 3 comes back (a frozen node thawed) and runs the same three, so
+    the survivors' stopped collectives complete in the old group: they must not write into the
+    survivors' tensors any more."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from mindspeed_ha.comm import CollectiveStopped, clear_stop, request_stop
+
+    _init(rank, port)
+    _apply_patches()
+    signals = dist.TCPStore("127.0.0.1", port2, WORLD - 1, is_master=False, timeout=timedelta(seconds=60))
+    t = torch.full((4,), float(rank + 1))
+    grads = torch.full((2 * WORLD,), float(rank + 1))
+    params = torch.zeros(2 * WORLD)
+    params[2 * rank:2 * rank + 2] = float(rank + 1)
+    own_shard = params[2 * rank:2 * rank + 2]
+
+    def all_reduce():
+        dist.all_reduce(t)
+
+    def grad_sync():
+        with c10d._coalescing_manager():
+            dist.reduce_scatter_tensor(grads[2 * rank:2 * rank + 2], grads)
+
+    def param_sync():
+        dist.all_gather_into_tensor(params, own_shard)
+
+    result = {"rank": rank}
+    if rank == WORLD - 1:
+        signals.wait(["stopped_0", "stopped_1", "stopped_2"])
+        for fn in (all_reduce, grad_sync, param_sync):
+            fn()
+        result.update(t=t.tolist(), grads=grads.tolist(), params=params.tolist())
+        signals.set("late_done", "1")
+    else:
+        for fn in (all_reduce, grad_sync, param_sync):
+            threading.Timer(0.3, request_stop, ("test: rank 3 frozen",)).start()
+            try:
+                fn()
+                result.setdefault("error", f"{fn.__name__} returned")
+            except CollectiveStopped:
+                pass
+            time.sleep(0.1)
+            clear_stop()
+        for x in (t, grads, params):
+            x.fill_(-1.0)  # what training keeps in them after the rollback
+        signals.set(f"stopped_{rank}", "1")
+        signals.wait(["late_done"])
+        time.sleep(1.0)  # rank 3 has its results: the last messages of the old collectives reach this rank
+        result.update(t=t.tolist(), grads=grads.tolist(), params=params.tolist())
+    with open(os.path.join(out, f"late_{rank}.json"), "w") as f:
+        json.dump(result, f)
+    os._exit(0)  # the old collectives' threads may still hold the group: don't tear it down
+
+
 def _mixed_collectives(rank, sub):
     """A deterministic mix of collectives; returns their results as a list of tensors/objects."""
     import torch
@@ -384,6 +444,17 @@ def test_patched_collectives_bit_identical(tmp_path):
         assert res["base"] == res["patched"] == res["again"]
 
 
+def test_a_stopped_collective_completed_late_writes_nothing(tmp_path):
+    _run_to_the_end("late", tmp_path, 90)  # rank 3 finished its three: the survivors' old ones completed
+    for r in range(WORLD - 1):
+        res = json.load(open(tmp_path / f"late_{r}.json"))
+        assert "error" not in res, res
+        assert res["t"] == [-1.0] * 4 and res["grads"] == [-1.0] * 8 and res["params"] == [-1.0] * 8, res
+    late = json.load(open(tmp_path / f"late_{WORLD - 1}.json"))
+    # and they reduced what the survivors held when they issued them
+    assert late["t"] == [10.0] * 4 and late["grads"][-2:] == [10.0, 10.0], late
+
+
 def test_request_stop_api():
     from mindspeed_ha.comm import clear_stop, request_stop, stop_requested
 
@@ -397,4 +468,4 @@ def test_request_stop_api():
 if __name__ == "__main__":
     mode, rank, port, port2, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     {"stop": worker_stop, "equiv": worker_equiv, "uncovered": worker_uncovered,
-     "uncovered_lost": worker_uncovered_lost}[mode](rank, port, port2, out)
+     "uncovered_lost": worker_uncovered_lost, "late": worker_late}[mode](rank, port, port2, out)

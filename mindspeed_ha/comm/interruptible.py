@@ -10,8 +10,10 @@ Stream-ordered backends (NCCL, HCCL) are passed through untouched: their collect
 the CPU, and a stop there means aborting the communicators (``request_stop`` runs the abort hooks).
 
 After a stop, recovery calls ``clear_stop()`` before the next collective (until then every new
-collective raises at once). The interrupted operation stays pending inside the old group and may
-still write its output tensor later: rebuild the groups and roll back, don't reuse either.
+collective raises at once). The interrupted operation stays pending inside the old group and
+completes if its peers come back to it (a frozen node thawed): rebuild the groups and roll back.
+It never writes into the caller's tensors then: a polled collective receives its result in tensors
+of its own, copied to the caller's only when the wait sees it complete (``_Results``).
 
 This module only *builds* wrappers; ``mindspeed_ha.patches.torch.distributed`` installs them.
 """
@@ -303,23 +305,78 @@ class _WaiterPool:
 _waiters = _WaiterPool()
 
 
+# ---------------------------------------------------------------------------------------------
+# Where a polled collective writes its result. One left by a stop stays pending in the old
+# communicator, and completes if its peers come back to it: a frozen node thawed goes on with the
+# collective it was in. Written into the caller's tensor, that late result would land in a buffer
+# training reuses after the rollback (megatron's grad buffer, its parameter buffer) in the middle
+# of a later step. So the collective writes into tensors of its own, copied to the caller's once
+# the wait sees it complete; a stopped one's result is simply never looked at.
+
+# collective -> (the parameter it writes, whether its current value is an input too)
+_RESULT_PARAM = {
+    "all_reduce": ("tensor", True), "broadcast": ("tensor", True), "reduce": ("tensor", True),
+    "all_gather": ("tensor_list", False), "all_gather_into_tensor": ("output_tensor", False),
+    "_all_gather_base": ("output_tensor", False), "all_gather_single": ("output_tensor", False),
+    "reduce_scatter": ("output", False), "reduce_scatter_tensor": ("output", False),
+    "_reduce_scatter_base": ("output", False), "reduce_scatter_single": ("output", False),
+    "gather": ("gather_list", False), "scatter": ("tensor", False),
+    "all_to_all": ("output_tensor_list", False), "all_to_all_single": ("output", False),
+}
+
+
+class _Results:
+    """The caller's result tensors and the collective's own; ``land()`` copies them over, once."""
+
+    def __init__(self) -> None:
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def own(self, value, keep: bool):
+        """The collective's own tensor(s) in place of ``value`` (a tensor or a list of them)."""
+        if isinstance(value, torch.Tensor):
+            mine = value.clone() if keep else torch.empty_like(value)
+            self._pairs.append((value, mine))
+            return mine
+        if isinstance(value, list) and all(isinstance(t, torch.Tensor) for t in value):
+            return [self.own(t, keep) for t in value]
+        return value
+
+    def __bool__(self) -> bool:  # results still to land
+        return bool(self._pairs)
+
+    def add(self, other: "_Results") -> None:
+        self._pairs.extend(other._pairs)
+
+    def land(self) -> None:
+        pairs, self._pairs = self._pairs, []
+        for callers, mine in pairs:
+            callers.copy_(mine)
+
+
+_NO_RESULTS = _Results()
+
+
 class PollingWork(dist.Work):
     """What an ``async_op=True`` caller gets back: ``wait()`` is interruptible, the rest delegates."""
 
-    def __init__(self, work, p2p: bool = False):
+    def __init__(self, work, p2p: bool = False, results: _Results = _NO_RESULTS):
         super().__init__()
         self._work = work
         self._p2p = p2p
         self._waited = False
+        self._results = results
 
     def wait(self, timeout=None):
         if self._waited:
             return True
         if timeout:  # an explicit timeout keeps torch's meaning
-            return self._work.wait(timeout)
-        wait_work(self._work, self._p2p)
+            done = self._work.wait(timeout)
+        else:
+            wait_work(self._work, self._p2p)
+            done = True
+        self._results.land()
         self._waited = True
-        return True
+        return done
 
     def is_completed(self):
         return self._work.is_completed()
@@ -343,7 +400,10 @@ class PollingWork(dist.Work):
         return self._work.synchronize()
 
     def get_future(self):
-        return self._work.get_future()
+        fut = self._work.get_future()
+        if not self._results:
+            return fut
+        return fut.then(lambda done: (self._results.land(), done.value())[1])
 
     def __getattr__(self, name):
         return getattr(self._work, name)
@@ -424,6 +484,37 @@ def _answer_alone(fn: Callable, args, kwargs):
     return _DoneWork() if a.get("async_op") else None
 
 
+def _with_own_results(fn: Callable, params: list[str], args: tuple, kwargs: dict, group):
+    """``fn``'s arguments with its result tensor(s) replaced by its own (see ``_Results``)."""
+    name, keep = _RESULT_PARAM.get(fn.__name__, (None, False))
+    results = _Results()
+    if (name is None or name not in params or getattr(_thread, "issuing", False)
+            or (compat.coalescing(group) and group not in _blocks())):
+        return args, kwargs, results  # nothing written, an outer wrapper's call, or a block not ours
+    i = params.index(name)
+    if i < len(args):
+        args = args[:i] + (results.own(args[i], keep),) + args[i + 1:]
+    elif name in kwargs:
+        kwargs = {**kwargs, name: results.own(kwargs[name], keep)}
+    return args, kwargs, results
+
+
+def _blocks() -> dict:
+    """This thread's open coalescing blocks: group -> the results its recorded collectives land."""
+    if not hasattr(_thread, "blocks"):
+        _thread.blocks = {}
+    return _thread.blocks
+
+
+def _issue(fn: Callable, args: tuple, kwargs: dict):
+    """Call ``fn``; the collectives it calls in turn (torch's deprecated names) leave results alone."""
+    before, _thread.issuing = getattr(_thread, "issuing", False), True
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _thread.issuing = before
+
+
 def make_interruptible(fn: Callable) -> Callable:
     """Wrap a c10d collective that takes ``async_op``: issue async, wait interruptibly."""
     params = list(inspect.signature(fn).parameters)
@@ -452,20 +543,28 @@ def make_interruptible(fn: Callable) -> Callable:
             else:
                 kwargs["async_op"] = want_async
             return fn(*args, **kwargs)
-        work = fn(*args, **kwargs)
-        if work is None or compat.is_placeholder_work(work):
-            # not a member of the group, or inside a coalescing block: the manager's handle is waited
+        callers = args, kwargs
+        resolved = compat.resolve_group(group)
+        args, kwargs, results = _with_own_results(fn, params, args, kwargs, resolved)
+        work = _issue(fn, args, kwargs)
+        if work is None:  # not a member of the group: nothing was received
+            return None
+        if compat.is_placeholder_work(work):  # inside a coalescing block: its results land with the block's
+            if resolved in _blocks():
+                _blocks()[resolved].add(results)
             return work if want_async else None
         work = _unwrap(work)
         if want_async:
-            return PollingWork(work)
+            return PollingWork(work, results=results)
         try:
             wait_work(work)
         except Exception as e:
             if not getattr(_thread, "uncovered", False):
                 raise
             _defer(e, fn.__name__)
-            _answer_deferred(fn, args, kwargs, e)
+            _answer_deferred(fn, *callers, e)
+            return None
+        results.land()
         return None
 
     setattr(wrapper, "__mindspeed_ha_original__", fn)
@@ -529,26 +628,30 @@ def make_interruptible_coalescing_manager(orig_cm: Callable) -> Callable:
             with orig_cm(group, device, async_ops) as cm:  # stream-ordered backend: untouched
                 yield cm
             return
+        results = _blocks()[resolved] = _Results()
         try:
             with orig_cm(group, device, async_ops=True) as cm:
-                cm.wait = functools.partial(_wait_all, cm)  # instance attribute: megatron calls cm.wait()
+                cm.wait = functools.partial(_wait_all, cm, results)  # instance attribute: megatron calls cm.wait()
                 yield cm
         except BaseException:
             # torch leaves the op list behind when the block raises, poisoning the next coalescing
             # block on this group ("non-empty op list"): drop it
             compat.drop_coalescing(resolved)
             raise
+        finally:
+            _blocks().pop(resolved, None)
         if not async_ops:
-            _wait_all(cm)
+            _wait_all(cm, results)
 
     setattr(wrapper, "__mindspeed_ha_original__", orig_cm)
     return wrapper
 
 
-def _wait_all(cm) -> None:
+def _wait_all(cm, results: _Results) -> None:
     for w in cm.works:
         if w is not None and not compat.is_placeholder_work(w):
             wait_work(_unwrap(w))
+    results.land()
 
 
 # ---------------------------------------------------------------------------------------------
