@@ -13,6 +13,7 @@ import pytest
 
 from helpers import PRETRAIN, TINY, TINY_ITERS, all_rank_events, clean_env, events, free_port, losses
 from hosts import Hosts
+from mindspeed_ha.trainer.checkpoint_dir import iter_dir, mismatches, read_manifest, tracker
 
 pytestmark = pytest.mark.timeout(300)
 MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
@@ -119,6 +120,20 @@ print("trained without a controller after", time.monotonic() - t0)
     assert "HA would be off" in proc.stderr and "trained" not in proc.stdout
     diag = [e for e in events(tmp_path, "rank_1") if e["event"] == "diagnosis"]
     assert diag and diag[0]["exit_code"] == 201
+
+
+def cut_while_frozen(hosts: Hosts, agents: list, dirs: list, node: int, seconds: float) -> None:
+    """Once a rank of ``node`` has frozen itself (a freeze drill holds it inside the part under test),
+    ``node``'s link goes down and the rank goes on, cut off; ``seconds`` later the link heals."""
+    deadline = time.monotonic() + 240
+    while not (frozen := [e for e in all_rank_events(dirs[node]) if e["event"] == "inject" and e["kind"] == "freeze"]):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in agents), \
+            "\n".join((d / "agent.out").read_text()[-3000:] for d in dirs)
+        time.sleep(0.05)
+    hosts.cut(node)
+    os.kill(frozen[0]["pid"], signal.SIGCONT)
+    time.sleep(seconds)
+    hosts.heal(node)
 
 
 @pytest.mark.parametrize("cut_s", [1.0, 25.0])
@@ -298,3 +313,108 @@ def test_node_0s_agent_killed_the_job_store_moves_and_a_restarted_rank_finds_the
     assert [e["rank"] for e in ctl if e["event"] == "rejoined"] == [3]
     assert not (dirs[1] / "controller.json").exists()
     assert not [e for e in ctl if e["event"] == "takeover"]
+
+
+def test_node_1_cut_off_during_a_periodic_save_finishes_bit_identical(tmp_path, hosts, references):
+    """A periodic save (every 4 iterations) is under way when node 1's link goes down for 25 s:
+    rank 2 is held inside the save of iteration 4 (frozen by a drill) while the others wait for it
+    in the save's collectives; the test cuts its link, then lets it go on, cut off. Node 0's half goes
+    on: node 1's ranks are lost and, after the heal, restarted and recovered from their twins, and
+    the save of iteration 4 runs again from the start. The interrupted save publishes nothing: every
+    checkpoint on disk is whole (its manifest checks out), the one of iteration 4 included, and the
+    job finishes bit-identical with one loss per iteration."""
+    ckpt = tmp_path / "ckpt"
+    flags = [*FLAGS, "--save", str(ckpt), "--save-interval", "4"]
+    env = {"MINDSPEED_HA_INJECT": f"{PACED['MINDSPEED_HA_INJECT']},freeze:rank=2:step=4:phase=checkpoint"}
+    dirs = run_nodes(hosts, tmp_path, env, flags=flags,
+                     drill=lambda agents, dirs: cut_while_frozen(hosts, agents, dirs, 1, 25.0))
+    assert losses(dirs) == references.tiny("dp4")
+    ctl = events(dirs, "controller")
+    assert not [e for e in ctl if e["event"] == "takeover"]
+    assert [e["strategy"] for e in ctl if e["event"] == "recovered"] == ["recover"]
+    saved = sorted(int(p.name.split("_")[-1]) for p in ckpt.iterdir() if p.name.startswith("iter_"))
+    assert saved == list(range(4, TINY_ITERS + 1, 4)) + ([TINY_ITERS] if TINY_ITERS % 4 else []), saved
+    assert not [p for p in ckpt.iterdir() if p.name.endswith("_tmp")]
+    for it in saved:
+        path = iter_dir(str(ckpt), it)
+        manifest = read_manifest(path)
+        assert manifest["iteration"] == it and not mismatches(path, manifest, sorted(manifest["files"]))
+    assert tracker(str(ckpt)) == TINY_ITERS
+
+
+def test_node_1_cut_off_during_the_dump_the_other_half_writes_it(tmp_path, hosts, references):
+    """Dump only (no replacement of lost ranks): rank 3 is killed in step 4, and the survivors write
+    the dying gasp. Rank 2 is held inside it (frozen by a drill) when node 1's link goes down for
+    15 s; it goes on, cut off. The controller finds rank 2 lost while writing and plans again with
+    node 0's ranks, which hold every shard (each is the twin of one on node 1); they write the
+    checkpoint, and the job ends naming it. Node 1's agent, cut off, ends too. The checkpoint is whole
+    and a fresh job loads it bit-identically."""
+    from test_ttp import check_resume
+
+    ck = tmp_path / "ck"
+    flags = [*TINY, "--train-iters", str(TINY_ITERS), "--enable-high-availability", "--ha-verify-replicas-interval", "1",
+             "--save", str(ck)]
+    env = {"MINDSPEED_HA_INJECT": f"{PACED['MINDSPEED_HA_INJECT']},kill:rank=3:step=4:phase=backward,"
+                                  "freeze:rank=2:step=any:phase=checkpoint"}
+    agents, dirs = start_nodes(hosts, tmp_path, flags, env)
+    try:
+        cut_while_frozen(hosts, agents, dirs, 1, 15.0)
+        codes = [p.wait(120) for p in agents]
+    finally:
+        for p in agents:
+            if p.poll() is None:
+                p.kill()
+    out = [(d / "agent.out").read_text() for d in dirs]
+    ctl = events(dirs, "controller")
+    (gasp,) = [e for e in ctl if e["event"] == "checkpoint" and e["kind"] == "dying_gasp"]
+    assert gasp["survivors"] == [0, 1] and gasp["generation"] == 2, gasp
+    assert codes[0] != 0 and f"Resume with --load {ck}" in out[0], out[0][-3000:]
+    assert codes[1] != 0 and "it is cut off from the job" in out[1], out[1][-3000:]
+    assert not [p for p in ck.iterdir() if p.name.endswith("_tmp")]
+    check_resume(tmp_path / "resume", ck, references.tiny("dp4"))
+
+
+def test_elastic_node_1_cut_off_again_during_the_scale_out(tmp_path, hosts, references):
+    """elastic-training only: node 1 is cut for 12 s and the job scales in to DP=2 on node 0; when
+    the link heals node 1's ranks start again and the job scales out. Inside that scale-out (rank 2
+    has entered the new layout, no state moved yet: held there by a drill) node 1's link goes down
+    again for 12 s. The resize is undone — node 0's ranks go on in DP=2 from what they held before
+    it — and after the second heal the job scales out again and trains to the end at DP=4. Every
+    iteration logged once; bit-identical before the first cut, within the bound of another
+    data-parallel size after."""
+    iters = 100
+    flags = [*TINY, "--train-iters", str(iters), "--ha-verify-replicas-interval", "1"]
+    ref = references.losses(f"tiny-dp4-{iters}", 4, [*flags, "--enable-high-availability"])
+    pace = {"HIGH_AVAILABILITY": "elastic-training",
+            "MINDSPEED_HA_INJECT": "slow:rank=0:step=3:factor=8,freeze:rank=2:step=any:phase=resize"}
+
+    def drill(agents, dirs):
+        cut_at(hosts, agents, dirs, 1, 3, 12.0)
+        cut_while_frozen(hosts, agents, dirs, 1, 12.0)
+        deadline = time.monotonic() + 120
+        while len([e for e in events(dirs[0], "controller") if e["event"] == "scaled_out"]) < 1:
+            assert time.monotonic() < deadline and agents[0].poll() is None, \
+                "\n".join((d / "agent.out").read_text()[-3000:] for d in dirs)
+            time.sleep(0.2)
+        unpace = MINDSPEED_HA + ["inject", "--log-dir", str(dirs[0]), "--kind", "slow", "--rank", "0", "--factor", "1",
+                                 "--timeout", "15"]
+        p = hosts.popen(0, unpace, env=clean_env({"MINDSPEED_HA_KEY_DIR": str(tmp_path / "keys")}),
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert p.wait(60) == 0, p.stdout.read()
+
+    dirs = run_nodes(hosts, tmp_path, pace, flags=flags, drill=drill, timeout=300)
+    ctl = events(dirs, "controller")
+    assert not [e for e in ctl if e["event"] == "takeover"]
+    scaled_in = [e for e in ctl if e["event"] == "scaled_in"]
+    scaled_out = [e for e in ctl if e["event"] == "scaled_out"]
+    # (the interrupted scale-out, undone, is a "scale-in" to the same size)
+    assert [(e["old_dp"], e["dp"], e["dropped"]) for e in scaled_in] == [(4, 2, [2, 3]), (2, 2, [])], scaled_in
+    assert [(e["old_dp"], e["dp"], e["added"]) for e in scaled_out] == [(2, 4, [2, 3])], scaled_out
+    plans = [(e["old_dp"], e["dp"]) for e in ctl if e["event"] == "elastic_plan"]
+    assert plans == [(4, 2), (2, 4), (2, 2), (2, 4)], plans
+    assert [e["phase"] for e in all_rank_events(dirs[1]) if e["event"] == "inject"] == ["resize"]
+    steps = [e["iteration"] for e in events(dirs[0], "rank_0") if e["event"] == "step"]
+    assert sorted(steps) == sorted(set(steps)) == list(range(1, iters + 1))
+    got, first = losses(dirs), scaled_in[0]["iteration"]
+    assert {i: got[i] for i in ref if i <= first} == {i: ref[i] for i in ref if i <= first}
+    assert max(abs(float.fromhex(got[i]) / float.fromhex(ref[i]) - 1) for i in ref if i > first) < 1e-4

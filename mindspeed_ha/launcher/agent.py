@@ -499,8 +499,15 @@ class Agent:
             self._killpg(w, signal.SIGKILL)
         first = failed[0]
         how = f"killed by signal {first.sig}" if first.sig else f"exit code {first.code}"
-        why = ("no mindspeed-ha controller was reachable" if not self.link.ever_active
-               else f"the controller gave no order within {self.a.decision_timeout:g}s")
+        unheard = time.monotonic() - self.link.active_at
+        if not self.link.ever_active:
+            why = "no mindspeed-ha controller was reachable"
+        elif not self.link.active and unheard > self.a.decision_timeout:
+            why = (f"no controller has answered this node for {unheard:.0f}s: it is cut off from the job (a "
+                   "partition, or the controller's side is gone), which goes on without it on the side that "
+                   "reaches the job store, or ended there")
+        else:
+            why = f"the controller gave no order within {self.a.decision_timeout:g}s"
         self._diagnose(f"mindspeed-ha agent {self.a.node_rank}: worker rank {first.rank} (pid {first.popen.pid}) "
                        f"ended with {how}; {why}, so every worker of this node was stopped "
                        f"(torchrun behaviour). Events: {self.log_dir}/events.")
