@@ -170,7 +170,24 @@ def copy_main_to_model_params(inner) -> None:
 
 
 def param_name(inner, model_param) -> str:
-    return inner._param_name(model_param)
+    """megatron's name for ``model_param`` (its module path, experts numbered job-wide). An
+    interleaved pipeline's chunks repeat their module paths, which megatron refuses to name: there
+    each name starts with its chunk (``model0.``, ``model1.``, as in a checkpoint)."""
+    if len(inner.model_chunks) == 1:
+        return inner._param_name(model_param)
+    names = getattr(inner, "_ha_param_names", None)
+    if names is None:
+        from megatron.core.optimizer.distrib_optimizer import handle_experts_in_state_dict
+        experts = inner.model_chunks[0].config.num_moe_experts
+        names = inner._ha_param_names = {
+            p: f"model{i}.{n}" for i, chunk in enumerate(inner.model_chunks)
+            for n, p in handle_experts_in_state_dict(dict(chunk.named_parameters()), experts).items()}
+    return names[model_param]
+
+
+def param_names(inner) -> dict:
+    """Every model parameter of ``inner`` -> its ``param_name``."""
+    return {p: param_name(inner, p) for chunk in inner.model_chunks for p in chunk.parameters()}
 
 
 def param_range(inner, model_param):

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from helpers import (PRETRAIN, TINY, TINY_ITERS, all_rank_events, assert_ok, clean_env, events, free_port, losses,
-                     recomputed, twins_agree)
+from helpers import (PRETRAIN, TINY, TINY_ITERS, TINY_LAYOUTS, all_rank_events, assert_ok, clean_env, events, free_port,
+                     losses, recomputed, twins_agree)
 
 MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
 ITERS = TINY_ITERS  # (the shared fault-free runs': references.tiny)
@@ -93,6 +93,30 @@ def test_pp2_dp2_drills_reach_the_first_stage_in_its_backward(tmp_path, ref):
     assert [e["strategy"] for e in rec] == ["retry", "recover"]
     fired = sorted((e["rank"], e["phase"], e["iteration"]) for e in all_rank_events(tmp_path) if e["event"] == "inject")
     assert fired == [(0, "backward", 3), (1, "backward", 6)]
+
+
+def test_an_interleaved_pipeline_under_retry_and_recover(tmp_path, references):
+    """PP=2 x DP=2 with two one-layer chunks a stage (the interleaved schedule): a memory error on
+    rank 0 (stage 0) in its backward (retry), then rank 3 (stage 1) killed in its grad-sync
+    (recover). Both drills fire there, and every loss is bit-identical to the fault-free run's."""
+    proc = job(tmp_path, inject="uce:rank=0:step=3:phase=backward,kill:rank=3:step=6:phase=grad-sync",
+               extra=[*TINY_LAYOUTS["vpp2"][1], "--enable-worker-reboot"])
+    rec = check_rejoined(proc, tmp_path, references.tiny("vpp2"), [3], n=2)
+    assert [e["strategy"] for e in rec] == ["retry", "recover"]
+    fired = sorted((e["rank"], e["phase"], e["iteration"]) for e in all_rank_events(tmp_path) if e["event"] == "inject")
+    assert fired == [(0, "backward", 3), (3, "grad-sync", 6)]
+
+
+@pytest.mark.parametrize("layout", ["moe", "overlap"])
+def test_moe_and_overlapped_communication_under_retry_and_recover(tmp_path, references, layout):
+    """MoE (4 experts, EP=2) x DP=4, whose optimizer is chained (dense, expert); or DP=4 with the
+    grad reduction and the parameter all-gather overlapped with compute (both --overlap flags). A
+    memory error on rank 1 in its backward (retry), then rank 2 killed inside its update (recover):
+    every loss bit-identical to the fault-free run's of the same layout."""
+    proc = job(tmp_path, inject="uce:rank=1:step=3:phase=backward,kill:rank=2:step=6:phase=optimizer",
+               extra=[*TINY_LAYOUTS[layout][1], "--enable-worker-reboot"])
+    rec = check_rejoined(proc, tmp_path, references.tiny(layout), [2], n=2)
+    assert [e["strategy"] for e in rec] == ["retry", "recover"]
 
 
 @pytest.mark.compat

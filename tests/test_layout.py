@@ -38,6 +38,22 @@ def test_bad_layouts(world, argv, needles):
         assert n in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"], "add --pipeline-model-parallel-size 2"),
+    (["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
+     "each of the 2 pipeline stages holds 2 layers"),
+    (["--num-layers", "6", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
+     "a divisor of 3 smaller than it"),
+])
+def test_bad_interleaved_pipelines(argv, needle):
+    from mindspeed_ha.trainer.args import ArgError
+    with pytest.raises(ArgError, match=needle):
+        check(4, ["--use-distributed-optimizer", *argv])
+    args = finalize(build_parser().parse_args(["--num-layers", "8", "--pipeline-model-parallel-size", "2",
+                                               "--num-layers-per-virtual-pipeline-stage", "2"]), 4)
+    assert args.virtual_pipeline_model_parallel_size == 2
+
+
 @pytest.mark.parametrize("argv", [["--pipeline-model-parallel-size", "2"], ["--num-experts", "4"]])
 def test_elastic_refuses_layouts_it_cannot_shrink(argv):
     with pytest.raises(HAConfigError, match="elastic scale-in keeps every TP position"):

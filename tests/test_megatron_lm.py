@@ -302,6 +302,17 @@ def test_megatron_lm_pp2_dp2_retry_and_recover_in_the_first_stages_backward(tmp_
                   if e["event"] == "inject") == [(0, "backward", 3), (1, "backward", 6)]
 
 
+def test_megatron_lm_interleaved_pipeline_retry_and_recover(tmp_path):
+    """Megatron-LM's loop with an interleaved pipeline (PP=2, two one-layer chunks a stage) x DP=2: a
+    memory error on rank 0 (stage 0) in its backward (retry), then rank 3 (stage 1) killed in its
+    grad-sync (recover). Every loss equals a fault-free run's of the same layout, bit for bit."""
+    run_dir = _retry_then_recover(tmp_path, ("--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                                             "--num-layers-per-virtual-pipeline-stage", "1"),
+                                  "uce:rank=0:step=3:phase=backward,kill:rank=3:step=6:phase=grad-sync")
+    assert sorted((e["rank"], e["phase"], e["iteration"]) for e in all_rank_events(run_dir)
+                  if e["event"] == "inject") == [(0, "backward", 3), (3, "grad-sync", 6)]
+
+
 def test_megatron_lm_moe_retry_and_recover_a_kill_inside_the_update(tmp_path):
     """Megatron-LM's loop with MoE (4 experts, EP=2) x DP=4: its optimizer is chained (dense, expert),
     and a rank killed inside the update (recover) must not leave a survivor with one half of its

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import PRETRAIN, TINY, TINY_ITERS, assert_ok, clean_env, events, losses, torchrun, twins_agree
+from helpers import PRETRAIN, TINY, TINY_ITERS, TINY_LAYOUTS, assert_ok, clean_env, events, losses, torchrun, twins_agree
 
 MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
 ITERS = TINY_ITERS  # (the shared fault-free runs': references.tiny)
@@ -100,17 +100,18 @@ def test_kill_each_phase_tp2_dp4(tmp_path, ref, phase, rank):
     check_resume(tmp_path / "resume", ck, ref["tp2"], 8, TP2)
 
 
-@pytest.mark.parametrize("phase,rank", [("backward", 1), ("optimizer", 2)])
-def test_kill_in_a_pp2_dp2_job_its_dying_gasp_resumes_bit_identically(tmp_path, ref, phase, rank):
-    """PP=2 x DP=2: a rank of the first stage killed in its backward, or of the last in its update.
-    The survivors' dying gasp (each stage's shards from their twins) loads into a fresh PP=2 x DP=2
-    job, every later loss bit-identical."""
-    pp2 = ("--pipeline-model-parallel-size", "2")
+@pytest.mark.parametrize("layout,phase,rank", [("pp2", "backward", 1), ("pp2", "optimizer", 2),
+                                               ("vpp2", "backward", 1)])
+def test_kill_in_a_pp2_dp2_job_its_dying_gasp_resumes_bit_identically(tmp_path, references, layout, phase, rank):
+    """PP=2 x DP=2, plain or interleaved (two chunks a stage): a rank of the first stage killed in
+    its backward, or of the last in its update. The survivors' dying gasp (each stage's shards from
+    their twins) loads into a fresh job of the same layout, every later loss bit-identical."""
+    flags = TINY_LAYOUTS[layout][1]
     ck = tmp_path / "ck"
-    proc = job(tmp_path / "run", inject=f"kill:rank={rank}:step=6:phase={phase}", extra=("--save", str(ck), *pp2))
+    proc = job(tmp_path / "run", inject=f"kill:rank={rank}:step=6:phase={phase}", extra=("--save", str(ck), *flags))
     saved = check_saved(proc, tmp_path / "run", ck)
     assert rank not in saved["survivors"]
-    check_resume(tmp_path / "resume", ck, ref["pp2"], 4, pp2)
+    check_resume(tmp_path / "resume", ck, references.tiny(layout), 4, flags)
 
 
 @pytest.mark.parametrize("phase,rank", [("forward", 1), ("backward", 2), ("grad-sync", 3), ("optimizer", 1),

@@ -158,7 +158,7 @@ class ReplicaMixin:
         expert = ("expert", ps.get_expert_tensor_parallel_rank(), ps.get_expert_model_parallel_rank(),
                   ps.get_pipeline_model_parallel_rank())
         return {name: (p, dense if getattr(p, "allreduce", True) else expert)
-                for inner in _inner_optimizers(self) for p, name in inner.param_to_name.items()}
+                for inner in _inner_optimizers(self) for p, name in compat.param_names(inner).items()}
 
     def ha_state_ranges(self) -> dict[Range, tuple[torch.Tensor, ...]]:
         """This shard in parameter coordinates, what a reshard moves: ((position, parameter name),

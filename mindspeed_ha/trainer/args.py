@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     par = p.add_argument_group("parallelism")
     par.add_argument("--tensor-model-parallel-size", type=int, default=1)
     par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    par.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                     help="an interleaved pipeline: each stage holds num-layers / (pipeline size x this) "
+                          "model chunks of this many layers")
     par.add_argument("--context-parallel-size", type=int, default=1)
     par.add_argument("--sequence-parallel", action="store_true")
     par.add_argument("--distributed-backend", default=None, help="default: from the device (gloo on CPU)")
@@ -85,6 +88,22 @@ def _weighted(paths) -> bool:
         return False
 
 
+def _virtual_stages(args: argparse.Namespace) -> int | None:
+    """Model chunks per pipeline stage of an interleaved pipeline (None: not interleaved)."""
+    per_chunk, pp = args.num_layers_per_virtual_pipeline_stage, args.pipeline_model_parallel_size
+    if per_chunk is None:
+        return None
+    flag = f"--num-layers-per-virtual-pipeline-stage {per_chunk}"
+    if pp < 2:
+        raise ArgError(f"{flag} interleaves the stages of a pipeline: add --pipeline-model-parallel-size 2 or "
+                       "more, or drop it")
+    per_stage = args.num_layers // pp
+    if per_chunk <= 0 or per_stage % per_chunk or per_stage == per_chunk:
+        raise ArgError(f"{flag}: each of the {pp} pipeline stages holds {per_stage} layers (--num-layers "
+                       f"{args.num_layers}); interleaving needs a divisor of {per_stage} smaller than it")
+    return per_stage // per_chunk
+
+
 def finalize(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Fill derived values the way Megatron-LM does and reject impossible ones with a clear message."""
     if args.max_position_embeddings is None:
@@ -107,6 +126,7 @@ def finalize(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     if args.num_layers % args.pipeline_model_parallel_size:
         raise ArgError(f"--num-layers {args.num_layers} must divide evenly over "
                        f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
+    args.virtual_pipeline_model_parallel_size = _virtual_stages(args)
     if args.num_attention_heads % args.tensor_model_parallel_size:
         raise ArgError(f"--num-attention-heads {args.num_attention_heads} must divide by "
                        f"--tensor-model-parallel-size {args.tensor_model_parallel_size}")

@@ -63,7 +63,9 @@ class BuiltinTrainer(TrainerInterface):
         init_num_microbatches_calculator(dist.get_rank(), None, a.global_batch_size, a.micro_batch_size,
                                          ps.get_data_parallel_world_size())
         set_seed(a.seed)
-        self.model_chunks = [self._build_model(replicas, broadcast=not joining)]
+        vpp = a.virtual_pipeline_model_parallel_size
+        self.model_chunks = [self._build_model(replicas, not joining, vp) for vp in ([None] if vpp is None else
+                                                                                  range(vpp))]
         self.optimizer = self._build_optimizer()
         self.scheduler = self._build_scheduler()
         if not joining:
@@ -105,6 +107,7 @@ class BuiltinTrainer(TrainerInterface):
         ps.initialize_model_parallel(
             tensor_model_parallel_size=a.tensor_model_parallel_size,
             pipeline_model_parallel_size=a.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=a.virtual_pipeline_model_parallel_size,
             context_parallel_size=a.context_parallel_size,
             expert_model_parallel_size=a.expert_model_parallel_size,
             num_distributed_optimizer_instances=self.session.options.replica_num
@@ -120,6 +123,7 @@ class BuiltinTrainer(TrainerInterface):
             attention_dropout=a.attention_dropout, use_cpu_initialization=True,
             tensor_model_parallel_size=a.tensor_model_parallel_size,
             pipeline_model_parallel_size=a.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=a.virtual_pipeline_model_parallel_size,
             context_parallel_size=a.context_parallel_size, sequence_parallel=a.sequence_parallel,
             num_moe_experts=a.num_experts, moe_router_topk=a.moe_router_topk,
             expert_model_parallel_size=a.expert_model_parallel_size,
@@ -136,20 +140,24 @@ class BuiltinTrainer(TrainerInterface):
         a = self.args
         self.dataset = dataset or data.build_train_dataset(a, a.train_iters * a.global_batch_size)
 
-    def _build_model(self, replicas: int, broadcast: bool = True):
+    def _build_model(self, replicas: int, broadcast: bool = True, vp_stage: int | None = None):
+        """The model chunk of this pipeline stage (``vp_stage``: which of an interleaved one's)."""
         a = self.args
-        config = self._transformer_config()
-        self.config = config
+        if vp_stage is None or vp_stage == 0:
+            self.config = self._transformer_config()
+        config = self.config
         model = GPTModel(
             config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=a.num_experts),
             vocab_size=data.padded_vocab_size(a.vocab_size, a.tensor_model_parallel_size),
             max_sequence_length=a.max_position_embeddings,
-            pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-            share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute")
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute", vp_stage=vp_stage)
         # Initialised on the CPU (the same weights whatever the device), trained on the rank's device.
         model = model.to(current())
         if a.bf16:
             model = Float16Module(config, model)  # as Megatron-LM: bf16 weights, casts at the edges
+        model.vp_stage = vp_stage  # (as Megatron-LM marks each chunk)
         return self._wrap(model, replicas, broadcast)
 
     def _wrap(self, model, replicas: int, broadcast: bool = True):
@@ -160,7 +168,10 @@ class BuiltinTrainer(TrainerInterface):
             use_distributed_optimizer=a.use_distributed_optimizer,
             num_distributed_optimizer_instances=replicas, bucket_size=None)
         config.no_sync_func = None
-        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        # an interleaved pipeline's later chunks: one bucket each, as Megatron-LM builds them
+        later_chunk = bool(getattr(model, "vp_stage", None))
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
+                                      disable_bucketing=later_chunk)
         if broadcast:
             ddp.broadcast_params()
         return ddp
@@ -209,6 +220,13 @@ class BuiltinTrainer(TrainerInterface):
         return data.SampleIterator(self.dataset, consumed_samples, self.args.micro_batch_size,
                                    ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
 
+    def _chunk_data(self):
+        """The step's data: an interleaved pipeline's chunks each read every micro-batch, so each
+        gets an iterator from the step's first sample (the first one's counts the samples)."""
+        if len(self.model_chunks) == 1:
+            return self._data_iter
+        return [self._data_iter, *(self.data_iterator(self.consumed_samples) for _ in self.model_chunks[1:])]
+
     # -- the step --------------------------------------------------------------------------------
     def _finalize_grads(self, *fargs, **fkwargs):
         self.session.fire("grad-sync", self.iteration + 1)
@@ -238,7 +256,7 @@ class BuiltinTrainer(TrainerInterface):
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = get_forward_backward_func()(
-            forward_step_func=self._forward_step, data_iterator=self._data_iter, model=self.model_chunks,
+            forward_step_func=self._forward_step, data_iterator=self._chunk_data(), model=self.model_chunks,
             num_microbatches=get_num_microbatches(), seq_length=a.seq_length,
             micro_batch_size=a.micro_batch_size, decoder_seq_length=a.seq_length, forward_only=False)
         assert self._data_iter is not None  # (the step read from it)
