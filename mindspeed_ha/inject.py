@@ -18,6 +18,8 @@
     PHASE  forward (default) | backward | grad-sync | optimizer | param-sync | checkpoint
            | recovery (when the rank starts serving an in-job recovery of a fault in step S, or
              parks before step S for a migration: a fault during recovery)
+           | pipeline-send | pipeline-recv (as a pipeline stage issues its send or receive of
+             activations or gradients, in step S's forward and backward: only on PP > 1)
            | resize (when the rank has entered an elastic resize's new layout, before any state
              moves; S: the step the resized job goes on with: a fault during a scale-in or -out)
 
@@ -48,7 +50,7 @@ KINDS = ("kill", "exit", "exception", "uce", "hang", "freeze", "comm", "bitflip"
          "cuda-illegal-address")
 DEVICE_KINDS = {"cuda-illegal-address": "cuda"}  # drills that need a real device of that kind
 PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "step-end", "checkpoint", "recovery",
-          "rebuild", "resize")
+          "rebuild", "resize", "pipeline-send", "pipeline-recv")
 DEFAULT_PHASE = "forward"
 EXAMPLE = f'{ENV}="kill:rank=1:step=3:phase=backward,hang:rank=2:step=5"'
 

@@ -49,6 +49,12 @@ class RankSession:
         self.expert_topology: ReplicaTopology | None = None
         from mindspeed_ha.inject import Injector
         self.injector = Injector.from_env(rank, options.log_dir, self.events)  # also takes live faults
+        # The step whose forward and backward run now (None elsewhere): its pipeline sends and
+        # receives are the pipeline-send / pipeline-recv drill points.
+        self._pipeline_it: int | None = None
+        if self.injector is not None:
+            from mindspeed_ha.comm import interruptible
+            interruptible.add_p2p_hook(self._pipeline_point)
         self.processor: Processor | None = None
         self._replica_pg = None
         self._writes_loss = False
@@ -250,6 +256,7 @@ class RankSession:
         orders on this (training) thread — repairs and the dump run here — until one ends the
         process (``exit``, from the processor thread) or training resumes in place (returns True).
         Returns False if the controller goes silent."""
+        self._pipeline_it = None  # (a recovery's own point-to-point moves are no pipeline drill points)
         if self.processor is None:
             return False
         self._stopped_at = time.monotonic()
@@ -374,6 +381,8 @@ class RankSession:
 
     def fire(self, phase: str, iteration: int) -> None:
         self.phase = phase
+        if phase not in ("forward", "backward"):
+            self._pipeline_it = None  # (past the pipeline's sends and receives)
         if self.processor is not None:
             self.processor.mark_phase(phase)
         if self.injector is not None:
@@ -389,8 +398,15 @@ class RankSession:
         if getattr(tensor, "requires_grad", False):
             tensor.register_hook(reached)
 
+    def _pipeline_point(self, kinds: tuple[str, ...]) -> None:
+        it = self._pipeline_it
+        if it is not None and self.injector is not None:
+            for kind in kinds:
+                self.injector.fire_point(f"pipeline-{kind}", it)
+
     def step_start(self, iteration: int) -> None:
         self._t_step = time.perf_counter()
+        self._pipeline_it = iteration
         if self.processor is not None:
             from mindspeed_ha.comm.interruptible import CollectiveStopped, take_park
             if take_park():  # a planned recovery: wait for it here, between two steps

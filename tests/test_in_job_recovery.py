@@ -95,6 +95,18 @@ def test_pp2_dp2_drills_reach_the_first_stage_in_its_backward(tmp_path, ref):
     assert fired == [(0, "backward", 3), (1, "backward", 6)]
 
 
+def test_pp2_dp2_drills_at_the_pipelines_own_sends_and_receives(tmp_path, ref):
+    """PP=2 x DP=2: a memory error on rank 0 (stage 0) as it sends its activations (retry), then rank
+    3 (stage 1) killed as it posts a receive (recover): the other stage is left blocked in the
+    matching receive or send. Both drills fire there; every loss is bit-identical."""
+    proc = job(tmp_path, inject="uce:rank=0:step=3:phase=pipeline-send,kill:rank=3:step=6:phase=pipeline-recv",
+               extra=["--pipeline-model-parallel-size", "2", "--enable-worker-reboot"])
+    rec = check_rejoined(proc, tmp_path, ref["pp2"], [3], n=2)
+    assert [e["strategy"] for e in rec] == ["retry", "recover"]
+    fired = sorted((e["rank"], e["phase"], e["iteration"]) for e in all_rank_events(tmp_path) if e["event"] == "inject")
+    assert fired == [(0, "pipeline-send", 3), (3, "pipeline-recv", 6)]
+
+
 def test_an_interleaved_pipeline_under_retry_and_recover(tmp_path, references):
     """PP=2 x DP=2 with two one-layer chunks a stage (the interleaved schedule): a memory error on
     rank 0 (stage 0) in its backward (retry), then rank 3 (stage 1) killed in its grad-sync

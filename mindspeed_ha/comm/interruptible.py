@@ -580,6 +580,27 @@ def _answer_deferred(fn: Callable, args, kwargs, e: BaseException):
         raise e from None
 
 
+# Called with ("send",), ("recv",) or a batch's kinds as a point-to-point op is issued: where fault
+# drills reach a pipeline stage's own sends and receives (the session decides which count).
+_p2p_hooks: list[Callable[[tuple[str, ...]], None]] = []
+
+
+def add_p2p_hook(fn: Callable[[tuple[str, ...]], None]) -> None:
+    if fn not in _p2p_hooks:
+        _p2p_hooks.append(fn)
+
+
+def remove_p2p_hook(fn: Callable[[tuple[str, ...]], None]) -> None:
+    if fn in _p2p_hooks:
+        _p2p_hooks.remove(fn)
+
+
+def _p2p_issued(names) -> None:
+    kinds = tuple("send" if n == "isend" else "recv" for n in names)
+    for hook in list(_p2p_hooks):
+        hook(kinds)
+
+
 def make_interruptible_p2p(fn: Callable) -> Callable:
     """Wrap ``isend``/``irecv`` (always async): hand back a PollingWork so ``send``/``recv`` and
     callers' ``.wait()`` are interruptible."""
@@ -588,6 +609,7 @@ def make_interruptible_p2p(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         if _stop_now():
             _raise_stopped()
+        _p2p_issued((fn.__name__,))
         work = fn(*args, **kwargs)
         t = _first_tensor(args, kwargs)
         if work is None or isinstance(work, PollingWork) or compat.is_placeholder_work(work) or (
@@ -604,6 +626,7 @@ def make_interruptible_batch_p2p(fn: Callable) -> Callable:
     def wrapper(p2p_op_list):
         if _stop_now():
             _raise_stopped()
+        _p2p_issued([getattr(op.op, "__name__", "") for op in p2p_op_list])
         works = fn(p2p_op_list)
         if p2p_op_list and p2p_op_list[0].tensor.device.type != "cpu":
             return works
