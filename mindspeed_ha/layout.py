@@ -20,7 +20,8 @@ def _proposals(world: int, tp: int, pp: int, cp: int, replicas: int, limit: int 
     return out[:limit]
 
 
-def validate(world: int, args, options: HAOptions) -> None:
+def validate(world: int, args, options: HAOptions, elastic_pipelines: bool = False) -> None:
+    """``elastic_pipelines``: the trainer can scale a pipeline-parallel layout in (the built-in one)."""
     if not options.enabled:
         return
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -46,11 +47,16 @@ def validate(world: int, args, options: HAOptions) -> None:
             f"context-parallel size must be at least 2 and divisible by --optimizer-replica-num {R}; with "
             f"{world} ranks, --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"
             + (f" --context-parallel-size {cp}" if cp > 1 else "") + f" it is {dp * cp}" + hint)
-    if "elastic-training" in options.strategies and (pp > 1 or cp > 1 or getattr(args, "num_experts", None)):
+    if "elastic-training" in options.strategies and (cp > 1 or getattr(args, "num_experts", None)):
         raise HAConfigError(
-            "elastic scale-in keeps every TP position and drops whole data-parallel replicas; it is built for "
-            "TP x DP layouts: with --pipeline-model-parallel-size, --context-parallel-size or --num-experts "
-            "drop --enable-elastic-training (or HIGH_AVAILABILITY=elastic-training)")
+            "elastic scale-in keeps every TP/PP position and drops whole data-parallel replicas; it is built "
+            "for TP x PP x DP layouts: with --context-parallel-size or --num-experts drop --enable-elastic-training "
+            "(or HIGH_AVAILABILITY=elastic-training)")
+    if "elastic-training" in options.strategies and pp > 1 and not elastic_pipelines:
+        raise HAConfigError(
+            "elastic scale-in of a pipeline-parallel layout is built in examples/pretrain_gpt.py's own trainer, "
+            "not yet in Megatron-LM's loop: drop --enable-elastic-training (or HIGH_AVAILABILITY=elastic-training) "
+            "or --pipeline-model-parallel-size")
     experts = getattr(args, "num_experts", None)
     if experts:
         ep = getattr(args, "expert_model_parallel_size", 1)

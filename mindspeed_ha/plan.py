@@ -223,11 +223,15 @@ class ElasticPlan:
     reason: str = ""
     sources: dict[int, int] = dataclasses.field(default_factory=dict)  # scale-out: newcomer -> the kept rank it copies
     direction: str = "in"      # in: whole replicas dropped; out: newcomer replicas added
+    stages: int = 1            # pipeline stages: each replica lists its ranks stage by stage
 
     @property
     def order(self) -> list[int]:
-        """The job ranks of the new layout in their new default-group order."""
-        return [r for rep in self.kept for r in rep]
+        """The job ranks of the new layout in their new default-group order: megatron-core lays
+        ranks out TP innermost, then data-parallel, then pipeline stage outermost, so each stage's
+        ranks of every kept replica come together (without a pipeline: replica after replica)."""
+        width = len(self.kept[0]) // self.stages if self.kept else 0
+        return [r for s in range(self.stages) for rep in self.kept for r in rep[s * width:(s + 1) * width]]
 
     @property
     def redundancy(self) -> bool:
@@ -262,12 +266,12 @@ class ElasticPlan:
 
 
 def plan_elastic(holders: Holders, replicas: Sequence[Sequence[int]], global_batch: int, micro_batch: int,
-                 instances: int = 2) -> ElasticPlan:
+                 instances: int = 2, stages: int = 1) -> ElasticPlan:
     """Scale in: train on the whole data-parallel replicas that survive, without a spare.
 
     ``holders``: as for ``plan_dump`` (lost ranks ``alive`` False). ``replicas``: the job's current
-    data-parallel replicas in order, each the job ranks of one full TP x PP slice (after a scale-in
-    they are no longer contiguous). A replica is whole when none of its ranks is lost; only whole
+    data-parallel replicas in order, each the job ranks of one full TP x PP slice, stage by stage
+    (``stages`` of them; the slices are not contiguous with a pipeline, nor after a scale-in). A replica is whole when none of its ranks is lost; only whole
     replicas train on, so every kept rank keeps its TP/PP position and no weight moves.
 
     The new size is the largest that the whole replicas and the global batch allow (the global
@@ -316,11 +320,11 @@ def plan_elastic(holders: Holders, replicas: Sequence[Sequence[int]], global_bat
         for r in replicas[i]:
             writers[tuple(sorted(holders[r]["replica_group"]))] = r
     return ElasticPlan(True, target, dp, instances if dp % instances == 0 else 1, kept, parked, writers,
-                       global_batch // (micro_batch * dp))
+                       global_batch // (micro_batch * dp), stages=stages)
 
 
 def plan_scale_out(holders: Holders, replicas: Sequence[Sequence[int]], joiners: Iterable[int], global_batch: int,
-                   micro_batch: int, instances: int = 2) -> ElasticPlan:
+                   micro_batch: int, instances: int = 2, stages: int = 1) -> ElasticPlan:
     """Scale out: ranks that registered again (``joiners``, job ranks; fresh processes holding
     nothing) rejoin the job's ``replicas`` (as for ``plan_elastic``, every one live) as whole
     data-parallel replicas.
@@ -334,6 +338,10 @@ def plan_scale_out(holders: Holders, replicas: Sequence[Sequence[int]], joiners:
     newest iteration every shard has (``writers``); each newcomer copies counters, scheduler and RNG
     from the kept rank at its TP/PP position (``sources``)."""
     replicas = [tuple(int(r) for r in rep) for rep in replicas]
+    if stages > 1:
+        return ElasticPlan(False, direction="out", reason=(
+            "scaling a pipeline-parallel job back out is not built (a newcomer replica is one rank per stage, "
+            "spread over the job: the job goes on at its size)"))
     dump = plan_dump(holders)
     if not dump.ok:
         return ElasticPlan(False, reason=dump.reason, direction="out")

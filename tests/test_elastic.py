@@ -80,21 +80,27 @@ def test_scale_in_twice_dp8_to_4_to_2(tmp_path):
     assert rel < 1e-6, rel
 
 
-def test_tp2_dp4_scales_in_to_tp2_dp2(tmp_path):
-    """TP=2 x DP=4, rank 3 (TP rank 1 of replica 1) lost: the whole replica goes, and with it the one
-    its shards' twins would leave unpaired; replicas (0, 1) and (6, 7) train on at DP=2 with their TP
-    positions. Before the fault bit-identical to the fault-free job, after it within the bound."""
+@pytest.mark.parametrize("layout,killed,kept,dropped", [
+    (("--tensor-model-parallel-size", "2"), 3, [[0, 1], [6, 7]], [2, 3, 4, 5]),
+    (("--pipeline-model-parallel-size", "2"), 5, [[0, 4], [3, 7]], [1, 2, 5, 6])], ids=["tp2", "pp2"])
+def test_a_model_parallel_dp4_job_scales_in_to_dp2(tmp_path, layout, killed, kept, dropped):
+    """TP=2 x DP=4 with rank 3 (TP rank 1 of replica 1) lost, or PP=2 x DP=4 with rank 5 (stage 1
+    of replica 1: megatron-core lays the stages outermost, so a replica is ranks d and d + 4): the
+    whole replica goes, and with it the one its shards' twins would leave unpaired; the two kept
+    replicas train on at DP=2, every rank at its TP position or pipeline stage (with a pipeline the
+    new order puts each stage's ranks together). Before the fault bit-identical to the fault-free
+    job, after it within the bound; the twins agree after every step."""
     for d in ("ref", "run"):
         (tmp_path / d).mkdir()
-    tp2 = ("--tensor-model-parallel-size", "2")
     with ThreadPoolExecutor(1) as pool:
-        ref = pool.submit(torchrun, 8, args("--train-iters", str(LAST), *tp2), tmp_path / "ref", None, 400)
-        proc = elastic_job(tmp_path / "run", 8, "kill:rank=3:step=4:phase=forward", timeout=400, extra=tp2)
+        ref = pool.submit(torchrun, 8, args("--train-iters", str(LAST), *layout), tmp_path / "ref", None, 400)
+        proc = elastic_job(tmp_path / "run", 8, f"kill:rank={killed}:step=4:phase=forward", timeout=400,
+                           extra=(*layout, "--ha-verify-replicas-interval", "1"))
         assert_ok(ref.result())
     assert_ok(proc)
     ctl = events(tmp_path / "run", "controller")
     scaled = [(e["old_dp"], e["dp"], e["kept"], e["dropped"]) for e in ctl if e["event"] == "scaled_in"]
-    assert scaled == [(4, 2, [[0, 1], [6, 7]], [2, 3, 4, 5])], scaled
+    assert scaled == [(4, 2, kept, dropped)], scaled
     got, want = losses(tmp_path / "run"), losses(tmp_path / "ref")
     assert sorted(got) == list(range(1, LAST + 1))
     assert {i: got[i] for i in range(1, 4)} == {i: want[i] for i in range(1, 4)}

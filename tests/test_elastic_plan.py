@@ -62,6 +62,23 @@ def test_plan_elastic_table(name, tp, dp, states, gbs, mbs, want):
     assert f"data-parallel size {plan.dp}" in plan.message()
 
 
+def test_a_pipeline_layout_keeps_each_rank_at_its_stage():
+    """PP=2 x DP=4 (megatron-core: stages outermost, so replica d is ranks d and d + 4; replica
+    groups pair instance positions within a stage): rank 5 lost, replicas (0, 4) and (3, 7) go on,
+    and the new order puts each stage's ranks together: 0 and 3 are stage 0 of the PP=2 x DP=2
+    layout, 4 and 7 stage 1. Scaling such a job back out is refused plainly."""
+    replicas = [[d, d + 4] for d in range(4)]
+    holders = {r: {**(H(6, **DEAD) if r == 5 else H(6)), "replica_group": [r % 2 + (r // 4) * 4, r % 2 + 2 + (r // 4) * 4]}
+               for r in range(8)}
+    plan = plan_elastic(holders, replicas, 16, 2, stages=2)
+    assert plan.ok, plan.reason
+    assert (plan.dp, plan.kept, plan.parked) == (2, ((0, 4), (3, 7)), (1, 2, 6))
+    assert plan.order == [0, 3, 4, 7]
+    assert plan_elastic(holders, replicas, 16, 2).order == [0, 4, 3, 7]  # (what a TP slice would give)
+    out = plan_scale_out({r: holders[r] for r in (0, 3, 4, 7)}, [[0, 4], [3, 7]], [1, 5], 16, 2, stages=2)
+    assert not out.ok and "pipeline-parallel" in out.reason
+
+
 def test_scale_in_again_from_a_scaled_in_layout():
     """After 4 -> 2 the replicas are job ranks 0 and 3, twins of each other (instance size 1);
     losing 3 leaves one replica holding every shard: size 1, no twins."""

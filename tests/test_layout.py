@@ -54,10 +54,18 @@ def test_bad_interleaved_pipelines(argv, needle):
     assert args.virtual_pipeline_model_parallel_size == 2
 
 
-@pytest.mark.parametrize("argv", [["--pipeline-model-parallel-size", "2"], ["--num-experts", "4"]])
+@pytest.mark.parametrize("argv", [["--context-parallel-size", "2"], ["--num-experts", "4"]])
 def test_elastic_refuses_layouts_it_cannot_shrink(argv):
-    with pytest.raises(HAConfigError, match="elastic scale-in keeps every TP position"):
+    with pytest.raises(HAConfigError, match="elastic scale-in keeps every TP/PP position"):
         check(8, ["--enable-elastic-training", "--use-distributed-optimizer", *argv])
+
+
+def test_elastic_pipelines_only_where_the_trainer_scales_them():
+    pp2 = ["--enable-elastic-training", "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2"]
+    args = finalize(build_parser().parse_args(pp2), 8)
+    validate(8, args, from_args(args, {}), elastic_pipelines=True)  # the built-in trainer
+    with pytest.raises(HAConfigError, match="not yet in Megatron-LM's loop"):
+        validate(8, args, from_args(args, {}))
 
 
 def test_replica_needs_distributed_optimizer():

@@ -16,9 +16,10 @@ scale-in, ``plan_scale_out`` for a scale-out):
    gathered from the new shards, as the end of an optimizer step does.
 
 The controller decides and plays it (``control/playbooks.ELASTIC`` and ``SCALE_OUT``): ranks left
-out are told to exit; the new layout then rolls back to the plan's iteration and trains on. Not
-built: PP > 1 (the new order assumes data-parallel ranks outermost after TP), and a new size at
-which the optimizer instance count changes.
+out are told to exit; the new layout then rolls back to the plan's iteration and trains on. With a
+pipeline, the plan's order puts each stage's ranks together (megatron-core lays stages outermost), so
+every kept rank keeps its stage. Not built: scaling a pipeline job back out, and a new size at which
+the optimizer instance count changes.
 """
 from __future__ import annotations
 
