@@ -136,6 +136,31 @@ def cut_while_frozen(hosts: Hosts, agents: list, dirs: list, node: int, seconds:
     hosts.heal(node)
 
 
+def wait_until(what, alive: list, dirs: list, deadline_s: float = 120) -> None:
+    """Until ``what()``, with every agent of ``alive`` running (else the agents' logs)."""
+    deadline = time.monotonic() + deadline_s
+    while not what():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in alive), \
+            "\n".join((d / "agent.out").read_text()[-3000:] for d in dirs)
+        time.sleep(0.1)
+
+
+def kill_agent_0_then_rank_3(hosts: Hosts, agents: list, dirs: list, tmp_path) -> list[int]:
+    """Node 0's agent (the job store's) is killed once iteration 2 is logged; once the controller
+    has moved the store, rank 3 is killed through `mindspeed-ha inject`. Returns node 0's workers
+    (agentless now: the test ends them)."""
+    wait_until(lambda: max([e["iteration"] for e in all_rank_events(dirs) if e["event"] == "step"] or [0]) >= 2,
+               agents[1:], dirs)
+    orphans = [e["worker_pid"] for e in events(dirs[0], "agent_0") if e["event"] == "worker_start"]
+    agents[0].kill()
+    wait_until(lambda: [e for e in events(dirs[0], "controller") if e["event"] == "store_moved"], agents[1:], dirs)
+    kill = MINDSPEED_HA + ["inject", "--log-dir", str(dirs[0]), "--kind", "kill", "--rank", "3", "--timeout", "15"]
+    p = hosts.popen(0, kill, env=clean_env({"MINDSPEED_HA_KEY_DIR": str(tmp_path / "keys")}),
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert p.wait(60) == 0, p.stdout.read()
+    return orphans
+
+
 @pytest.mark.parametrize("cut_s", [1.0, 25.0])
 def test_node_1_cut_off_then_healed_finishes_bit_identical(tmp_path, hosts, references, cut_s):
     """Node 1's link goes down at iteration 3 for ``cut_s`` seconds, then comes back; both nodes run
@@ -276,23 +301,8 @@ def test_node_0s_agent_killed_the_job_store_moves_and_a_restarted_rank_finds_the
     there and takes its state from its twin. Bit-identical, one loss per iteration."""
     agents, dirs = start_nodes(hosts, tmp_path, FLAGS, {"MINDSPEED_HA_INJECT": "slow:rank=0:step=any:factor=16"})
     orphans: list[int] = []
-
-    def wait_for(what, deadline_s=120):
-        deadline = time.monotonic() + deadline_s
-        while not what():
-            assert time.monotonic() < deadline and agents[1].poll() is None, \
-                "\n".join((d / "agent.out").read_text()[-3000:] for d in dirs)
-            time.sleep(0.1)
-
     try:
-        wait_for(lambda: max([e["iteration"] for e in all_rank_events(dirs) if e["event"] == "step"] or [0]) >= 2)
-        orphans += [e["worker_pid"] for e in events(dirs[0], "agent_0") if e["event"] == "worker_start"]
-        agents[0].kill()
-        wait_for(lambda: [e for e in events(dirs[0], "controller") if e["event"] == "store_moved"])
-        kill = MINDSPEED_HA + ["inject", "--log-dir", str(dirs[0]), "--kind", "kill", "--rank", "3", "--timeout", "15"]
-        p = hosts.popen(0, kill, env=clean_env({"MINDSPEED_HA_KEY_DIR": str(tmp_path / "keys")}),
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert p.wait(60) == 0, p.stdout.read()
+        orphans += kill_agent_0_then_rank_3(hosts, agents, dirs, tmp_path)
         assert agents[1].wait(240) == 0, (dirs[1] / "agent.out").read_text()[-3000:]
     finally:
         for p in agents:
@@ -416,5 +426,40 @@ def test_elastic_node_1_cut_off_again_during_the_scale_out(tmp_path, hosts, refe
     steps = [e["iteration"] for e in events(dirs[0], "rank_0") if e["event"] == "step"]
     assert sorted(steps) == sorted(set(steps)) == list(range(1, iters + 1))
     got, first = losses(dirs), scaled_in[0]["iteration"]
+    assert {i: got[i] for i in ref if i <= first} == {i: ref[i] for i in ref if i <= first}
+    assert max(abs(float.fromhex(got[i]) / float.fromhex(ref[i]) - 1) for i in ref if i > first) < 1e-4
+
+
+def test_elastic_node_0s_agent_killed_then_a_rank_lost_the_job_scales_in(tmp_path, hosts, references):
+    """elastic-training only: node 0's agent (the job store) is killed at iteration 2, and the store
+    moves to node 1's agent; then rank 3 is killed. With no spare the job scales in to DP=2 on node
+    0's ranks, whose agent is gone, and trains to the end: every iteration logged once, bit-identical
+    before the scale-in and within the bound of the other data-parallel size after it."""
+    flags = [*TINY, "--train-iters", str(TINY_ITERS), "--ha-verify-replicas-interval", "1"]
+    env = {"HIGH_AVAILABILITY": "elastic-training", "MINDSPEED_HA_INJECT": "slow:rank=0:step=any:factor=16"}
+    agents, dirs = start_nodes(hosts, tmp_path, flags, env)
+    orphans: list[int] = []
+    try:
+        orphans += kill_agent_0_then_rank_3(hosts, agents, dirs, tmp_path)
+        # (agent 1 may end first: its rank 3 is gone, its rank 2 left the job at the scale-in)
+        wait_until(lambda: [e for e in events(dirs[0], "rank_0") if e["event"] == "step"
+                            and e["iteration"] == TINY_ITERS], [], dirs, 240)
+        assert agents[1].wait(60) == 0, (dirs[1] / "agent.out").read_text()[-3000:]
+    finally:
+        for p in agents:
+            if p.poll() is None:
+                p.kill()
+        for pid in orphans:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    ctl = events(dirs, "controller")
+    assert [e["node_rank"] for e in ctl if e["event"] == "store_moved"] == [1]
+    scaled = [(e["old_dp"], e["dp"], e["dropped"]) for e in ctl if e["event"] == "scaled_in"]
+    assert scaled == [(4, 2, [2, 3])], scaled
+    steps = [e["iteration"] for e in events(dirs[0], "rank_0") if e["event"] == "step"]
+    assert sorted(steps) == sorted(set(steps)) == list(range(1, TINY_ITERS + 1))
+    got, ref, first = losses(dirs), references.tiny("dp4"), [e for e in ctl if e["event"] == "scaled_in"][0]["iteration"]
     assert {i: got[i] for i in ref if i <= first} == {i: ref[i] for i in ref if i <= first}
     assert max(abs(float.fromhex(got[i]) / float.fromhex(ref[i]) - 1) for i in ref if i > first) < 1e-4
