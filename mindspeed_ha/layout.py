@@ -47,12 +47,19 @@ def validate(world: int, args, options: HAOptions, elastic_pipelines: bool = Fal
             f"context-parallel size must be at least 2 and divisible by --optimizer-replica-num {R}; with "
             f"{world} ranks, --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"
             + (f" --context-parallel-size {cp}" if cp > 1 else "") + f" it is {dp * cp}" + hint)
-    if "elastic-training" in options.strategies and (cp > 1 or getattr(args, "num_experts", None)):
+    elastic = "elastic-training" in options.strategies
+    if elastic and cp > 1:
         raise HAConfigError(
             "elastic scale-in keeps every TP/PP position and drops whole data-parallel replicas; it is built "
-            "for TP x PP x DP layouts: with --context-parallel-size or --num-experts drop --enable-elastic-training "
+            "for TP x PP x DP layouts and MoE: with --context-parallel-size drop --enable-elastic-training "
             "(or HIGH_AVAILABILITY=elastic-training)")
-    if "elastic-training" in options.strategies and pp > 1 and not elastic_pipelines:
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    if elastic and getattr(args, "num_experts", None) and etp not in (None, tp):
+        raise HAConfigError(
+            f"elastic training with MoE keeps each replica's experts where they are, which needs the experts "
+            f"split like the dense layers: drop --expert-tensor-parallel-size {etp} (it defaults to "
+            f"--tensor-model-parallel-size {tp}) or --enable-elastic-training")
+    if elastic and pp > 1 and not elastic_pipelines:
         raise HAConfigError(
             "elastic scale-in of a pipeline-parallel layout is built in examples/pretrain_gpt.py's own trainer, "
             "not yet in Megatron-LM's loop: drop --enable-elastic-training (or HIGH_AVAILABILITY=elastic-training) "

@@ -266,7 +266,7 @@ class ElasticPlan:
 
 
 def plan_elastic(holders: Holders, replicas: Sequence[Sequence[int]], global_batch: int, micro_batch: int,
-                 instances: int = 2, stages: int = 1) -> ElasticPlan:
+                 instances: int = 2, stages: int = 1, experts: int = 1) -> ElasticPlan:
     """Scale in: train on the whole data-parallel replicas that survive, without a spare.
 
     ``holders``: as for ``plan_dump`` (lost ranks ``alive`` False). ``replicas``: the job's current
@@ -282,13 +282,21 @@ def plan_elastic(holders: Holders, replicas: Sequence[Sequence[int]], global_bat
     twins that are dropped could serve it too, but would need a side channel). ``instances``
     optimizer instances when the new size divides by it, else one (no twins until scale-out).
     Replicas are kept in this order: a holder for each shard (the lowest replica that has one),
-    then the rest by old order; the new order is the old order of the kept ones."""
+    then the rest by old order; the new order is the old order of the kept ones.
+
+    With MoE, ``experts`` (the expert-parallel size; expert-TP equal to TP) consecutive replicas
+    hold the experts between them, one expert-parallel position each (replica d at d mod
+    ``experts``). They stay or go together: kept whole, in order, every rank keeps its experts and
+    its expert-parallel groups, and the new size counts such blocks. Twins need the expert
+    data-parallel size (size / ``experts``) to divide by ``instances`` too."""
     dump = plan_dump(holders)
     if not dump.ok:
         return ElasticPlan(False, reason=dump.reason)
     target = dump.iteration
     replicas = [tuple(int(r) for r in rep) for rep in replicas]
-    whole = [i for i, rep in enumerate(replicas) if all(holders[r].get("alive", True) for r in rep)]
+    alive = [all(holders[r].get("alive", True) for r in rep) for rep in replicas]
+    blocks = [range(b, b + experts) for b in range(0, len(replicas) - len(replicas) % experts, experts)]
+    whole = [i for block in blocks if all(alive[i] for i in block) for i in block]
 
     def shards(i: int) -> frozenset[Shard]:  # the shards replica i holds: twins hold the same set
         return frozenset(tuple(sorted(holders[r]["replica_group"])) for r in replicas[i])
@@ -303,14 +311,16 @@ def plan_elastic(holders: Holders, replicas: Sequence[Sequence[int]], global_bat
         lost = ", ".join(str(sorted(list(g) for g in k)) for k in unserved)
         return ElasticPlan(False, reason=f"no whole surviving replica holds shard(s) {lost} at iteration "
                                          f"{target}: the dying gasp writes them from the holders left")
-    sizes = [d for d in range(len(whole), 0, -1) if global_batch % (micro_batch * d) == 0 and d >= len(needed)]
+    first = sorted({b for i in serving.values() for b in range(i - i % experts, i - i % experts + experts)})
+    smallest = max(len(needed), len(first))
+    sizes = [d for d in range(len(whole), 0, -experts) if global_batch % (micro_batch * d) == 0 and d >= smallest]
     # A size that keeps the twins first (one more replica parked, redundancy kept), then any.
-    dp = next((d for d in sizes if d % instances == 0), sizes[0] if sizes else None)
+    dp = next((d for d in sizes if (d // experts) % instances == 0), sizes[0] if sizes else None)
     if dp is None:
+        unit = f" in blocks of {experts} (the expert-parallel size)" if experts > 1 else ""
         return ElasticPlan(False, reason=f"{len(whole)} whole replica(s) survive; no data-parallel size from "
-                                         f"{len(needed)} (one per shard) to {len(whole)} divides the global batch "
-                                         f"{global_batch} into micro-batches of {micro_batch}")
-    first = sorted(serving.values())
+                                         f"{smallest} (one per shard) to {len(whole)}{unit} divides the global "
+                                         f"batch {global_batch} into micro-batches of {micro_batch}")
     chosen = first + [i for i in whole if i not in first][:dp - len(first)]
     kept = tuple(replicas[i] for i in sorted(chosen))
     in_kept = {r for rep in kept for r in rep}
@@ -319,12 +329,12 @@ def plan_elastic(holders: Holders, replicas: Sequence[Sequence[int]], global_bat
     for key, i in serving.items():
         for r in replicas[i]:
             writers[tuple(sorted(holders[r]["replica_group"]))] = r
-    return ElasticPlan(True, target, dp, instances if dp % instances == 0 else 1, kept, parked, writers,
+    return ElasticPlan(True, target, dp, instances if (dp // experts) % instances == 0 else 1, kept, parked, writers,
                        global_batch // (micro_batch * dp), stages=stages)
 
 
 def plan_scale_out(holders: Holders, replicas: Sequence[Sequence[int]], joiners: Iterable[int], global_batch: int,
-                   micro_batch: int, instances: int = 2, stages: int = 1) -> ElasticPlan:
+                   micro_batch: int, instances: int = 2, stages: int = 1, experts: int = 1) -> ElasticPlan:
     """Scale out: ranks that registered again (``joiners``, job ranks; fresh processes holding
     nothing) rejoin the job's ``replicas`` (as for ``plan_elastic``, every one live) as whole
     data-parallel replicas.
@@ -336,7 +346,9 @@ def plan_scale_out(holders: Holders, replicas: Sequence[Sequence[int]], joiners:
     Every replica of the new layout is ordered by its lowest rank, so a job back at its full size
     has its original layout again. The state comes from one current holder of each shard at the
     newest iteration every shard has (``writers``); each newcomer copies counters, scheduler and RNG
-    from the kept rank at its TP/PP position (``sources``)."""
+    from the kept rank at its TP/PP position (``sources``). With MoE (``experts``, as for
+    ``plan_elastic``) newcomers come in whole blocks of that many replicas, and each copies the kept
+    rank at its TP and expert-parallel position."""
     replicas = [tuple(int(r) for r in rep) for rep in replicas]
     if stages > 1:
         return ElasticPlan(False, direction="out", reason=(
@@ -347,13 +359,14 @@ def plan_scale_out(holders: Holders, replicas: Sequence[Sequence[int]], joiners:
         return ElasticPlan(False, reason=dump.reason, direction="out")
     target, width = dump.iteration, len(replicas[0])
     joined = {int(r) for r in joiners}
-    incoming = sorted({r // width for r in joined})
-    whole: list[Sequence[int]] = [tuple(range(d * width, (d + 1) * width)) for d in incoming
-                                  if set(range(d * width, (d + 1) * width)) <= joined]
+    block = width * experts
+    whole: list[Sequence[int]] = [tuple(range(b * block + i * width, b * block + (i + 1) * width))
+                                  for b in sorted({r // block for r in joined})
+                                  if set(range(b * block, (b + 1) * block)) <= joined for i in range(experts)]
     current = len(replicas)
-    now_instances = instances if current % instances == 0 else 1
-    sizes = [d for d in range(current + len(whole), current, -1)
-             if global_batch % (micro_batch * d) == 0 and (d % instances == 0) == (now_instances == instances)]
+    now_instances = instances if (current // experts) % instances == 0 else 1
+    sizes = [d for d in range(current + len(whole), current, -experts)
+             if global_batch % (micro_batch * d) == 0 and ((d // experts) % instances == 0) == (now_instances == instances)]
     if not sizes:
         return ElasticPlan(False, target, direction="out", reason=(
             f"{len(whole)} whole replica(s) of newcomers ({sorted(joined)}) and {current} running; no larger "
@@ -368,8 +381,8 @@ def plan_scale_out(holders: Holders, replicas: Sequence[Sequence[int]], joiners:
             key = tuple(sorted(holders[r]["replica_group"]))
             if key not in writers and target in servable(holders[r]):
                 writers[key] = r
-    position = {r % width: r for r in replicas[0]}
-    sources = {r: position[r % width] for rep in added for r in rep}
+    position = {r % block: r for rep in replicas[:experts] for r in rep}
+    sources = {r: position[r % block] for rep in added for r in rep}
     parked = tuple(sorted(joined - set(sources)))
     return ElasticPlan(True, target, dp, now_instances, kept, parked, writers,
                        global_batch // (micro_batch * dp), sources=sources, direction="out")

@@ -413,13 +413,18 @@ def test_elastic_newcomer_lost_during_the_scale_out(tmp_path, keys, ref_dir):
     assert sample_hashes(c.dirs) == sample_hashes(ref_dir)
 
 
-def test_elastic_tp2_node_lost_and_back(tmp_path, keys):
-    """TP=2 x DP=4 on two agents of four ranks: node 1 (two whole replicas) is lost -> TP=2 x DP=2 on
-    node 0, every rank keeping its TP position; its replacement comes -> TP=2 x DP=4 again, the
-    newcomers taking weights and shards at their TP position. Every iteration logged once with the
-    fault-free run's samples; bit-identical before the loss, within the bound after it."""
+@pytest.mark.parametrize("layout,gbs,kept", [
+    (("--tensor-model-parallel-size", "2"), "8", [[0, 1], [2, 3]]),
+    (("--num-experts", "4", "--expert-model-parallel-size", "2"), "16", [[0], [1], [2], [3]])], ids=["tp2", "moe"])
+def test_elastic_model_parallel_node_lost_and_back(tmp_path, keys, layout, gbs, kept):
+    """Two agents of four ranks, TP=2 x DP=4 or MoE (4 experts, EP=2) x DP=8: node 1 (whole
+    replicas: with MoE, two blocks of the two replicas that hold every expert between them) is lost
+    -> the job scales in to node 0, every rank keeping its TP position or its experts; its
+    replacement comes -> the original layout again, the newcomers taking weights, shards, counters
+    and RNG at their TP or expert-parallel position. Every iteration logged once with the fault-free
+    run's samples; bit-identical before the loss, within the bound after it."""
     iters = 40
-    flags = [*TINY, "--tensor-model-parallel-size", "2", "--global-batch-size", "8", "--train-iters", str(iters)]
+    flags = [*TINY, *layout, "--global-batch-size", gbs, "--train-iters", str(iters)]
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
     assert_ok(subprocess.run(MINDSPEED_HA + ["run", "--standalone", "--nproc-per-node", "8", PRETRAIN, *flags,
@@ -437,9 +442,9 @@ def test_elastic_tp2_node_lost_and_back(tmp_path, keys):
     finally:
         c.close()
     scaled_in, scaled_out = c.controller("scaled_in"), c.controller("scaled_out")
-    assert [(e["old_dp"], e["dp"], e["kept"], e["dropped"]) for e in scaled_in] == [(4, 2, [[0, 1], [2, 3]],
-                                                                                      [4, 5, 6, 7])]
-    assert [(e["old_dp"], e["dp"], e["added"]) for e in scaled_out] == [(2, 4, [4, 5, 6, 7])]
+    dp = len(kept)
+    assert [(e["old_dp"], e["dp"], e["kept"], e["dropped"]) for e in scaled_in] == [(2 * dp, dp, kept, [4, 5, 6, 7])]
+    assert [(e["old_dp"], e["dp"], e["added"]) for e in scaled_out] == [(dp, 2 * dp, [4, 5, 6, 7])]
     ref = losses(ref_dir)
     assert_resized_losses(losses(c.dirs), ref, scaled_in[0]["iteration"], 1e-4)
     assert sample_hashes(c.dirs) == sample_hashes(ref_dir)

@@ -82,14 +82,18 @@ def test_scale_in_twice_dp8_to_4_to_2(tmp_path):
 
 @pytest.mark.parametrize("layout,killed,kept,dropped", [
     (("--tensor-model-parallel-size", "2"), 3, [[0, 1], [6, 7]], [2, 3, 4, 5]),
-    (("--pipeline-model-parallel-size", "2"), 5, [[0, 4], [3, 7]], [1, 2, 5, 6])], ids=["tp2", "pp2"])
-def test_a_model_parallel_dp4_job_scales_in_to_dp2(tmp_path, layout, killed, kept, dropped):
+    (("--pipeline-model-parallel-size", "2"), 5, [[0, 4], [3, 7]], [1, 2, 5, 6]),
+    (("--num-experts", "4", "--expert-model-parallel-size", "2"), 2, [[0], [1], [6], [7]], [2, 3, 4, 5])],
+    ids=["tp2", "pp2", "moe"])
+def test_a_model_parallel_job_scales_in_to_half_its_replicas(tmp_path, layout, killed, kept, dropped):
     """TP=2 x DP=4 with rank 3 (TP rank 1 of replica 1) lost, or PP=2 x DP=4 with rank 5 (stage 1
     of replica 1: megatron-core lays the stages outermost, so a replica is ranks d and d + 4): the
     whole replica goes, and with it the one its shards' twins would leave unpaired; the two kept
     replicas train on at DP=2, every rank at its TP position or pipeline stage (with a pipeline the
-    new order puts each stage's ranks together). Before the fault bit-identical to the fault-free
-    job, after it within the bound; the twins agree after every step."""
+    new order puts each stage's ranks together). MoE (4 experts, EP=2) x DP=8 with rank 2 lost:
+    replicas go in blocks of two (the pair that holds every expert), so ranks 0, 1, 6 and 7 train on
+    at DP=4, each keeping its experts and expert-parallel group, with a twin for its expert shard. Before the fault
+    bit-identical to the fault-free job, after it within the bound; the twins agree after every step."""
     for d in ("ref", "run"):
         (tmp_path / d).mkdir()
     with ThreadPoolExecutor(1) as pool:
@@ -100,7 +104,9 @@ def test_a_model_parallel_dp4_job_scales_in_to_dp2(tmp_path, layout, killed, kep
     assert_ok(proc)
     ctl = events(tmp_path / "run", "controller")
     scaled = [(e["old_dp"], e["dp"], e["kept"], e["dropped"]) for e in ctl if e["event"] == "scaled_in"]
-    assert scaled == [(4, 2, kept, dropped)], scaled
+    assert scaled == [(2 * len(kept), len(kept), kept, dropped)], scaled
+    checks = [e for e in events(tmp_path / "run", f"rank_{kept[0][0]}") if e["event"] == "replica_check"]
+    assert [e["iteration"] for e in checks] == list(range(1, LAST + 1)) and all(e["ok"] for e in checks)
     got, want = losses(tmp_path / "run"), losses(tmp_path / "ref")
     assert sorted(got) == list(range(1, LAST + 1))
     assert {i: got[i] for i in range(1, 4)} == {i: want[i] for i in range(1, 4)}

@@ -79,6 +79,28 @@ def test_a_pipeline_layout_keeps_each_rank_at_its_stage():
     assert not out.ok and "pipeline-parallel" in out.reason
 
 
+def test_an_moe_layout_keeps_and_adds_whole_expert_blocks():
+    """MoE with EP=2 x DP=8: replicas 2k and 2k + 1 hold the experts between them (expert-parallel
+    positions 0 and 1). Rank 1 lost: its block (0, 1) goes, rank 0 with it, and the kept replicas
+    2..5 sit at new positions 0..3, each at its old expert-parallel position (without blocks, 0, 2,
+    3, 5 would put rank 2 at position 1). Back out: newcomer blocks (0, 1) and (6, 7), each rank
+    copying the kept rank at its expert-parallel position; a block that came half is not taken."""
+    replicas = [[d] for d in range(8)]
+    holders = {r: {**(H(6, **DEAD) if r == 1 else H(6)), "replica_group": [r % 4, r % 4 + 4]} for r in range(8)}
+    plan = plan_elastic(holders, replicas, 16, 2, experts=2)
+    assert plan.ok, plan.reason
+    assert (plan.dp, plan.instances, plan.kept, plan.parked) == (4, 2, ((2,), (3,), (4,), (5,)), (0, 6, 7))
+    assert plan.writers == {(0, 4): 4, (1, 5): 5, (2, 6): 2, (3, 7): 3}
+    assert plan_elastic(holders, replicas, 16, 2).kept == ((0,), (2,), (3,), (5,))
+    assert not plan_elastic(holders, replicas, 16, 8, experts=2).ok  # (size 2: one expert replica, no twins)
+    running = {r: {**H(9), "replica_group": [2 + r % 2, 4 + r % 2]} for r in (2, 3, 4, 5)}
+    out = plan_scale_out(running, [[2], [3], [4], [5]], [0, 1, 6, 7], 16, 2, experts=2)
+    assert out.ok, out.reason
+    assert (out.dp, out.kept, out.parked, out.sources) == (8, tuple((r,) for r in range(8)), (), {0: 2, 1: 3, 6: 2, 7: 3})
+    half = plan_scale_out(running, [[2], [3], [4], [5]], [0, 1, 6], 24, 2, experts=2)
+    assert not half.ok and "same optimizer instance count" in half.reason
+
+
 def test_scale_in_again_from_a_scaled_in_layout():
     """After 4 -> 2 the replicas are job ranks 0 and 3, twins of each other (instance size 1);
     losing 3 leaves one replica holding every shard: size 1, no twins."""

@@ -54,10 +54,18 @@ def test_bad_interleaved_pipelines(argv, needle):
     assert args.virtual_pipeline_model_parallel_size == 2
 
 
-@pytest.mark.parametrize("argv", [["--context-parallel-size", "2"], ["--num-experts", "4"]])
-def test_elastic_refuses_layouts_it_cannot_shrink(argv):
+def test_elastic_refuses_layouts_it_cannot_shrink():
+    """Context parallelism is refused; MoE is accepted while its experts are split like the dense
+    layers (a replica's experts then stay on it), and refused with an expert-TP size of its own."""
+    elastic = ["--enable-elastic-training", "--use-distributed-optimizer"]
     with pytest.raises(HAConfigError, match="elastic scale-in keeps every TP/PP position"):
-        check(8, ["--enable-elastic-training", "--use-distributed-optimizer", *argv])
+        check(8, [*elastic, "--context-parallel-size", "2"])
+    moe = [*elastic, "--num-experts", "4", "--expert-model-parallel-size", "2"]
+    check(8, moe)
+    args = finalize(build_parser().parse_args([*moe, "--tensor-model-parallel-size", "2"]), 8)
+    args.expert_tensor_parallel_size = 1  # (Megatron-LM's flag; the built-in trainer has none)
+    with pytest.raises(HAConfigError, match="drop --expert-tensor-parallel-size 1"):
+        validate(8, args, from_args(args, {}))
 
 
 def test_elastic_pipelines_only_where_the_trainer_scales_them():

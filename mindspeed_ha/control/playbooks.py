@@ -263,7 +263,7 @@ def _plan_elastic(ep: Episode) -> Step:
     groups = {r: ep.group_of(r) for r in members if ep.group_of(r)}
     holders = {r: h for r, h in planner.holders(ep.world, ep.statuses, groups).items() if r in members}
     plan = planner.plan_elastic(holders, replicas, layout["global_batch"], layout["micro_batch"],
-                                layout["replica_num"], layout.get("stages", 1))
+                                layout["replica_num"], layout.get("stages", 1), layout.get("experts", 1))
     if not plan.ok:
         return Fail(plan.message())
     # Ranks between two layouts (a resize that did not complete) enter one again, the same size included.
@@ -338,7 +338,7 @@ def _plan_scale_out(ep: Episode) -> Step:
     groups = {r: ep.group_of(r) for r in ep.running if ep.group_of(r)}
     holders = {r: h for r, h in planner.holders(ep.world, ep.statuses, groups).items() if r in ep.running}
     ep.plan = planner.plan_scale_out(holders, replicas, ep.joiners, layout["global_batch"], layout["micro_batch"],
-                                     layout["replica_num"], layout.get("stages", 1))
+                                     layout["replica_num"], layout.get("stages", 1), layout.get("experts", 1))
     ep.old_dp = len(replicas)
     ep.dropped = sorted(ep.plan.parked) if ep.plan.ok else list(ep.joiners)
     if not ep.plan.ok:

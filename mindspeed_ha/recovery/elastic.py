@@ -18,7 +18,8 @@ scale-in, ``plan_scale_out`` for a scale-out):
 The controller decides and plays it (``control/playbooks.ELASTIC`` and ``SCALE_OUT``): ranks left
 out are told to exit; the new layout then rolls back to the plan's iteration and trains on. With a
 pipeline, the plan's order puts each stage's ranks together (megatron-core lays stages outermost), so
-every kept rank keeps its stage. Not built: scaling a pipeline job back out, and a new size at which
+every kept rank keeps its stage; with MoE, replicas stay and come in blocks that hold every expert
+between them (``plan_elastic``'s ``experts``), so every kept rank keeps its experts. Not built: scaling a pipeline job back out, and a new size at which
 the optimizer instance count changes.
 """
 from __future__ import annotations

@@ -80,15 +80,16 @@ class RankRecovery:
 
     def layout(self) -> dict[str, Any]:
         """What an elastic plan needs of the job's layout: this rank's data-parallel
-        group (job ranks, in order), the batch sizes, the optimizer instance count and the number of
-        pipeline stages."""
+        group (job ranks, in order), the batch sizes, the optimizer instance count, the number of
+        pipeline stages and the expert-parallel size (MoE: that many replicas share the experts)."""
         from megatron.core import parallel_state as ps
         from mindspeed_ha.comm.groups import job_rank
         topo = self.s.topology
         assert topo is not None  # (made with the replica optimizer, which _status checked)
         return {"dp_ranks": [job_rank(r) for r in topo.dp_ranks], "global_batch": int(self.trainer.global_batch_size),
                 "micro_batch": int(self.trainer.micro_batch_size), "replica_num": int(topo.replica_num),
-                "stages": int(ps.get_pipeline_model_parallel_world_size())}
+                "stages": int(ps.get_pipeline_model_parallel_world_size()),
+                "experts": int(ps.get_expert_model_parallel_world_size())}
 
     def rebuild(self, args: dict[str, Any]) -> str:
         from mindspeed_ha.comm import groups
