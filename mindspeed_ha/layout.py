@@ -20,8 +20,7 @@ def _proposals(world: int, tp: int, pp: int, cp: int, replicas: int, limit: int 
     return out[:limit]
 
 
-def validate(world: int, args, options: HAOptions, elastic_pipelines: bool = False) -> None:
-    """``elastic_pipelines``: the trainer can scale a pipeline-parallel layout in (the built-in one)."""
+def validate(world: int, args, options: HAOptions) -> None:
     if not options.enabled:
         return
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -59,11 +58,6 @@ def validate(world: int, args, options: HAOptions, elastic_pipelines: bool = Fal
             f"elastic training with MoE keeps each replica's experts where they are, which needs the experts "
             f"split like the dense layers: drop --expert-tensor-parallel-size {etp} (it defaults to "
             f"--tensor-model-parallel-size {tp}) or --enable-elastic-training")
-    if elastic and pp > 1 and not elastic_pipelines:
-        raise HAConfigError(
-            "elastic scale-in of a pipeline-parallel layout is built in examples/pretrain_gpt.py's own trainer, "
-            "not yet in Megatron-LM's loop: drop --enable-elastic-training (or HIGH_AVAILABILITY=elastic-training) "
-            "or --pipeline-model-parallel-size")
     experts = getattr(args, "num_experts", None)
     if experts:
         ep = getattr(args, "expert_model_parallel_size", 1)

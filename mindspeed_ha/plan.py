@@ -334,35 +334,48 @@ def plan_elastic(holders: Holders, replicas: Sequence[Sequence[int]], global_bat
 
 
 def plan_scale_out(holders: Holders, replicas: Sequence[Sequence[int]], joiners: Iterable[int], global_batch: int,
-                   micro_batch: int, instances: int = 2, stages: int = 1, experts: int = 1) -> ElasticPlan:
+                   micro_batch: int, instances: int = 2, stages: int = 1, experts: int = 1,
+                   world: int | None = None) -> ElasticPlan:
     """Scale out: ranks that registered again (``joiners``, job ranks; fresh processes holding
     nothing) rejoin the job's ``replicas`` (as for ``plan_elastic``, every one live) as whole
     data-parallel replicas.
 
-    A newcomer replica is the job's original slice of ``len(replica)`` consecutive ranks (the TP x PP
-    slices are laid out data-parallel outermost), and only a whole one of joiners can come in. The
-    new size is the largest that the global batch allows (divisible by micro-batch x size) and
-    that keeps the optimizer instance count of the current size; newcomers beyond it are parked.
-    Every replica of the new layout is ordered by its lowest rank, so a job back at its full size
-    has its original layout again. The state comes from one current holder of each shard at the
-    newest iteration every shard has (``writers``); each newcomer copies counters, scheduler and RNG
-    from the kept rank at its TP/PP position (``sources``). With MoE (``experts``, as for
-    ``plan_elastic``) newcomers come in whole blocks of that many replicas, and each copies the kept
-    rank at its TP and expert-parallel position."""
+    A newcomer replica is one of the job's original TP x PP slices, and only a whole one of joiners
+    can come in: ``len(replica)`` consecutive ranks without a pipeline; with ``stages`` of them
+    (megatron-core lays the stages outermost, each ``world / stages`` ranks) the TP ranks at the same
+    place of every stage. The new size is the largest that the global batch allows (divisible by
+    micro-batch x size) and that keeps the optimizer instance count of the current size; newcomers
+    beyond it are parked. Every replica of the new layout is ordered by its lowest rank, so a job
+    back at its full size has its original layout again. The state comes from one current holder of
+    each shard at the newest iteration every shard has (``writers``); each newcomer copies counters,
+    scheduler and RNG from the kept rank at its TP/PP position (``sources``). With MoE (``experts``,
+    as for ``plan_elastic``) newcomers come in whole blocks of that many replicas, and each copies
+    the kept rank at its TP, PP and expert-parallel position."""
     replicas = [tuple(int(r) for r in rep) for rep in replicas]
-    if stages > 1:
-        return ElasticPlan(False, direction="out", reason=(
-            "scaling a pipeline-parallel job back out is not built (a newcomer replica is one rank per stage, "
-            "spread over the job: the job goes on at its size)"))
+    if stages > 1 and not world:
+        raise ValueError("a pipeline job's scale-out needs the job's world size")
     dump = plan_dump(holders)
     if not dump.ok:
         return ElasticPlan(False, reason=dump.reason, direction="out")
     target, width = dump.iteration, len(replicas[0])
     joined = {int(r) for r in joiners}
-    block = width * experts
-    whole: list[Sequence[int]] = [tuple(range(b * block + i * width, b * block + (i + 1) * width))
-                                  for b in sorted({r // block for r in joined})
-                                  if set(range(b * block, (b + 1) * block)) <= joined for i in range(experts)]
+    tp = width // stages
+    span = world // stages if world else max([*joined, *holders]) + 1  # the ranks of one stage
+
+    def original(d: int) -> tuple[int, ...]:  # the job's d-th replica, stage by stage
+        return tuple(s * span + d * tp + t for s in range(stages) for t in range(tp))
+
+    def slot(r: int) -> tuple[int, int]:  # (replica index inside its block, place in the replica)
+        return (r % span) // tp % experts, (r // span) * tp + r % tp
+
+    whole: list[Sequence[int]] = [original(b * experts + i) for b in sorted({(r % span) // tp // experts for r in joined})
+                                  if all(set(original(b * experts + i)) <= joined for i in range(experts))
+                                  for i in range(experts)]
+    if not whole:
+        unit = f"{experts} replicas of " if experts > 1 else ""
+        return ElasticPlan(False, target, direction="out", reason=(
+            f"the newcomers {sorted(joined)} make no whole {unit}{tp} x {stages} (TP x PP) replica: start the nodes "
+            "that hold a replica's ranks together"))
     current = len(replicas)
     now_instances = instances if (current // experts) % instances == 0 else 1
     sizes = [d for d in range(current + len(whole), current, -experts)
@@ -381,8 +394,7 @@ def plan_scale_out(holders: Holders, replicas: Sequence[Sequence[int]], joiners:
             key = tuple(sorted(holders[r]["replica_group"]))
             if key not in writers and target in servable(holders[r]):
                 writers[key] = r
-    position = {r % block: r for rep in replicas[:experts] for r in rep}
-    sources = {r: position[r % block] for rep in added for r in rep}
+    sources = {r: replicas[slot(r)[0]][slot(r)[1]] for rep in added for r in rep}
     parked = tuple(sorted(joined - set(sources)))
     return ElasticPlan(True, target, dp, now_instances, kept, parked, writers,
-                       global_batch // (micro_batch * dp), sources=sources, direction="out")
+                       global_batch // (micro_batch * dp), sources=sources, direction="out", stages=stages)

@@ -66,7 +66,8 @@ def test_a_pipeline_layout_keeps_each_rank_at_its_stage():
     """PP=2 x DP=4 (megatron-core: stages outermost, so replica d is ranks d and d + 4; replica
     groups pair instance positions within a stage): rank 5 lost, replicas (0, 4) and (3, 7) go on,
     and the new order puts each stage's ranks together: 0 and 3 are stage 0 of the PP=2 x DP=2
-    layout, 4 and 7 stage 1. Scaling such a job back out is refused plainly."""
+    layout, 4 and 7 stage 1. Back out: newcomer replicas (1, 5) and (2, 6), each rank copying the
+    kept rank at its stage; a replica that came half is not taken."""
     replicas = [[d, d + 4] for d in range(4)]
     holders = {r: {**(H(6, **DEAD) if r == 5 else H(6)), "replica_group": [r % 2 + (r // 4) * 4, r % 2 + 2 + (r // 4) * 4]}
                for r in range(8)}
@@ -75,8 +76,15 @@ def test_a_pipeline_layout_keeps_each_rank_at_its_stage():
     assert (plan.dp, plan.kept, plan.parked) == (2, ((0, 4), (3, 7)), (1, 2, 6))
     assert plan.order == [0, 3, 4, 7]
     assert plan_elastic(holders, replicas, 16, 2).order == [0, 4, 3, 7]  # (what a TP slice would give)
-    out = plan_scale_out({r: holders[r] for r in (0, 3, 4, 7)}, [[0, 4], [3, 7]], [1, 5], 16, 2, stages=2)
-    assert not out.ok and "pipeline-parallel" in out.reason
+    running = {r: {**H(9), "replica_group": [r, {0: 3, 3: 0, 4: 7, 7: 4}[r]]} for r in (0, 3, 4, 7)}
+    out = plan_scale_out(running, [[0, 4], [3, 7]], [1, 5, 2, 6], 16, 2, stages=2, world=8)
+    assert out.ok, out.reason
+    assert (out.dp, out.kept, out.parked) == (4, ((0, 4), (1, 5), (2, 6), (3, 7)), ())
+    assert out.sources == {1: 0, 5: 4, 2: 0, 6: 4} and out.order == list(range(8))
+    half = plan_scale_out(running, [[0, 4], [3, 7]], [1, 5, 2], 16, 2, stages=2, world=8)
+    assert not half.ok and "1 whole replica(s) of newcomers" in half.reason
+    alone = plan_scale_out(running, [[0, 4], [3, 7]], [5, 6], 16, 2, stages=2, world=8)
+    assert not alone.ok and "make no whole 1 x 2 (TP x PP) replica: start the nodes" in alone.reason
 
 
 def test_an_moe_layout_keeps_and_adds_whole_expert_blocks():

@@ -62,17 +62,10 @@ def test_elastic_refuses_layouts_it_cannot_shrink():
         check(8, [*elastic, "--context-parallel-size", "2"])
     moe = [*elastic, "--num-experts", "4", "--expert-model-parallel-size", "2"]
     check(8, moe)
+    check(8, [*elastic, "--pipeline-model-parallel-size", "2"])
     args = finalize(build_parser().parse_args([*moe, "--tensor-model-parallel-size", "2"]), 8)
     args.expert_tensor_parallel_size = 1  # (Megatron-LM's flag; the built-in trainer has none)
     with pytest.raises(HAConfigError, match="drop --expert-tensor-parallel-size 1"):
-        validate(8, args, from_args(args, {}))
-
-
-def test_elastic_pipelines_only_where_the_trainer_scales_them():
-    pp2 = ["--enable-elastic-training", "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2"]
-    args = finalize(build_parser().parse_args(pp2), 8)
-    validate(8, args, from_args(args, {}), elastic_pipelines=True)  # the built-in trainer
-    with pytest.raises(HAConfigError, match="not yet in Megatron-LM's loop"):
         validate(8, args, from_args(args, {}))
 
 

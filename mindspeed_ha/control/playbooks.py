@@ -338,7 +338,8 @@ def _plan_scale_out(ep: Episode) -> Step:
     groups = {r: ep.group_of(r) for r in ep.running if ep.group_of(r)}
     holders = {r: h for r, h in planner.holders(ep.world, ep.statuses, groups).items() if r in ep.running}
     ep.plan = planner.plan_scale_out(holders, replicas, ep.joiners, layout["global_batch"], layout["micro_batch"],
-                                     layout["replica_num"], layout.get("stages", 1), layout.get("experts", 1))
+                                     layout["replica_num"], layout.get("stages", 1), layout.get("experts", 1),
+                                     world=ep.world)
     ep.old_dp = len(replicas)
     ep.dropped = sorted(ep.plan.parked) if ep.plan.ok else list(ep.joiners)
     if not ep.plan.ok:

@@ -19,8 +19,9 @@ The controller decides and plays it (``control/playbooks.ELASTIC`` and ``SCALE_O
 out are told to exit; the new layout then rolls back to the plan's iteration and trains on. With a
 pipeline, the plan's order puts each stage's ranks together (megatron-core lays stages outermost), so
 every kept rank keeps its stage; with MoE, replicas stay and come in blocks that hold every expert
-between them (``plan_elastic``'s ``experts``), so every kept rank keeps its experts. Not built: scaling a pipeline job back out, and a new size at which
-the optimizer instance count changes.
+between them (``plan_elastic``'s ``experts``), so every kept rank keeps its experts. A pipeline's
+newcomer replica is one rank per stage, so it comes back from as many nodes (started together). Not
+built: a new size at which the optimizer instance count changes.
 """
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ def run(argv: list[str] | None = None) -> int:
         device.check_local_ranks(local_ranks())
         args = finalize(args, world)
         opts = ha_options.from_args(args)
-        layout.validate(world, args, opts, elastic_pipelines=True)
+        layout.validate(world, args, opts)
         ha_options.check_dirs(opts, bool(args.ha_log_dir), args.save)
         faults = inject.parse(os.environ.get(inject.ENV, ""))
         inject.check_reachable(faults, world, args.train_iters)
