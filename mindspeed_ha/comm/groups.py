@@ -42,6 +42,13 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 class _Generation:
     number: int
     store: "dist.Store | None"
+    # Counts the stores this process has met in. A communicator belongs to one of them: a controller
+    # that took over serves a store of its own and numbers its generations from 1 again, so the
+    # number alone would pass an old communicator off as one of the new store's.
+    serial: int = 0
+
+    def enter(self, number: int, store: "dist.Store | None") -> None:
+        self.number, self.store, self.serial = int(number), store, self.serial + 1
 
 
 _gen = _Generation(0, None)
@@ -100,9 +107,9 @@ class StableGroup(dist.ProcessGroup):
     def inner(self) -> dist.ProcessGroup:
         """The live communicator, connected now if this group has none for the current generation.
         (No local name may hold a replaced communicator: see ``_swap``.)"""
-        if self._inner is None or self._inner_gen != _gen.number:
+        if self._inner is None or self._inner_gen != _gen.serial:
             with _lock:
-                if self._inner is None or self._inner_gen != _gen.number:
+                if self._inner is None or self._inner_gen != _gen.serial:
                     self._swap(_connect(self, _gen))
         assert self._inner is not None  # (_swap put a communicator in place)
         return self._inner
@@ -137,7 +144,7 @@ class StableGroup(dist.ProcessGroup):
             t = threading.Thread(target=_release_one, name="mindspeed-ha-release", daemon=True)
             _releasing[:] = [x for x in _releasing if x.is_alive()] + [t]
             t.start()
-        self._inner, self._inner_gen = new, _gen.number
+        self._inner, self._inner_gen = new, _gen.serial
 
     def __repr__(self) -> str:
         return f"StableGroup({self._desc}, ranks={list(self.ranks)[:8]}{'...' if len(self.ranks) > 8 else ''})"
@@ -219,8 +226,8 @@ def init_process_group(original, *args, **kwargs):
     world = StableGroup("world", ranks, real.rank(), backend, kwargs.get("timeout") or DEFAULT_TIMEOUT, "default_pg")
     store = compat.group_store(real)
     compat.unregister_group(real)
-    world._inner, world._inner_gen = real, 0
-    _gen.number, _gen.store = 0, store
+    _gen.enter(0, store)
+    world._inner, world._inner_gen = real, _gen.serial
     compat.set_default_group(world)
     _register(world, backend, store)
     with _lock:
@@ -294,7 +301,7 @@ def reconnect(store_host: str, store_port: int, generation: int,
     t0 = time.perf_counter()
     store = dist.TCPStore(store_host, store_port, None, False, timeout=timeout)
     with _lock:
-        _gen.number, _gen.store = int(generation), store
+        _gen.enter(generation, store)
         eager = _groups[:_sealed] if _sealed else list(_groups)
         for g in _groups:  # lazy ones drop theirs now: nothing may run on the old generation
             if g not in eager and g._inner is not None:
@@ -375,7 +382,7 @@ def survivor_world(survivors: Sequence[int], rank: int, store_host: str, store_p
     world = StableGroup(f"survivors-{generation}", list(range(len(survivors))), survivors.index(rank), backend,
                         timeout, "survivors")
     with _lock:
-        _gen.number, _gen.store = int(generation), store
+        _gen.enter(generation, store)
         compat.set_default_group(world)
         _register(world, backend, store)
     world.inner()
