@@ -137,9 +137,10 @@ def free_port() -> int:
 TINY_ITERS = 9
 TINY_LAYOUTS = {"dp4": (4, []), "dp6": (6, []), "tp2": (8, ["--tensor-model-parallel-size", "2"]),
                 "pp2": (4, ["--pipeline-model-parallel-size", "2"]),
-                # an interleaved pipeline: 2 stages of 2 one-layer chunks, 2 micro-batches a step
+                # an interleaved pipeline: 2 stages of 2 one-layer chunks, 4 micro-batches a rank and step (a
+                # steady state, where a stage sends and receives both ways at once)
                 "vpp2": (4, ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
-                             "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8"]),
+                             "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "16"]),
                 "moe": (4, ["--num-experts", "4", "--expert-model-parallel-size", "2"]),
                 "overlap": (4, ["--overlap-grad-reduce", "--overlap-param-gather"])}
 

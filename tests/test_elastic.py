@@ -83,14 +83,16 @@ def test_scale_in_twice_dp8_to_4_to_2(tmp_path):
 @pytest.mark.parametrize("layout,killed,kept,dropped", [
     (("--tensor-model-parallel-size", "2"), 3, [[0, 1], [6, 7]], [2, 3, 4, 5]),
     (("--pipeline-model-parallel-size", "2"), 5, [[0, 4], [3, 7]], [1, 2, 5, 6]),
+    (("--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"),
+     5, [[0, 4], [3, 7]], [1, 2, 5, 6]),
     (("--num-experts", "4", "--expert-model-parallel-size", "2"), 2, [[0], [1], [6], [7]], [2, 3, 4, 5])],
-    ids=["tp2", "pp2", "moe"])
+    ids=["tp2", "pp2", "vpp2", "moe"])
 def test_a_model_parallel_job_scales_in_to_half_its_replicas(tmp_path, layout, killed, kept, dropped):
     """TP=2 x DP=4 with rank 3 (TP rank 1 of replica 1) lost, or PP=2 x DP=4 with rank 5 (stage 1
     of replica 1: megatron-core lays the stages outermost, so a replica is ranks d and d + 4): the
     whole replica goes, and with it the one its shards' twins would leave unpaired; the two kept
     replicas train on at DP=2, every rank at its TP position or pipeline stage (with a pipeline the
-    new order puts each stage's ranks together). MoE (4 experts, EP=2) x DP=8 with rank 2 lost:
+    new order puts each stage's ranks together; interleaved too, each stage's two chunks rewrapped). MoE (4 experts, EP=2) x DP=8 with rank 2 lost:
     replicas go in blocks of two (the pair that holds every expert), so ranks 0, 1, 6 and 7 train on
     at DP=4, each keeping its experts and expert-parallel group, with a twin for its expert shard. Before the fault
     bit-identical to the fault-free job, after it within the bound; the twins agree after every step."""

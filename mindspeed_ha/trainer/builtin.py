@@ -132,6 +132,11 @@ class BuiltinTrainer(TrainerInterface):
             bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
             bias_dropout_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
             moe_token_dispatcher_type="allgather",
+            # Each point-to-point op on its own, in an order that pairs every send with its receive,
+            # and waited for. Batched, an interleaved PP=2 stage posts a gradient and an activation
+            # to the same peer in the order the peer posts their receives the other way round: gloo
+            # matches them by order, and the two tensors swap (same shape, no error).
+            batch_p2p_comm=False, overlap_p2p_comm=False,
             finalize_model_grads_func=self._finalize_grads)
 
     def prepare_join(self, dataset=None) -> None:
