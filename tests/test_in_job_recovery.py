@@ -107,9 +107,14 @@ def test_every_phase_on_both_pipeline_stages(tmp_path, references, layout, kind)
     proc = job(tmp_path, inject=",".join(f"{kind}:rank={r}:step={s}:phase={p}" for r, s, p in drills),
                extra=[*TINY_LAYOUTS[layout][1], "--enable-worker-reboot"])
     killed = [r for r, _, _ in drills] if kind == "kill" else []
-    rec = check_rejoined(proc, tmp_path, references.tiny(layout), killed, n=len(drills) if kind == "uce" else None)
+    rec = check_rejoined(proc, tmp_path, references.tiny(layout), killed, n=None)
     assert {e["strategy"] for e in rec} == {"retry" if kind == "uce" else "recover"}
     ctl = events(tmp_path, "controller")
+    drilled = "memory-error" if kind == "uce" else "process-exit"
+    assert sorted((e["iteration"], e["ranks"]) for e in ctl if e["event"] == "fault" and e["kind"] == drilled) == \
+        [(s, [r]) for r, s, _ in drills]
+    if kind == "uce":  # (a fault in the first step after a recovery is recovered with it: one event for both)
+        assert sorted((f["iteration"], f["ranks"]) for e in rec for f in e["faults"]) == [(s, [r]) for r, s, _ in drills]
     assert not [e for e in ctl if e["event"] == "fault" and e["kind"] == "hang"]
     assert kind == "uce" or len([e for e in ctl if e["event"] == "takeover"]) >= 2
     fired = sorted((e["iteration"], e["rank"], e["phase"]) for e in all_rank_events(tmp_path) if e["event"] == "inject")
