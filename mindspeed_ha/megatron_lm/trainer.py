@@ -56,7 +56,13 @@ class MegatronLMTrainer(TrainerInterface):
 
     def bind_step(self, original, forward_step_func, data_iterator, config, forward_backward_func):
         """Called by Megatron-LM's loop before each of its steps: its objects and position are the truth."""
+        import torch.distributed as dist
         from megatron.training import get_args
+        if config.deallocate_pipeline_outputs and dist.get_backend() == "gloo":
+            # Megatron-LM frees a stage's output once its send is posted (the storage swapped out
+            # under the tensor). A gloo send still running in the background (an interleaved
+            # pipeline overlaps its transfers) then reads freed memory: NaN losses, now and then.
+            config.deallocate_pipeline_outputs = False
         self.fns = LoopFunctions(original, forward_step_func, config, forward_backward_func)
         if data_iterator is not self._loop_iter:  # the loop hands the same object every step
             self._loop_iter = data_iterator
@@ -174,6 +180,15 @@ class MegatronLMTrainer(TrainerInterface):
         """Megatron-LM's train_step between the session's step hooks; returns its result tuple.
         ``iteration``: the loop's (its iterator); None: a step the engine drives (after a reload, from
         the reloaded position)."""
+        try:
+            return self._run_step(iteration)
+        except Exception:
+            # Its tail may have stepped the scheduler before a later collective (the loss's DP
+            # all-reduce) failed: back to the step's start before the recovery reads it (a dump).
+            self._undo_partial_step()
+            raise
+
+    def _run_step(self, iteration: int | None):
         from mindspeed_ha import session
         from mindspeed_ha.comm.interruptible import raise_deferred
         assert self.fns is not None  # (bind_step came first: the loop's, or train_step checked)
