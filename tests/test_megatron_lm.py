@@ -124,10 +124,19 @@ def test_trainer_interface_save_load_replay_in_process(tmp_path):
     assert {int(k): v for k, v in result["replay"].items()} == {i: want[i] for i in (4, 5, 6)}
 
 
-def test_megatron_lm_dying_gasp_then_megatron_lm_resume(tmp_path):
-    """Megatron-LM's own loop under `mindspeed-ha run`: rank 1 killed inside its optimizer update of
-    step 6 -> the survivors write the dying gasp -> Megatron-LM's --load resumes it with the loss
-    bits of a run that never failed."""
+@pytest.mark.parametrize("layout, rank, phase", [
+    ((), 1, "optimizer"),
+    ((), 2, "optimizer"),
+    (("--pipeline-model-parallel-size", "2"), 1, "backward"),
+    (("--num-experts", "4", "--expert-model-parallel-size", "2"), 2, "optimizer"),
+], ids=["dp4", "dp4-rank2", "pp2", "moe"])
+def test_megatron_lm_dying_gasp_then_megatron_lm_resume(tmp_path, layout, rank, phase):
+    """Megatron-LM's own loop under `mindspeed-ha run`: one rank killed in step 6 -> the survivors
+    write the dying gasp -> Megatron-LM's --load resumes it, same layout, with the loss bits of a run
+    that never failed. DP=4, rank 1 or rank 2 killed inside its optimizer update (rank 2's twin, rank
+    0, which writes the scheduler, has run step 6 on to the loss's all-reduce: its scheduler stepped);
+    PP=2 x DP=2, rank 1 (first stage) killed in its backward; MoE (4 experts, EP=2) x DP=4, rank 2
+    killed inside its chained dense and expert update."""
     import subprocess
     import sys
 
@@ -135,13 +144,13 @@ def test_megatron_lm_dying_gasp_then_megatron_lm_resume(tmp_path):
 
     def job(log_dir, *extra, inject=None):
         cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", "--nproc-per-node", "4", PRETRAIN,
-               *TINY, "--train-iters", "9", "--save-interval", "100", "--ha-log-dir", str(log_dir), *extra]
+               *TINY, "--train-iters", "9", "--save-interval", "100", "--ha-log-dir", str(log_dir), *layout, *extra]
         env = clean_env({**ENV, **({"MINDSPEED_HA_INJECT": inject} if inject else {})})
         log_dir.mkdir(parents=True, exist_ok=True)
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(log_dir))
 
     ck = tmp_path / "ck"
-    proc = job(tmp_path / "fault", "--save", str(ck), inject="kill:rank=1:step=6:phase=optimizer")
+    proc = job(tmp_path / "fault", "--save", str(ck), inject=f"kill:rank={rank}:step=6:phase={phase}")
     assert proc.returncode != 0
     assert f"written to {ck}/iter_" in proc.stderr, proc.stderr[-3000:]
     it = int((ck / "latest_checkpointed_iteration.txt").read_text())
@@ -292,22 +301,29 @@ def _retry_then_recover(tmp_path, layout: tuple, inject: str):
     return run_dir
 
 
-def test_megatron_lm_pp2_dp2_retry_and_recover_in_the_first_stages_backward(tmp_path):
-    """Megatron-LM's loop with PP=2 x DP=2 (ranks 0 and 1: stage 0, no loss there): a memory error on
-    rank 0 in its backward (retry), then rank 1 killed in its backward (recover). Both drills fire
-    on the first stage; every loss equals a fault-free PP=2 x DP=2 run's, bit for bit."""
-    run_dir = _retry_then_recover(tmp_path, ("--pipeline-model-parallel-size", "2"),
-                                  "uce:rank=0:step=3:phase=backward,kill:rank=1:step=6:phase=backward")
+@pytest.mark.parametrize("inject, fired", [
+    ("uce:rank=0:step=3:phase=backward,kill:rank=1:step=6:phase=backward", [(0, "backward", 3), (1, "backward", 6)]),
+    ("uce:rank=0:step=3:phase=pipeline-send,kill:rank=3:step=6:phase=pipeline-recv",
+     [(0, "pipeline-send", 3), (3, "pipeline-recv", 6)]),
+], ids=["backward", "pipeline"])
+def test_megatron_lm_pp2_dp2_retry_and_recover(tmp_path, inject, fired):
+    """Megatron-LM's loop with PP=2 x DP=2 (ranks 0 and 1: stage 0, no loss there), a memory error
+    (retry) then a kill (recover): either both in the first stage's backward (rank 0, then rank 1),
+    or at the pipeline's own transfers, rank 0 (stage 0) as it sends its activations and rank 3
+    (stage 1) as it posts a receive, the other stage left blocked in the matching receive or send.
+    Each drill fires where it is set; every loss equals a fault-free PP=2 x DP=2 run's, bit for bit."""
+    run_dir = _retry_then_recover(tmp_path, ("--pipeline-model-parallel-size", "2"), inject)
     assert sorted((e["rank"], e["phase"], e["iteration"]) for e in all_rank_events(run_dir)
-                  if e["event"] == "inject") == [(0, "backward", 3), (1, "backward", 6)]
+                  if e["event"] == "inject") == fired
 
 
 def test_megatron_lm_interleaved_pipeline_retry_and_recover(tmp_path):
-    """Megatron-LM's loop with an interleaved pipeline (PP=2, two one-layer chunks a stage) x DP=2: a
+    """Megatron-LM's loop with an interleaved pipeline (PP=2, two one-layer chunks a stage, four
+    micro-batches a rank: a steady state, each stage sending and receiving both ways) x DP=2: a
     memory error on rank 0 (stage 0) in its backward (retry), then rank 3 (stage 1) killed in its
     grad-sync (recover). Every loss equals a fault-free run's of the same layout, bit for bit."""
     run_dir = _retry_then_recover(tmp_path, ("--pipeline-model-parallel-size", "2", "--num-layers", "4",
-                                             "--num-layers-per-virtual-pipeline-stage", "1"),
+                                             "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "16"),
                                   "uce:rank=0:step=3:phase=backward,kill:rank=3:step=6:phase=grad-sync")
     assert sorted((e["rank"], e["phase"], e["iteration"]) for e in all_rank_events(run_dir)
                   if e["event"] == "inject") == [(0, "backward", 3), (3, "grad-sync", 6)]

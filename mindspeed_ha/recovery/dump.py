@@ -151,6 +151,20 @@ def _normalize(prep: Prepared, plan: DumpPlan) -> bool:
     return state is not None
 
 
+def _stand_ins(own: Any, topology: Any) -> list[Any]:
+    """With expert parallelism every data-parallel rank has an RNG state of its own in the
+    checkpoint (Megatron-LM's layout). Where a rank's own is not there (lost, or not known at the
+    plan's iteration), its twin's stands in: the same TP, PP and expert-parallel rank, so the same
+    state unless an expert layer draws random numbers in a shape set by the rank's own tokens (a
+    rank restarted under recover starts from its twin's too)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    if len(own.global_shape) < 3:
+        return []
+    pp, tp, _ = own.global_offset
+    return [ShardedObject(own.key, own.data, own.global_shape, (pp, tp, topology.dp_ranks.index(r)), replica_id=0)
+            for r in topology.replica_group if r != topology.rank]
+
+
 def _ident(obj: Any) -> Ident:
     fr = getattr(obj, "flattened_range", None)
     return (obj.key, tuple(obj.global_offset), (fr.start, fr.stop) if fr is not None else None)
@@ -158,10 +172,11 @@ def _ident(obj: Any) -> Ident:
 
 def _elect(sd: dict[str, Any], plan: DumpPlan, world: World, eligible: dict[str, bool]) -> int:
     """Rewrite replica_id so that every (key, offset) has exactly one main replica among the
-    survivors: a plan writer if one is eligible, else the lowest eligible survivor. ``eligible``
-    says per section whether this rank's copy is at the plan's iteration (optimizer: shard at the
-    target; rng: snapshot of the target; model: always, after the resync). Every survivor sees the
-    same offers, so every survivor computes the same election. Returns this rank's main count."""
+    survivors: a plan writer if one is eligible, else the lowest eligible survivor; a twin's RNG
+    state (``rng_stand_ins``) only where no rank offers its own. ``eligible`` says per section
+    whether this rank's copy is at the plan's iteration (optimizer: shard at the target; rng:
+    snapshot of the target; model: always, after the resync). Every survivor sees the same offers,
+    so every survivor computes the same election. Returns this rank's main count."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedBase, apply_factories
     apply_factories(sd)
@@ -169,29 +184,31 @@ def _elect(sd: dict[str, Any], plan: DumpPlan, world: World, eligible: dict[str,
     for section, sub in sd.items():
         if not isinstance(sub, (dict, list)) and not isinstance(sub, ShardedBase):
             continue
-        kind = "optimizer" if section == "optimizer" else "rng" if section == "rng_state" else "model"
+        kind = {"optimizer": "optimizer", "rng_state": "rng", "rng_stand_ins": "rng"}.get(section, "model")
+        rank = 1 if section == "rng_stand_ins" else 2  # (an offer of one's own wins over a stand-in)
         values = [sub] if isinstance(sub, ShardedBase) else nested_values(sub)
         for v in values:
             if isinstance(v, ShardedBase):
-                mine.append((kind, v))
-    offer = list(dict.fromkeys((_ident(v), eligible[kind]) for kind, v in mine))
+                mine.append((kind, rank, v))
+    offer = list(dict.fromkeys((_ident(v), rank if eligible[kind] else 0) for kind, rank, v in mine))
     offers: list[Any] = [None] * len(world.ranks)  # filled by all_gather_object
     dist.all_gather_object(offers, offer)
     writers = {world.ranks.index(r) for r in plan.writers.values() if r in world.ranks}
     chosen: dict[Ident, int | None] = {}
+    best: dict[Ident, int] = {}
     for src, items in enumerate(offers):
-        for ident, ok in items:
+        for ident, level in items:
             chosen.setdefault(ident, None)
-            if not ok:
+            if not level:
                 continue
             cur = chosen[ident]
-            if cur is None or ((src in writers) and cur not in writers):
-                chosen[ident] = src
+            if cur is None or level > best[ident] or (level == best[ident] and src in writers and cur not in writers):
+                chosen[ident], best[ident] = src, level
     lost = [i for i, c in chosen.items() if c is None]
     if lost:
         raise DumpError(f"no eligible survivor holds {len(lost)} checkpoint item(s), e.g. {lost[:3]}")
     me, done, count = world.new_rank, set(), 0
-    for _, v in mine:
+    for _, _, v in mine:
         ident = _ident(v)
         main = chosen[ident] == me and ident not in done  # a duplicate in one rank's dict: once
         if main:
@@ -259,6 +276,7 @@ def write(prep: Prepared, plan: DumpPlan, world: World, save_dir: str, events: E
         progress()
         rng_ok = _normalize(prep, plan)
         sd = prep.sd
+        sd["rng_stand_ins"] = _stand_ins(sd["rng_state"], opt.ha_topology)
         mains = _elect(sd, plan, world, {"optimizer": at_target, "rng": rng_ok, "model": True})
         keys = sorted(set(_sharded_keys(sd)))
         checkpoint.writer_ready()  # never start a second writer manager next to a half-started one

@@ -40,10 +40,16 @@ def unwrap(module):
 
 
 def _rng_state(state: dict | None = None) -> ShardedObject:
+    """Megatron-LM's layout: one RNG state per TP and PP rank; with expert parallelism one per
+    data-parallel rank too (an expert's generator is seeded by its expert-parallel rank)."""
     pp, tp = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
-    return ShardedObject("rng_state", [state if state is not None else rng.snapshot()],
-                         (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
-                         (pp, tp), replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+    shape = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size())
+    data = [state if state is not None else rng.snapshot()]
+    dp = ps.get_data_parallel_rank(with_context_parallel=True)
+    if ps.get_expert_model_parallel_world_size() > 1:
+        return ShardedObject("rng_state", data, (*shape, ps.get_data_parallel_world_size(with_context_parallel=True)),
+                             (pp, tp, dp), replica_id=0)
+    return ShardedObject("rng_state", data, shape, (pp, tp), replica_id=dp)
 
 
 def state_dict(trainer, is_loading: bool = False, optimizer: bool = True) -> dict:
