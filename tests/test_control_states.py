@@ -453,3 +453,25 @@ def test_a_moved_job_store_keeps_the_records_at_home_for_a_replacement_of_node_0
     finally:
         for s in (controller, *readers):
             s.close()
+
+
+def test_a_home_store_that_is_gone_is_retried_less_and_less_often():
+    """The home store while the job's is elsewhere: when nothing serves it (node 0's agent lost),
+    each attempt fails (and torch's client prints errors of its own), so the attempts back off —
+    new records, published meanwhile, do not bring the next one forward."""
+    from helpers import free_port
+    from mindspeed_ha.control.discovery import JobStore
+    gone = JobStore(("127.0.0.1", free_port()), period_s=0.1, connect_timeout_s=0.2, publish_only=True)
+    try:
+        attempts, seen = [], 0
+        deadline = _time.monotonic() + 8.0
+        while _time.monotonic() < deadline:
+            gone.publish("mindspeed_ha/agent/1", {"t": _time.monotonic()})
+            if gone._rounds != seen:
+                seen = gone._rounds
+                attempts.append(_time.monotonic())
+            _time.sleep(0.02)
+        # (each attempt takes a TCPStore client's connect, 0.5-1.3 s here: 8 or 9 in 8 s without backing off)
+        assert 2 <= len(attempts) <= 5, [round(b - a, 2) for a, b in zip(attempts, attempts[1:])]
+    finally:
+        gone.close()

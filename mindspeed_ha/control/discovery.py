@@ -49,6 +49,9 @@ log = get_logger("control.discovery")
 ENV = "MINDSPEED_HA_JOB_STORE"      # host:port of the job store, set by mindspeed-ha run for its workers
 CONTROLLER_KEY = "mindspeed_ha/controller"
 PERIOD_S = 0.5
+# A home store that is gone (node 0's agent lost) is retried every 5 s at most: a replacement node 0
+# serving it again finds the other agents' records there within that.
+MIRROR_RETRY_MAX_S = 5.0
 
 
 def agent_key(node_rank: int) -> str:
@@ -99,10 +102,13 @@ class JobStore:
     watches (their newest values), both maintained on one daemon thread."""
 
     def __init__(self, address: tuple[str, int], period_s: float = PERIOD_S, connect_timeout_s: float = 2.0,
-                 mirror_of: "JobStore | None" = None):
+                 publish_only: bool = False):
+        """``publish_only``: the home store while the job's is elsewhere (``move``): records are
+        written there, nothing is read, and a home store that is gone is retried less and less often
+        (each failed attempt of a TCPStore client prints C++ errors of its own)."""
         self.address = self.home = address
         self._mirror: JobStore | None = None     # the home store, written to while the store is elsewhere
-        self._publish_only = mirror_of is not None
+        self._publish_only = publish_only
         self.moves = 0                           # times the job store moved (0: it is at home)
         self.period_s, self.connect_timeout_s = period_s, connect_timeout_s
         self._lock = threading.Lock()
@@ -163,7 +169,7 @@ class JobStore:
             self._counters = {k: (-1, 0.0, 0.0) for k in self._counters}  # (another store's counters)
             self.reachable, self.refused = False, False
             if address != self.home and self._mirror is None:
-                self._mirror = JobStore(self.home, self.period_s, self.connect_timeout_s, mirror_of=self)
+                self._mirror = JobStore(self.home, self.period_s, self.connect_timeout_s, publish_only=True)
                 for key, (record, epoch) in self._own.items():
                     self._mirror.publish(key, record, epoch)
             # (a new thread: the old one may hang in a call to a store cut off, which returns only
@@ -247,18 +253,20 @@ class JobStore:
 
     def _run(self, gen: int) -> None:
         client: TCPStore | None = None
+        failed = 0  # rounds failed in a row
         while not self._stop.is_set() and self._gen == gen:
             try:
                 if client is None:
                     client = self._connect()
                 self._round(client, gen)
+                failed = 0
                 if self._gen == gen:  # (else what it tells is about the store it left)
                     self.answered_at, self.refused = time.monotonic(), False
                     if not self.reachable:
                         log.debug("job store %s:%d reached", *self.address)
                     self.reachable = self.ever_reached = True
             except Exception as e:  # down, restarting, or not yet up: try again next period
-                client = None
+                client, failed = None, failed + 1
                 if self._gen == gen:
                     if self.reachable:
                         log.warning("job store %s:%d unreachable (%s); retrying", *self.address, str(e)[:120])
@@ -269,6 +277,9 @@ class JobStore:
                         self._counters = {k: (-1, 0.0, 0.0) for k in self._counters}
             with self._lock:
                 self._rounds += 1
+            if self._publish_only and failed:  # (a new record waits for the next attempt: wakes are not heeded)
+                self._stop.wait(min(MIRROR_RETRY_MAX_S, self.period_s * 2 ** failed))
+                continue
             self._wake.wait(self.period_s)
             self._wake.clear()
 
