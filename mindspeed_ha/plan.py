@@ -365,17 +365,20 @@ def plan_scale_out(holders: Holders, replicas: Sequence[Sequence[int]], joiners:
     def original(d: int) -> tuple[int, ...]:  # the job's d-th replica, stage by stage
         return tuple(s * span + d * tp + t for s in range(stages) for t in range(tp))
 
+    def block(b: int) -> list[tuple[int, ...]]:  # the b-th block of replicas (MoE; else one replica)
+        return [original(d) for d in range(b * experts, (b + 1) * experts)]
+
     def slot(r: int) -> tuple[int, int]:  # (replica index inside its block, place in the replica)
         return (r % span) // tp % experts, (r // span) * tp + r % tp
 
-    whole: list[Sequence[int]] = [original(b * experts + i) for b in sorted({(r % span) // tp // experts for r in joined})
-                                  if all(set(original(b * experts + i)) <= joined for i in range(experts))
-                                  for i in range(experts)]
+    came_for = sorted({(r % span) // tp // experts for r in joined})
+    whole: list[Sequence[int]] = [rep for b in came_for if {r for rep in block(b) for r in rep} <= joined
+                                  for rep in block(b)]
     if not whole:
-        unit = f"{experts} replicas of " if experts > 1 else ""
+        unit = f" (with MoE, {experts} of them together)" if experts > 1 else ""
         return ElasticPlan(False, target, direction="out", reason=(
-            f"the newcomers {sorted(joined)} make no whole {unit}{tp} x {stages} (TP x PP) replica: start the nodes "
-            "that hold a replica's ranks together"))
+            f"the newcomers {sorted(joined)} make no whole replica{unit}: a replica is {tp} rank(s) on each of "
+            f"{stages} pipeline stage(s); start the nodes that hold a replica's ranks together"))
     current = len(replicas)
     now_instances = instances if (current // experts) % instances == 0 else 1
     sizes = [d for d in range(current + len(whole), current, -experts)

@@ -84,7 +84,7 @@ def test_a_pipeline_layout_keeps_each_rank_at_its_stage():
     half = plan_scale_out(running, [[0, 4], [3, 7]], [1, 5, 2], 16, 2, stages=2, world=8)
     assert not half.ok and "1 whole replica(s) of newcomers" in half.reason
     alone = plan_scale_out(running, [[0, 4], [3, 7]], [5, 6], 16, 2, stages=2, world=8)
-    assert not alone.ok and "make no whole 1 x 2 (TP x PP) replica: start the nodes" in alone.reason
+    assert not alone.ok and "make no whole replica: a replica is 1 rank(s) on each of 2 pipeline stage(s); start the nodes" in alone.reason
 
 
 def test_an_moe_layout_keeps_and_adds_whole_expert_blocks():
