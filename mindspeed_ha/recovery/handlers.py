@@ -20,25 +20,54 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from mindspeed_ha.events import get_logger
+from mindspeed_ha.events import EventLog, get_logger
 
 if TYPE_CHECKING:
-    from mindspeed_ha.control.processor import Later
+    from mindspeed_ha.control.processor import Later, Processor
+    from mindspeed_ha.options import HAOptions
     from mindspeed_ha.recovery.dump import Prepared
-    from mindspeed_ha.session import RankSession
+    from mindspeed_ha.replica.topology import ReplicaTopology
     from mindspeed_ha.trainer.interface import TrainerInterface
 
 log = get_logger("recovery.handlers")
 REBUILD_TIMEOUT = datetime.timedelta(seconds=60)
 
 
+class Session(Protocol):
+    """What the orders use of the rank's session (``session.RankSession``): who the rank is, its
+    trainer and optimizer, and the hooks a recovery reports through."""
+    rank: int
+    world_size: int
+    options: HAOptions
+    device: Any
+    events: EventLog
+    trainer: TrainerInterface | None
+    optimizer: Any
+    topology: ReplicaTopology | None
+    processor: Processor | None
+    joining: bool
+    shard_poisoned: bool
+    last_step: tuple[int | None, float | None]
+    after_setup: Callable[[TrainerInterface], object] | None
+
+    @property
+    def writes_loss(self) -> bool: ...
+    def fire(self, phase: str, iteration: int) -> None: ...
+    def loaded(self, iteration: int, path: str, seconds: float) -> None: ...
+    def progressed(self) -> None: ...
+    def relaid_out(self) -> None: ...
+    def report_fault_in_recovery(self, exc: BaseException) -> None: ...
+    def report_unlogged_step(self, iteration: int, loss: Any) -> None: ...
+    def resumed(self, lost_steps: int = 0) -> None: ...
+
+
 class RankRecovery:
-    """The rank side of every recovery. ``session``: the rank's RankSession (options, events, the
+    """The rank side of every recovery. ``session``: the rank's session (options, events, the
     trainer and its hooks); nothing here keeps state across orders except the dump's prepared part."""
 
-    def __init__(self, session: RankSession) -> None:
+    def __init__(self, session: Session) -> None:
         self.s = session
         self.prepared: Prepared | None = None
         # a resize that did not complete: what the rank held before it (its state)
