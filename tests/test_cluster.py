@@ -415,25 +415,33 @@ def test_elastic_newcomer_lost_during_the_scale_out(tmp_path, keys, ref_dir):
     assert sample_hashes(c.dirs) == sample_hashes(ref_dir)
 
 
-@pytest.mark.parametrize("layout,gbs,kept", [
-    (("--tensor-model-parallel-size", "2"), "8", [[0, 1], [2, 3]]),
-    (("--num-experts", "4", "--expert-model-parallel-size", "2"), "16", [[0], [1], [2], [3]])], ids=["tp2", "moe"])
-def test_elastic_model_parallel_node_lost_and_back(tmp_path, keys, layout, gbs, kept):
+MOE = ("--num-experts", "4", "--expert-model-parallel-size", "2")
+
+
+@pytest.mark.parametrize("layout,gbs,kept,loop", [
+    (("--tensor-model-parallel-size", "2"), "8", [[0, 1], [2, 3]], "built-in"),
+    (MOE, "16", [[0], [1], [2], [3]], "built-in"),
+    (MOE, "16", [[0], [1], [2], [3]], "megatron-lm")], ids=["tp2", "moe", "moe-megatron-lm"])
+def test_elastic_model_parallel_node_lost_and_back(tmp_path, keys, layout, gbs, kept, loop):
     """Two agents of four ranks, TP=2 x DP=4 or MoE (4 experts, EP=2) x DP=8: node 1 (whole
     replicas: with MoE, two blocks of the two replicas that hold every expert between them) is lost
     -> the job scales in to node 0, every rank keeping its TP position or its experts; its
     replacement comes -> the original layout again, the newcomers taking weights, shards, counters
-    and RNG at their TP or expert-parallel position. Every iteration logged once with the fault-free
-    run's samples; bit-identical before the loss, within the bound after it."""
+    and RNG at their TP or expert-parallel position (MoE through Megatron-LM's loop too). Every
+    iteration logged once with the fault-free run's samples; bit-identical before the loss, within
+    the bound after it."""
+    if loop == "megatron-lm" and not MLM_READY:
+        pytest.skip(MLM_MISSING)
     iters = 40
-    flags = [*TINY, *layout, "--global-batch-size", gbs, "--train-iters", str(iters)]
+    base, env = (TINY, {}) if loop == "built-in" else (MLM_FLAGS, MLM_ENV)
+    flags = [*base, *layout, "--global-batch-size", gbs, "--train-iters", str(iters)]
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
     assert_ok(subprocess.run(MINDSPEED_HA + ["run", "--standalone", "--nproc-per-node", "8", PRETRAIN, *flags,
                                             "--enable-high-availability", "--ha-log-dir", str(ref_dir)],
-                             env=clean_env(), capture_output=True, text=True, timeout=300, cwd=str(ref_dir)))
-    c = Cluster(tmp_path, keys, free_port(), nproc=4,
-                env={"HIGH_AVAILABILITY": "elastic-training", "MINDSPEED_HA_INJECT": "slow:rank=0:step=3:factor=4"})
+                             env=clean_env(env), capture_output=True, text=True, timeout=300, cwd=str(ref_dir)))
+    c = Cluster(tmp_path, keys, free_port(), nproc=4, env={
+        "HIGH_AVAILABILITY": "elastic-training", "MINDSPEED_HA_INJECT": "slow:rank=0:step=3:factor=4", **env})
     c.base = flags
     try:
         c.scaled_in_without_node_1()

@@ -100,15 +100,18 @@ def test_kill_each_phase_tp2_dp4(tmp_path, ref, phase, rank):
     check_resume(tmp_path / "resume", ck, ref["tp2"], 8, TP2)
 
 
-@pytest.mark.parametrize("layout,phase,rank", [("pp2", "backward", 1), ("pp2", "optimizer", 2),
-                                               ("vpp2", "backward", 1), ("moe", "optimizer", 2)])
+@pytest.mark.parametrize("layout,phase,rank", [
+    ("pp2", "forward", 3), ("pp2", "backward", 1), ("pp2", "grad-sync", 1), ("pp2", "optimizer", 2),
+    ("pp2", "param-sync", 3), ("pp2", "pipeline-send", 1), ("pp2", "pipeline-recv", 2),
+    ("vpp2", "backward", 1), ("vpp2", "pipeline-recv", 3), ("moe", "optimizer", 2)])
 def test_kill_in_a_model_parallel_job_its_dying_gasp_resumes_bit_identically(tmp_path, references, layout, phase,
                                                                              rank):
-    """PP=2 x DP=2, plain or interleaved (two chunks a stage): a rank of the first stage killed in
-    its backward, or of the last in its update; MoE (4 experts, EP=2) x DP=4, a rank killed inside
-    its chained dense and expert update (each data-parallel rank has an RNG state of its own there:
-    its twin's stands in). The survivors' dying gasp (each stage's shards from their twins) loads
-    into a fresh job of the same layout, every later loss bit-identical."""
+    """PP=2 x DP=2, plain or interleaved (two chunks a stage): a rank killed at each phase, the
+    pipeline's own send and receive included, on one stage or the other (rank 0, which hosts the
+    controller, aside: a standby's dump has a test of its own); MoE (4 experts, EP=2) x DP=4, a
+    rank killed inside its chained dense and expert update (each data-parallel rank has an RNG
+    state of its own there: its twin's stands in). The survivors' dying gasp (each stage's shards
+    from their twins) loads into a fresh job of the same layout, every later loss bit-identical."""
     flags = TINY_LAYOUTS[layout][1]
     ck = tmp_path / "ck"
     proc = job(tmp_path / "run", inject=f"kill:rank={rank}:step=6:phase={phase}", extra=("--save", str(ck), *flags))
