@@ -440,13 +440,15 @@ def test_elastic_model_parallel_node_lost_and_back(tmp_path, keys, layout, gbs, 
     assert_ok(subprocess.run(MINDSPEED_HA + ["run", "--standalone", "--nproc-per-node", "8", PRETRAIN, *flags,
                                             "--enable-high-availability", "--ha-log-dir", str(ref_dir)],
                              env=clean_env(env), capture_output=True, text=True, timeout=300, cwd=str(ref_dir)))
+    # rank 0 paces the job (8x its own step) so that node 1's replacement starts in time, until the scale-out
     c = Cluster(tmp_path, keys, free_port(), nproc=4, env={
-        "HIGH_AVAILABILITY": "elastic-training", "MINDSPEED_HA_INJECT": "slow:rank=0:step=3:factor=4", **env})
+        "HIGH_AVAILABILITY": "elastic-training", "MINDSPEED_HA_INJECT": "slow:rank=0:step=3:factor=8", **env})
     c.base = flags
     try:
         c.scaled_in_without_node_1()
         c.start(1)
         c.wait(lambda: c.controller("scaled_out"), "the scale-out", timeout=150)
+        c.unpace(0)
         assert c.agents[0].wait(300) == 0, c.out(0)
         assert c.agents[1].wait(60) == 0, c.out(1)
     finally:
@@ -480,8 +482,9 @@ def test_elastic_pipeline_nodes_lost_and_back(tmp_path, keys, loop):
     assert_ok(subprocess.run(MINDSPEED_HA + ["run", "--standalone", "--nproc-per-node", "8", PRETRAIN, *flags,
                                             "--enable-high-availability", "--ha-log-dir", str(ref_dir)],
                              env=clean_env(env), capture_output=True, text=True, timeout=300, cwd=str(ref_dir)))
+    # rank 0 paces the job (16x its own step) so that two nodes can start in time, until the scale-out
     c = Cluster(tmp_path, keys, free_port(), nnodes=4, env={
-        "HIGH_AVAILABILITY": "elastic-training", "MINDSPEED_HA_INJECT": "slow:rank=0:step=3:factor=4", **env})
+        "HIGH_AVAILABILITY": "elastic-training", "MINDSPEED_HA_INJECT": "slow:rank=0:step=3:factor=16", **env})
     c.base = flags
     try:
         for node in range(4):
@@ -495,6 +498,7 @@ def test_elastic_pipeline_nodes_lost_and_back(tmp_path, keys, loop):
         c.start(1)
         c.start(3)
         c.wait(lambda: c.controller("scaled_out"), "the scale-out", timeout=150)
+        c.unpace(0)
         for node in range(4):
             assert c.agents[node].wait(300) == 0, c.out(node)
     finally:
