@@ -415,6 +415,21 @@ def test_elastic_newcomer_lost_during_the_scale_out(tmp_path, keys, ref_dir):
     assert sample_hashes(c.dirs) == sample_hashes(ref_dir)
 
 
+def eight_rank_reference(tmp_path, loop: str, *layout: str) -> tuple[list, dict, object]:
+    """(flags, env, log dir) of a fault-free 8-rank run of ``layout`` through ``loop``, 40 iterations:
+    what a drill on agents of the same ranks is compared with."""
+    if loop == "megatron-lm" and not MLM_READY:
+        pytest.skip(MLM_MISSING)
+    base, env = (TINY, {}) if loop == "built-in" else (MLM_FLAGS, MLM_ENV)
+    flags = [*base, *layout, "--train-iters", "40"]
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    assert_ok(subprocess.run(MINDSPEED_HA + ["run", "--standalone", "--nproc-per-node", "8", PRETRAIN, *flags,
+                                            "--enable-high-availability", "--ha-log-dir", str(ref_dir)],
+                             env=clean_env(env), capture_output=True, text=True, timeout=300, cwd=str(ref_dir)))
+    return flags, env, ref_dir
+
+
 MOE = ("--num-experts", "4", "--expert-model-parallel-size", "2")
 
 
@@ -430,16 +445,7 @@ def test_elastic_model_parallel_node_lost_and_back(tmp_path, keys, layout, gbs, 
     and RNG at their TP or expert-parallel position (MoE through Megatron-LM's loop too). Every
     iteration logged once with the fault-free run's samples; bit-identical before the loss, within
     the bound after it."""
-    if loop == "megatron-lm" and not MLM_READY:
-        pytest.skip(MLM_MISSING)
-    iters = 40
-    base, env = (TINY, {}) if loop == "built-in" else (MLM_FLAGS, MLM_ENV)
-    flags = [*base, *layout, "--global-batch-size", gbs, "--train-iters", str(iters)]
-    ref_dir = tmp_path / "ref"
-    ref_dir.mkdir()
-    assert_ok(subprocess.run(MINDSPEED_HA + ["run", "--standalone", "--nproc-per-node", "8", PRETRAIN, *flags,
-                                            "--enable-high-availability", "--ha-log-dir", str(ref_dir)],
-                             env=clean_env(env), capture_output=True, text=True, timeout=300, cwd=str(ref_dir)))
+    flags, env, ref_dir = eight_rank_reference(tmp_path, loop, *layout, "--global-batch-size", gbs)
     # rank 0 paces the job (8x its own step) so that node 1's replacement starts in time, until the scale-out
     c = Cluster(tmp_path, keys, free_port(), nproc=4, env={
         "HIGH_AVAILABILITY": "elastic-training", "MINDSPEED_HA_INJECT": "slow:rank=0:step=3:factor=8", **env})
@@ -472,16 +478,8 @@ def test_elastic_pipeline_nodes_lost_and_back(tmp_path, keys, loop):
     RNG from the kept rank at its stage. Through both trainers (Megatron-LM's newcomers build their
     stage with its own set-up). Every iteration logged once with the fault-free run's samples;
     bit-identical before the loss, within the bound after it."""
-    if loop == "megatron-lm" and not MLM_READY:
-        pytest.skip(MLM_MISSING)
-    iters = 40
-    base, env = (TINY, {}) if loop == "built-in" else (MLM_FLAGS, MLM_ENV)
-    flags = [*base, "--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--train-iters", str(iters)]
-    ref_dir = tmp_path / "ref"
-    ref_dir.mkdir()
-    assert_ok(subprocess.run(MINDSPEED_HA + ["run", "--standalone", "--nproc-per-node", "8", PRETRAIN, *flags,
-                                            "--enable-high-availability", "--ha-log-dir", str(ref_dir)],
-                             env=clean_env(env), capture_output=True, text=True, timeout=300, cwd=str(ref_dir)))
+    flags, env, ref_dir = eight_rank_reference(tmp_path, loop, "--pipeline-model-parallel-size", "2",
+                                               "--global-batch-size", "8")
     # rank 0 paces the job (16x its own step) so that two nodes can start in time, until the scale-out
     c = Cluster(tmp_path, keys, free_port(), nnodes=4, env={
         "HIGH_AVAILABILITY": "elastic-training", "MINDSPEED_HA_INJECT": "slow:rank=0:step=3:factor=16", **env})
