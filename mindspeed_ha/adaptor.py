@@ -5,6 +5,7 @@ import importlib.util
 import os
 
 import mindspeed_ha.patches as registry
+from mindspeed_ha.comm.backends import EMULATED_NCCL, keep_survivors
 from mindspeed_ha.device import Device, detect
 
 
@@ -18,6 +19,10 @@ def megatron_lm_available() -> bool:
 def apply_patches(device: Device | None = None, megatron_lm: bool | None = None, ha: bool = True) -> Device:
     """``ha``: the run may need to stop ranks inside collectives (the processor's stop handler)."""
     device = device or detect()
+    if device.backend == EMULATED_NCCL:  # (a drill: the CPU job's collectives get NCCL's semantics)
+        from mindspeed_ha import compat
+        from mindspeed_ha.comm import emulated_nccl
+        emulated_nccl.register(compat.make_communicator)
     if device.needs_cpu_shim:
         # The shim says CUDA is available; torch.compile must not believe it. The env var also
         # covers functions megatron decorates at import time, after this point.
@@ -29,6 +34,7 @@ def apply_patches(device: Device | None = None, megatron_lm: bool | None = None,
     registry.apply("replica_optimizer")
     registry.apply("step_hooks")
     if ha:
+        keep_survivors()  # (the session's start event says which mode the job runs with)
         registry.apply("interruptible_collectives")
         registry.apply("stable_groups")
     if megatron_lm if megatron_lm is not None else megatron_lm_available():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime
 import re
 import warnings
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -120,9 +120,13 @@ def resolve_group(group):
 # ---- communicators -----------------------------------------------------------------------------
 def make_communicator(store, rank: int, size: int, backend: str, timeout: datetime.timedelta):
     """A ProcessGroup of one backend over ``store`` (what new_group builds inside, without registering
-    anything): gloo for CPU tensors, NCCL for CUDA ones."""
+    anything): gloo for CPU tensors, NCCL for CUDA ones, HCCL for NPU ones; the emulated NCCL of drills
+    over a gloo one."""
+    if backend == "emulated_nccl":
+        from mindspeed_ha.comm.emulated_nccl import EmulatedNCCL
+        return EmulatedNCCL(make_communicator(store, rank, size, "gloo", timeout), rank, size)
     pg = dist.ProcessGroup(store, rank, size)
-    inner: dist.ProcessGroupNCCL | dist.ProcessGroupGloo
+    inner: Any
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
@@ -131,8 +135,17 @@ def make_communicator(store, rank: int, size: int, backend: str, timeout: dateti
     elif backend == "gloo":
         inner = dist.ProcessGroupGloo(store, rank, size, timeout)
         kind, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
+    elif backend == "hccl":
+        # ASCEND (unverified: no NPU here): torch_npu's communicator, registered as a custom backend
+        # for NPU tensors, as torch_npu's own group helper does.
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # type: ignore[import-not-found]
+        hccl_opts = ProcessGroupHCCL.Options()
+        hccl_opts._timeout = timeout
+        inner = ProcessGroupHCCL(store, rank, size, hccl_opts)
+        kind, device = dist.ProcessGroup.BackendType.CUSTOM, torch.device("npu")
     else:
-        raise RuntimeError(f"mindspeed-ha cannot rebuild {backend!r} process groups (gloo and nccl only)")
+        raise RuntimeError(f"mindspeed-ha cannot rebuild {backend!r} process groups (gloo, nccl, hccl and the "
+                           "emulated nccl only)")
     pg._set_default_backend(kind)
     pg._register_backend(device, kind, inner)
     return pg

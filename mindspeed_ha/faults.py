@@ -36,11 +36,22 @@ COMM_MARKERS = (
     "hccl", "hccs link error", "processgroup", "process group", "collective operation timeout",
     "socket timeout", "force stop",  # torch_npu: a collective interrupted by stop_device
 )
-# CUDA errors that leave the context unusable ("sticky"): only a new process recovers.
+# CUDA errors that leave the context unusable ("sticky"): only a new process recovers. The messages
+# are cudaGetErrorString's for the errors CUDA's runtime API documents as leaving "the process in an
+# inconsistent state" (any further CUDA work returns the same error, the process must be relaunched).
+# Whatever the message, a recovery's entry synchronizes the device and ends the process if that
+# raises (RankSession.device_ready): an NCCL "unhandled cuda error" on a dead context ends there.
 CUDA_STICKY_MARKERS = (
-    "uncorrectable ecc error encountered",
-    "an illegal memory access was encountered",
-    "unspecified launch failure",
+    "uncorrectable ecc error encountered",                       # cudaErrorECCUncorrectable
+    "an illegal memory access was encountered",                  # cudaErrorIllegalAddress
+    "the launch timed out and was terminated",                   # cudaErrorLaunchTimeout
+    "device-side assert triggered",                              # cudaErrorAssert
+    "hardware stack error",                                      # cudaErrorHardwareStackError
+    "an illegal instruction was encountered",                    # cudaErrorIllegalInstruction
+    "misaligned address",                                        # cudaErrorMisalignedAddress
+    "operation not supported on global/shared address space",    # cudaErrorInvalidAddressSpace
+    "invalid program counter",                                   # cudaErrorInvalidPc
+    "unspecified launch failure",                                # cudaErrorLaunchFailure
 )
 
 

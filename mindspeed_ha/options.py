@@ -26,6 +26,7 @@ _FLAG_TO_STRATEGY = {
     "enable_elastic_training": "elastic-training",
 }
 _TFT_ALIAS = {"TTP": "dump", "UCE": "retry", "ARF": "recover"}
+WARM_UP_HANG_S = 30.0  # the least a process's first steps get before they count as hung (control.ranks)
 
 
 class HAConfigError(ValueError):
@@ -43,6 +44,7 @@ class HAOptions:
     insecure: bool = False
     heartbeat_s: float = 0.5
     hang_timeout_s: float = 60.0
+    collective_timeout_s: float = 600.0  # --distributed-timeout-minutes: every group's, rebuilt ones too
     dump_timeout_s: float | None = None  # None: from the state's size
     spares: int = 1                # recover: pre-started workers each agent keeps ready
     straggler_ratio: float = 1.3   # a rank whose own step work is this many times the others' median...
@@ -244,12 +246,24 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) ->
         raise HAConfigError("--ha-verify-replicas-interval compares replica shards and needs the replica "
                             "optimizer: add --enable-high-availability and drop "
                             "--distributed-optimizer-no-replica, or set the interval to 0")
+    hang = _seconds(args, "ha_hang_timeout", 60.0)
+    collective = 60.0 * float(getattr(args, "distributed_timeout_minutes", None) or 10)
+    if strategies and 2 * max(hang, WARM_UP_HANG_S) >= collective:
+        # The controller names a hang after up to twice its limit (every rank still: a host stall
+        # more often than a hang), a process's first steps after at least WARM_UP_HANG_S. NCCL's
+        # watchdog must not act first: a timed-out collective there aborts the communicator.
+        lower = (f" or lower --ha-hang-timeout below {collective / 2:g}" if 2 * WARM_UP_HANG_S < collective else "")
+        raise HAConfigError(
+            f"--ha-hang-timeout {hang:g} s: the controller may take up to {2 * max(hang, WARM_UP_HANG_S):g} s to name "
+            f"a hang, and the collectives time out after {collective:g} s (--distributed-timeout-minutes "
+            f"{collective / 60:g}), before it; raise --distributed-timeout-minutes to at least "
+            f"{math.floor(2 * max(hang, WARM_UP_HANG_S) / 60) + 1}{lower}")
     return HAOptions(
         strategies=frozenset(strategies), replica=not no_replica, replica_num=replica_num,
         verify_replicas_interval=interval,
         log_dir=getattr(args, "ha_log_dir", None) or env.get("MINDSPEED_HA_LOG_DIR") or "./logs",
         key_dir=getattr(args, "ha_key_dir", None), insecure=bool(getattr(args, "ha_insecure", False)),
-        heartbeat_s=_seconds(args, "ha_heartbeat_interval", 0.5), hang_timeout_s=_seconds(args, "ha_hang_timeout", 60.0),
+        heartbeat_s=_seconds(args, "ha_heartbeat_interval", 0.5), hang_timeout_s=hang, collective_timeout_s=collective,
         dump_timeout_s=_seconds(args, "ha_dump_timeout", None), spares=spares, source=source,
         straggler_ratio=float(ratio), straggler_steps=steps, migrate_stragglers=migrate,
         health_cmd=getattr(args, "ha_health_cmd", None) or None,

@@ -11,7 +11,7 @@ import contextlib
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 import torch.distributed as dist
 
@@ -168,9 +168,11 @@ class RankSession:
     def attach_trainer(self, trainer) -> None:
         self.trainer = trainer
         self.relaid_out()
+        from mindspeed_ha.comm.backends import NCCL_ERROR_HANDLING, stream_ordered
+        errors = {"error_handling": os.environ.get(NCCL_ERROR_HANDLING)} if stream_ordered(self.device.backend) else {}
         self.events.emit("start", world_size=self.world_size, device=self.device.kind,
                          backend=self.device.backend, strategies=sorted(self.options.strategies),
-                         replica=self.options.use_replica_optimizer)
+                         replica=self.options.use_replica_optimizer, **errors)
         if self.options.enabled and self.control_plane and self.processor is None:
             self.start_processor()
 
@@ -261,16 +263,14 @@ class RankSession:
             return False
         self._stopped_at = time.monotonic()
         from mindspeed_ha.comm.interruptible import CollectiveStopped
-        from mindspeed_ha.faults import PROCESS_FATAL_EXIT, fault_kind, process_fatal
-        from mindspeed_ha.process import exit_now
+        from mindspeed_ha.faults import fault_kind, process_fatal
         if process_fatal(exc):
-            # A poisoned device context (CUDA sticky error, e.g. uncorrectable ECC): nothing here can
-            # be repaired in place or even freed. End the process; its agent reports the exit and
-            # recover restarts it from its twin (without recover: the survivors' dump).
-            log.error("rank %d: process-fatal device error in iteration %d (%s): %s; exiting with %d so "
-                      "that the process is replaced", self.rank, iteration, self.phase, exc, PROCESS_FATAL_EXIT)
-            self.events.emit("process_fatal", iteration=int(iteration), phase=self.phase, detail=str(exc)[:500])
-            exit_now(PROCESS_FATAL_EXIT)
+            self.end_for_lost_device(exc, iteration)
+        self.device_ready(iteration)
+        if fault_kind(exc) == "memory-error":
+            from mindspeed_ha import device
+            if not device.memory_error_repairable():
+                self.end_for_lost_device(exc, iteration)
         if isinstance(exc, CollectiveStopped):  # we stopped it ourselves: not a new fault
             log.info("rank %d left its collective in iteration %d (%s): stopped by the controller",
                      self.rank, iteration, self.phase)
@@ -296,6 +296,28 @@ class RankSession:
                     break
         log.error("rank %d: no order from the controller for %.0f s after the fault", self.rank, wait)
         return False
+
+    def device_ready(self, iteration: int) -> None:
+        """At a recovery's entry, and before its rebuild, dump or resize touch the device: a stopped
+        device (HCCL) is restarted, and the device synchronized, where an error a kernel left behind
+        shows itself. Raising there, the context is lost whatever the message says (a sticky CUDA
+        error): the process ends to be replaced."""
+        from mindspeed_ha import device
+        try:
+            device.restart_after_stop()
+        except Exception as e:
+            self.end_for_lost_device(e, iteration)
+
+    def end_for_lost_device(self, exc: BaseException, iteration: int) -> NoReturn:
+        """A poisoned device context (a CUDA sticky error, e.g. uncorrectable ECC): nothing here can be
+        repaired in place or even freed. End the process; its agent reports the exit and recover
+        restarts it from its twin (without recover: the survivors' dump)."""
+        from mindspeed_ha.faults import PROCESS_FATAL_EXIT
+        from mindspeed_ha.process import exit_now
+        log.error("rank %d: process-fatal device error in iteration %d (%s): %s; exiting with %d so "
+                  "that the process is replaced", self.rank, iteration, self.phase, exc, PROCESS_FATAL_EXIT)
+        self.events.emit("process_fatal", iteration=int(iteration), phase=self.phase, detail=str(exc)[:500])
+        exit_now(PROCESS_FATAL_EXIT)
 
     def report_fault_in_recovery(self, exc: BaseException) -> None:
         """A fault found while serving a recovery (its orders run on the training thread): reported

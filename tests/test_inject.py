@@ -209,6 +209,13 @@ def test_classify():
     except RuntimeError as outer:
         assert classify(outer) == "comm"
     assert not process_fatal(RuntimeError("UCE ERROR"))
+    # every error CUDA documents as leaving the context unusable, as torch raises it
+    for msg in ("device-side assert triggered", "misaligned address", "an illegal instruction was encountered",
+                "hardware stack error", "invalid program counter", "unspecified launch failure",
+                "the launch timed out and was terminated", "an illegal memory access was encountered"):
+        assert process_fatal(torch.AcceleratorError(f"CUDA error: {msg}\nCUDA kernel errors might be asynchronously "
+                                                    "reported at some other API call"))
+    assert not process_fatal(RuntimeError("CUDA error: out of memory"))
 
 
 _COMM_CHILD = textwrap.dedent("""

@@ -146,3 +146,19 @@ def test_unwritable_directories_are_refused(tmp_path):
     assert f"--save {blocker}/ck: cannot write there" in str(e.value)
     check_writable(str(tmp_path / "new" / "ck"), "--save")  # made when missing
     assert (tmp_path / "new" / "ck").is_dir()
+
+
+def test_the_hang_limit_must_come_before_the_collectives_timeout():
+    """NCCL's watchdog aborts a collective that outlives --distributed-timeout-minutes: the controller
+    must have named the hang first (up to twice its limit, at least 30 s in a process's first steps)."""
+    def timed(*argv):
+        return opts(["--enable-high-availability", "--distributed-timeout-minutes", *argv])
+    assert timed("10").collective_timeout_s == 600.0 and timed("10").hang_timeout_s == 60.0
+    with pytest.raises(HAConfigError) as e:
+        timed("1")  # the default hang limit, 60 s: a hang named after up to 120 s
+    assert ("--ha-hang-timeout 60 s" in str(e.value) and "--distributed-timeout-minutes 1" in str(e.value)
+            and "to at least 3" in str(e.value) and "lower" not in str(e.value)), e.value  # (30 s at least)
+    with pytest.raises(HAConfigError) as e:
+        timed("3", "--ha-hang-timeout", "100")
+    assert "to at least 4 or lower --ha-hang-timeout below 90" in str(e.value), e.value
+    assert timed("2", "--ha-hang-timeout", "20").hang_timeout_s == 20.0  # 2 x max(20, 30) = 60 < 120

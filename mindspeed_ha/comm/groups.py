@@ -34,8 +34,12 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from mindspeed_ha import compat
+from mindspeed_ha.comm import backends
 
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # torch's own default for a group
+# How long a rank waits to reach a recovery's store. Not a collective's timeout: every group keeps the
+# job's (--distributed-timeout-minutes), rebuilt and resized ones too.
+STORE_TIMEOUT = datetime.timedelta(seconds=60)
 
 
 @dataclasses.dataclass
@@ -96,7 +100,7 @@ class StableGroup(dist.ProcessGroup):
     # What the group is, answered without a communicator (a joiner's groups have none yet).
     @property
     def _device_types(self) -> list:
-        return [torch.device("cuda" if self.backend == "nccl" else "cpu")]
+        return [torch.device(backends.DEVICE_OF.get(self.backend, "cpu"))]
 
     def _get_backend_name(self) -> str:
         return self.backend
@@ -209,10 +213,8 @@ def _backend_name(backend) -> str:
     name = str(backend or "").lower()
     if not name or name == "undefined":
         default = compat.default_group()
-        return default.backend if isinstance(default, StableGroup) else str(dist.get_backend(default)).lower()
-    if "nccl" in name:
-        return "nccl"
-    return "gloo" if "gloo" in name or "cpu" in name else name
+        return default.backend if isinstance(default, StableGroup) else backends.canonical(dist.get_backend(default))
+    return backends.canonical(name)
 
 
 # ---- creation (re-routed here from torch.distributed by patches/torch/distributed.py) ---------------
@@ -295,11 +297,11 @@ def groups() -> list[StableGroup]:
 
 
 def reconnect(store_host: str, store_port: int, generation: int,
-              timeout: datetime.timedelta = datetime.timedelta(seconds=60)) -> dict:
+              store_timeout: datetime.timedelta = STORE_TIMEOUT) -> dict:
     """New communicators for every group of this process, over the controller's store. Every
     member calls it for the same generation; returns timings for the recovery's log."""
     t0 = time.perf_counter()
-    store = dist.TCPStore(store_host, store_port, None, False, timeout=timeout)
+    store = dist.TCPStore(store_host, store_port, None, False, timeout=store_timeout)
     with _lock:
         _gen.enter(generation, store)
         eager = _groups[:_sealed] if _sealed else list(_groups)
@@ -364,21 +366,22 @@ _hosted: dict = {}  # TCPStore servers hosted here: a server lives as long as it
 
 
 def survivor_world(survivors: Sequence[int], rank: int, store_host: str, store_port: int, generation: int,
-                   timeout: datetime.timedelta = datetime.timedelta(seconds=60), backend: str = "gloo",
-                   host_rank: int | None = None) -> World:
+                   timeout: datetime.timedelta = DEFAULT_TIMEOUT, backend: str = "gloo",
+                   host_rank: int | None = None, store_timeout: datetime.timedelta = STORE_TIMEOUT) -> World:
     """The default group becomes one of ``survivors`` only, numbered in that order: the dump's
     writers save with megatron-core's dist_checkpointing, which knows the default group only. The
     job's other groups stay (they still answer rank() and size(), so a sharded state dict built
     before describes the job's layout), but nothing may run a collective on them any more.
-    ``host_rank``: the survivor that serves the store (None: served elsewhere, by the controller)."""
+    ``timeout``: the group's (the job's collective timeout); ``host_rank``: the survivor that serves
+    the store (None: served elsewhere, by the controller)."""
     survivors = [int(r) for r in survivors]
     if rank not in survivors:
         raise ValueError(f"rank {rank} is not among the survivors {survivors}")
     if host_rank == rank and (store_host, store_port) not in _hosted:
         from mindspeed_ha.comm.stores import serve
-        _hosted[(store_host, store_port)] = serve(store_host, store_port, len(survivors), timeout)
+        _hosted[(store_host, store_port)] = serve(store_host, store_port, len(survivors), store_timeout)
     store = _hosted.get((store_host, store_port)) or dist.TCPStore(store_host, store_port, None, False,
-                                                                   timeout=timeout)
+                                                                   timeout=store_timeout)
     world = StableGroup(f"survivors-{generation}", list(range(len(survivors))), survivors.index(rank), backend,
                         timeout, "survivors")
     with _lock:
@@ -390,11 +393,12 @@ def survivor_world(survivors: Sequence[int], rank: int, store_host: str, store_p
 
 
 def new_epoch(kept: Sequence[int], rank: int, store_host: str, store_port: int, generation: int,
-              timeout: datetime.timedelta = datetime.timedelta(seconds=60), backend: str = "gloo",
+              timeout: datetime.timedelta = DEFAULT_TIMEOUT, backend: str = "gloo",
               host_rank: int | None = None) -> World:
     """A new layout (elastic resize): the default group becomes ``kept`` (job ranks) in that order,
     and every group of the old layout is released and unregistered. The groups made next
-    (megatron-core's, initialised again) are the new layout's set-up; ``seal`` ends it. One of them
+    (megatron-core's, initialised again, with ``timeout``: the job's collective timeout, which they take
+    from the default group) are the new layout's set-up; ``seal`` ends it. One of them
     with the same description and the same members as an old one (a TP group of a kept replica)
     *is* that old object, renumbered: the model's layers hold it and keep working, nothing has to
     find and re-point them. Call before ``parallel_state.destroy_model_parallel`` (which then

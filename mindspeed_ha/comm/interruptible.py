@@ -6,14 +6,21 @@ Instead every blocking collective is issued with ``async_op=True`` and its work 
 short slices, checking a process-wide stop flag between slices. ``request_stop()`` (called by the
 processor thread) makes the blocked thread raise :class:`CollectiveStopped` within one slice.
 
-Stream-ordered backends (NCCL, HCCL) are passed through untouched: their collectives do not block
-the CPU, and a stop there means aborting the communicators (``request_stop`` runs the abort hooks).
+Stream-ordered backends (NCCL, HCCL, the emulated NCCL of drills: ``comm.backends``) behave
+otherwise: a collective returns at once and a stop does not raise anywhere. Their works are tracked
+while in flight; a stop lets the ones already issued finish for a grace, as on gloo, then aborts the
+communicators (NCCL's abort, HCCL's device stop), which makes what is still pending return with
+partial results and no error. So nothing may consume a collective's result once an abort may have
+cut it short: ``commit_point()`` — a device sync, then "was anything aborted?" — stands before every
+use that outlives a step (the optimizer's update, a shard declared repaired, a checkpoint published).
+On gloo an abort never happens and the commit point costs nothing.
 
 After a stop, recovery calls ``clear_stop()`` before the next collective (until then every new
 collective raises at once). The interrupted operation stays pending inside the old group and
 completes if its peers come back to it (a frozen node thawed): rebuild the groups and roll back.
 It never writes into the caller's tensors then: a polled collective receives its result in tensors
-of its own, copied to the caller's only when the wait sees it complete (``_Results``).
+of its own, copied to the caller's only when the wait sees it complete (``_Results``); a
+stream-ordered backend lands nothing after its abort.
 
 This module only *builds* wrappers; ``mindspeed_ha.patches.torch.distributed`` installs them.
 """
@@ -24,7 +31,6 @@ import datetime
 import functools
 import inspect
 import queue
-import sys
 import threading
 import time
 from typing import Callable
@@ -33,6 +39,8 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_ha import compat
+from mindspeed_ha.comm import backends
+from mindspeed_ha.device.waits import EventWaits, HostWaits, for_device as waits_for
 
 # One wait slice: the bound on stop latency. A slice ends at once when the work completes, so its
 # length costs nothing on the fast path.
@@ -58,6 +66,11 @@ _thread = threading.local()  # .uncovered: this thread runs code no recovery cov
 _deferred: BaseException | None = None  # a collective's failure there, for the next hooked call
 _reason = ""
 _abort_hooks: list[Callable[[str], None]] = []
+_stopped_at = 0.0
+# Stream-ordered communicators were aborted since the last clear_stop: a result read now may be partial.
+_aborted = False
+_uncovered = False  # the training thread runs code no recovery covers (what the aborter reads)
+_aborter: threading.Thread | None = None
 
 
 class CollectiveStopped(RuntimeError):
@@ -67,22 +80,70 @@ class CollectiveStopped(RuntimeError):
 def request_stop(reason: str = "") -> None:
     """Make every blocked or future collective raise ``CollectiveStopped`` until ``clear_stop()``.
 
-    Safe to call from any thread; also runs the communicator-abort hooks (NCCL/HCCL)."""
-    global _reason
+    Safe to call from any thread. Stream-ordered communicators are aborted (the abort hooks) once a
+    collective issued before the stop is still pending after the grace a gloo one gets."""
+    global _reason, _stopped_at, _aborter
     _reason = reason
-    _stop.set()
+    if not _stop.is_set():
+        _stopped_at = time.monotonic()
+        _stop.set()
+    if _streams.used and (_aborter is None or not _aborter.is_alive()):
+        _aborter = threading.Thread(target=_abort_when_due, name="mindspeed-ha-aborter", daemon=True)
+        _aborter.start()
+
+
+def _abort_when_due() -> None:
+    """A stop's communicator abort: when a stream-ordered collective issued before it is still pending
+    after the grace (the uncovered one while the training thread is outside the covered calls). None
+    pending: no abort, the next collective raises at its entry, and every result read meanwhile was
+    whole."""
+    while _stop.is_set() and not _aborted:
+        grace = UNCOVERED_GRACE_S if _uncovered else STOP_GRACE_S
+        if _streams.pending() and time.monotonic() - _stopped_at >= grace:
+            abort_now()
+            return
+        time.sleep(WAIT_SLICE_S)
+
+
+def abort_now(reason: str = "") -> None:
+    """Abort every stream-ordered communicator of this process now (the abort hooks). A commit point
+    refuses from here until ``clear_stop()``."""
+    global _aborted
+    _aborted = True  # (first: a commit point that sees the abort's effect sees this too)
     for hook in list(_abort_hooks):
         try:
-            hook(reason)
+            hook(reason or _reason)
         except Exception:  # a failing abort must not stop the others
             pass
 
 
+def aborted() -> bool:
+    """Stream-ordered communicators were aborted since the last ``clear_stop()``."""
+    return _aborted
+
+
+def commit_point(what: str) -> None:
+    """``what`` is about to use the results of this rank's collectives beyond them (an update on
+    reduced gradients and their norm, a shard declared repaired, a checkpoint published): only if
+    each completed before any abort cut it short. The device is synchronized first (a GPU may still
+    run a collective the host has moved past); then a stop's abort since the last ``clear_stop()``
+    raises ``CollectiveStopped``, the results untouched by ``what``. On gloo nothing is ever aborted (a
+    stopped collective raises instead): no sync, no cost."""
+    if not _aborted and _streams.used:
+        from mindspeed_ha import device
+        device.synchronize()
+    if _aborted:
+        raise CollectiveStopped(f"{what} stopped: a stop aborted this rank's communicators, so results of its "
+                                f"collectives may be partial{': ' + _reason if _reason else ''}")
+
+
 def clear_stop() -> None:
-    global _reason, _deferred
+    global _reason, _deferred, _aborted
     _reason = ""
     _deferred = None  # (a recovery ran: it covered that failure too)
     _stop.clear()
+    _aborted = False
+    _streams.forget()  # (the aborted communicators' works: they are being replaced)
     _cancel_park()
 
 
@@ -142,7 +203,8 @@ def remove_abort_hook(fn: Callable[[str], None]) -> None:
 
 def set_uncovered(on: bool) -> None:
     """The calling (training) thread leaves (True) or enters (False) the code a recovery covers."""
-    _thread.uncovered = on
+    global _uncovered
+    _thread.uncovered = _uncovered = on
 
 
 def raise_deferred() -> None:
@@ -183,31 +245,78 @@ def raise_if_stopped() -> None:
         _raise_stopped()
 
 
-_waiting = 0  # threads of this process inside wait_work
-_waited_s = 0.0  # seconds this process spent blocked in collectives (a rank's own work is the rest)
+class _InFlight:
+    """What this process has in flight on stream-ordered backends: the works issued and not seen
+    complete (what a stop's abort is for), and the waits for them by device kind (the evidence)."""
+
+    def __init__(self) -> None:
+        self.used = False  # a stream-ordered collective was issued by this process
+        self._lock = threading.Lock()
+        self._works: list = []
+        self._waits: dict[str, HostWaits | EventWaits] = {}
+
+    def issued(self, work) -> None:
+        self.used = True
+        with self._lock:
+            self._works = [w for w in self._works if not w.is_completed()] + [work]
+
+    def waits(self, kind: str) -> HostWaits | EventWaits:
+        if kind not in self._waits:
+            with self._lock:
+                self._waits.setdefault(kind, waits_for(kind))
+        return self._waits[kind]
+
+    def pending(self) -> bool:
+        with self._lock:
+            self._works = [w for w in self._works if not w.is_completed()]
+            works = bool(self._works)
+        return works or any(w.pending() for w in list(self._waits.values()))
+
+    def waiting(self) -> bool:
+        return any(w.waiting() for w in list(self._waits.values()))
+
+    def waited_s(self) -> float:
+        return sum(w.waited_s() for w in list(self._waits.values()))
+
+    def forget(self) -> None:
+        with self._lock:
+            self._works = []
+
+
+_polled = HostWaits()   # gloo's waits: this module polls them, on the host
+_streams = _InFlight()  # stream-ordered backends' works and waits
 
 
 def waited_s() -> float:
-    return _waited_s
+    """Seconds this process spent waiting for collectives (a rank's own work is the rest)."""
+    return _polled.waited_s() + _streams.waited_s()
 
 
 def waiting() -> bool:
-    """A thread of this rank is blocked in a collective: waiting for a peer, not stuck itself."""
-    return _waiting > 0
+    """This rank waits in a collective now: for a peer, not stuck itself."""
+    return _polled.waiting() or _streams.waiting()
 
 
 def wait_work(work, p2p: bool = False) -> None:
     """Wait for a c10d ``Work``, raising ``CollectiveStopped`` once a stop is requested."""
-    global _waiting, _waited_s
     if work.is_completed() or _stop.is_set():
         return _wait_work(work, p2p)
-    _waiting += 1
-    t0 = time.perf_counter()
+    token = _polled.begin()
     try:
         _wait_work(work, p2p)
     finally:
-        _waiting -= 1
-        _waited_s += time.perf_counter() - t0
+        _polled.end(token)
+
+
+def _wait_stream(work, kind: str) -> None:
+    """Wait for a stream-ordered collective as its caller would (NCCL: the compute stream waits; the
+    emulated backend: the host), bracketed for the evidence."""
+    waits = _streams.waits(kind)
+    token = waits.begin()
+    try:
+        work.wait()
+    finally:
+        waits.end(token)
 
 
 def _wait_work(work, p2p: bool = False) -> None:
@@ -357,20 +466,25 @@ _NO_RESULTS = _Results()
 
 
 class PollingWork(dist.Work):
-    """What an ``async_op=True`` caller gets back: ``wait()`` is interruptible, the rest delegates."""
+    """What an ``async_op=True`` caller gets back: ``wait()`` is interruptible (gloo), or bracketed for
+    the evidence (``stream``: a stream-ordered backend of that device kind); the rest delegates."""
 
-    def __init__(self, work, p2p: bool = False, results: _Results = _NO_RESULTS):
+    def __init__(self, work, p2p: bool = False, results: _Results = _NO_RESULTS, stream: str | None = None):
         super().__init__()
         self._work = work
         self._p2p = p2p
         self._waited = False
         self._results = results
+        self._stream = stream
 
     def wait(self, timeout=None):
         if self._waited:
             return True
         if timeout:  # an explicit timeout keeps torch's meaning
             done = self._work.wait(timeout)
+        elif self._stream is not None:
+            _wait_stream(self._work, self._stream)
+            done = True
         else:
             wait_work(self._work, self._p2p)
             done = True
@@ -414,8 +528,9 @@ def _unwrap(work):
 
 
 # ---------------------------------------------------------------------------------------------
-# Which calls to poll. CPU tensors (gloo, or gloo in a multi-backend group) block the calling
-# thread; device tensors on NCCL/HCCL are stream-ordered and left alone.
+# Which calls to poll: those of a backend that blocks the calling thread (gloo, or gloo in a
+# multi-backend group for CPU tensors). Stream-ordered ones (NCCL, HCCL, the emulated NCCL) are
+# tracked instead.
 
 def _first_tensor(args, kwargs):
     for a in list(args) + list(kwargs.values()):
@@ -426,20 +541,22 @@ def _first_tensor(args, kwargs):
     return None
 
 
-def _group_polls(group) -> bool:
-    """A group whose backend blocks the calling thread (gloo); NCCL/HCCL groups are left alone."""
+def _stream_kind(group, tensor=None, device=None) -> str | None:
+    """The device kind of a collective on a stream-ordered backend (what its waits are timed on);
+    None where the backend blocks the calling thread. ``tensor`` or ``device``: what it moves."""
     try:
-        backend = str(dist.get_backend(group)).lower()
+        name = str(dist.get_backend(group)).lower()
     except Exception:  # not a registered group (or not a member): let torch decide what happens
-        return True
-    return "nccl" not in backend and "hccl" not in backend
-
-
-def _polls(args, kwargs, group) -> bool:
-    t = _first_tensor(args, kwargs)
-    if t is not None and t.device.type == "cpu":
-        return True
-    return _group_polls(group)
+        return None
+    kind = tensor.device.type if tensor is not None else torch.device(device).type if device is not None else None
+    if kind is not None:
+        return kind if backends.stream_ordered(backends.for_device(name, kind)) else None
+    # (nothing to move: a barrier) the group's stream-ordered backend, if it has one
+    for kind in ("cuda", "npu", "cpu"):
+        backend = backends.for_device(name, kind)
+        if backends.stream_ordered(backend) and backends.DEVICE_OF.get(backend) == kind:
+            return kind
+    return None
 
 
 # A restarted worker sets up (groups, model, optimizer; in Megatron-LM also its data loaders) while
@@ -536,14 +653,10 @@ def make_interruptible(fn: Callable) -> Callable:
             want_async = bool(kwargs.get("async_op", False))
             kwargs["async_op"] = True
         group = kwargs.get("group") if gidx is None or gidx >= len(args) else args[gidx]
-        if not _polls(args, kwargs, group):
-            # stream-ordered backend: call exactly as the caller asked
-            if idx < len(args):
-                args = args[:idx] + (want_async,) + args[idx + 1:]
-            else:
-                kwargs["async_op"] = want_async
-            return fn(*args, **kwargs)
         callers = args, kwargs
+        kind = _stream_kind(group, _first_tensor(args, kwargs))
+        if kind is not None:
+            return _stream_collective(fn, args, kwargs, want_async, kind)
         resolved = compat.resolve_group(group)
         args, kwargs, results = _with_own_results(fn, params, args, kwargs, resolved)
         work = _issue(fn, args, kwargs)
@@ -569,6 +682,30 @@ def make_interruptible(fn: Callable) -> Callable:
 
     setattr(wrapper, "__mindspeed_ha_original__", fn)
     return wrapper
+
+
+def _stream_collective(fn: Callable, args: tuple, kwargs: dict, want_async: bool, kind: str):
+    """A collective of a stream-ordered backend (issued async, so that its work is tracked): the
+    caller's async work, or waited for as the caller's synchronous call would have."""
+    if _aborted:  # (outside the covered calls: inside them the stop raised at the entry) no communicator
+        return _answer_deferred(fn, args, kwargs, CollectiveStopped(f"{fn.__name__} after a stop's abort"))
+    work = _issue(fn, args, kwargs)
+    if work is None:  # not a member of the group
+        return None
+    if compat.is_placeholder_work(work):  # inside a coalescing block: the block's work is tracked
+        return work if want_async else None
+    work = _unwrap(work)
+    _streams.issued(work)
+    if want_async:
+        return PollingWork(work, stream=kind)
+    try:
+        _wait_stream(work, kind)
+    except Exception as e:
+        if not getattr(_thread, "uncovered", False):
+            raise
+        _defer(e, fn.__name__)
+        _answer_deferred(fn, args, kwargs, e)
+    return None
 
 
 def _answer_deferred(fn: Callable, args, kwargs, e: BaseException):
@@ -603,7 +740,9 @@ def _p2p_issued(names) -> None:
 
 def make_interruptible_p2p(fn: Callable) -> Callable:
     """Wrap ``isend``/``irecv`` (always async): hand back a PollingWork so ``send``/``recv`` and
-    callers' ``.wait()`` are interruptible."""
+    callers' ``.wait()`` are interruptible (gloo) or tracked (a stream-ordered backend)."""
+    params = list(inspect.signature(fn).parameters)
+    gidx = params.index("group") if "group" in params else None
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -611,14 +750,21 @@ def make_interruptible_p2p(fn: Callable) -> Callable:
             _raise_stopped()
         _p2p_issued((fn.__name__,))
         work = fn(*args, **kwargs)
-        t = _first_tensor(args, kwargs)
-        if work is None or isinstance(work, PollingWork) or compat.is_placeholder_work(work) or (
-                t is not None and t.device.type != "cpu"):
+        if work is None or isinstance(work, PollingWork) or compat.is_placeholder_work(work):
             return work
-        return PollingWork(work, p2p=True)
+        group = kwargs.get("group") if gidx is None or gidx >= len(args) else args[gidx]
+        return _p2p_work(work, compat.resolve_group(group), _first_tensor(args, kwargs))
 
     setattr(wrapper, "__mindspeed_ha_original__", fn)
     return wrapper
+
+
+def _p2p_work(work, group, tensor) -> PollingWork:
+    kind = _stream_kind(group, tensor)
+    if kind is None:
+        return PollingWork(work, p2p=True)
+    _streams.issued(work)
+    return PollingWork(work, stream=kind)
 
 
 def make_interruptible_batch_p2p(fn: Callable) -> Callable:
@@ -628,9 +774,10 @@ def make_interruptible_batch_p2p(fn: Callable) -> Callable:
             _raise_stopped()
         _p2p_issued([getattr(op.op, "__name__", "") for op in p2p_op_list])
         works = fn(p2p_op_list)
-        if p2p_op_list and p2p_op_list[0].tensor.device.type != "cpu":
+        if not p2p_op_list:
             return works
-        return [w if w is None or isinstance(w, PollingWork) else PollingWork(w, p2p=True) for w in works]
+        group, tensor = compat.resolve_group(p2p_op_list[0].group), p2p_op_list[0].tensor
+        return [w if w is None or isinstance(w, PollingWork) else _p2p_work(w, group, tensor) for w in works]
 
     setattr(wrapper, "__mindspeed_ha_original__", fn)
     return wrapper
@@ -639,7 +786,8 @@ def make_interruptible_batch_p2p(fn: Callable) -> Callable:
 def make_interruptible_coalescing_manager(orig_cm: Callable) -> Callable:
     """Wrap ``_coalescing_manager``: ops inside it only record themselves (returning ``_IllegalWork``);
     the real work is issued when the block exits. Force ``async_ops=True`` there and wait for the
-    manager's works interruptibly (at exit for a sync block, in ``cm.wait()`` for an async one)."""
+    manager's works interruptibly (gloo) or tracked (a stream-ordered backend) — at exit for a sync
+    block, in ``cm.wait()`` for an async one."""
 
     @contextlib.contextmanager
     @functools.wraps(orig_cm)
@@ -647,14 +795,14 @@ def make_interruptible_coalescing_manager(orig_cm: Callable) -> Callable:
         if _stop_now():
             _raise_stopped()
         resolved = compat.resolve_group(group)
-        if (device is not None and torch.device(device).type != "cpu") or not _group_polls(resolved):
-            with orig_cm(group, device, async_ops) as cm:  # stream-ordered backend: untouched
-                yield cm
-            return
-        results = _blocks()[resolved] = _Results()
+        kind = _stream_kind(resolved, device=device)
+        results = _Results()
+        if kind is None:
+            _blocks()[resolved] = results
         try:
             with orig_cm(group, device, async_ops=True) as cm:
-                cm.wait = functools.partial(_wait_all, cm, results)  # instance attribute: megatron calls cm.wait()
+                # (an instance attribute: megatron calls cm.wait())
+                cm.wait = functools.partial(_wait_all, cm, results, kind)
                 yield cm
         except BaseException:
             # torch leaves the op list behind when the block raises, poisoning the next coalescing
@@ -663,44 +811,50 @@ def make_interruptible_coalescing_manager(orig_cm: Callable) -> Callable:
             raise
         finally:
             _blocks().pop(resolved, None)
+        if kind is not None:
+            for w in _works_of(cm):
+                _streams.issued(w)
         if not async_ops:
-            _wait_all(cm, results)
+            _wait_all(cm, results, kind)
 
     setattr(wrapper, "__mindspeed_ha_original__", orig_cm)
     return wrapper
 
 
-def _wait_all(cm, results: _Results) -> None:
-    for w in cm.works:
-        if w is not None and not compat.is_placeholder_work(w):
-            wait_work(_unwrap(w))
+def _works_of(cm) -> list:
+    return [_unwrap(w) for w in cm.works if w is not None and not compat.is_placeholder_work(w)]
+
+
+def _wait_all(cm, results: _Results, kind: str | None = None) -> None:
+    for w in _works_of(cm):
+        if kind is None:
+            wait_work(w)
+        else:
+            _wait_stream(w, kind)
     results.land()
 
 
 # ---------------------------------------------------------------------------------------------
-# Communicator abort hooks for stream-ordered backends.
+# The abort of stream-ordered communicators (a stop's, once the grace has passed).
 
-def _abort_nccl(reason: str) -> None:
-    """CUDA: abort every NCCL communicator so kernels blocked on a dead/hung peer exit."""
-    if not (torch.cuda.is_available() and dist.is_available() and dist.is_initialized()):
+def _abort_stream_ordered(reason: str) -> None:
+    """NCCL (and the emulated NCCL): abort every communicator, so that kernels blocked on a dead or
+    hung peer exit with what they had. HCCL: stop the device (torch_npu's ``stop_device``; a recovery
+    restarts it before anything runs there again: ``device.restart_after_stop``)."""
+    if not (dist.is_available() and dist.is_initialized()):
         return
+    stop_npu = False
     for pg in compat.registered_groups():
         try:
-            if "nccl" in str(dist.get_backend(pg)):
+            name = backends.canonical(str(dist.get_backend(pg)))
+            if name == backends.EMULATED_NCCL or (name == "nccl" and torch.cuda.is_available()):
                 pg.abort()
-        except Exception:
+            stop_npu |= name == "hccl"
+        except Exception:  # one that cannot be aborted must not keep the others from it
             pass
+    if stop_npu:
+        from mindspeed_ha import device
+        device.stop_device()
 
 
-def _abort_hccl(reason: str) -> None:
-    """ASCEND HOOK (untested here, no NPU on the CI machine): stop the device so HCCL kernels exit;
-    recovery must call ``torch_npu.npu.restart_device`` before rebuilding HCCL groups."""
-    if "torch_npu" not in sys.modules:  # an NPU job has imported it long before any stop
-        return
-    stop_device = getattr(torch.npu, "stop_device", None) if hasattr(torch, "npu") else None
-    if stop_device is not None:
-        stop_device(torch.npu.current_device())  # type: ignore[attr-defined]  # (torch_npu adds torch.npu)
-
-
-add_abort_hook(_abort_nccl)
-add_abort_hook(_abort_hccl)
+add_abort_hook(_abort_stream_ordered)

@@ -16,9 +16,11 @@ import os
 import socket
 from typing import Any, Collection, Iterable
 
+from mindspeed_ha.options import WARM_UP_HANG_S
+
 PHASE_ORDER = {p: i for i, p in enumerate(("startup", "forward", "backward", "grad-sync", "optimizer",
                                            "param-sync", "checkpoint", "step"))}
-WARM_UP_STEPS, WARM_UP_S = 3, 30.0
+WARM_UP_STEPS, WARM_UP_S = 3, WARM_UP_HANG_S
 
 
 @dataclasses.dataclass

@@ -2,10 +2,16 @@
 where the tensors mindspeed-ha makes live.
 
 cpu -> gloo, cuda -> nccl, npu -> hccl (only when torch_npu imports). Chosen automatically;
-``MINDSPEED_HA_DEVICE=cpu|cuda|npu`` overrides. ``current()`` is the rank's device once
-``Device.set_current`` ran: every tensor the engine creates for a collective, a batch or a copy of
-state is made there, so an NCCL/HCCL group never sees a CPU tensor. (A tensor that must stay on the
-CPU, Adam's ``step`` counter, is moved to ``current()`` to travel and back where it belongs.)
+``MINDSPEED_HA_DEVICE=cpu|cuda|npu`` overrides; ``MINDSPEED_HA_EMULATE_NCCL=1`` gives a CPU job the
+emulated NCCL backend instead of gloo (drills: ``comm.emulated_nccl``). ``current()`` is the rank's
+device once ``Device.set_current`` ran: every tensor the engine creates for a collective, a batch or
+a copy of state is made there, so an NCCL/HCCL group never sees a CPU tensor. (A tensor that must
+stay on the CPU, Adam's ``step`` counter, is moved to ``current()`` to travel and back where it
+belongs.)
+
+What a recovery asks of the device itself: ``synchronize()`` (the commit point's, and a recovery's
+entry, where a sticky CUDA error shows itself), ``stop_device()`` (HCCL's stop) and
+``restart_after_stop()`` (torch_npu's ``restart_device``, before anything runs there again).
 """
 from __future__ import annotations
 
@@ -40,6 +46,9 @@ class Device:
 
     @property
     def backend(self) -> str:
+        from mindspeed_ha.comm.backends import EMULATED_NCCL, emulating_nccl
+        if self.kind == "cpu" and emulating_nccl():
+            return EMULATED_NCCL
         return BACKENDS[self.kind]
 
     @property
@@ -133,3 +142,54 @@ def detect(env: Mapping[str, str] | None = None) -> Device:
     if compat.cuda_device_count() > 0:
         return Device("cuda")
     return Device("cpu")
+
+
+# ---- what a recovery asks of the device -----------------------------------------------------------
+_stopped = False  # the device was stopped (HCCL) and not restarted since
+
+
+def synchronize() -> None:
+    """Wait for the work queued on this rank's current stream (nothing on the CPU). Raises the
+    device's error, a sticky one included, where there is one."""
+    if _here.type == "cuda":
+        torch.cuda.current_stream().synchronize()
+    elif _here.type == "npu":
+        torch.npu.current_stream().synchronize()  # type: ignore[attr-defined]  # (torch_npu adds torch.npu)
+
+
+def stop_device() -> None:
+    """ASCEND (unverified: no NPU here): stop this rank's NPU, so that HCCL kernels blocked on a lost
+    peer exit (torch_npu's ``stop_device``); every NPU op fails until ``restart_after_stop``."""
+    global _stopped
+    if _here.type != "npu":
+        return
+    import torch_npu  # noqa: F401  (an NPU job has imported it long before)
+    torch_npu.npu.stop_device(_here.index or 0)
+    _stopped = True
+
+
+def restart_after_stop() -> None:
+    """At a recovery's entry, before anything runs on the device again. NPU (unverified): restart a
+    stopped device (torch_npu's ``restart_device``, MindSpeed-LLM's sequence). CUDA: synchronize, so
+    that a sticky error (the context is lost) shows itself here, where the caller ends the process."""
+    global _stopped
+    if _here.type == "npu" and _stopped:
+        import torch_npu  # noqa: F401
+        torch_npu.npu.restart_device(_here.index or 0)
+        _stopped = False
+    synchronize()
+
+
+# torch_npu's check_uce_in_memory verdicts that leave the process usable (MindSpeed-LLM's reading):
+# the bad address is in memory a repair rewrites (2), or in memory rebuilt from a replica (3).
+_NPU_UCE_REPAIRABLE = (2, 3)
+
+
+def memory_error_repairable() -> bool:
+    """After an uncorrectable memory error: may this process repair it in place? ASCEND (unverified):
+    torch_npu's ``check_uce_in_memory`` says where the bad address lies; anywhere else than memory a
+    repair rewrites, the process must be replaced. Elsewhere the error names the shard it poisoned."""
+    if _here.type != "npu":
+        return True
+    import torch_npu  # noqa: F401
+    return int(torch_npu.npu.check_uce_in_memory(_here.index or 0)) in _NPU_UCE_REPAIRABLE

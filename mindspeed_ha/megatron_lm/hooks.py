@@ -71,7 +71,8 @@ def on_parse_args(original, extra_args_provider=None, ignore_unknown_args=False)
     ns = original(_with_ha_args(extra_args_provider), ignore_unknown_args)
     device = entry._device or _detect()
     if device.needs_cpu_shim:
-        changed = {k: v for k, v in CPU_ARGS.items() if getattr(ns, k, None) != v}
+        cpu_args = {**CPU_ARGS, "distributed_backend": device.backend}  # (gloo, or a drill's emulated NCCL)
+        changed = {k: v for k, v in cpu_args.items() if getattr(ns, k, None) != v}
         for key, value in changed.items():
             setattr(ns, key, value)
         if changed and ns.rank == 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 
+from mindspeed_ha.comm.backends import EMULATED_NCCL
 from mindspeed_ha.events import get_logger
 from mindspeed_ha.trainer.interface import TrainerInterface
 from mindspeed_ha.trainer.replay import Replayable
@@ -58,10 +59,10 @@ class MegatronLMTrainer(TrainerInterface):
         """Called by Megatron-LM's loop before each of its steps: its objects and position are the truth."""
         import torch.distributed as dist
         from megatron.training import get_args
-        if config.deallocate_pipeline_outputs and dist.get_backend() == "gloo":
+        if config.deallocate_pipeline_outputs and dist.get_backend() in ("gloo", EMULATED_NCCL):
             # Megatron-LM frees a stage's output once its send is posted (the storage swapped out
-            # under the tensor). A gloo send still running in the background (an interleaved
-            # pipeline overlaps its transfers) then reads freed memory: NaN losses, now and then.
+            # under the tensor). A gloo send (the emulated NCCL's too) still running in the background
+            # (an interleaved pipeline overlaps its transfers) then reads freed memory: NaN losses.
             config.deallocate_pipeline_outputs = False
         self.fns = LoopFunctions(original, forward_step_func, config, forward_backward_func)
         if data_iterator is not self._loop_iter:  # the loop hands the same object every step
@@ -190,7 +191,7 @@ class MegatronLMTrainer(TrainerInterface):
 
     def _run_step(self, iteration: int | None):
         from mindspeed_ha import session
-        from mindspeed_ha.comm.interruptible import raise_deferred
+        from mindspeed_ha.comm.interruptible import commit_point, raise_deferred
         assert self.fns is not None  # (bind_step came first: the loop's, or train_step checked)
         original, forward_step_func, config, forward_backward_func = self.fns
         if iteration is not None and self.iteration < iteration:
@@ -209,6 +210,7 @@ class MegatronLMTrainer(TrainerInterface):
         out = original(self._forward_with_phases(forward_step_func, s, it), data,
                        self.model_chunks, self.optimizer, self.scheduler, config,
                        self._recording(forward_backward_func), iteration=it - 1)
+        commit_point("the step's result")  # (its loss, reduced over DP after the update)
         return self._step_done(it, out)
 
     def _run_catch_up(self, loop_iteration: int) -> None:
@@ -219,6 +221,7 @@ class MegatronLMTrainer(TrainerInterface):
         from megatron.core.num_microbatches_calculator import update_num_microbatches
         from megatron.training import get_args
         from mindspeed_ha import session
+        from mindspeed_ha.comm.interruptible import commit_point
         assert self.fns is not None  # (called from run_step)
         original, forward_step_func, config, forward_backward_func = self.fns
         if self.loop.catch_up is None:
@@ -236,6 +239,7 @@ class MegatronLMTrainer(TrainerInterface):
                 s.step_start(it)
                 out = original(self._forward_with_phases(forward_step_func, s, it), data, self.model_chunks,
                                self.optimizer, self.scheduler, config, forward_backward_func, iteration=it - 1)
+                commit_point("the step's result")
                 self._step_done(it, out)
         finally:
             update_num_microbatches(get_args().consumed_train_samples, consistency_check=False)
@@ -262,9 +266,12 @@ class MegatronLMTrainer(TrainerInterface):
 
     def _recording(self, forward_backward_func):
         def forward_backward(*args, **kwargs):
+            from mindspeed_ha.comm.interruptible import commit_point
             self.step.fb_out = forward_backward_func(*args, **kwargs)
-            self.step.samples_hash = self._samples_hash()
-            self.step.reduced = self._reduce_losses(self.step.fb_out) if self._joiners_possible() else None
+            samples = self._samples_hash()
+            reduced = self._reduce_losses(self.step.fb_out) if self._joiners_possible() else None
+            commit_point("the step's reductions")  # (kept for a roll-forward: never a partial sum)
+            self.step.samples_hash, self.step.reduced = samples, reduced
             return self.step.fb_out
         return forward_backward
 
@@ -371,6 +378,7 @@ class MegatronLMTrainer(TrainerInterface):
         twins). The rest of Megatron-LM's own train_step — scheduler, the loss's DP all-reduce, its
         result — runs by calling it with the step's recorded forward-backward output and update
         result in place of redoing them; the failing train_step call returns that result."""
+        from mindspeed_ha.comm.interruptible import commit_point
         if self.iteration >= it:
             return
         self._undo_partial_step()
@@ -380,6 +388,7 @@ class MegatronLMTrainer(TrainerInterface):
         self.loop.finished_from = (self.iteration, self.consumed_samples)
         out = original(None, None, self.model_chunks, _UpdateDone(self.optimizer, (True, norm, zeros)),
                        self.scheduler, config, lambda **kwargs: losses, iteration=it - 1)
+        commit_point("the rolled-forward step's result")
         self.loop.finished = self._step_done(it, out)
 
     def _train_step_and_config(self):

@@ -25,11 +25,14 @@ built: a new size at which the optimizer instance count changes.
 """
 from __future__ import annotations
 
+import datetime
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from mindspeed_ha.comm.groups import DEFAULT_TIMEOUT
+from mindspeed_ha.comm.interruptible import commit_point
 from mindspeed_ha.events import get_logger
 from mindspeed_ha.replica.optimizer import _inner_optimizers, set_adam_steps
 from mindspeed_ha.replica.reshard import described, exchange, schedule, state_io
@@ -51,12 +54,14 @@ def _step(optimizer: Any) -> float:
 
 
 def resize(trainer: TrainerInterface, plan: ElasticPlan, rank: int, store_host: str, store_port: int,
-           generation: int, backend: str = "gloo", host_store: bool = False) -> dict[str, Any]:
+           generation: int, backend: str = "gloo", host_store: bool = False,
+           timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> dict[str, Any]:
     """This rank's part of ``plan`` (an ok ``ElasticPlan``), meeting the others over the store at
     ``store_host:store_port`` (the controller's; ``host_store``: the first rank of the new layout
     serves it). ``trainer``: a running one, or a newcomer's not set up yet (no optimizer).
     Returns timings and bytes moved."""
-    entered = enter_layout(trainer, plan, rank, store_host, store_port, generation, backend, host_store)
+    entered = enter_layout(trainer, plan, rank, store_host, store_port, generation, backend, host_store,
+                           timeout=timeout)
     return move_state(trainer, plan, rank, entered)
 
 
@@ -72,14 +77,15 @@ def holdings(trainer: TrainerInterface) -> dict[str, Any]:
 
 def enter_layout(trainer: TrainerInterface, plan: ElasticPlan, rank: int, store_host: str, store_port: int,
                  generation: int, backend: str = "gloo", host_store: bool = False,
-                 held: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Steps 1-3 (``held``: ``holdings`` taken before an earlier resize that did not complete). A
+                 held: dict[str, Any] | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> dict[str, Any]:
+    """Steps 1-3 (``held``: ``holdings`` taken before an earlier resize that did not complete;
+    ``timeout``: the job's collective timeout, every group of the new layout's). A
     newcomer whose loop builds its own model (Megatron-LM's) has only its groups afterwards (no
     optimizer yet): ``move_state`` follows once its loop has built them."""
     from mindspeed_ha.comm import groups
     t = {"start": time.perf_counter()}
     held = held or holdings(trainer)
-    world = groups.new_epoch(plan.order, rank, store_host, store_port, generation, backend=backend,
+    world = groups.new_epoch(plan.order, rank, store_host, store_port, generation, timeout=timeout, backend=backend,
                              host_rank=plan.order[0] if host_store else None)
     t["group"] = time.perf_counter()
     if trainer.optimizer is None:
@@ -113,6 +119,7 @@ def move_state(trainer: TrainerInterface, plan: ElasticPlan, rank: int, entered:
     new.ha_iteration = plan.iteration
     transfer_bookkeeping(trainer, plan.sources, rank)
     trainer.resync_weights()
+    commit_point("the resize")  # (state, counters and weights all moved by collectives none cut short)
     t["moved"] = time.perf_counter()
     out = {"dp": plan.dp, "new_rank": entered["world"].new_rank, "received": got, "newcomer": newcomer,
            "group_s": round(t["group"] - t["start"], 4), "relayout_s": round(t["built"] - t["group"], 4),

@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from mindspeed_ha.trainer.interface import TrainerInterface
 
 log = get_logger("recovery.handlers")
-REBUILD_TIMEOUT = datetime.timedelta(seconds=60)
 
 
 class Session(Protocol):
@@ -54,6 +53,7 @@ class Session(Protocol):
 
     @property
     def writes_loss(self) -> bool: ...
+    def device_ready(self, iteration: int) -> None: ...
     def fire(self, phase: str, iteration: int) -> None: ...
     def loaded(self, iteration: int, path: str, seconds: float) -> None: ...
     def progressed(self) -> None: ...
@@ -78,6 +78,11 @@ class RankRecovery:
                 "reload": self.reload, "rollback": self.rollback, "resume": self.resume, "scale-in": self.resize,
                 "scale-out": self.resize,
                 "dump-status": self.dump_status, "dump": self.dump}
+
+    @property
+    def collective_timeout(self) -> datetime.timedelta:
+        """Every group's collective timeout, a rebuilt or resized one's too: the job's own."""
+        return datetime.timedelta(seconds=self.s.options.collective_timeout_s)
 
     @property
     def trainer(self) -> TrainerInterface:
@@ -128,29 +133,35 @@ class RankRecovery:
         if self.s.joining and self.trainer.optimizer is None:
             # A restarted worker: its groups, model and optimizer are made without peers (the
             # survivors wait here), then its groups connect with the survivors' new generation.
-            with groups.joining(self.s.world_size, self.s.rank, self.s.device.backend), alone():
+            with groups.joining(self.s.world_size, self.s.rank, self.s.device.backend, self.collective_timeout), alone():
                 self.trainer.setup(joining=True)
-            got = groups.reconnect(*store, timeout=REBUILD_TIMEOUT)
+            got = groups.reconnect(*store)
             return f"joined and set up in {time.perf_counter() - t0:.3f}s ({got['groups']} groups)"
         clear_stop()
+        self.s.device_ready(self.trainer.iteration + 1)
         self.s.fire("rebuild", self.trainer.iteration + 1)
         self.trainer.clean_partial_step()
-        got = groups.reconnect(*store, timeout=REBUILD_TIMEOUT)
+        got = groups.reconnect(*store)
         return f"{got['groups']} groups reconnected in {got['seconds']:.3f}s"
 
     def repair(self, args: dict[str, Any]) -> dict[str, Any]:
+        from mindspeed_ha.comm.interruptible import commit_point
         from mindspeed_ha.recovery import repair
         flat = list(args.get("pairs", []))
         pairs = list(zip(flat[0::2], flat[1::2]))
-        got = repair.transfer_shards(self.s.optimizer, pairs, self.s.rank, int(args["iteration"]))
+        receives = any(dst == self.s.rank for _, dst in pairs)
+
+        def overwriting() -> None:  # (the shard is whole again only once the commit point below passed)
+            self.s.shard_poisoned = True
+        got = repair.transfer_shards(self.s.optimizer, pairs, self.s.rank, int(args["iteration"]), overwriting)
         flat = list(args.get("joiners", []))  # restarted rank, its twin, ...
         joiners = dict(zip(flat[0::2], flat[1::2]))
-        if joiners:
-            received = repair.transfer_bookkeeping(self.trainer, joiners, self.s.rank)
-            if received is not None:
-                self.s.report_unlogged_step(self.trainer.ended, received["trainer"].get("step_loss"))
+        received = repair.transfer_bookkeeping(self.trainer, joiners, self.s.rank) if joiners else None
         self.trainer.resync_weights()
-        if any(dst == self.s.rank for _, dst in pairs):
+        commit_point("the repair")  # (a shard, counters or weights cut short by a stop are not whole)
+        if received is not None:
+            self.s.report_unlogged_step(self.trainer.ended, received["trainer"].get("step_loss"))
+        if receives:
             self.s.shard_poisoned = False  # overwritten by its twin's
         if got:
             self.s.events.emit("repaired", iteration=int(args["iteration"]), bytes=got,
@@ -161,6 +172,8 @@ class RankRecovery:
         t0 = time.perf_counter()
         assert self.trainer.save_dir is not None  # (a reload plan needs every rank's checkpoint, in --save)
         it = self.trainer.load_checkpoint(self.trainer.save_dir)
+        from mindspeed_ha.comm.interruptible import commit_point
+        commit_point("the reload")  # (the load's own collectives: none cut short)
         self.s.shard_poisoned = False
         self.trainer.after_reload(int(args.get("ended", it)))
         self.s.loaded(it, self.trainer.save_dir, time.perf_counter() - t0)
@@ -183,6 +196,7 @@ class RankRecovery:
         from mindspeed_ha.plan import ElasticPlan
         from mindspeed_ha.recovery import elastic
         clear_stop()
+        self.s.device_ready(self.trainer.iteration + 1)
         if self.unfinished is None:
             if self.trainer.optimizer is not None:
                 self.trainer.clean_partial_step()
@@ -191,7 +205,7 @@ class RankRecovery:
         plan = ElasticPlan.from_wire(args["plan"])
         entered = elastic.enter_layout(self.trainer, plan, self.s.rank, args["store_host"], int(args["store_port"]),
                                        int(args["generation"]), backend=self.s.device.backend,
-                                       held=self.unfinished["held"])
+                                       held=self.unfinished["held"], timeout=self.collective_timeout)
 
         def rest(trainer: TrainerInterface | None = None) -> dict[str, Any]:
             assert plan.iteration is not None  # (an ok plan names its iteration)
@@ -259,10 +273,11 @@ class RankRecovery:
         if self.prepared is None:
             raise RuntimeError("dump before dump-status")
         clear_stop()  # the stop that parked us (or a retry's) must not fail the survivors' collectives
+        self.s.device_ready(self.trainer.iteration + 1)
         plan = DumpPlan.from_wire(args["plan"])
         world = groups.survivor_world(list(args["survivors"]), self.s.rank, args["store_host"],
                                       int(args["store_port"]), int(args["generation"]),
-                                      timeout=REBUILD_TIMEOUT, backend=self.s.device.backend)
+                                      timeout=self.collective_timeout, backend=self.s.device.backend)
         save = self.trainer.save_dir
         assert save is not None  # (dump_status, which prepared the dump, refuses a rank without one)
         res = dump.write(self.prepared, plan, world, save, self.s.events, progress=self.s.progressed)

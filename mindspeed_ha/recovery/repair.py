@@ -15,7 +15,7 @@ the failed step had finished everywhere, so only its bookkeeping is finished.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -41,12 +41,14 @@ def status(trainer: TrainerInterface) -> dict[str, Any]:
     return {**local_status(trainer), "ended": trainer.ended}
 
 
-def transfer_shards(optimizer: ReplicaMixin, pairs: list[tuple[int, int]], rank: int, iteration: int) -> int:
+def transfer_shards(optimizer: ReplicaMixin, pairs: list[tuple[int, int]], rank: int, iteration: int,
+                    overwriting: Callable[[], None] = lambda: None) -> int:
     """Point to point over the rebuilt default group: for each (src, dst) (job ranks), src sends its
     shard state (fp32 main params, exp_avg, exp_avg_sq, step), dst overwrites its own. Every rank
     walks the pairs in the same order. Each tensor travels on the rank's device (Adam's ``step`` is
     a CPU scalar, which an NCCL group cannot carry) and lands where the receiver keeps its own.
-    Returns the bytes this rank received."""
+    ``overwriting()`` is called before the receiver's shard is first written (from then on it is not
+    whole until the caller's commit point). Returns the bytes this rank received."""
     from mindspeed_ha.comm.groups import dist_rank
     got = 0
     for src, dst in pairs:
@@ -62,6 +64,7 @@ def transfer_shards(optimizer: ReplicaMixin, pairs: list[tuple[int, int]], rank:
             for t in fresh.values():
                 dist.recv(t, dist_rank(src))
                 got += t.numel() * t.element_size()
+            overwriting()
             optimizer.ha_import_shard(fresh)
     if any(dst == rank for _, dst in pairs):
         optimizer.ha_iteration = iteration

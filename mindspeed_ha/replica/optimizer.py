@@ -110,9 +110,19 @@ class ReplicaMixin:
         return zeros
 
     def step_with_ready_grads(self) -> bool:
-        # Past the grad-norm all-reduce: from here to the parameter all-gather the update is local
-        # arithmetic, which a stop cannot interrupt, so a rank stopped in its window either never
-        # touched its shard (still at ha_iteration) or will finish the update (the dump relies on this).
+        # The commit point: the update reads reduced gradients, their norm and found-inf, so it runs
+        # only if their collectives completed before any stop's abort (a stream-ordered backend's
+        # aborted collectives return partial results, and no error). Refused, the shard stays at
+        # ha_iteration, untouched, and the grad statistics computed from those results are dropped.
+        from mindspeed_ha.comm.interruptible import commit_point
+        try:
+            commit_point("the optimizer update")
+        except Exception:
+            self.ha_grad_stats = [None, None]
+            raise
+        # From here to the parameter all-gather the update is local arithmetic, which a stop cannot
+        # interrupt, so a rank stopped in its window either never touched its shard (still at
+        # ha_iteration) or will finish the update (the dump relies on this).
         self.ha_touched = True
         inners = _inner_optimizers(self)
         if len(inners) == 1 or not _gathers_in_step(self, inners):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
+from mindspeed_ha.comm.interruptible import commit_point
 from mindspeed_ha.device import current
 
 if TYPE_CHECKING:
@@ -41,6 +42,8 @@ def check_replicas(optimizer: ReplicaMixin, iteration: int, replica_group_pg: di
             break
     flag = torch.tensor([1 if problem else 0], dtype=torch.int64, device=current())
     dist.all_reduce(flag)  # every rank learns whether anyone found a mismatch
+    # (a digest cut short by a stop's abort is no evidence of corruption: that stop is recovered)
+    commit_point("the replica check")
     if int(flag.item()):
         reports: list[dict[str, Any] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(reports, problem)

@@ -1,0 +1,261 @@
+"""A CPU process-group backend with NCCL's semantics, for fault drills on machines without a GPU.
+
+Why: on gloo a stopped collective raises in the thread that waits for it, so every recovery drill on
+a CPU exercises a behaviour users never see. Users train on NCCL, where collectives are queued on a
+stream and return at once, and where ``abort()`` makes the queued kernels return with whatever they
+had: nothing raises until something checks. This backend wraps gloo (which does the arithmetic, so a
+job's results equal a gloo job's bits) and reproduces what matters to fault tolerance:
+
+- A collective returns at once and completes later: a thread per communicator waits for its
+  collectives in issue order, as a CUDA stream runs them; results land in the caller's tensors when
+  it completes.
+- Waiting for it (``work.wait()``, what torch's synchronous calls do) blocks until it has completed:
+  the point where a GPU's compute stream would consume the result.
+- ``abort()`` makes every pending collective complete *without error*, its outputs partial: an
+  in-place reduction keeps the rank's own contribution, an out-of-place output what it held (what a
+  ring leaves in the chunks it never received); nothing lands later. Every collective issued after
+  it raises, as NCCL's aborted communicator does.
+- A collective that fails (a peer's connection closed, the timeout) fails its work, as NCCL's
+  watchdog does with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (CleanUpOnly). Under torch's default, 3
+  (SkipCleanUp), or 1 (TearDown), the watchdog ends the process instead, and so does this backend.
+
+What it cannot reproduce: device memory and a compute stream that runs ahead of the host (tensors are
+CPU tensors; a synchronous collective blocks the host where a GPU's would block the stream, so a
+result is never read early), NCCL's algorithms and their numerics, communicator splitting or
+shrinking, and a peer's abort failing this rank's collective (here, as NCCL's kernel, it waits until
+its own abort or the timeout).
+
+A job runs on it with ``MINDSPEED_HA_EMULATE_NCCL=1`` (the device layer picks it instead of gloo for
+a CPU job, ``register()`` makes it torch's backend ``emulated_nccl``).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from mindspeed_ha.comm.backends import EMULATED_NCCL
+
+# ProcessGroup method -> (index of the argument it writes its result into, whether that argument's
+# value is an input too), as torch's Python API calls them (their names move between versions: every
+# one that exists is served). None: the method writes nothing.
+_WRITES: dict[str, tuple[int, bool] | None] = {
+    "allreduce": (0, True), "allreduce_coalesced": (0, True), "broadcast": (0, True), "reduce": (0, True),
+    "allgather": (0, False), "all_gather_single": (0, False), "_allgather_base": (0, False),
+    "all_gather_single_coalesced": (0, False), "allgather_into_tensor_coalesced": (0, False),
+    "allgather_coalesced": (0, False),
+    "reduce_scatter": (0, False), "reduce_scatter_single": (0, False), "_reduce_scatter_base": (0, False),
+    "reduce_scatter_single_coalesced": (0, False), "reduce_scatter_tensor_coalesced": (0, False),
+    "alltoall": (0, False), "alltoall_base": (0, False), "all_to_all_single": (0, False),
+    "gather": (0, False), "scatter": (0, False), "recv": (0, False), "recv_anysource": (0, False),
+    "send": None, "barrier": None,
+}
+# torch's documented error-handling modes (ProcessGroupNCCL.hpp): the watchdog ends the process on a
+# failed collective under 1 (TearDown) and 3 (SkipCleanUp, the default), keeps it under 0 and 2.
+ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_ENDS_PROCESS = ("1", "3")
+_STOP = object()
+
+
+class CommunicatorAborted(RuntimeError):
+    """A collective issued on an aborted communicator (NCCL: DistBackendError)."""
+
+
+def _own(value: Any, keep: bool, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """The collective's own tensor(s) in place of ``value``; (caller's, own) pairs in ``pairs``."""
+    if isinstance(value, torch.Tensor):
+        mine = value.clone() if keep else torch.empty_like(value)
+        pairs.append((value, mine))
+        return mine
+    if isinstance(value, (list, tuple)):
+        return [_own(v, keep, pairs) for v in value]
+    return value
+
+
+class _Work(dist.Work):
+    """One collective as its caller holds it: complete when its results landed, or when an abort cut
+    it short (no error then: the outputs keep what they held)."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], outputs: list[torch.Tensor]):
+        super().__init__()
+        self._pairs, self._outputs = pairs, outputs
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._future: torch.futures.Future = torch.futures.Future()
+        self.aborted = False
+        self.completed_at: float | None = None
+
+    def finish(self, error: BaseException | None = None, aborted: bool = False) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            if error is None and not aborted:
+                with torch.no_grad():
+                    for callers, own in self._pairs:
+                        callers.copy_(own)
+            self._error, self.aborted = error, aborted
+            self.completed_at = time.monotonic()
+            self._pairs = []
+            self._done.set()
+        if error is not None:
+            self._future.set_exception(error)
+        else:
+            self._future.set_result(self._outputs)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if timeout:
+            if not self._done.wait(timeout.total_seconds()):
+                raise RuntimeError("emulated NCCL: wait timed out (the collective goes on)")
+        else:
+            self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:  # type: ignore[override]  # (torch's stub: an exception_ptr)
+        return self._error
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def result(self) -> list[torch.Tensor]:
+        return self._outputs
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def source_rank(self) -> int:
+        raise RuntimeError("emulated NCCL: recv from any source is not supported")
+
+
+def _stream(jobs: "queue.SimpleQueue[Any]", rank: int) -> None:
+    """A communicator's stream: its collectives complete in the order they were issued. (It holds
+    the queue, never the process group, which may be released while a collective stays pending.)"""
+    while True:
+        job = jobs.get()
+        if job is _STOP:
+            return
+        inner, work = job
+        try:
+            inner.wait()
+        except BaseException as e:  # a peer lost, the timeout: NCCL's watchdog sees the same
+            if os.environ.get(ERROR_HANDLING_ENV, "3") in _ENDS_PROCESS and not work.is_completed():
+                sys.stderr.write(f"[rank {rank}] emulated NCCL watchdog: a collective failed ({e}); "
+                                 f"{ERROR_HANDLING_ENV}={os.environ.get(ERROR_HANDLING_ENV, '3')} ends the "
+                                 "process\n")
+                sys.stderr.flush()
+                os._exit(134)  # (torch's watchdog aborts the process: SIGABRT's code)
+            work.finish(error=dist.DistBackendError(f"NCCL error (emulated): {e}")
+                        if hasattr(dist, "DistBackendError") else e)
+        else:
+            work.finish()
+
+
+class EmulatedNCCL(dist.ProcessGroup):
+    """One communicator (see the module's text) over a gloo one made on the same store."""
+
+    def __init__(self, gloo: dist.ProcessGroup, rank: int, size: int):
+        super().__init__(rank, size)  # type: ignore[call-arg]  # (torch's stub lists (store, rank, size) only)
+        self._rank, self._size = rank, size
+        self._gloo = gloo
+        self._jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._pending: "weakref.WeakSet[_Work]" = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._aborted = False
+        self._thread = threading.Thread(target=_stream, args=(self._jobs, rank), daemon=True,
+                                        name=f"emulated-nccl-stream-r{rank}")
+        self._thread.start()
+        weakref.finalize(self, self._jobs.put, _STOP)
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def name(self) -> str:
+        return EMULATED_NCCL
+
+    def _get_backend_name(self) -> str:
+        return EMULATED_NCCL
+
+    def _issue(self, method: str, args: tuple, kwargs: dict[str, Any]) -> _Work:
+        with self._lock:
+            if self._aborted:
+                raise CommunicatorAborted(f"NCCL communicator was aborted on rank {self._rank} (emulated): "
+                                          f"{method} after the abort")
+        writes = _WRITES.get(method)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        outputs: list[torch.Tensor] = []
+        if writes is not None:
+            i, keep = writes
+            callers = args[i]
+            args = args[:i] + (_own(callers, keep, pairs),) + args[i + 1:]
+            outputs = [c for c, _ in pairs]
+        work = _Work(pairs, outputs)
+        inner = getattr(self._gloo, method)(*args, **kwargs)
+        with self._lock:
+            if self._aborted:  # (aborted meanwhile: this one never started)
+                work.finish(aborted=True)
+                return work
+            self._pending.add(work)
+        self._jobs.put((inner, work))
+        return work
+
+    def abort(self) -> None:
+        """Every pending collective completes now, without error and with partial outputs."""
+        with self._lock:
+            self._aborted = True
+            pending = list(self._pending)
+        for work in pending:
+            work.finish(aborted=True)
+
+    def shutdown(self) -> None:
+        self.abort()
+
+    def _wait_for_pending_works(self) -> None:
+        for work in list(self._pending):
+            work.wait()
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._gloo.set_timeout(timeout)
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+
+def _method(name: str):
+    def call(self: EmulatedNCCL, *args: Any, **kwargs: Any) -> _Work:
+        return self._issue(name, args, kwargs)
+    call.__name__ = name
+    return call
+
+
+for _name in _WRITES:
+    if hasattr(dist.ProcessGroup, _name):
+        setattr(EmulatedNCCL, _name, _method(_name))
+
+
+def register(make_gloo: Callable[..., dist.ProcessGroup]) -> None:
+    """Make ``emulated_nccl`` a backend torch knows (``init_process_group(backend=...)``), once.
+    ``make_gloo(store, rank, size, "gloo", timeout)``: the gloo communicator underneath one."""
+    if not hasattr(dist.Backend, EMULATED_NCCL.upper()):
+        def create(store: "dist.Store", rank: int, size: int, timeout: datetime.timedelta) -> EmulatedNCCL:
+            return EmulatedNCCL(make_gloo(store, rank, size, "gloo", timeout), rank, size)
+        dist.Backend.register_backend(EMULATED_NCCL, create, devices=["cpu"])

@@ -1,0 +1,99 @@
+"""How long a rank waits for its collectives, and whether it waits now: the evidence hang diagnosis and
+straggler detection read (``comm.interruptible.waiting`` / ``waited_s``).
+
+Where a wait blocks the host — gloo, polled by ``comm.interruptible``, and the emulated NCCL
+backend — the host's clock measures it (``HostWaits``). On a GPU the host does not wait: a
+collective's ``work.wait()`` makes the compute stream wait for it, and the host is usually ahead,
+inside a later ``.item()`` or stream sync. There an event recorded on the stream just before the wait
+and one just after bracket it (``EventWaits``): the first completing means the rank's own work up to
+the collective is done, the second that the collective is; one without the other, the rank waits for
+a peer. ``elapsed_time`` between them is the wait's length. (NCCL's flight recorder knows the same per
+collective; these events need nothing enabled and work alike on CUDA and on Ascend's torch_npu.)
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+
+class HostWaits:
+    """Waits that block a host thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._blocked = 0
+        self._waited = 0.0
+
+    def begin(self) -> float:
+        with self._lock:
+            self._blocked += 1
+        return time.perf_counter()
+
+    def end(self, token: Any) -> None:
+        dt = time.perf_counter() - token
+        with self._lock:
+            self._blocked -= 1
+            self._waited += dt
+
+    def waiting(self) -> bool:
+        return self._blocked > 0
+
+    pending = waiting
+
+    def waited_s(self) -> float:
+        return self._waited
+
+
+class EventWaits:
+    """Waits that hold a device stream (CUDA, or an NPU through torch_npu's ``torch.npu.Event``)."""
+
+    def __init__(self, events_of: Any) -> None:
+        self._event = events_of.Event
+        self._lock = threading.Lock()
+        self._open: list[tuple[Any, Any]] = []
+        self._waited = 0.0
+
+    def begin(self) -> Any:
+        ev = self._event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def end(self, token: Any) -> None:
+        ev = self._event(enable_timing=True)
+        ev.record()
+        with self._lock:
+            self._open.append((token, ev))
+
+    def _harvest(self) -> list[tuple[Any, Any]]:
+        """Account the finished waits; return those still open."""
+        with self._lock:
+            still = []
+            for pre, post in self._open:
+                if post.query():
+                    self._waited += pre.elapsed_time(post) / 1e3
+                else:
+                    still.append((pre, post))
+            self._open = still
+            return list(still)
+
+    def waiting(self) -> bool:
+        return any(pre.query() for pre, _ in self._harvest())
+
+    def pending(self) -> bool:
+        return bool(self._harvest())
+
+    def waited_s(self) -> float:
+        self._harvest()
+        return self._waited
+
+
+def for_device(kind: str) -> HostWaits | EventWaits:
+    """The waits of collectives on ``kind`` tensors (cpu, cuda, npu)."""
+    if kind == "cuda":
+        import torch
+        return EventWaits(torch.cuda)
+    if kind == "npu":
+        import torch
+        return EventWaits(torch.npu)  # type: ignore[attr-defined]  # (torch_npu adds torch.npu)
+    return HostWaits()

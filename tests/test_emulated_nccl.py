@@ -1,0 +1,341 @@
+"""The CPU backend with NCCL's semantics (``comm.emulated_nccl``) and the engine's stop on it, on four
+real processes. The backend alone: results equal gloo's bits, a collective returns before it has
+completed, an abort completes what is pending without error (partial results, nothing landing later),
+and torch's default error handling ends the process on a failed collective. With the engine's
+patches: a stop aborts only what is still pending after its grace, the commit point refuses
+afterwards, the evidence says a rank waits, and code no recovery covers finishes what its peers
+passed or is answered alone.
+
+The workers are this file run as a script (``python test_emulated_nccl.py MODE RANK ...``); the test
+process hosts the TCPStore, so a killed or hung rank never takes the rendezvous down with it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+WORLD = 4
+HERE = os.path.abspath(__file__)
+
+
+# ----------------------------------------------------------------------------------- workers
+
+def _init(rank, port, backend="emulated_nccl"):
+    import torch.distributed as dist
+
+    from mindspeed_ha import compat
+    from mindspeed_ha.comm import emulated_nccl
+
+    emulated_nccl.register(compat.make_communicator)
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+
+
+def _engine():
+    """The engine's collective wrappers and stable groups, as a job with HA on has them."""
+    from mindspeed_ha import patches as P
+
+    P.apply("interruptible_collectives", {"import_megatron": False})
+    P.apply("stable_groups")
+
+
+def _write(out, name, rank, result):
+    with open(os.path.join(out, f"{name}_{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def worker_equiv(rank, port, out):
+    """The mixed collectives of test_interruptible, on ``TEST_BACKEND``: their bits."""
+    import torch
+    import torch.distributed as dist
+    from test_interruptible import _mixed_collectives
+
+    backend = os.environ["TEST_BACKEND"]
+    _init(rank, port, backend)
+    if os.environ.get("TEST_ENGINE"):
+        _engine()
+    sub = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    res = _mixed_collectives(rank, sub)
+    digest = [x.numpy().tobytes().hex() if isinstance(x, torch.Tensor) else json.dumps(x) for x in res]
+    _write(out, f"equiv_{backend}{'_engine' if os.environ.get('TEST_ENGINE') else ''}", rank, digest)
+    dist.barrier()
+    os._exit(0)
+
+
+def worker_backend(rank, port, out):
+    """The backend on its own. Rank 3 is late to the first all-reduce and never comes to the second."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    _init(rank, port)
+    result = {"rank": rank}
+    t = torch.full((4,), float(rank + 1))
+    if rank == WORLD - 1:
+        time.sleep(0.5)
+    w = dist.all_reduce(t, async_op=True)
+    result["returned_before_complete"] = not w.is_completed()
+    w.wait()
+    result["sum"] = t.tolist()
+    dist.barrier()
+    if rank == WORLD - 1:  # comes to the second all-reduce only after the others aborted theirs
+        time.sleep(2.0)
+        dist.all_reduce(torch.full((4,), 4.0), async_op=True)
+        time.sleep(1.0)
+        os._exit(0)
+    threading.Timer(0.5, c10d._get_default_group().abort).start()
+    t = torch.full((4,), float(rank + 1))
+    t0 = time.monotonic()
+    dist.all_reduce(t)  # (no error: the abort completes it)
+    result["aborted_after_s"] = time.monotonic() - t0
+    result["partial"] = t.tolist()
+    try:
+        dist.all_reduce(torch.ones(1))
+        result["after_abort"] = "returned"
+    except Exception as e:
+        result["after_abort"] = type(e).__name__ + ": " + str(e)[:120]
+    time.sleep(2.5)  # rank 3 completed the aborted all-reduce with its peers' old contributions
+    result["later"] = t.tolist()
+    _write(out, "backend", rank, result)
+    os._exit(0)
+
+
+def worker_watchdog(rank, port, out):
+    """Rank 3 dies inside an all-reduce: under torch's default error handling the watchdog ends the
+    survivors (a gloo peer's "connection closed" is the remote error), under CleanUpOnly the wait
+    raises and the process goes on."""
+    import torch
+    import torch.distributed as dist
+
+    _init(rank, port)
+    dist.barrier()
+    if rank == WORLD - 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    result = {"rank": rank}
+    try:
+        dist.all_reduce(torch.ones(1 << 16))
+        result["wait"] = "returned"
+    except Exception as e:
+        result["wait"] = type(e).__name__
+    _write(out, "watchdog", rank, result)
+    os._exit(0)
+
+
+def worker_stop(rank, port, out):
+    """The engine's stop. Rank 3 hangs (alive): the others block in an all-reduce it never joins;
+    the stop aborts it after the grace (partial, no error), the commit point refuses, the next
+    collective raises, the evidence said they were waiting. A stop with nothing pending aborts
+    nothing: a collective its peers completed is whole and the commit point passes."""
+    import torch
+    import torch.distributed as dist
+
+    from mindspeed_ha.comm import interruptible as ic
+
+    _init(rank, port)
+    _engine()
+    result = {"rank": rank}
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t)
+    dist.barrier()
+    # nothing pending when the stop comes: no abort, the commit passes, the next collective raises
+    ic.request_stop("test: a peer faulted")
+    time.sleep(0.3)
+    result["idle_stop"] = {"aborted": ic.aborted()}
+    try:
+        ic.commit_point("test")
+        result["idle_stop"]["commit"] = "passed"
+    except ic.CollectiveStopped:
+        result["idle_stop"]["commit"] = "refused"
+    try:
+        dist.barrier()
+        result["idle_stop"]["next"] = "returned"
+    except ic.CollectiveStopped:
+        result["idle_stop"]["next"] = "raised"
+    ic.clear_stop()
+    dist.barrier()
+    if rank == WORLD - 1:
+        time.sleep(30)
+        os._exit(0)
+    seen = {}
+
+    def watch():
+        time.sleep(0.6)
+        seen["waiting"] = ic.waiting()
+        ic.request_stop("test: rank 3 hung")
+        seen["at"] = time.monotonic()
+    threading.Thread(target=watch, daemon=True).start()
+    waited0 = ic.waited_s()
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t)
+    result["blocked"] = {"waiting": seen["waiting"], "left_after_stop_s": time.monotonic() - seen["at"],
+                         "partial": t.tolist(), "aborted": ic.aborted(), "waited_s": ic.waited_s() - waited0}
+    try:
+        ic.commit_point("test")
+        result["blocked"]["commit"] = "passed"
+    except ic.CollectiveStopped:
+        result["blocked"]["commit"] = "refused"
+    try:
+        dist.all_reduce(t)
+        result["blocked"]["next"] = "returned"
+    except ic.CollectiveStopped:
+        result["blocked"]["next"] = "raised"
+    _write(out, "stop", rank, result)
+    os._exit(0)
+
+
+def worker_uncovered(rank, port, out):
+    """Code no recovery covers (a trainer's loop between its hooked calls). Rank 0 reaches a barrier
+    1 s late: ranks stopped before or while they wait finish it with rank 0 (their communicators are
+    not aborted within the uncovered grace). Then rank 3 hangs: after the (shortened) uncovered grace
+    the abort ends the others' all-reduce, and their next collective is answered alone; in covered
+    code the next one raises."""
+    import torch
+    import torch.distributed as dist
+
+    from mindspeed_ha.comm import interruptible as ic
+
+    _init(rank, port)
+    _engine()
+    dist.barrier()
+    result = {"rank": rank}
+    ic.set_uncovered(True)
+    for what, before in (("stopped_before", True), ("stopped_during", False)):
+        if rank == 0:
+            time.sleep(1.0)
+            dist.barrier()
+            continue
+        if before:
+            ic.request_stop("test: a peer faulted")
+        else:
+            threading.Timer(0.2, ic.request_stop, ("test: a peer faulted",)).start()
+        t0 = time.monotonic()
+        dist.barrier()
+        time.sleep(0.3)  # (the timer has fired)
+        result[what] = [time.monotonic() - t0 - 0.3, ic.aborted()]
+        ic.clear_stop()
+    dist.barrier()
+    if rank == WORLD - 1:
+        time.sleep(30)
+        os._exit(0)
+    ic.UNCOVERED_GRACE_S = 1.0
+    threading.Timer(0.3, ic.request_stop, ("test: rank 3 hung",)).start()
+    t0 = time.monotonic()
+    dist.all_reduce(torch.ones(4))
+    result["hung_peer"] = [time.monotonic() - t0, ic.aborted()]
+    t = torch.full((2,), float(rank + 1))
+    dist.all_reduce(t)  # answered alone
+    result["alone"] = t.tolist()
+    ic.set_uncovered(False)
+    try:
+        dist.all_reduce(t)
+        result["covered"] = "returned"
+    except ic.CollectiveStopped:
+        result["covered"] = "raised"
+    _write(out, "uncovered", rank, result)
+    os._exit(0)
+
+
+# ----------------------------------------------------------------------------------- tests
+
+def _run(mode, tmp_path, env=None, timeout=60, ranks=range(WORLD)):
+    """Launch the four workers of ``mode``; return each rank's exit code (None: still running, killed)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("MINDSPEED_HA_", "TORCH_NCCL_"))}
+    full = dict(base, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                PYTHONPATH=os.path.dirname(HERE) + os.pathsep + base.get("PYTHONPATH", ""), **(env or {}))
+    procs = [subprocess.Popen([sys.executable, HERE, mode, str(r), str(store.port), str(tmp_path)], env=full)
+             for r in range(WORLD)]
+    deadline = time.monotonic() + timeout
+    codes = {}
+    try:
+        for r in ranks:
+            try:
+                codes[r] = procs[r].wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                codes[r] = None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return codes
+
+
+def _read(tmp_path, name, rank):
+    return json.load(open(tmp_path / f"{name}_{rank}.json"))
+
+
+def test_results_equal_gloos_bits(tmp_path):
+    """Every collective megatron-core and the engine use, coalesced and point to point included: the
+    same bits as on gloo, with and without the engine's wrappers."""
+    runs = [("gloo", {}), ("emulated_nccl", {}), ("emulated_nccl", {"TEST_ENGINE": "1"})]
+    for backend, env in runs:
+        assert _run("equiv", tmp_path, {"TEST_BACKEND": backend, **env}, timeout=90) == {r: 0 for r in range(WORLD)}
+    for r in range(WORLD):
+        gloo = _read(tmp_path, "equiv_gloo", r)
+        assert _read(tmp_path, "equiv_emulated_nccl", r) == gloo
+        assert _read(tmp_path, "equiv_emulated_nccl_engine", r) == gloo
+
+
+def test_returns_at_once_and_an_abort_completes_without_error(tmp_path):
+    assert _run("backend", tmp_path) == {r: 0 for r in range(WORLD)}
+    for r in range(WORLD - 1):
+        res = _read(tmp_path, "backend", r)
+        assert res["returned_before_complete"] and res["sum"] == [10.0] * 4, res
+        assert 0.4 < res["aborted_after_s"] < 2.0, res
+        assert res["partial"] == [float(r + 1)] * 4, res  # this rank's own contribution
+        assert "was aborted" in res["after_abort"], res
+        assert res["later"] == res["partial"], res  # nothing landed after the abort
+
+
+@pytest.mark.parametrize("mode,ends", [("3", True), ("2", False)])
+def test_the_watchdog_ends_survivors_unless_told_to_clean_up_only(tmp_path, mode, ends):
+    codes = _run("watchdog", tmp_path, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": mode}, ranks=range(WORLD - 1))
+    if ends:
+        assert codes == {r: 134 for r in range(WORLD - 1)}, codes
+        return
+    assert codes == {r: 0 for r in range(WORLD - 1)}, codes
+    for r in range(WORLD - 1):
+        assert _read(tmp_path, "watchdog", r)["wait"] == "DistBackendError"
+
+
+def test_the_engines_stop_aborts_only_what_is_pending_and_the_commit_point_refuses(tmp_path):
+    assert _run("stop", tmp_path, ranks=range(WORLD - 1)) == {r: 0 for r in range(WORLD - 1)}
+    for r in range(WORLD - 1):
+        res = _read(tmp_path, "stop", r)
+        assert res["idle_stop"] == {"aborted": False, "commit": "passed", "next": "raised"}, res
+        blocked = res["blocked"]
+        assert blocked["waiting"] and blocked["waited_s"] > 0.5, res  # the evidence: waiting for a peer
+        assert blocked["left_after_stop_s"] < 1.0 and blocked["aborted"], res
+        assert blocked["partial"] == [float(r + 1)] * 4, res
+        assert blocked["commit"] == "refused" and blocked["next"] == "raised", res
+
+
+def test_uncovered_code_finishes_what_its_peers_passed_and_is_answered_alone_after_an_abort(tmp_path):
+    assert _run("uncovered", tmp_path, ranks=range(WORLD - 1)) == {r: 0 for r in range(WORLD - 1)}
+    for r in range(1, WORLD - 1):
+        res = _read(tmp_path, "uncovered", r)
+        for what in ("stopped_before", "stopped_during"):
+            assert res[what][0] > 0.5 and res[what][1] is False, res  # waited for rank 0, not aborted
+    for r in range(WORLD - 1):
+        res = _read(tmp_path, "uncovered", r)
+        assert 1.0 < res["hung_peer"][0] < 3.0 and res["hung_peer"][1], res
+        assert res["alone"] == [float(r + 1)] * 2 and res["covered"] == "raised", res
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(HERE))
+    mode, rank, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    {"equiv": worker_equiv, "backend": worker_backend, "watchdog": worker_watchdog, "stop": worker_stop,
+     "uncovered": worker_uncovered}[mode](rank, port, out)
