@@ -33,6 +33,37 @@ MLM_TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
 MLM_ENV = {"MEGATRON_LM_PATH": MLM_PATH}
 
 
+# The CPU backend with NCCL's semantics (mindspeed_ha/comm/emulated_nccl.py): collectives return at
+# once and a stop aborts them, with partial results and no error. Its results are gloo's bits, so its
+# drills compare with the same fault-free references.
+BACKENDS = ("gloo", "emulated_nccl")
+NCCL_SEMANTICS = {"MINDSPEED_HA_EMULATE_NCCL": "1"}
+
+
+def backend_env(backend: str) -> dict:
+    return NCCL_SEMANTICS if backend == "emulated_nccl" else {}
+
+
+# Drills CI leaves out for its time (the same code path is drilled on the other backend or layout in
+# CI): they run with MINDSPEED_HA_TEST_ALL=1.
+ALL = os.environ.get("MINDSPEED_HA_TEST_ALL", "") == "1"
+
+
+def extended(*values, **kw):
+    """A ``pytest.param`` CI leaves out (skipped with the reason unless MINDSPEED_HA_TEST_ALL=1)."""
+    import pytest
+    marks = [pytest.mark.skipif(not ALL, reason="extended drill: runs with MINDSPEED_HA_TEST_ALL=1 (README)")]
+    if "emulated_nccl" in values:
+        marks.append(pytest.mark.nccl)
+    return pytest.param(*values, marks=marks, **kw)
+
+
+def on(*values, **kw):
+    """A ``pytest.param`` CI runs (marked ``nccl`` when it runs on the emulated NCCL backend)."""
+    import pytest
+    return pytest.param(*values, marks=[pytest.mark.nccl] if "emulated_nccl" in values else [], **kw)
+
+
 def clean_env(extra: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("MINDSPEED_HA_", "HIGH_AVAILABILITY", "MS_ENABLE_TFT", "MEGATRON_LM_PATH"))}

@@ -6,36 +6,40 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from helpers import PRETRAIN, TINY, assert_ok, clean_env, events, losses, torchrun
+from helpers import PRETRAIN, TINY, assert_ok, backend_env, clean_env, events, extended, losses, on, torchrun
 
 K, LAST = 5, 10
 
 
-def elastic_job(log_dir, nproc, inject, timeout=300, extra=()):
+def elastic_job(log_dir, nproc, inject, timeout=300, extra=(), backend="gloo"):
     cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", "--nproc-per-node", str(nproc), PRETRAIN,
            *args("--train-iters", str(LAST), "--ha-log-dir", str(log_dir), *extra)]
     cmd[cmd.index("--enable-high-availability")] = "--enable-elastic-training"
-    return subprocess.run(cmd, env=clean_env({"MINDSPEED_HA_INJECT": inject}), capture_output=True, text=True,
-                          timeout=timeout, cwd=str(log_dir))
+    return subprocess.run(cmd, env=clean_env({**backend_env(backend), "MINDSPEED_HA_INJECT": inject}), capture_output=True,
+                          text=True, timeout=timeout, cwd=str(log_dir))
 
 
 def args(*extra):
     return [*TINY, "--global-batch-size", "16", "--lr-decay-iters", str(LAST), "--enable-high-availability", *extra]
 
 
-@pytest.mark.parametrize("precision", [(), pytest.param(("--bf16",), marks=pytest.mark.compat)], ids=["fp32", "bf16"])
-def test_a_lost_rank_without_a_spare_scales_the_job_in_under_the_controller(tmp_path, precision):
+@pytest.mark.parametrize("precision,backend", [
+    on((), "emulated_nccl", id="fp32-emulated_nccl"), extended((), "gloo", id="fp32-gloo"),
+    pytest.param(("--bf16",), "gloo", marks=pytest.mark.compat, id="bf16-gloo")])
+def test_a_lost_rank_without_a_spare_scales_the_job_in_under_the_controller(tmp_path, precision, backend):
     """``--enable-elastic-training`` alone, rank 1 killed in step 6 (no recover, so no spare): the
     controller plans, the kept ranks 0 and 3 scale in, rank 2 is parked (it exits 0), and the job ends
     with exit 0. Steps 1..5 equal the DP=4 job's, 6..10 a DP=2 job's from the step-5 checkpoint — in
-    bf16 too: the fp32 main params move, and the bf16 weights are gathered from them as a load does."""
+    bf16 too: the fp32 main params move, and the bf16 weights are gathered from them as a load does.
+    On gloo and on the backend with NCCL's semantics (the references are gloo's: the same bits)."""
     for d in ("ref4", "ref2", "run"):
         (tmp_path / d).mkdir()
     ck = tmp_path / "ck"
     with ThreadPoolExecutor(1) as pool:
         ref4 = pool.submit(torchrun, 4, args("--train-iters", str(K), "--save", str(ck), "--save-interval", str(K),
                                              *precision), tmp_path / "ref4")
-        proc = elastic_job(tmp_path / "run", 4, f"kill:rank=1:step={K + 1}:phase=forward", extra=precision)
+        proc = elastic_job(tmp_path / "run", 4, f"kill:rank=1:step={K + 1}:phase=forward", extra=precision,
+                           backend=backend)
         assert_ok(ref4.result())
     assert_ok(torchrun(2, args("--train-iters", str(LAST), "--load", str(ck), *precision), tmp_path / "ref2"))
     assert_ok(proc)

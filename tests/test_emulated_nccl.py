@@ -22,6 +22,7 @@ from datetime import timedelta
 
 import pytest
 
+pytestmark = pytest.mark.nccl
 WORLD = 4
 HERE = os.path.abspath(__file__)
 
@@ -332,6 +333,59 @@ def test_uncovered_code_finishes_what_its_peers_passed_and_is_answered_alone_aft
         res = _read(tmp_path, "uncovered", r)
         assert 1.0 < res["hung_peer"][0] < 3.0 and res["hung_peer"][1], res
         assert res["alone"] == [float(r + 1)] * 2 and res["covered"] == "raised", res
+
+
+# ----------------------------------------------------------------------------------- whole jobs
+
+def _drill_job(log_dir, inject, extra=(), env=None):
+    from helpers import NCCL_SEMANTICS, PRETRAIN, TINY, TINY_ITERS, clean_env
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", "--nproc-per-node", "4", PRETRAIN, *TINY,
+           "--train-iters", str(TINY_ITERS), "--enable-hbmfault-repair", "--enable-worker-reboot",
+           "--ha-verify-replicas-interval", "1", "--ha-log-dir", str(log_dir), *extra]
+    return subprocess.run(cmd, env=clean_env({**NCCL_SEMANTICS, "MINDSPEED_HA_INJECT": inject, **(env or {})}),
+                          capture_output=True, text=True, timeout=300, cwd=str(log_dir))
+
+
+# Rank 1 hangs as its update begins (alive, heartbeating): rank 0, its partner in the optimizer
+# instance, blocks in the grad-norm all-reduce until the controller names the hang; the stop then
+# aborts that all-reduce, which returns rank 0's own sum of squares as the norm, and no error.
+HUNG_IN_THE_NORM = "hang:rank=1:step=5:phase=optimizer"
+
+
+def test_a_stop_inside_the_grad_norm_all_reduce_leaves_no_wrong_shard(tmp_path, references):
+    """Recover replaces the hung rank (and only it: the others said they were waiting for it), rank 0
+    stays at iteration 4 (its update refused at the commit point) and takes its shard from its twin,
+    and every loss equals the fault-free run's bits; the twins agree after every step."""
+    from helpers import all_rank_events, assert_ok, events, losses, twins_agree
+    proc = _drill_job(tmp_path, HUNG_IN_THE_NORM, ("--ha-hang-timeout", "3"))
+    assert_ok(proc)
+    assert losses(tmp_path) == references.tiny("dp4")
+    faults = [(e["kind"], e["ranks"]) for e in events(tmp_path, "controller") if e["event"] == "fault"]
+    assert faults == [("hang", [1])], faults
+    rec = [e for e in events(tmp_path, "controller") if e["event"] == "recovered"]
+    assert [(e["strategy"], e["iteration"]) for e in rec] == [("recover", 5)], rec
+    repaired = {e["rank"]: e["sources"] for e in all_rank_events(tmp_path) if e["event"] == "repaired"}
+    assert repaired.get(0) == [2] and repaired.get(1) == [3], repaired  # rank 0's update was refused
+    twins_agree(tmp_path, rec)
+
+
+def test_without_the_commit_point_the_same_stop_leaves_a_wrong_shard(tmp_path, references):
+    """The same drill with the commit point switched off in every process (a sitecustomize on the
+    path): rank 0 updates its shard with the partial norm, its shard claims iteration 5, the recovery
+    keeps it, and the next replica check finds it differs from its twin's."""
+    off = tmp_path / "no_commit_point"
+    off.mkdir()
+    (off / "sitecustomize.py").write_text("import mindspeed_ha.comm.interruptible as ic\n"
+                                          "ic.commit_point = lambda what: None\n")
+    proc = _drill_job(tmp_path / "job", HUNG_IN_THE_NORM, ("--ha-hang-timeout", "3"),
+                      {"PYTHONPATH": os.pathsep.join(filter(None, [str(off), os.environ.get("PYTHONPATH")]))})
+    from helpers import all_rank_events, losses
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    bad = [e for e in all_rank_events(tmp_path / "job") if e["event"] == "replica_check" and not e["ok"]]
+    assert bad and "ranks 0 and 2 hold different optimizer shards" in bad[0]["error"], bad
+    got, want = losses(tmp_path / "job"), references.tiny("dp4")
+    assert {i: want[i] for i in range(1, 5)} == {i: got[i] for i in range(1, 5)}  # (before the stop: the same)
 
 
 if __name__ == "__main__":

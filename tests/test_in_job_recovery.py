@@ -10,23 +10,24 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from helpers import (PRETRAIN, TINY, TINY_ITERS, TINY_LAYOUTS, all_rank_events, assert_ok, clean_env, events, free_port,
-                     losses, recomputed, twins_agree)
+from helpers import (PRETRAIN, TINY, TINY_ITERS, TINY_LAYOUTS, all_rank_events, assert_ok, backend_env, clean_env, events,
+                     extended, free_port, losses, on, recomputed, twins_agree)
 
 MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
 ITERS = TINY_ITERS  # (the shared fault-free runs': references.tiny)
 TP2 = ["--tensor-model-parallel-size", "2"]
 
 
-def job(log_dir, nproc=4, inject=None, extra=(), timeout=240):
+def job(log_dir, nproc=4, inject=None, extra=(), timeout=240, backend="gloo"):
     """Twins are compared after every step (when there are twins): a recovery that leaves a shard one
-    bit off its twin fails the test even where the loss would not show it yet."""
+    bit off its twin fails the test even where the loss would not show it yet. ``backend``: gloo, or
+    the CPU backend with NCCL's semantics (its results are gloo's bits: the same references)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     verify = [] if "--distributed-optimizer-no-replica" in extra else ["--ha-verify-replicas-interval", "1"]
     cmd = MINDSPEED_HA + ["run", "--standalone", "--nproc-per-node", str(nproc), PRETRAIN, *TINY,
                           "--train-iters", str(ITERS), "--enable-hbmfault-repair", "--ha-log-dir", str(log_dir),
                           *verify, *extra]
-    env = clean_env({"MINDSPEED_HA_INJECT": inject} if inject else {})
+    env = clean_env({**backend_env(backend), **({"MINDSPEED_HA_INJECT": inject} if inject else {})})
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(log_dir))
 
 
@@ -60,10 +61,14 @@ PHASE_JOBS = {
 TWIN = {0: 2, 2: 0, 1: 3, 3: 1}
 
 
-@pytest.mark.parametrize("name", list(PHASE_JOBS))
-def test_uce_each_phase_dp4(tmp_path, ref, name):
+# Each phase job on one backend in CI, the other with MINDSPEED_HA_TEST_ALL=1.
+@pytest.mark.parametrize("name,backend", [on("forward+grad-sync+param-sync", "gloo"),
+                                          on("backward+optimizer", "emulated_nccl"),
+                                          extended("forward+grad-sync+param-sync", "emulated_nccl"),
+                                          extended("backward+optimizer", "gloo")])
+def test_uce_each_phase_dp4(tmp_path, ref, name, backend):
     faults = PHASE_JOBS[name]
-    proc = job(tmp_path, inject=",".join(f"uce:rank={r}:step={s}:phase={p}" for r, s, p in faults))
+    proc = job(tmp_path, inject=",".join(f"uce:rank={r}:step={s}:phase={p}" for r, s, p in faults), backend=backend)
     rec = check_recovered(proc, tmp_path, ref["dp4"], n=len(faults))
     assert [(e["faults"][0]["ranks"], e["faults"][0]["kind"]) for e in rec] == \
         [([r], "memory-error") for r, _, _ in faults]
@@ -95,17 +100,20 @@ def pipeline_drills(first_stage: int) -> list[tuple[int, int, str]]:
     return [(2 * ((first_stage + i) % 2) + (i // 2) % 2, i + 2, phase) for i, phase in enumerate(PIPELINE_PHASES)]
 
 
-@pytest.mark.parametrize("layout", ["pp2", "vpp2"])
-@pytest.mark.parametrize("kind", ["uce", "kill"])
-def test_every_phase_on_both_pipeline_stages(tmp_path, references, layout, kind):
+@pytest.mark.parametrize("layout,kind,backend", [
+    on("pp2", "uce", "emulated_nccl"), on("pp2", "kill", "emulated_nccl"), on("vpp2", "uce", "gloo"),
+    on("vpp2", "kill", "gloo"), extended("pp2", "uce", "gloo"), extended("pp2", "kill", "gloo"),
+    extended("vpp2", "uce", "emulated_nccl"), extended("vpp2", "kill", "emulated_nccl")])
+def test_every_phase_on_both_pipeline_stages(tmp_path, references, layout, kind, backend):
     """PP=2 x DP=2, 1F1B or interleaved (two one-layer chunks a stage): seven faults, one a step, each
     a recovery of its own (a memory error: retry; a kill: recover, only that worker restarts). Every
     drill fires where it is aimed, and every loss is bit-identical to the fault-free run's. The kills
     take the controller's host too (rank 0, then the standby that took over, ...): each time a
-    standby takes over and restarts the lost rank in seconds (no hang)."""
+    standby takes over and restarts the lost rank in seconds (no hang). On gloo, and on the backend
+    with NCCL's semantics (its collectives return at once; a stop aborts them)."""
     drills = pipeline_drills(0 if kind == "uce" else 1)
     proc = job(tmp_path, inject=",".join(f"{kind}:rank={r}:step={s}:phase={p}" for r, s, p in drills),
-               extra=[*TINY_LAYOUTS[layout][1], "--enable-worker-reboot"])
+               extra=[*TINY_LAYOUTS[layout][1], "--enable-worker-reboot"], backend=backend)
     killed = [r for r, _, _ in drills] if kind == "kill" else []
     rec = check_rejoined(proc, tmp_path, references.tiny(layout), killed, n=None)
     assert {e["strategy"] for e in rec} == {"retry" if kind == "uce" else "recover"}
@@ -216,10 +224,14 @@ def check_rejoined(proc, log_dir, want, killed: list[int], n: int | None, nproc=
     return rec
 
 
-@pytest.mark.parametrize("name", list(KILL_JOBS))
-def test_kill_each_phase_dp4_restarts_only_that_worker(tmp_path, ref, name):
+@pytest.mark.parametrize("name,backend", [on("forward+grad-sync+param-sync", "emulated_nccl"),
+                                          on("backward+optimizer+ecc", "gloo"),
+                                          extended("forward+grad-sync+param-sync", "gloo"),
+                                          extended("backward+optimizer+ecc", "emulated_nccl")])
+def test_kill_each_phase_dp4_restarts_only_that_worker(tmp_path, ref, name, backend):
     faults = KILL_JOBS[name]
-    proc = job(tmp_path, inject=",".join(f"{k}:rank={r}:step={s}:phase={p}" for k, r, s, p in faults), extra=ARF)
+    proc = job(tmp_path, inject=",".join(f"{k}:rank={r}:step={s}:phase={p}" for k, r, s, p in faults), extra=ARF,
+               backend=backend)
     rec = check_rejoined(proc, tmp_path, ref["dp4"], [r for _, r, _, _ in faults], n=len(faults))
     assert [e["strategy"] for e in rec] == ["recover"] * len(faults)
     # The newcomer's shard came from its twin.

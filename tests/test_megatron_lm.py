@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (MLM_ENV, MLM_MISSING, MLM_PATH, MLM_READY, MLM_TINY, all_rank_events, assert_ok, losses,
-                     recomputed, torchrun, twins_agree)
+from helpers import (MLM_ENV, MLM_MISSING, MLM_PATH, MLM_READY, MLM_TINY, all_rank_events, assert_ok, backend_env,
+                     extended, losses, on, recomputed, torchrun, twins_agree)
 
 pytestmark = pytest.mark.skipif(not MLM_READY, reason=MLM_MISSING)
 TINY, ENV = MLM_TINY, MLM_ENV
@@ -124,13 +124,14 @@ def test_trainer_interface_save_load_replay_in_process(tmp_path):
     assert {int(k): v for k, v in result["replay"].items()} == {i: want[i] for i in (4, 5, 6)}
 
 
-@pytest.mark.parametrize("layout, rank, phase", [
-    ((), 1, "optimizer"),
-    ((), 2, "optimizer"),
-    (("--pipeline-model-parallel-size", "2"), 1, "backward"),
-    (("--num-experts", "4", "--expert-model-parallel-size", "2"), 2, "optimizer"),
-], ids=["dp4", "dp4-rank2", "pp2", "moe"])
-def test_megatron_lm_dying_gasp_then_megatron_lm_resume(tmp_path, layout, rank, phase):
+@pytest.mark.parametrize("layout, rank, phase, backend", [
+    on((), 1, "optimizer", "gloo", id="dp4"),
+    on((), 2, "optimizer", "emulated_nccl", id="dp4-rank2-emulated_nccl"),
+    extended((), 2, "optimizer", "gloo", id="dp4-rank2"),
+    on(("--pipeline-model-parallel-size", "2"), 1, "backward", "gloo", id="pp2"),
+    on(("--num-experts", "4", "--expert-model-parallel-size", "2"), 2, "optimizer", "gloo", id="moe"),
+])
+def test_megatron_lm_dying_gasp_then_megatron_lm_resume(tmp_path, layout, rank, phase, backend):
     """Megatron-LM's own loop under `mindspeed-ha run`: one rank killed in step 6 -> the survivors
     write the dying gasp -> Megatron-LM's --load resumes it, same layout, with the loss bits of a run
     that never failed. DP=4, rank 1 or rank 2 killed inside its optimizer update (rank 2's twin, rank
@@ -145,7 +146,7 @@ def test_megatron_lm_dying_gasp_then_megatron_lm_resume(tmp_path, layout, rank, 
     def job(log_dir, *extra, inject=None):
         cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", "--nproc-per-node", "4", PRETRAIN,
                *TINY, "--train-iters", "9", "--save-interval", "100", "--ha-log-dir", str(log_dir), *layout, *extra]
-        env = clean_env({**ENV, **({"MINDSPEED_HA_INJECT": inject} if inject else {})})
+        env = clean_env({**ENV, **backend_env(backend), **({"MINDSPEED_HA_INJECT": inject} if inject else {})})
         log_dir.mkdir(parents=True, exist_ok=True)
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(log_dir))
 
@@ -161,14 +162,14 @@ def test_megatron_lm_dying_gasp_then_megatron_lm_resume(tmp_path, layout, rank, 
     assert sorted(got) == list(range(it + 1, 10)) and got == {i: want[i] for i in got}
 
 
-def _mindspeed_ha_run(log_dir, *extra, inject=None, iters=10, nproc=4):
+def _mindspeed_ha_run(log_dir, *extra, inject=None, iters=10, nproc=4, backend="gloo"):
     import subprocess
     import sys
 
     from helpers import PRETRAIN, clean_env
     cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", "--nproc-per-node", str(nproc), PRETRAIN,
            *TINY, "--train-iters", str(iters), "--ha-log-dir", str(log_dir), *extra]
-    env = clean_env({**ENV, **({"MINDSPEED_HA_INJECT": inject} if inject else {})})
+    env = clean_env({**ENV, **backend_env(backend), **({"MINDSPEED_HA_INJECT": inject} if inject else {})})
     log_dir.mkdir(parents=True, exist_ok=True)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(log_dir))
 
@@ -222,7 +223,8 @@ def test_megatron_lm_fault_in_its_periodic_save(tmp_path, fault_free):
     assert (ck / "iter_0000004" / "ha_manifest.json").exists()
 
 
-def test_megatron_lm_recover_restarts_only_the_killed_workers(tmp_path, fault_free):
+@pytest.mark.parametrize("backend", [on("emulated_nccl"), extended("gloo")])
+def test_megatron_lm_recover_restarts_only_the_killed_workers(tmp_path, fault_free, backend):
     """recover through Megatron-LM's own loop: rank 1 killed in its update of step 3 (the twins
     finished it: roll forward, the newcomer takes the DP-reduced loss from its twin) and rank 2 in the
     backward of step 5 (roll back). Each newcomer runs Megatron-LM's set-up without --load, joins the
@@ -230,12 +232,13 @@ def test_megatron_lm_recover_restarts_only_the_killed_workers(tmp_path, fault_fr
     the survivors are. Then a uce on rank 3 (retry). Then rank 0, the controller's own process, is
     killed in its update: the standby that takes over is not told of the three recovered faults again
     and restarts rank 0 alone. Every loss equals the fault-free run's bits, and Megatron-LM's periodic
-    saves work after the recoveries (its cached strategy's group re-pointed)."""
+    saves work after the recoveries (its cached strategy's group re-pointed). On gloo and on the
+    backend with NCCL's semantics (the fault-free run is gloo's: the same bits)."""
     faults = ("kill:rank=1:step=3:phase=optimizer,kill:rank=2:step=5:phase=backward,"
               "uce:rank=3:step=8:phase=backward,kill:rank=0:step=9:phase=optimizer")
     proc = _mindspeed_ha_run(tmp_path, "--enable-worker-reboot", "--enable-hbmfault-repair",
                              "--save", str(tmp_path / "ck"), "--save-interval", "4", *VERIFY,
-                             "--tensorboard-dir", str(tmp_path / "tb"), inject=faults)
+                             "--tensorboard-dir", str(tmp_path / "tb"), inject=faults, backend=backend)
     assert_ok(proc)
     got = losses(tmp_path)
     assert sorted(got) == list(range(1, 11)) and got == fault_free
@@ -364,7 +367,8 @@ def test_megatron_lm_no_replica_reload_in_process(tmp_path):
     assert "consumed samples:           72" in proc.stdout  # Megatron-LM's own log counted each step once
 
 
-def test_megatron_lm_elastic_scale_in_follows_args_lr_and_data(tmp_path):
+@pytest.mark.parametrize("backend", [on("emulated_nccl"), extended("gloo")])
+def test_megatron_lm_elastic_scale_in_follows_args_lr_and_data(tmp_path, backend):
     """--enable-elastic-training alone through Megatron-LM's loop, rank 1 killed in step 6: ranks 0 and
     3 train on at DP=2 in the same processes. Megatron-LM's own log counts each step once with the
     full global batch and the scheduler's learning rate; every iteration's samples equal the
@@ -374,7 +378,8 @@ def test_megatron_lm_elastic_scale_in_follows_args_lr_and_data(tmp_path):
     ref, run_dir = tmp_path / "ref", tmp_path / "run"
     ref_proc = _mindspeed_ha_run(ref, *flags)
     assert_ok(ref_proc)
-    proc = _mindspeed_ha_run(run_dir, *flags, "--enable-elastic-training", inject="kill:rank=1:step=6:phase=forward")
+    proc = _mindspeed_ha_run(run_dir, *flags, "--enable-elastic-training", inject="kill:rank=1:step=6:phase=forward",
+                             backend=backend)
     assert_ok(proc)
     from helpers import events as read_events
     ctl = read_events(run_dir, "controller")

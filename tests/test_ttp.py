@@ -7,22 +7,24 @@ import sys
 
 import pytest
 
-from helpers import PRETRAIN, TINY, TINY_ITERS, TINY_LAYOUTS, assert_ok, clean_env, events, losses, torchrun, twins_agree
+from helpers import (PRETRAIN, TINY, TINY_ITERS, TINY_LAYOUTS, assert_ok, backend_env, clean_env, events, extended, losses,
+                     on, torchrun, twins_agree)
 
 MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
 ITERS = TINY_ITERS  # (the shared fault-free runs': references.tiny)
 TP2 = ["--tensor-model-parallel-size", "2"]
 
 
-def job(log_dir, nproc=4, inject=None, extra=(), ha=True, timeout=240):
-    """A job under `mindspeed-ha run` (HA on) or torchrun (HA off: a plain Megatron-style run)."""
+def job(log_dir, nproc=4, inject=None, extra=(), ha=True, timeout=240, backend="gloo"):
+    """A job under `mindspeed-ha run` (HA on) or torchrun (HA off: a plain Megatron-style run), on
+    gloo or on the CPU backend with NCCL's semantics."""
     log_dir.mkdir(parents=True, exist_ok=True)
     args = [*TINY, "--train-iters", str(ITERS), *extra]
     if not ha:
         return torchrun(nproc, args, log_dir, timeout=timeout)
     cmd = MINDSPEED_HA + ["run", "--standalone", "--nproc-per-node", str(nproc), PRETRAIN, *args, "--enable-high-availability",
                           "--ha-log-dir", str(log_dir)]
-    env = clean_env({"MINDSPEED_HA_INJECT": inject} if inject else {})
+    env = clean_env({**backend_env(backend), **({"MINDSPEED_HA_INJECT": inject} if inject else {})})
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(log_dir))
 
 
@@ -47,13 +49,13 @@ def check_saved(proc, log_dir, ck) -> dict:
     return saved
 
 
-def check_resume(log_dir, ck, want: dict, nproc=4, extra=()) -> dict:
+def check_resume(log_dir, ck, want: dict, nproc=4, extra=(), backend="gloo") -> dict:
     """--load the dying gasp: every later loss equals the fault-free run's, bit for bit (float.hex),
     and every shard equals its twin after each step.
     (Both with HA on: without replicas the optimizer shards and reduces differently, so the bits
     differ from the first step; a plain run's resume is checked in test_resume_with_half_the_dp_size.)"""
     it = int((ck / "latest_checkpointed_iteration.txt").read_text())
-    proc = job(log_dir, nproc, extra=("--load", str(ck), "--ha-verify-replicas-interval", "1", *extra))
+    proc = job(log_dir, nproc, extra=("--load", str(ck), "--ha-verify-replicas-interval", "1", *extra), backend=backend)
     assert_ok(proc)
     got = losses(log_dir)
     assert sorted(got) == list(range(it + 1, ITERS + 1)), got
@@ -68,11 +70,16 @@ def ref(references):
     return references.tiny_layouts()
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward", "grad-sync", pytest.param("optimizer", marks=pytest.mark.compat),
-                                   "param-sync"])
-def test_kill_each_phase_dp4(tmp_path, ref, phase):
+# Every phase on one backend in CI (gloo, or the one with NCCL's semantics), the other with
+# MINDSPEED_HA_TEST_ALL=1.
+@pytest.mark.parametrize("phase,backend", [
+    on("forward", "gloo"), on("backward", "emulated_nccl"), on("grad-sync", "emulated_nccl"),
+    pytest.param("optimizer", "gloo", marks=pytest.mark.compat), on("param-sync", "emulated_nccl"),
+    extended("forward", "emulated_nccl"), extended("backward", "gloo"), extended("grad-sync", "gloo"),
+    extended("optimizer", "emulated_nccl"), extended("param-sync", "gloo")])
+def test_kill_each_phase_dp4(tmp_path, ref, phase, backend):
     ck = tmp_path / "ck"
-    proc = job(tmp_path / "run", inject=f"kill:rank=1:step=6:phase={phase}", extra=("--save", str(ck)))
+    proc = job(tmp_path / "run", inject=f"kill:rank=1:step=6:phase={phase}", extra=("--save", str(ck)), backend=backend)
     saved = check_saved(proc, tmp_path / "run", ck)
     # Nothing of a completed step is lost: 6 if every shard's update of step 6 finished somewhere, else 5.
     # (Or 4, when rank 1 took the last message of step 5's collective with it: its twin was still
@@ -84,7 +91,7 @@ def test_kill_each_phase_dp4(tmp_path, ref, phase):
         assert saved["iteration"] == 5 - bool(plan["ahead"])  # the fault came before any update of step 6
     if phase == "param-sync":
         assert saved["iteration"] == 6  # every update of step 6 had finished
-    check_resume(tmp_path / "resume", ck, ref["dp4"])
+    check_resume(tmp_path / "resume", ck, ref["dp4"], backend=backend)
 
 
 @pytest.mark.parametrize("phase,rank", [("forward", 3), ("grad-sync", 5), ("optimizer", 1), ("backward", 6),
@@ -120,20 +127,26 @@ def test_kill_in_a_model_parallel_job_its_dying_gasp_resumes_bit_identically(tmp
     check_resume(tmp_path / "resume", ck, references.tiny(layout), 4, flags)
 
 
-@pytest.mark.parametrize("phase,rank", [("forward", 1), ("backward", 2), ("grad-sync", 3), ("optimizer", 1),
-                                        ("param-sync", 2)])
-def test_hang_at_every_phase_under_retry_ends_in_the_dump(tmp_path, ref, phase, rank):
+@pytest.mark.parametrize("phase,rank,backend", [
+    on("forward", 1, "gloo"), on("backward", 2, "emulated_nccl"), on("grad-sync", 3, "gloo"),
+    on("optimizer", 1, "emulated_nccl"), on("param-sync", 2, "gloo"), extended("forward", 1, "emulated_nccl"),
+    extended("backward", 2, "gloo"), extended("grad-sync", 3, "emulated_nccl"), extended("optimizer", 1, "gloo"),
+    extended("param-sync", 2, "emulated_nccl")])
+def test_hang_at_every_phase_under_retry_ends_in_the_dump(tmp_path, ref, phase, rank, backend):
     """A hung rank cannot be repaired in place: under retry the survivors write the dying-gasp
-    checkpoint without it (it is not even asked), the diagnosis names the hang, and it resumes."""
+    checkpoint without it (it is not even asked), the diagnosis names the hang — that rank alone:
+    the others, blocked in a collective, said they were waiting (on NCCL's semantics too, where the
+    wait is a stream's) — and it resumes."""
     ck = tmp_path / "ck"
     proc = job(tmp_path / "run", inject=f"hang:rank={rank}:step=6:phase={phase}",
-               extra=("--save", str(ck), "--enable-hbmfault-repair", "--ha-hang-timeout", "3"))
+               extra=("--save", str(ck), "--enable-hbmfault-repair", "--ha-hang-timeout", "3"), backend=backend)
     saved = check_saved(proc, tmp_path / "run", ck)
     faults = [e for e in events(tmp_path / "run", "controller") if e["event"] == "fault"]
     assert rank not in saved["survivors"] and saved["iteration"] in (5, 6), faults
+    assert [(f["kind"], f["ranks"]) for f in faults] == [("hang", [rank])], faults
     assert f"rank {rank} (node" in proc.stderr and "failed: hang" in proc.stderr
-    if phase == "forward":
-        check_resume(tmp_path / "resume", ck, ref["dp4"])
+    if phase in ("forward", "optimizer"):
+        check_resume(tmp_path / "resume", ck, ref["dp4"], backend=backend)
 
 
 def test_resume_with_half_the_dp_size(tmp_path, ref):
