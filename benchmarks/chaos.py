@@ -73,7 +73,7 @@ def twin(rank: int) -> int:
     return (rank + WORLD // 2) % WORLD
 
 
-def run(log_dir: str, iters: int, a, inject: str | None) -> subprocess.CompletedProcess:
+def run(log_dir: str, iters: int, a, inject: str | None, backend: str = "gloo") -> subprocess.CompletedProcess:
     os.makedirs(log_dir, exist_ok=True)
     cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", "--nproc-per-node", str(WORLD), PRETRAIN,
            "--num-layers", "2", "--hidden-size", str(a.hidden), "--num-attention-heads", "4", "--seq-length", "32",
@@ -84,6 +84,8 @@ def run(log_dir: str, iters: int, a, inject: str | None) -> subprocess.Completed
            "--ha-max-restarts", "1000"]  # (a drill of many kills: not a crash-looping node)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MINDSPEED_HA_", "HIGH_AVAILABILITY"))}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    if backend == "emulated_nccl":  # (the CPU backend with NCCL's semantics: a stop aborts, no collective raises)
+        env["MINDSPEED_HA_EMULATE_NCCL"] = "1"
     if inject:
         env["MINDSPEED_HA_INJECT"] = inject
     with open(os.path.join(log_dir, "job.out"), "w") as out:
@@ -115,6 +117,9 @@ def main() -> None:
     p.add_argument("--keep", default=None, help="keep the jobs' logs here")
     p.add_argument("--controller-rank", action="store_true",
                    help="kills, exits and hangs may land on rank 0, the controller's own process")
+    p.add_argument("--backend", choices=("gloo", "emulated_nccl"), default="gloo",
+                   help="the chaos job's collectives: gloo, or the CPU backend with NCCL's semantics "
+                        "(the reference runs on gloo: its bits are the same)")
     a = p.parse_args()
     work = a.keep or tempfile.mkdtemp(prefix="chaos_bench_")
     plan = schedule(a.seed, controller_rank=a.controller_rank)
@@ -125,7 +130,7 @@ def main() -> None:
     run(os.path.join(work, "reference"), iters, a, None)
     t_ref = time.time() - t0
     t0 = time.time()
-    run(os.path.join(work, "chaos"), iters, a, inject)
+    run(os.path.join(work, "chaos"), iters, a, inject, a.backend)
     t_chaos = time.time() - t0
 
     ref, got = step_losses(os.path.join(work, "reference")), step_losses(os.path.join(work, "chaos"))
@@ -150,7 +155,7 @@ def main() -> None:
     worker_starts = [e for e in events(os.path.join(work, "chaos"), "agent_") if e["event"] == "worker_start"
                      and e.get("restarts")]
     out = {
-        "seed": a.seed, "faults": len(plan), "faults_recovered": faults_recovered, "recoveries": len(rows),
+        "seed": a.seed, "backend": a.backend, "faults": len(plan), "faults_recovered": faults_recovered, "recoveries": len(rows),
         "steps": iters, "bit_identical": identical, "lost_steps": sum(r["lost_steps"] for r in rows),
         "mttr_median_s": round(statistics.median(plain), 3) if plain else None,
         "mttr_p90_s": round(statistics.quantiles(plain, n=10)[-1], 3) if len(plain) > 1 else None,
