@@ -16,6 +16,12 @@ def megatron_lm_available() -> bool:
         return False
 
 
+def before_megatron(device: Device) -> None:
+    """What must precede megatron-core's import on ``device`` (its modules decorate functions as they load)."""
+    if device.needs_cpu_shim:
+        registry.apply("torch_cpu_compile")
+
+
 def apply_patches(device: Device | None = None, megatron_lm: bool | None = None, ha: bool = True) -> Device:
     """``ha``: the run may need to stop ranks inside collectives (the processor's stop handler)."""
     device = device or detect()
@@ -27,11 +33,14 @@ def apply_patches(device: Device | None = None, megatron_lm: bool | None = None,
         # The shim says CUDA is available; torch.compile must not believe it. The env var also
         # covers functions megatron decorates at import time, after this point.
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+        before_megatron(device)
         registry.apply("torch_cpu")
         registry.apply("megatron_cpu")
     if importlib.util.find_spec("transformer_engine") is None:
         registry.apply("megatron_no_te")
     registry.apply("replica_optimizer")
+    if _drill_optimizer():  # (a drill: megatron-core builds a CPU optimizer with a fused Adam's state layout)
+        registry.apply("drill_optimizer")
     registry.apply("step_hooks")
     if ha:
         keep_survivors()  # (the session's start event says which mode the job runs with)
@@ -40,3 +49,12 @@ def apply_patches(device: Device | None = None, megatron_lm: bool | None = None,
     if megatron_lm if megatron_lm is not None else megatron_lm_available():
         registry.apply("megatron_training")
     return device
+
+
+def _drill_optimizer() -> str | None:
+    """The drill optimizer asked for; an unknown name is refused where the job's options are read."""
+    from mindspeed_ha.options import HAConfigError, drill_optimizer
+    try:
+        return drill_optimizer()
+    except HAConfigError:
+        return None

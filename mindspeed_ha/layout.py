@@ -32,6 +32,17 @@ def validate(world: int, args, options: HAOptions) -> None:
         raise HAConfigError(
             f"{flags} builds the replica optimizer on megatron-core's distributed optimizer: add "
             "--use-distributed-optimizer (or add --distributed-optimizer-no-replica to run without replicas)")
+    optimizer = getattr(args, "optimizer", "adam")
+    if optimizer != "adam":
+        raise HAConfigError(
+            f"--optimizer {optimizer}: the replica optimizer is megatron-core's distributed optimizer, which steps "
+            "Adam only (megatron-core 0.16.1 asserts 'Only Adam and HybridDeviceOptimizer currently supported'); "
+            "use --optimizer adam")
+    if getattr(args, "optimizer_cpu_offload", False):
+        raise HAConfigError(
+            "--optimizer-cpu-offload: megatron-core's HybridDeviceOptimizer splits the optimizer state over "
+            "sub-optimizers on the host and on the device, which the replica optimizer does not copy to a twin; drop "
+            "--optimizer-cpu-offload, or train without replicas (--distributed-optimizer-no-replica)")
     R = options.replica_num
     if world % (tp * pp * cp):
         raise HAConfigError(f"world size {world} is not divisible by TP {tp} x PP {pp} x CP {cp}")

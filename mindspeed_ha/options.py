@@ -33,6 +33,22 @@ class HAConfigError(ValueError):
     """A configuration the user must change; the message names the flags and proposes a fix."""
 
 
+# Drills on the state layouts of the optimizers megatron-core takes on a GPU (replica.drill_optimizers):
+# Transformer Engine's FusedAdam (the step count per param group), and with master params and scales.
+DRILL_OPTIMIZER_ENV = "MINDSPEED_HA_DRILL_OPTIMIZER"
+DRILL_OPTIMIZERS = ("fused-adam", "fused-adam-master")
+
+
+def drill_optimizer(env: Mapping[str, str] | None = None) -> str | None:
+    """The drill optimizer a job asks for (None: megatron-core's own choice); refused when unknown."""
+    env = os.environ if env is None else env
+    value = env.get(DRILL_OPTIMIZER_ENV, "").strip().lower()
+    if value and value not in DRILL_OPTIMIZERS:
+        raise HAConfigError(f"{DRILL_OPTIMIZER_ENV}={value!r} is not a drill optimizer; use one of "
+                            f"{', '.join(DRILL_OPTIMIZERS)}, or unset it for megatron-core's own")
+    return value or None
+
+
 @dataclasses.dataclass(frozen=True)
 class HAOptions:
     strategies: frozenset[str] = frozenset()
@@ -246,6 +262,7 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) ->
         raise HAConfigError("--ha-verify-replicas-interval compares replica shards and needs the replica "
                             "optimizer: add --enable-high-availability and drop "
                             "--distributed-optimizer-no-replica, or set the interval to 0")
+    drill_optimizer(env)
     hang = _seconds(args, "ha_hang_timeout", 60.0)
     collective = 60.0 * float(getattr(args, "distributed_timeout_minutes", None) or 10)
     if strategies and 2 * max(hang, WARM_UP_HANG_S) >= collective:

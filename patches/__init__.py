@@ -17,9 +17,11 @@ _groups_applied: set[str] = set()
 # group name -> module under mindspeed_ha.patches that defines ``patches(ctx) -> list[(owner_or_path, attr, new)]``
 GROUPS = {
     "torch_cpu": "mindspeed_ha.patches.torch_cpu",
+    "torch_cpu_compile": "mindspeed_ha.patches.torch_compile",
     "megatron_cpu": "mindspeed_ha.patches.megatron.core.tensor_parallel.random",
     "megatron_no_te": "mindspeed_ha.patches.megatron.core.transformer.moe.moe_utils",
     "replica_optimizer": "mindspeed_ha.patches.megatron.core.optimizer",
+    "drill_optimizer": "mindspeed_ha.patches.megatron.core.optimizer.fused_adam_drill",
     "step_hooks": "mindspeed_ha.patches.megatron.core.distributed.distributed_data_parallel",
     "megatron_training": "mindspeed_ha.patches.megatron.training",
     "interruptible_collectives": "mindspeed_ha.patches.torch.distributed",

@@ -59,9 +59,11 @@ def after_apply(ctx=None):
     # divides by it): torch's own code would then reach for the driver.
     os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
     # megatron jit-fuses a few MoE and activation functions with torch.compile: on the CPU that is a
-    # C++ compile per function for tiny tensors; run them eagerly instead.
-    import torch._dynamo
-    torch._dynamo.config.disable = True
+    # C++ compile per function for tiny tensors; run them eagerly instead. (TORCHDYNAMO_DISABLE, set
+    # before, is read by dynamo when it is imported; torch_cpu_compile keeps megatron from importing it.)
+    import sys
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].config.disable = True
     _mode = cpu.CpuDeviceMode()
     _mode.__enter__()  # process-wide: device='cuda' literals anywhere become cpu
 

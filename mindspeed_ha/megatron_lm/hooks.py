@@ -216,8 +216,12 @@ def on_train_step(original, forward_step_func, data_iterator, model, optimizer, 
 def on_get_megatron_optimizer(original, config, model_chunks, *args, **kwargs):
     """Remembers how Megatron-LM built its optimizer: an elastic resize builds one the same way
     around the model in its new layout."""
+    from mindspeed_ha.replica.state import UnknownOptimizer
     SETUP["optimizer"] = lambda chunks: original(config, chunks, *args, **kwargs)
-    return original(config, model_chunks, *args, **kwargs)
+    try:
+        return original(config, model_chunks, *args, **kwargs)
+    except UnknownOptimizer as e:  # refused as it is built, before any step
+        _fail(str(e))
 
 
 def on_update_num_microbatches(original, consumed_samples, consistency_check=True, verbose=False):

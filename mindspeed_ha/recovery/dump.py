@@ -92,7 +92,7 @@ def prepare(trainer: TrainerInterface, abandon_update: bool = False) -> Prepared
     if not hasattr(opt, "ha_export_shard"):
         raise DumpError("the dying-gasp checkpoint needs the replica optimizer (--enable-high-availability)")
     if opt.ha_updating and abandon_update:
-        opt.ha_updating = False
+        opt.ha_abandon_update()
     if opt.ha_updating:
         raise DumpError(f"rank {opt.ha_topology.rank} is inside its optimizer update; finish it first")
     params = opt.ha_param_positions()

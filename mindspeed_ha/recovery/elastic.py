@@ -34,7 +34,7 @@ import torch.distributed as dist
 from mindspeed_ha.comm.groups import DEFAULT_TIMEOUT
 from mindspeed_ha.comm.interruptible import commit_point
 from mindspeed_ha.events import get_logger
-from mindspeed_ha.replica.optimizer import _inner_optimizers, set_adam_steps
+from mindspeed_ha.replica.optimizer import set_step_counts, step_count
 from mindspeed_ha.replica.reshard import described, exchange, schedule, state_io
 
 if TYPE_CHECKING:
@@ -42,15 +42,6 @@ if TYPE_CHECKING:
     from mindspeed_ha.trainer.interface import TrainerInterface
 
 log = get_logger("recovery.elastic")
-
-
-def _step(optimizer: Any) -> float:
-    """Adam's step count (every entry has the same; a shard can be empty)."""
-    for inner in _inner_optimizers(optimizer):
-        for st in inner.optimizer.state.values():
-            if "step" in st:
-                return float(st["step"])
-    return 0.0
 
 
 def resize(trainer: TrainerInterface, plan: ElasticPlan, rank: int, store_host: str, store_port: int,
@@ -71,8 +62,8 @@ def holdings(trainer: TrainerInterface) -> dict[str, Any]:
     newcomer brings nothing. A resize that does not complete leaves the trainer between two layouts;
     these holdings, kept, are then still the rank's state, and the next resize starts from them."""
     old = trainer.optimizer
-    return {"old_ranges": {} if old is None else old.ha_state_ranges(), "step": 0.0 if old is None else _step(old),
-            "newcomer": old is None}
+    return {"old_ranges": {} if old is None else old.ha_state_ranges(), "step": None if old is None else step_count(old),
+            "scalers": None if old is None else old.ha_scaler_states(), "newcomer": old is None}
 
 
 def enter_layout(trainer: TrainerInterface, plan: ElasticPlan, rank: int, store_host: str, store_port: int,
@@ -106,16 +97,22 @@ def move_state(trainer: TrainerInterface, plan: ElasticPlan, rank: int, entered:
     new_ranges = new.ha_state_ranges()
     every: list[Any] = [None] * len(plan.order)  # filled by all_gather_object
     dist.all_gather_object(every, {"held": described(old_ranges) if writer else [],
-                                   "wanted": described(new_ranges), "step": entered["step"]})
+                                   "wanted": described(new_ranges), "step": entered["step"],
+                                   "scalers": entered["scalers"] if writer else None})
     steps = {e["step"] for e in every if e["held"]}
     if len(steps) != 1:
-        raise RuntimeError(f"the writers' Adam step counts differ: {sorted(steps)}")
+        raise RuntimeError(f"the writers' optimizer step counts differ: {sorted(map(str, steps))}")
+    scalers = [e["scalers"] for e in every if e["held"]]
+    if any(sc != scalers[0] for sc in scalers):
+        raise RuntimeError(f"the writers' loss scalers differ: {scalers}")
     moves = schedule({i: e["held"] for i, e in enumerate(every) if e["held"]},
                      {i: e["wanted"] for i, e in enumerate(every)})
     read, _ = state_io(old_ranges)
     _, write = state_io(new_ranges)
-    got = exchange(moves, entered["world"].new_rank, read, write)
-    set_adam_steps(new, steps.pop())
+    width = len(next(iter(new_ranges.values()), (None, None, None)))  # main values, then the moments
+    got = exchange(moves, entered["world"].new_rank, read, write, width=width)
+    set_step_counts(new, steps.pop())
+    new.ha_install_scaler_states(scalers[0])
     new.ha_iteration = plan.iteration
     transfer_bookkeeping(trainer, plan.sources, rank)
     trainer.resync_weights()

@@ -44,12 +44,16 @@ def status(trainer: TrainerInterface) -> dict[str, Any]:
 def transfer_shards(optimizer: ReplicaMixin, pairs: list[tuple[int, int]], rank: int, iteration: int,
                     overwriting: Callable[[], None] = lambda: None) -> int:
     """Point to point over the rebuilt default group: for each (src, dst) (job ranks), src sends its
-    shard state (fp32 main params, exp_avg, exp_avg_sq, step), dst overwrites its own. Every rank
+    shard state (fp32 main params and the optimizer's state for them, its step counts and loss
+    scaler: ``ReplicaMixin.ha_export_shard``), dst overwrites its own. Every rank
     walks the pairs in the same order. Each tensor travels on the rank's device (Adam's ``step`` is
     a CPU scalar, which an NCCL group cannot carry) and lands where the receiver keeps its own.
     ``overwriting()`` is called before the receiver's shard is first written (from then on it is not
     whole until the caller's commit point). Returns the bytes this rank received."""
     from mindspeed_ha.comm.groups import dist_rank
+    # A window stopped before its arithmetic is closed first: the shard (the loss scaler with it) is
+    # then wholly at ha_iteration, what it sends or what a copy overwrites.
+    optimizer.ha_abandon_update()
     got = 0
     for src, dst in pairs:
         if rank not in (src, dst):
@@ -68,7 +72,6 @@ def transfer_shards(optimizer: ReplicaMixin, pairs: list[tuple[int, int]], rank:
             optimizer.ha_import_shard(fresh)
     if any(dst == rank for _, dst in pairs):
         optimizer.ha_iteration = iteration
-    optimizer.ha_updating = False  # a window stopped before the arithmetic, or finished by the copy
     return got
 
 

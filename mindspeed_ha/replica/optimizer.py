@@ -1,12 +1,17 @@
 """ReplicaOptimizer: megatron-core's (partial) DistributedOptimizer plus what recovery needs.
 
 An optimizer instance keeps its class and behaviour; its ``__class__`` becomes a subclass that adds:
-a stable description of the shard, export/import of the shard state (fp32 main params, exp_avg,
-exp_avg_sq, step) as plain tensors for point-to-point transfer, a fingerprint of that state, and the
-shard's iteration plus an "update in progress" mark around the optimizer step. ``isinstance`` checks
-in Megatron keep working because the class is a subclass of the original. (The methods are copied
-into that subclass rather than mixed in: CPython 3.11 refuses a ``__class__`` swap onto a class whose
-first base is a mixin, "object layout differs".)
+a stable description of the shard, export/import of the shard state (fp32 main params and whatever
+the torch optimizer keeps for them, in its own layout: ``replica.state``; the step count per
+parameter or per group; the loss scaler) as plain tensors for point-to-point transfer, a fingerprint
+of that state, and the shard's iteration plus an "update in progress" mark around the optimizer
+step. ``isinstance`` checks in Megatron keep working because the class is a subclass of the
+original. (The methods are copied into that subclass rather than mixed in: CPython 3.11 refuses a
+``__class__`` swap onto a class whose first base is a mixin, "object layout differs".)
+
+The loss scaler (fp16's dynamic one) belongs to the shard's iteration: it changes as the update
+begins (megatron-core unscales the gradients and updates it before the arithmetic), so an update
+abandoned before the arithmetic (``ha_abandon_update``) puts it back, and a twin's shard carries it.
 """
 from __future__ import annotations
 
@@ -17,13 +22,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import torch
 
 from mindspeed_ha import compat
+from mindspeed_ha.device import current
+from mindspeed_ha.replica import state
 from mindspeed_ha.replica.topology import ReplicaTopology
 
 if TYPE_CHECKING:
     from mindspeed_ha.replica.reshard import Range
-
-STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
-
 
 def _inner_optimizers(opt: Any) -> list[Any]:
     """The DistributedOptimizers inside a (possibly chained) megatron optimizer."""
@@ -40,19 +44,23 @@ def _gathers_in_step(chained: Any, inners: list[Any]) -> bool:
                and not getattr(o.ddp_config, "use_megatron_fsdp", False) for o in inners)
 
 
-def set_adam_steps(optimizer: Any, step: float | None = None) -> None:
-    """Give every parameter its own Adam ``step`` tensor (``step``, or its group's count when None),
-    where torch's Adam keeps it: on the parameter's device for a capturable or fused update, else a
-    CPU scalar (on a GPU too)."""
+def set_step_counts(optimizer: Any, step: float | None = None) -> None:
+    """Every inner optimizer's step count := ``step`` (None: the one its param groups hold, as a
+    checkpoint load leaves it), where that optimizer keeps one (``replica.state.set_step_count``)."""
     for inner in _inner_optimizers(optimizer):
-        for group in inner.optimizer.param_groups:
-            on_device = bool(group.get("capturable") or group.get("fused"))
-            for p in group["params"]:
-                state = inner.optimizer.state.get(p)
-                if state is not None:
-                    value = step if step is not None else group.get("step", state.get("step"))
-                    state["step"] = torch.tensor(float(value), dtype=torch.float32,
-                                                 device=p.device if on_device else "cpu")
+        state.set_step_count(inner.optimizer, state.layout_of(inner.optimizer), step)
+
+
+def step_count(optimizer: Any) -> float | None:
+    """The step count every inner optimizer shares (None: an optimizer without one, SGD)."""
+    for inner in _inner_optimizers(optimizer):
+        return state.step_count(inner.optimizer, state.layout_of(inner.optimizer))
+    return None
+
+
+def _scaler_state(inner: Any) -> dict[str, Any]:
+    scaler = getattr(inner, "grad_scaler", None)
+    return dict(scaler.state_dict()) if scaler is not None and hasattr(scaler, "state_dict") else {}
 
 
 class ReplicaMixin:
@@ -67,6 +75,9 @@ class ReplicaMixin:
         self.ha_touched = False  # inside the window: has the shard's arithmetic begun?
         self.ha_grad_stats: list[float | None] = [None, None]
         self._ha_listeners: list[Callable[[str, int], None]] = []
+        # each inner optimizer's state layout (refused here, before training, if unknown)
+        self._ha_layouts = [state.layout_of(inner.optimizer) for inner in _inner_optimizers(self)]
+        self._ha_scalers_at_start: list[dict[str, Any]] = []
 
     def ha_add_listener(self, fn: Callable[[str, int], None]) -> None:
         """fn(event, iteration) with event in {"update_start", "update_end"}."""
@@ -83,10 +94,33 @@ class ReplicaMixin:
             self.ha_iteration += 1
             self._ha_notify("update_end", self.ha_iteration)
 
+    def ha_scaler_states(self) -> list[dict[str, Any]]:
+        """Each inner optimizer's loss scaler, as plain numbers (what a resize carries over)."""
+        return [{k: (v.item() if torch.is_tensor(v) else v) for k, v in _scaler_state(i).items()}
+                for i in _inner_optimizers(self)]
+
+    def ha_install_scaler_states(self, states: list[dict[str, Any]] | None) -> None:
+        for inner, saved in zip(_inner_optimizers(self), states or []):
+            mine = _scaler_state(inner)
+            if saved and mine:
+                inner.grad_scaler.load_state_dict(
+                    {k: (mine[k].new_tensor(v) if torch.is_tensor(mine[k]) else v) for k, v in saved.items()})
+
+    def ha_abandon_update(self) -> None:
+        """Close an update window stopped before its arithmetic began: the shard is still at
+        ``ha_iteration``, and so is the loss scaler again (megatron-core had updated it already)."""
+        if self.ha_updating and not self.ha_touched:
+            for inner, saved in zip(_inner_optimizers(self), self._ha_scalers_at_start):
+                if saved:
+                    inner.grad_scaler.load_state_dict(saved)
+        self.ha_updating = False
+
     def step(self) -> Any:
         target = self.ha_iteration + 1
         self.ha_updating, self.ha_touched = True, False
         self.ha_grad_stats = [None, None]  # (grad norm, zeros in grad) of this update, once computed
+        self._ha_scalers_at_start = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in _scaler_state(i).items()}
+                                     for i in _inner_optimizers(self)]
         self._ha_notify("update_start", target)
         result = self._ha_base.step(self)
         self.ha_mark_update_end()  # no-op if the param-sync hook already marked it
@@ -172,55 +206,69 @@ class ReplicaMixin:
 
     def ha_state_ranges(self) -> dict[Range, tuple[torch.Tensor, ...]]:
         """This shard in parameter coordinates, what a reshard moves: ((position, parameter name),
-        start, end) -> (main values, exp_avg, exp_avg_sq) of those flattened elements (live views:
-        copy into them to install). ``step`` is not here: every entry shares its value."""
+        start, end) -> (main values, then the optimizer's elementwise state: exp_avg and exp_avg_sq,
+        or SGD's momentum) of those flattened elements (live views: copy into them to install). The
+        step count is not here: every entry shares its value."""
         self.ha_ensure_state()
         where = {name: position for name, (_, position) in self.ha_param_positions().items()}
+        layouts = dict(zip(map(id, _inner_optimizers(self)), self._ha_layouts))
         out: dict[Range, tuple[torch.Tensor, ...]] = {}
         for _, main, model_param, inner in self._ha_entries():
             name = compat.param_name(inner, model_param)
             rng = compat.param_range(inner, model_param)  # type: ignore[no-untyped-call]  # compat's gate is untyped
-            st = inner.optimizer.state[main]
-            out[((where[name], name), rng.start, rng.end)] = (main, st["exp_avg"], st["exp_avg_sq"])
+            out[((where[name], name), rng.start, rng.end)] = (main, *state.moments(inner.optimizer, layouts[id(inner)],
+                                                                                   main))
         return out
 
     def ha_ensure_state(self) -> None:
-        """Allocate Adam state (a newcomer's optimizer has none until its first step)."""
-        for inner in _inner_optimizers(self):
-            if not inner.optimizer.state:
+        """Allocate the optimizer's state (a newcomer's optimizer has none until its first step):
+        Adam's moments (and torch's per-parameter step), SGD's momentum where it has momentum."""
+        for inner, layout in zip(_inner_optimizers(self), self._ha_layouts):
+            if not inner.optimizer.state and layout is not state.SGD:
                 compat.init_optimizer_state(inner)
-            for group in inner.optimizer.param_groups:
-                for p in group["params"]:
-                    st = inner.optimizer.state.get(p)
-                    if st is not None and "step" in st:
-                        st["step"] = st["step"].detach().clone()  # never share one step tensor
+            if layout is state.SGD:
+                for group in inner.optimizer.param_groups:
+                    if group.get("momentum"):
+                        for p in group["params"]:
+                            st = inner.optimizer.state[p]
+                            if st.get("momentum_buffer") is None:
+                                # (zeros: torch's first SGD step then gives the buffer the gradient,
+                                # as it does starting from none, with dampening 0)
+                                st["momentum_buffer"] = torch.zeros_like(p)
+            state.own_step_tensors(inner.optimizer, layout)
 
     def ha_export_shard(self) -> "collections.OrderedDict[str, torch.Tensor]":
-        """Views of the live shard state, in a stable order; send them, don't mutate them."""
-        out = collections.OrderedDict()
+        """Views of the live shard state, in a stable order; send them, don't mutate them: per
+        parameter its main values and optimizer state (with scales), per inner optimizer its
+        per-group step counts (fused Adam) and its loss scaler."""
+        out: "collections.OrderedDict[str, torch.Tensor]" = collections.OrderedDict()
+        layouts = dict(zip(map(id, _inner_optimizers(self)), self._ha_layouts))
         for name, main, _, inner in self._ha_entries():
             out[f"{name}.param"] = main.detach()
-            st = inner.optimizer.state.get(main, {})
-            for k in STATE_KEYS:
-                if k in st:
-                    v = st[k]
-                    out[f"{name}.{k}"] = v.detach() if torch.is_tensor(v) else torch.tensor(float(v), device="cpu")
+            state.export_param(inner.optimizer, layouts[id(inner)], main, name, out)
+        for o, inner in enumerate(_inner_optimizers(self)):
+            state.export_groups(inner.optimizer, layouts[id(inner)], f"o{o}", out, current())
+            for k, v in sorted(_scaler_state(inner).items()):
+                out[f"o{o}.grad_scaler.{k}"] = (v.detach() if torch.is_tensor(v)
+                                                else torch.tensor(v, dtype=torch.float64, device=current()))
         return out
 
     def ha_import_shard(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Overwrite this rank's shard with ``tensors`` (from ``ha_export_shard`` of a replica)."""
         self.ha_ensure_state()
+        layouts = dict(zip(map(id, _inner_optimizers(self)), self._ha_layouts))
         with torch.no_grad():
             for name, main, _, inner in self._ha_entries():
                 main.copy_(tensors[f"{name}.param"])
-                st = inner.optimizer.state.setdefault(main, {})
-                for k in STATE_KEYS:
-                    key = f"{name}.{k}"
-                    if key in tensors:
-                        if k in st and torch.is_tensor(st[k]):
-                            st[k].copy_(tensors[key])
-                        else:
-                            st[k] = tensors[key].detach().clone()
+                state.import_param(inner.optimizer, layouts[id(inner)], main, name, tensors)
+            for o, inner in enumerate(_inner_optimizers(self)):
+                state.import_groups(inner.optimizer, layouts[id(inner)], f"o{o}", tensors)
+                mine = _scaler_state(inner)
+                if mine:
+                    got = {k: tensors[f"o{o}.grad_scaler.{k}"] for k in mine if f"o{o}.grad_scaler.{k}" in tensors}
+                    inner.grad_scaler.load_state_dict(
+                        {k: (v.to(mine[k].device, mine[k].dtype) if torch.is_tensor(mine[k]) else type(mine[k])(v.item()))
+                         for k, v in got.items()})
 
     def ha_corrupt(self, bit_flip: bool = False) -> str:
         """Fault drills: poison this rank's shard as an uncorrectable memory error would (NaN in the

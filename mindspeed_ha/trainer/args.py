@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--expert-model-parallel-size", type=int, default=1)
     m.add_argument("--moe-router-topk", type=int, default=2)
     m.add_argument("--bf16", action="store_true")
+    m.add_argument("--fp16", action="store_true", help="fp16 weights, with a loss scaler (dynamic by default)")
 
     t = p.add_argument_group("training")
     t.add_argument("--micro-batch-size", type=int, default=2)
@@ -40,6 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--adam-beta1", type=float, default=0.9)
     t.add_argument("--adam-beta2", type=float, default=0.999)
     t.add_argument("--adam-eps", type=float, default=1e-8)
+    t.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    t.add_argument("--sgd-momentum", type=float, default=0.9)
+    t.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="megatron-core's HybridDeviceOptimizer (refused with the replica optimizer)")
+    t.add_argument("--loss-scale", type=float, default=None, help="fp16: a constant loss scale (default: dynamic)")
+    t.add_argument("--initial-loss-scale", type=float, default=2 ** 32)
+    t.add_argument("--min-loss-scale", type=float, default=1.0)
+    t.add_argument("--loss-scale-window", type=float, default=1000)
+    t.add_argument("--hysteresis", type=int, default=2)
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--use-distributed-optimizer", action="store_true")
     t.add_argument("--overlap-grad-reduce", action="store_true")
@@ -127,6 +137,8 @@ def finalize(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         raise ArgError(f"--num-layers {args.num_layers} must divide evenly over "
                        f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
     args.virtual_pipeline_model_parallel_size = _virtual_stages(args)
+    if args.fp16 and args.bf16:
+        raise ArgError("--fp16 and --bf16 are exclusive; pick one")
     if args.num_attention_heads % args.tensor_model_parallel_size:
         raise ArgError(f"--num-attention-heads {args.num_attention_heads} must divide by "
                        f"--tensor-model-parallel-size {args.tensor_model_parallel_size}")

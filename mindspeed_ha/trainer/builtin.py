@@ -45,6 +45,10 @@ def set_seed(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def _dtype(a) -> torch.dtype:
+    return torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
+
+
 class BuiltinTrainer(TrainerInterface):
     def __init__(self, args: argparse.Namespace, session):
         super().__init__()
@@ -128,8 +132,7 @@ class BuiltinTrainer(TrainerInterface):
             context_parallel_size=a.context_parallel_size, sequence_parallel=a.sequence_parallel,
             num_moe_experts=a.num_experts, moe_router_topk=a.moe_router_topk,
             expert_model_parallel_size=a.expert_model_parallel_size,
-            bf16=a.bf16, params_dtype=torch.bfloat16 if a.bf16 else torch.float32,
-            pipeline_dtype=torch.bfloat16 if a.bf16 else torch.float32,
+            bf16=a.bf16, fp16=a.fp16, params_dtype=_dtype(a), pipeline_dtype=_dtype(a),
             bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
             bias_dropout_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
             moe_token_dispatcher_type="allgather",
@@ -161,8 +164,8 @@ class BuiltinTrainer(TrainerInterface):
             share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute", vp_stage=vp_stage)
         # Initialised on the CPU (the same weights whatever the device), trained on the rank's device.
         model = model.to(current())
-        if a.bf16:
-            model = Float16Module(config, model)  # as Megatron-LM: bf16 weights, casts at the edges
+        if a.bf16 or a.fp16:
+            model = Float16Module(config, model)  # as Megatron-LM: 16-bit weights, casts at the edges
         model.vp_stage = vp_stage  # (as Megatron-LM marks each chunk)
         return self._wrap(model, replicas, broadcast)
 
@@ -185,10 +188,12 @@ class BuiltinTrainer(TrainerInterface):
     def _optimizer_config(self) -> OptimizerConfig:
         a = self.args
         return OptimizerConfig(
-            optimizer="adam", lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay,
-            adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.clip_grad,
-            bf16=a.bf16, params_dtype=torch.bfloat16 if a.bf16 else torch.float32,
-            use_distributed_optimizer=a.use_distributed_optimizer)
+            optimizer=a.optimizer, lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay,
+            adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, sgd_momentum=a.sgd_momentum,
+            clip_grad=a.clip_grad, bf16=a.bf16, fp16=a.fp16, params_dtype=_dtype(a), loss_scale=a.loss_scale,
+            initial_loss_scale=a.initial_loss_scale, min_loss_scale=a.min_loss_scale,
+            loss_scale_window=a.loss_scale_window, hysteresis=a.hysteresis,
+            optimizer_cpu_offload=a.optimizer_cpu_offload, use_distributed_optimizer=a.use_distributed_optimizer)
 
     def _build_scheduler(self) -> OptimizerParamScheduler:
         a = self.args
@@ -215,7 +220,9 @@ class BuiltinTrainer(TrainerInterface):
         return self._wrap(ddp.module, replicas, broadcast=False)
 
     def _build_optimizer(self):
-        return megatron_optimizer.get_megatron_optimizer(self._optimizer_config(), self.model_chunks)
+        optimizer = megatron_optimizer.get_megatron_optimizer(self._optimizer_config(), self.model_chunks)
+        self.config.grad_scale_func = optimizer.scale_loss  # (as Megatron-LM: the loss scaler's scale, fp16)
+        return optimizer
 
     def _relaid_out(self, dp: int) -> None:
         self.args.data_parallel_size = dp

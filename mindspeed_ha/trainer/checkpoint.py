@@ -266,9 +266,10 @@ def _fix_adam_steps(optimizer) -> None:
     """Traps 2 and 3 of a distributed-optimizer load on torch's Adam: after a load the per-parameter
     Adam ``step`` is not the checkpoint's (the right value is in the param group), and it is one
     tensor shared by every parameter, which torch's Adam would bump once per parameter per step.
-    Set each its own, right one."""
-    from mindspeed_ha.replica.optimizer import set_adam_steps
-    set_adam_steps(optimizer)
+    Set each its own, right one. (A fused Adam keeps its count in the param group, which the load
+    restores; SGD has none: nothing is written for them.)"""
+    from mindspeed_ha.replica.optimizer import set_step_counts
+    set_step_counts(optimizer)
 
 
 def load(trainer, root: str, load_optim: bool = True, load_rng: bool = True, verify_files: bool = True) -> int:

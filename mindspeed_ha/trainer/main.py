@@ -38,6 +38,8 @@ def run(argv: list[str] | None = None) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     try:
         device = detect()
+        from mindspeed_ha.adaptor import before_megatron
+        before_megatron(device)  # (compat.check below imports megatron-core)
         device.check_local_ranks(local_ranks())
         args = finalize(args, world)
         opts = ha_options.from_args(args)
@@ -54,6 +56,7 @@ def run(argv: list[str] | None = None) -> int:
     apply_patches(device, megatron_lm=False, ha=opts.enabled)
 
     from mindspeed_ha.launcher import spare
+    from mindspeed_ha.replica.state import UnknownOptimizer
     from mindspeed_ha.replica.verify import ReplicaMismatchError
     from mindspeed_ha.trainer.checkpoint_dir import CheckpointError
     from mindspeed_ha.session import RankSession
@@ -83,6 +86,8 @@ def run(argv: list[str] | None = None) -> int:
     except ReplicaMismatchError as e:
         _fail(str(e), code=exitcodes.REPLICA_MISMATCH)
     except CheckpointError as e:  # --load refused before any tensor was read
+        _fail(str(e))
+    except UnknownOptimizer as e:  # refused as the optimizer was built, before any step
         _fail(str(e))
     finally:
         session.close()
