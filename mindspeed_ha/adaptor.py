@@ -39,8 +39,10 @@ def apply_patches(device: Device | None = None, megatron_lm: bool | None = None,
     if importlib.util.find_spec("transformer_engine") is None:
         registry.apply("megatron_no_te")
     registry.apply("replica_optimizer")
-    if _drill_optimizer():  # (a drill: megatron-core builds a CPU optimizer with a fused Adam's state layout)
-        registry.apply("drill_optimizer")
+    registry.apply("precision_aware_load")
+    drill = _drill_optimizer()
+    if drill:  # (a drill: megatron-core builds a CPU optimizer with a fused Adam's state layout)
+        registry.apply("drill_optimizer", {"master": drill == "fused-adam-master"})
     registry.apply("step_hooks")
     if ha:
         keep_survivors()  # (the session's start event says which mode the job runs with)

@@ -208,6 +208,25 @@ def param_range(inner, model_param):
     return inner._get_model_param_range_map(model_param)["param"]
 
 
+# megatron-core 0.16.1 hands a precision-aware optimizer's ``set_scaled_state`` every key of a
+# dp_reshardable checkpoint's entry when it loads one, its bookkeeping included: Transformer Engine's
+# FusedAdam (and the drill's) fails on 'padding'. Those keys are dropped on the way in.
+_CHECKPOINT_BOOKKEEPING = ("padding", "gbuf_local_start", "gbuf_local_end")
+
+
+def precision_aware_load_fix() -> list:
+    """(owner, attr, replacement) for megatron-core's ``_set_main_param_and_optimizer_states``; none
+    where the method is not there (another megatron-core)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    original = getattr(DistributedOptimizer, "_set_main_param_and_optimizer_states", None)
+    if original is None:
+        return []
+
+    def set_main_param_and_optimizer_states(self, model_param, tensors):
+        return original(self, model_param, {k: v for k, v in tensors.items() if k not in _CHECKPOINT_BOOKKEEPING})
+    return [(DistributedOptimizer, "_set_main_param_and_optimizer_states", set_main_param_and_optimizer_states)]
+
+
 # ---- megatron-core's checkpoint writer ---------------------------------------------------------
 def writer_queue():
     """The results queue dist_checkpointing's async writer shares between saves (None: not made)."""

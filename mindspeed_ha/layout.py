@@ -38,6 +38,11 @@ def validate(world: int, args, options: HAOptions) -> None:
             f"--optimizer {optimizer}: the replica optimizer is megatron-core's distributed optimizer, which steps "
             "Adam only (megatron-core 0.16.1 asserts 'Only Adam and HybridDeviceOptimizer currently supported'); "
             "use --optimizer adam")
+    if getattr(args, "use_precision_aware_optimizer", False) and not _fused_adam_available():
+        raise HAConfigError(
+            "--use-precision-aware-optimizer keeps the optimizer state in Transformer Engine's FusedAdam, which "
+            "does not import here; install Transformer Engine (a GPU), drop the flag, or drill its state layout on "
+            "the CPU with MINDSPEED_HA_DRILL_OPTIMIZER=fused-adam-master")
     if getattr(args, "optimizer_cpu_offload", False):
         raise HAConfigError(
             "--optimizer-cpu-offload: megatron-core's HybridDeviceOptimizer splits the optimizer state over "
@@ -81,3 +86,15 @@ def validate(world: int, args, options: HAOptions) -> None:
                 f"{max(1, (world // (tp * pp)) // R)}")
     if getattr(args, "overlap_param_gather", False) and not getattr(args, "overlap_grad_reduce", False):
         raise HAConfigError("--overlap-param-gather needs --overlap-grad-reduce (megatron-core requirement)")
+
+
+def _fused_adam_available() -> bool:
+    """Transformer Engine's FusedAdam imports, or the drill that stands in for it is asked for."""
+    import importlib.util
+    from mindspeed_ha.options import drill_optimizer
+    if drill_optimizer() == "fused-adam-master":
+        return True
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        return False

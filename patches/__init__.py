@@ -22,6 +22,7 @@ GROUPS = {
     "megatron_no_te": "mindspeed_ha.patches.megatron.core.transformer.moe.moe_utils",
     "replica_optimizer": "mindspeed_ha.patches.megatron.core.optimizer",
     "drill_optimizer": "mindspeed_ha.patches.megatron.core.optimizer.fused_adam_drill",
+    "precision_aware_load": "mindspeed_ha.patches.megatron.core.optimizer.distrib_optimizer",
     "step_hooks": "mindspeed_ha.patches.megatron.core.distributed.distributed_data_parallel",
     "megatron_training": "mindspeed_ha.patches.megatron.training",
     "interruptible_collectives": "mindspeed_ha.patches.torch.distributed",

@@ -1,7 +1,8 @@
 """The optimizers megatron-core hands the replica optimizer: a fused Adam's state layout (the step count
 per param group, as Transformer Engine's and apex's FusedAdam keep it; drilled on the CPU
-reproduction ``MINDSPEED_HA_DRILL_OPTIMIZER=fused-adam``) and fp16 with megatron-core's dynamic loss
-scaler (which skips a step on overflow). For each: a memory error under retry and a kill under recover
+reproduction ``MINDSPEED_HA_DRILL_OPTIMIZER=fused-adam``), the same with TE's precision-aware
+optimizer (master params and moments in lower dtypes with per-tensor scales: ``fused-adam-master``)
+and fp16 with megatron-core's dynamic loss scaler (which skips a step on overflow). For each: a memory error under retry and a kill under recover
 bit-identical to the fault-free run on the same optimizer, the dying gasp then ``--load``
 bit-identical, and an elastic scale-in within the measured bound of another data-parallel size.
 Optimizers whose state the engine does not know are refused before anything is built."""
@@ -18,10 +19,16 @@ from helpers import PRETRAIN, TINY, TINY_ITERS, all_rank_events, assert_ok, clea
 MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
 # fp16 with a loss scale that overflows and backs off every few steps (steps 1, 5 and 9 are skipped).
 FP16 = ("--fp16", "--initial-loss-scale", "262144", "--hysteresis", "1", "--loss-scale-window", "2")
-LAYOUTS = {"fused-adam": ({"MINDSPEED_HA_DRILL_OPTIMIZER": "fused-adam"}, ()), "fp16": ({}, FP16)}
+# Transformer Engine's precision-aware optimizer: bf16 weights, the master params kept by the optimizer
+# in fp16 with a per-tensor scale, exp_avg in bf16, exp_avg_sq in fp16 with a scale.
+MASTER = ("--bf16", "--use-precision-aware-optimizer", "--main-params-dtype", "fp16", "--exp-avg-dtype", "bf16",
+          "--exp-avg-sq-dtype", "fp16")
+LAYOUTS = {"fused-adam": ({"MINDSPEED_HA_DRILL_OPTIMIZER": "fused-adam"}, ()), "fp16": ({}, FP16),
+           "fused-adam-master": ({"MINDSPEED_HA_DRILL_OPTIMIZER": "fused-adam-master"}, MASTER)}
 # Measured (drills below, this machine): fp32 (fused Adam) within 9.3e-8 of the DP=4 run after the
-# scale-in, fp16 within 8.4e-7 (its weights are 16-bit). Bounds with a margin of about 2x.
-ELASTIC_BOUND = {"fused-adam": 2e-7, "fp16": 2e-6}
+# scale-in, fp16 within 8.4e-7 (its weights are 16-bit), the precision-aware layout within 2.5e-5 (a
+# new shard's fp16 master is quantized with its own per-tensor scale). Bounds with a margin of 2x.
+ELASTIC_BOUND = {"fused-adam": 2e-7, "fp16": 2e-6, "fused-adam-master": 5e-5}
 
 
 def job(log_dir, layout, *strategy, inject=None, extra=()):
@@ -101,7 +108,8 @@ def test_an_elastic_scale_in_keeps_the_optimizers_own_state(tmp_path, fault_free
     (["--optimizer", "sgd"], {}, "--optimizer sgd: the replica optimizer is megatron-core's distributed optimizer"),
     (["--optimizer-cpu-offload"], {}, "--optimizer-cpu-offload: megatron-core's HybridDeviceOptimizer"),
     ([], {"MINDSPEED_HA_DRILL_OPTIMIZER": "lion"}, "MINDSPEED_HA_DRILL_OPTIMIZER='lion' is not a drill optimizer"),
-], ids=["sgd", "cpu-offload", "unknown-drill"])
+    (["--use-precision-aware-optimizer"], {}, "--use-precision-aware-optimizer keeps the optimizer state in Transformer"),
+], ids=["sgd", "cpu-offload", "unknown-drill", "precision-aware-without-te"])
 def test_an_optimizer_whose_state_is_not_known_is_refused_at_start(tmp_path, argv, env, needle):
     """Refused on the rank before any model is built, exit 2, one line naming the flag."""
     proc = subprocess.run([sys.executable, PRETRAIN, *TINY, "--enable-high-availability", *argv],

@@ -111,6 +111,7 @@ def move_state(trainer: TrainerInterface, plan: ElasticPlan, rank: int, entered:
     _, write = state_io(new_ranges)
     width = len(next(iter(new_ranges.values()), (None, None, None)))  # main values, then the moments
     got = exchange(moves, entered["world"].new_rank, read, write, width=width)
+    new.ha_install_state_ranges(new_ranges)
     set_step_counts(new, steps.pop())
     new.ha_install_scaler_states(scalers[0])
     new.ha_iteration = plan.iteration

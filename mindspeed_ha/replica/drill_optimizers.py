@@ -25,7 +25,10 @@ same optimizer), FP8 states (``torch.uint8``), ``capturable`` (CUDA graphs) and
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+import contextlib
+import sys
+import types
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -43,8 +46,11 @@ class FusedAdam(torch.optim.Optimizer):
                  master_weight_dtype: torch.dtype = torch.float32, exp_avg_dtype: torch.dtype = torch.float32,
                  exp_avg_sq_dtype: torch.dtype = torch.float32, use_decoupled_grad: bool = False,
                  store_param_remainders: bool = False, set_grad_none: bool | None = None):
-        if amsgrad or capturable or store_param_remainders:
-            raise RuntimeError("the drill FusedAdam does not reproduce amsgrad, capturable or store_param_remainders")
+        # (TE keeps remainders only of fp32 master params: with others the flag changes nothing)
+        remainders = store_param_remainders and master_weights and master_weight_dtype == torch.float32
+        if amsgrad or capturable or remainders:
+            raise RuntimeError("the drill FusedAdam does not reproduce amsgrad, capturable or store_param_remainders "
+                               "(keep master params in fp16: --main-params-dtype fp16)")
         for name, dtype in (("master_weight_dtype", master_weight_dtype), ("exp_avg_dtype", exp_avg_dtype),
                             ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
             if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -167,3 +173,29 @@ class FusedAdam(torch.optim.Optimizer):
                     self.set_scaled_state(p, "master_param", w)
                 p.data.copy_(w)
         return loss
+
+
+# The Transformer Engine this class stands in for (megatron-core checks a version before it accepts
+# the precision-aware optimizer).
+TE_VERSION = "2.8.0"
+_STAND_IN = ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.optimizers")
+
+
+@contextlib.contextmanager
+def te_stand_in() -> Iterator[None]:
+    """For the duration, ``transformer_engine.pytorch.optimizers`` is a module offering this FusedAdam
+    (and ``transformer_engine`` has TE's version): what megatron-core's ``OptimizerConfig`` looks up
+    before it takes ``--use-precision-aware-optimizer``. Only for that moment: a module that checks for
+    TE as it imports must keep finding it absent (nothing else of TE is here)."""
+    if any(name in sys.modules for name in _STAND_IN):  # (TE itself, or a stand-in already)
+        yield
+        return
+    te, pt, opt = (types.ModuleType(name) for name in _STAND_IN)
+    te.__version__ = TE_VERSION  # type: ignore[attr-defined]  # (a module made here: its attributes are ours to set)
+    te.pytorch, pt.optimizers, opt.FusedAdam = pt, opt, FusedAdam  # type: ignore[attr-defined]
+    sys.modules.update(zip(_STAND_IN, (te, pt, opt)))
+    try:
+        yield
+    finally:
+        for name in _STAND_IN:
+            sys.modules.pop(name, None)

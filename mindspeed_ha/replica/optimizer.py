@@ -207,8 +207,9 @@ class ReplicaMixin:
     def ha_state_ranges(self) -> dict[Range, tuple[torch.Tensor, ...]]:
         """This shard in parameter coordinates, what a reshard moves: ((position, parameter name),
         start, end) -> (main values, then the optimizer's elementwise state: exp_avg and exp_avg_sq,
-        or SGD's momentum) of those flattened elements (live views: copy into them to install). The
-        step count is not here: every entry shares its value."""
+        or SGD's momentum) of those flattened elements, in fp32: live views where the optimizer keeps
+        them so, else copies (``replica.state.reshard_values``) that ``ha_install_state_ranges`` writes
+        back once the new values are in. The step count is not here: every entry shares its value."""
         self.ha_ensure_state()
         where = {name: position for name, (_, position) in self.ha_param_positions().items()}
         layouts = dict(zip(map(id, _inner_optimizers(self)), self._ha_layouts))
@@ -216,9 +217,16 @@ class ReplicaMixin:
         for _, main, model_param, inner in self._ha_entries():
             name = compat.param_name(inner, model_param)
             rng = compat.param_range(inner, model_param)  # type: ignore[no-untyped-call]  # compat's gate is untyped
-            out[((where[name], name), rng.start, rng.end)] = (main, *state.moments(inner.optimizer, layouts[id(inner)],
-                                                                                   main))
+            out[((where[name], name), rng.start, rng.end)] = state.reshard_values(inner.optimizer, layouts[id(inner)],
+                                                                                  main)
         return out
+
+    def ha_install_state_ranges(self, ranges: dict[Range, tuple[torch.Tensor, ...]]) -> None:
+        """After a reshard wrote into ``ranges`` (this optimizer's ``ha_state_ranges``): the copies
+        among them back into the optimizer's own state."""
+        layouts = dict(zip(map(id, _inner_optimizers(self)), self._ha_layouts))
+        for (_, main, _, inner), values in zip(self._ha_entries(), ranges.values()):
+            state.reshard_install(inner.optimizer, layouts[id(inner)], main, values)
 
     def ha_ensure_state(self) -> None:
         """Allocate the optimizer's state (a newcomer's optimizer has none until its first step):

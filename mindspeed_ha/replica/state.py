@@ -185,8 +185,34 @@ def import_groups(optimizer: Any, layout: Layout, prefix: str, tensors: Mapping[
             group.pop("step", None)
 
 
-def moments(optimizer: Any, layout: Layout, main: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The elementwise state of ``main`` a reshard moves with its values, as live fp32 tensors."""
+def holds_master(optimizer: Any, main: torch.Tensor) -> bool:
+    """The optimizer keeps ``main``'s fp32 values itself (a precision-aware fused Adam's
+    ``master_param``): ``main`` is then the 16-bit model shard."""
+    return "master_param" in optimizer.state.get(main, {})
+
+
+def reshard_values(optimizer: Any, layout: Layout, main: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What a reshard moves of ``main``, as fp32 tensors: its values, then its elementwise state (and,
+    where the optimizer holds the master values itself, those after the model shard's own 16-bit
+    values, which are the weights and not a cast of the stored master). Live views where the
+    optimizer keeps them in fp32; otherwise fp32 copies, unscaled, that ``reshard_install`` writes back."""
     st = optimizer.state[main]
-    return tuple(st[k] for k in layout.moments if k in st)
+    names = [k for k in layout.moments if k in st]
+    if not holds_master(optimizer, main) and all(st[k].dtype == torch.float32 for k in names):
+        return (main, *(st[k] for k in names))
+    unscaled = optimizer.get_unscaled_state
+    own = ("master_param",) if holds_master(optimizer, main) else ()
+    return (main.detach().float(), *(unscaled(main, k).clone() for k in (*own, *names)))
+
+
+def reshard_install(optimizer: Any, layout: Layout, main: torch.Tensor, values: tuple[torch.Tensor, ...]) -> None:
+    """Write back what ``reshard_values`` copied, each state scaled as the optimizer keeps it."""
+    if values[0] is main:
+        return
+    names = [k for k in layout.moments if k in optimizer.state[main]]
+    own = ["master_param"] if holds_master(optimizer, main) else []
+    with torch.no_grad():
+        main.copy_(values[0])
+        for name, value in zip([*own, *names], values[1:]):
+            optimizer.set_scaled_state(main, name, value)
 

@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--sgd-momentum", type=float, default=0.9)
     t.add_argument("--optimizer-cpu-offload", action="store_true",
                    help="megatron-core's HybridDeviceOptimizer (refused with the replica optimizer)")
+    t.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="Transformer Engine's FusedAdam keeps the main params (and may keep the moments in a lower "
+                        "dtype, scaled); on the CPU: MINDSPEED_HA_DRILL_OPTIMIZER=fused-adam-master")
+    t.add_argument("--main-params-dtype", default="fp32", choices=["fp32", "fp16"])
+    t.add_argument("--exp-avg-dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+    t.add_argument("--exp-avg-sq-dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
     t.add_argument("--loss-scale", type=float, default=None, help="fp16: a constant loss scale (default: dynamic)")
     t.add_argument("--initial-loss-scale", type=float, default=2 ** 32)
     t.add_argument("--min-loss-scale", type=float, default=1.0)

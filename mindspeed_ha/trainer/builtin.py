@@ -45,6 +45,9 @@ def set_seed(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
 def _dtype(a) -> torch.dtype:
     return torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
 
@@ -193,7 +196,10 @@ class BuiltinTrainer(TrainerInterface):
             clip_grad=a.clip_grad, bf16=a.bf16, fp16=a.fp16, params_dtype=_dtype(a), loss_scale=a.loss_scale,
             initial_loss_scale=a.initial_loss_scale, min_loss_scale=a.min_loss_scale,
             loss_scale_window=a.loss_scale_window, hysteresis=a.hysteresis,
-            optimizer_cpu_offload=a.optimizer_cpu_offload, use_distributed_optimizer=a.use_distributed_optimizer)
+            optimizer_cpu_offload=a.optimizer_cpu_offload, use_distributed_optimizer=a.use_distributed_optimizer,
+            use_precision_aware_optimizer=a.use_precision_aware_optimizer,
+            main_params_dtype=_DTYPES[a.main_params_dtype], exp_avg_dtype=_DTYPES[a.exp_avg_dtype],
+            exp_avg_sq_dtype=_DTYPES[a.exp_avg_sq_dtype])
 
     def _build_scheduler(self) -> OptimizerParamScheduler:
         a = self.args
