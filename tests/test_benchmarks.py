@@ -74,3 +74,18 @@ def test_controller_scale_says_which_round_failed_and_why():
     assert failure["round"] == "rebuild" and failure["kind"] == "refusal", failure
     assert "rank 1: simulated refusal of rebuild" in failure["why"], failure
     assert "recovery FAILED in round rebuild (refusal)" in proc.stdout
+
+
+def test_mttr_short_form_ends_0_with_its_ratios(tmp_path):
+    """benchmarks/mttr.py in a short form (retry against the torchrun baseline, a short job): the
+    baseline's two launches are one drill job, so the relaunch resumes instead of failing again, and
+    the benchmark ends 0 with the ratios README quotes."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "mttr.py"), "--no-torchft", "--ours", "retry",
+                           "--layers", "1", "--hidden", "64", "--seq", "32", "--interval", "3", "--fault-step", "5",
+                           "--iters", "6", "--keep", str(tmp_path)], env=clean_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["retry_lost_steps"] == 0
+    assert result["torchrun_lost_steps"] == 1 and result["torchrun_processes"] == 8
+    assert result["torchrun_mttr_ratio"] > 0 and result["torchrun_regain_ratio"] > 0, result
