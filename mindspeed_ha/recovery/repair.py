@@ -41,15 +41,22 @@ def status(trainer: TrainerInterface) -> dict[str, Any]:
     return {**local_status(trainer), "ended": trainer.ended}
 
 
+# What one repair message carries at most: the receiver writes each message into the shard it is
+# replacing (it is being overwritten anyway), so a repair allocates one message beside the state on
+# either side, whatever the shard's size.
+REPAIR_CHUNK_BYTES = 64 << 20
+
+
 def transfer_shards(optimizer: ReplicaMixin, pairs: list[tuple[int, int]], rank: int, iteration: int,
-                    overwriting: Callable[[], None] = lambda: None) -> int:
+                    overwriting: Callable[[], None] = lambda: None, chunk_bytes: int = REPAIR_CHUNK_BYTES) -> int:
     """Point to point over the rebuilt default group: for each (src, dst) (job ranks), src sends its
     shard state (fp32 main params and the optimizer's state for them, its step counts and loss
-    scaler: ``ReplicaMixin.ha_export_shard``), dst overwrites its own. Every rank
-    walks the pairs in the same order. Each tensor travels on the rank's device (Adam's ``step`` is
-    a CPU scalar, which an NCCL group cannot carry) and lands where the receiver keeps its own.
-    ``overwriting()`` is called before the receiver's shard is first written (from then on it is not
-    whole until the caller's commit point). Returns the bytes this rank received."""
+    scaler: ``ReplicaMixin.ha_export_shard``), dst overwrites its own in place. Every rank walks the
+    pairs in the same order. The state travels as its bytes, in messages of at most ``chunk_bytes``
+    on the rank's device (Adam's ``step`` is a CPU scalar, which an NCCL group cannot carry: it is
+    staged through the message) and lands where the receiver keeps it. ``overwriting()`` is called
+    before the receiver's shard is first written (from then on it is not whole until the caller's
+    commit point). Returns the bytes this rank received."""
     from mindspeed_ha.comm.groups import dist_rank
     # A window stopped before its arithmetic is closed first: the shard (the loss scaler with it) is
     # then wholly at ha_iteration, what it sends or what a copy overwrites.
@@ -59,19 +66,55 @@ def transfer_shards(optimizer: ReplicaMixin, pairs: list[tuple[int, int]], rank:
         if rank not in (src, dst):
             continue
         optimizer.ha_ensure_state()
-        mine = optimizer.ha_export_shard()
-        if rank == src:
-            for t in mine.values():
-                dist.send(t.detach().to(current()).contiguous(), dist_rank(dst))
-        else:
-            fresh = {k: torch.empty_like(t, device=current()) for k, t in mine.items()}
-            for t in fresh.values():
-                dist.recv(t, dist_rank(src))
-                got += t.numel() * t.element_size()
+        shard = optimizer.ha_export_shard()  # (live views: written in place on the receiver)
+        if rank == dst:
             overwriting()
-            optimizer.ha_import_shard(fresh)
+        got += _move_bytes(list(shard.values()), sending=rank == src, peer=dist_rank(dst if rank == src else src),
+                           chunk_bytes=chunk_bytes)
+        if rank == dst:
+            optimizer.ha_import_shard(shard)  # (what is not a live view: step counts, the loss scaler)
     if any(dst == rank for _, dst in pairs):
         optimizer.ha_iteration = iteration
+    return got
+
+
+def _byte_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's bytes, a view of it (every shard tensor is contiguous: a flat slice or its own)."""
+    out = []
+    for t in tensors:
+        if not t.is_contiguous():
+            raise RepairError(f"a shard tensor of shape {tuple(t.shape)} is not contiguous: it cannot be written in place")
+        out.append(t.reshape(-1).view(torch.uint8))
+    return out
+
+
+def _move_bytes(tensors: list[torch.Tensor], sending: bool, peer: int, chunk_bytes: int) -> int:
+    """Send ``tensors``' bytes to ``peer``, or receive the peer's into them, in messages of at most
+    ``chunk_bytes`` (one buffer of that size on the rank's device; a tensor larger than a message
+    spans several). Both ends walk the same sizes in the same order. Returns the bytes received."""
+    views = _byte_views(tensors)
+    total = sum(v.numel() for v in views)
+    buf = torch.empty(min(chunk_bytes, total), dtype=torch.uint8, device=current())
+    got, i, off = 0, 0, 0  # the next byte to move: tensor i, at offset off
+    for start in range(0, total, chunk_bytes):
+        n = min(chunk_bytes, total - start)
+        pieces, fill = [], 0
+        while fill < n:
+            take = min(views[i].numel() - off, n - fill)
+            pieces.append((views[i][off:off + take], fill))
+            fill, off = fill + take, off + take
+            if off == views[i].numel():
+                i, off = i + 1, 0
+        msg = buf[:n]
+        if sending:
+            for piece, at in pieces:
+                msg[at:at + piece.numel()].copy_(piece)
+            dist.send(msg, peer)
+        else:
+            dist.recv(msg, peer)
+            for piece, at in pieces:
+                piece.copy_(msg[at:at + piece.numel()])
+            got += n
     return got
 
 

@@ -16,7 +16,6 @@ abandoned before the arithmetic (``ha_abandon_update``) puts it back, and a twin
 from __future__ import annotations
 
 import collections
-import hashlib
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
@@ -56,6 +55,11 @@ def step_count(optimizer: Any) -> float | None:
     for inner in _inner_optimizers(optimizer):
         return state.step_count(inner.optimizer, state.layout_of(inner.optimizer))
     return None
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same memory (a view of the live state, written in place)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
 
 
 def _scaler_state(inner: Any) -> dict[str, Any]:
@@ -267,7 +271,8 @@ class ReplicaMixin:
         layouts = dict(zip(map(id, _inner_optimizers(self)), self._ha_layouts))
         with torch.no_grad():
             for name, main, _, inner in self._ha_entries():
-                main.copy_(tensors[f"{name}.param"])
+                if not _same(main, tensors[f"{name}.param"]):  # (a repair wrote into the live shard itself)
+                    main.copy_(tensors[f"{name}.param"])
                 state.import_param(inner.optimizer, layouts[id(inner)], main, name, tensors)
             for o, inner in enumerate(_inner_optimizers(self)):
                 state.import_groups(inner.optimizer, layouts[id(inner)], f"o{o}", tensors)
@@ -290,13 +295,12 @@ class ReplicaMixin:
                 tensor.view(-1)[: max(1, tensor.numel() // 2)] = float("nan")
         return name
 
-    def ha_fingerprint(self) -> "collections.OrderedDict[str, int]":
-        """A 63-bit digest of every shard tensor's bytes (bit-exact: any flipped bit changes it)."""
-        out = collections.OrderedDict()
-        for key, t in self.ha_export_shard().items():
-            raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            out[key] = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1
-        return out
+    def ha_fingerprint(self) -> tuple[list[str], torch.Tensor]:
+        """Every shard tensor's name and a 64-bit digest of its bytes, computed where the shard lives
+        (``replica.verify.digest``: no copy of the shard leaves the device); any flipped bit changes it."""
+        from mindspeed_ha.replica.verify import digest
+        shard = self.ha_export_shard()
+        return list(shard), torch.stack([digest(t, current()) for t in shard.values()])
 
 
 _classes: dict[type, type] = {}

@@ -157,14 +157,16 @@ def import_param(optimizer: Any, layout: Layout, main: torch.Tensor, prefix: str
         if got is None:
             continue
         if torch.is_tensor(st.get(key)):
-            st[key].copy_(got)
+            if st[key].data_ptr() != got.data_ptr():  # (else written in place already)
+                st[key].copy_(got)
         else:
             st[key] = got.detach().clone().to(main.device if key != "step" else got.device)
         scale = tensors.get(f"{prefix}.{key}.scale")
         if scale is not None:
             own = scales(optimizer).setdefault(main, {})
             if key in own:
-                own[key].copy_(scale)
+                if own[key].data_ptr() != scale.data_ptr():
+                    own[key].copy_(scale)
             else:
                 own[key] = scale.detach().clone()
 
