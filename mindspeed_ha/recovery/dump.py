@@ -105,34 +105,47 @@ def prepare(trainer: TrainerInterface, abandon_update: bool = False) -> Prepared
     return Prepared(trainer, local_status(trainer), sd, params, shard, time.perf_counter() - t0, size)
 
 
-def _resync_model_weights(prep: Prepared, plan: DumpPlan, world: World) -> None:
+def _resync_model_weights(prep: Prepared, plan: DumpPlan, world: World) -> int:
     """Model weights := the writers' fp32 main params (cast like the distributed optimizer's own
     copy). A fault between the shard updates and the parameter all-gather leaves stale weights for
-    other ranks' shards; this is that all-gather, from the chosen holders only."""
+    other ranks' shards; this is that all-gather, from the chosen holders only, and only to the
+    survivors that hold the same parameter at the same (TP, PP, EP) position — their data-parallel
+    peers — in the weights' own dtype (the cast the receiver would make). Point to point, every rank
+    walking the (writer, receiver) pairs in one order. Returns the bytes this rank received."""
+    from mindspeed_ha.recovery.repair import REPAIR_CHUNK_BYTES
     me = world.rank
-    dev = next(iter(prep.params.values()))[0].device  # NCCL/HCCL broadcast device tensors only
-    descs: list[list[dict[str, Any]] | None] = [None] * len(world.ranks)
-    dist.all_gather_object(descs, prep.shard if me in plan.writers.values() else None)
-    for src, desc in enumerate(descs):
-        if desc is None:
+    held = sorted((name, tuple(pos)) for name, (_, pos) in prep.params.items())
+    every: list[Any] = [None] * len(world.ranks)  # filled by all_gather_object
+    dist.all_gather_object(every, {"shard": prep.shard if me in plan.writers.values() else None, "held": held})
+    holders: dict[tuple[str, tuple[Any, ...]], list[int]] = {}
+    for r, e in enumerate(every):
+        for name, pos in e["held"]:
+            holders.setdefault((name, tuple(pos)), []).append(r)
+    # (writer, receiver) -> the writer's shard entries the receiver holds too
+    pairs: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for src, e in enumerate(every):
+        for d in e["shard"] or ():
+            for dst in holders.get((d["param"], tuple(d["pos"])), ()):
+                if dst != src:
+                    pairs.setdefault((src, dst), []).append(d)
+    mine = world.new_rank
+    exported = prep.trainer.optimizer.ha_export_shard() if any(src == mine for src, _ in pairs) else {}
+    got = 0
+    for (src, dst), entries in sorted(pairs.items()):
+        if mine not in (src, dst):
             continue
-        if world.original(src) == me:
-            exported = prep.trainer.optimizer.ha_export_shard()
-            blob = torch.cat([exported[f"{d['name']}.param"].reshape(-1).float() for d in desc]) if desc \
-                else torch.empty(0, device=dev)
-        else:
-            blob = torch.empty(sum(d["end"] - d["start"] for d in desc), dtype=torch.float32, device=dev)
-        dist.broadcast(blob, src=src)
-        if world.original(src) == me:
-            continue
-        off = 0
-        with torch.no_grad():
-            for d in desc:
-                n = d["end"] - d["start"]
-                p, pos = prep.params.get(d["param"], (None, None))
-                if p is not None and pos == tuple(d["pos"]):
-                    p.data.view(-1)[d["start"]:d["end"]].copy_(blob[off:off + n])
-                off += n
+        views = [prep.params[d["param"]][0].data.view(-1)[d["start"]:d["end"]] for d in entries]
+        if src == mine:  # (the weights the receiver will hold: the fp32 main values in their dtype)
+            views = [exported[f"{d['name']}.param"].reshape(-1).to(v.dtype) for d, v in zip(entries, views)]
+        got += _move_weights(views, sending=src == mine, peer=dst if src == mine else src, chunk=REPAIR_CHUNK_BYTES)
+    return got
+
+
+def _move_weights(views: list[torch.Tensor], sending: bool, peer: int, chunk: int) -> int:
+    """Send these tensors' bytes to ``peer`` or receive them into them (as a repair moves a shard)."""
+    from mindspeed_ha.recovery.repair import _move_bytes
+    with torch.no_grad():
+        return _move_bytes(views, sending, peer, chunk)
 
 
 def _normalize(prep: Prepared, plan: DumpPlan) -> bool:
@@ -273,7 +286,7 @@ def write(prep: Prepared, plan: DumpPlan, world: World, save_dir: str, events: E
         os.makedirs(tmp)
         checkpoint_dir.remove_leftovers(save_dir, keep=tmp)  # e.g. a periodic save the fault interrupted
     try:
-        _resync_model_weights(prep, plan, world)
+        resync_bytes = _resync_model_weights(prep, plan, world)
         progress()
         rng_ok = _normalize(prep, plan)
         sd = prep.sd
@@ -322,7 +335,7 @@ def write(prep: Prepared, plan: DumpPlan, world: World, save_dir: str, events: E
     if ev is not None:
         ev.emit("checkpoint", kind="dying_gasp", iteration=plan.iteration, path=result.path, seconds=seconds,
                 ranks=result.writers, survivors=list(world.ranks), main_items=mains,
-                save_s=t_saved - t_save, prepare_s=prep.seconds, bytes=total)
+                save_s=t_saved - t_save, prepare_s=prep.seconds, bytes=total, resync_bytes_received=resync_bytes)
     log.info("dying-gasp checkpoint: iteration %d written to %s in %.2f s (writers %s)",
              plan.iteration, final, seconds, result.writers)
     return result
