@@ -43,7 +43,8 @@ def test_a_range_without_exactly_one_holder_is_refused_before_anything_moves(hel
 
 def test_exchange_on_four_gloo_ranks(tmp_path):
     """DP=4 -> DP=2 for two parameters (one uneven): ranks 0 and 3 end with exactly the values the
-    four holders had, three state tensors each; the dropped ranks only send."""
+    four holders had, three state tensors each; the dropped ranks only send. Messages of at most 7
+    elements: moves are cut and packed into them, and the same bytes arrive."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", WORKER, str(tmp_path)]
     proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

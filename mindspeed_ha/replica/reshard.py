@@ -8,8 +8,8 @@ offsets: that stays right whatever the padding or bucketing of either layout.
 
 ``schedule`` is pure: from what each serving rank holds and what each rank of the new layout needs,
 the pieces to move, each from exactly one holder, checked to tile every needed range before anything
-moves. ``exchange`` moves them with one message per (source, destination) pair, every send and
-receive posted at once (``batch_isend_irecv``), so pairs that swap pieces cannot deadlock.
+moves. ``exchange`` moves them pair by pair in one global order, in messages of bounded size written
+into the new state as they arrive.
 """
 from __future__ import annotations
 
@@ -72,37 +72,54 @@ def schedule(held: Mapping[int, Iterable[Range]], wanted: Mapping[int, Iterable[
     return sorted(moves, key=lambda m: (m.src, m.dst, str(m.key), m.start))
 
 
+# What one reshard message carries at most (the same bound as a repair's): a move larger than that
+# is cut into pieces, and a rank never holds more than one message beside the state it moves.
+CHUNK_BYTES = 64 << 20
+
+
+def _cut(moves: list[Move], elems: int) -> list[Move]:
+    """``moves`` cut into pieces of at most ``elems`` elements each, in order (both ends cut alike)."""
+    return [dataclasses.replace(m, start=a, end=min(m.end, a + elems)) for m in moves
+            for a in range(m.start, m.end, elems)]
+
+
 def exchange(moves: list[Move], rank: int, read: Callable[[Move], torch.Tensor],
              write: Callable[[Move, torch.Tensor], None], width: int = 3, dtype: torch.dtype = torch.float32,
-             group: dist.ProcessGroup | None = None) -> int:
+             group: dist.ProcessGroup | None = None, chunk_bytes: int = CHUNK_BYTES) -> int:
     """Carry out this rank's part of ``moves``. ``read(move)``: the piece as a [width, numel] tensor
     of ``dtype`` (the state tensors of the range: main values, exp_avg, exp_avg_sq); ``write(move,
-    piece)`` installs one. Ranks are ranks of ``group``. Returns the bytes this rank received."""
+    piece)`` installs one. Ranks are ranks of ``group``. Returns the bytes this rank received.
+
+    Each (source, destination) pair's pieces go in messages of at most ``chunk_bytes``, written into
+    the new state as each arrives: one message's buffer at a time beside the state. Every rank walks
+    the pairs in one global order with blocking sends and receives, so the first pair not yet done
+    always has both its ends at it: pairs that swap pieces cannot deadlock."""
     pairs = collections.defaultdict(list)
     for m in moves:
         if rank in (m.src, m.dst):
             pairs[(m.src, m.dst)].append(m)
     for m in pairs.pop((rank, rank), ()):
         write(m, read(m).clone())
-    ops, inbox = [], []
-    for (src, dst), ms in sorted(pairs.items()):
-        if src == rank:
-            flat = torch.cat([read(m).to(current(), dtype).reshape(-1) for m in ms])
-            ops.append(dist.P2POp(dist.isend, flat, dst, group))
-        else:
-            buf = torch.empty(width * sum(m.numel for m in ms), dtype=dtype, device=current())
-            ops.append(dist.P2POp(dist.irecv, buf, src, group))
-            inbox.append((buf, ms))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    elems = max(1, chunk_bytes // (width * dtype.itemsize))
     got = 0
-    for buf, ms in inbox:
-        got += buf.numel() * buf.element_size()
-        at = 0
-        for m in ms:
-            write(m, buf[at:at + width * m.numel].view(width, m.numel))
-            at += width * m.numel
+    for (src, dst), ms in sorted(pairs.items()):
+        pieces, message = _cut(ms, elems), []
+        for i, piece in enumerate(pieces):
+            message.append(piece)
+            if i + 1 < len(pieces) and sum(m.numel for m in message) + pieces[i + 1].numel <= elems:
+                continue  # (the next piece fits in this message too)
+            if src == rank:
+                flat = torch.cat([read(m).to(current(), dtype).reshape(-1) for m in message])
+                dist.send(flat, dst, group)
+            else:
+                buf = torch.empty(width * sum(m.numel for m in message), dtype=dtype, device=current())
+                dist.recv(buf, src, group)
+                got += buf.numel() * buf.element_size()
+                at = 0
+                for m in message:
+                    write(m, buf[at:at + width * m.numel].view(width, m.numel))
+                    at += width * m.numel
+            message = []
     return got
 
 

@@ -51,7 +51,7 @@ def main(out):
                 return
         raise KeyError(m)
 
-    got = exchange(moves, rank, read, write)
+    got = exchange(moves, rank, read, write, chunk_bytes=12 * 7)  # (7 elements a message: moves cut and packed)
     wrong = [f"{key}[{a + j}] state {k}" for (key, a, b), t in new.items()
              for k in range(3) for j in range(b - a) if t[k, j].item() != value(key, a + j, k)]
     with open(f"{out}/rank{rank}.json", "w") as f:
