@@ -196,7 +196,8 @@ class RankRecovery:
         from mindspeed_ha.plan import ElasticPlan
         from mindspeed_ha.recovery import elastic
         clear_stop()
-        self.s.device_ready(self.trainer.iteration + 1)
+        # (a newcomer of Megatron-LM's loop has its groups only, no trainer's counters yet)
+        self.s.device_ready(getattr(self.s.trainer, "iteration", -1) + 1)
         if self.unfinished is None:
             if self.trainer.optimizer is not None:
                 self.trainer.clean_partial_step()
