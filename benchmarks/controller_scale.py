@@ -68,7 +68,7 @@ def limits(ranks: int, heartbeat: float) -> dict:
 
 def simulate(a) -> None:
     """A simulator process: ranks [lo, hi) of the world; commands on stdin, reports on stdout."""
-    from mindspeed_ha.control import protocol as P, security
+    from mindspeed_ha.control.wire import protocol as P, security
     keys = security.Keys.load(a.log_dir, insecure=a.insecure, timeout=10)
     ctx = zmq.Context(io_threads=1)
     ctx.max_sockets = 65536
@@ -471,7 +471,7 @@ def main() -> None:
     if a.sim:
         return simulate(a)
 
-    from mindspeed_ha.control import security
+    from mindspeed_ha.control.wire import security
     from mindspeed_ha.control.controller import Controller
     from mindspeed_ha.events import setup_text_log
     from mindspeed_ha.options import HAOptions

@@ -24,10 +24,10 @@ def _add_security(p: argparse.ArgumentParser) -> None:
 
 
 def _controller_record(args, log_dir: str) -> dict | None:
-    from .control.election import read_controller_json
+    from .control.wire.announcement import read_controller_json
     if not args.job_store:
         return read_controller_json(log_dir)
-    from .control.discovery import CONTROLLER_KEY, JobStore
+    from .control.wire.discovery import CONTROLLER_KEY, JobStore
     host, _, port = args.job_store.rpartition(":")
     store = JobStore((host, int(port)))
     try:
@@ -40,7 +40,7 @@ def _controller_record(args, log_dir: str) -> dict | None:
 
 def _request(args, data: bytes) -> dict | None:
     """One authenticated request to the active controller; ``None`` if it does not answer."""
-    from .control import protocol as P, security
+    from .control.wire import protocol as P, security
     log_dir = log_dir_from_env(args.log_dir)
     info = _controller_record(args, log_dir)
     if info is None:
@@ -68,7 +68,7 @@ def _request(args, data: bytes) -> dict | None:
 
 
 def cmd_status(args) -> int:
-    from .control import protocol as P
+    from .control.wire import protocol as P
     msg = _request(args, P.encode("status?"))
     log_dir = log_dir_from_env(args.log_dir)
     st: dict[str, Any]
@@ -105,7 +105,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_inject(args) -> int:
-    from .control import protocol as P
+    from .control.wire import protocol as P
     fields = {"kind": args.kind, "rank": args.rank}
     if args.step is not None:
         fields["step"] = args.step
@@ -117,7 +117,7 @@ def cmd_inject(args) -> int:
 
 
 def cmd_migrate(args) -> int:
-    from .control import protocol as P
+    from .control.wire import protocol as P
     return _answer(_request(args, P.encode("migrate", rank=args.rank, reason=args.reason)))
 
 
@@ -152,7 +152,7 @@ def cmd_controller(args) -> int:
 def cmd_keygen(args) -> int:
     """Keys for a job whose nodes share no log dir: made once, handed to every node (a Kubernetes
     Secret, a directory every node mounts) and named with --ha-key-dir."""
-    from .control import security
+    from .control.wire import security
     d = os.path.abspath(args.dir)
     if os.path.exists(os.path.join(d, "client.key_secret")) and not args.force:
         print(f"{d} already holds keys; --force makes new ones (every node must then get the new ones)", file=sys.stderr)
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         exit_done(run(argv[1:]))  # (the agent imported torch: no finalisation of it, see exit_done)
     p = argparse.ArgumentParser(prog="mindspeed-ha", description="mindspeed-ha: training fault tolerance")
     sub = p.add_subparsers(dest="cmd", required=True)
-    from .control.protocol import INJECT_KINDS, INJECT_PHASES
+    from .control.wire.protocol import INJECT_KINDS, INJECT_PHASES
     # (torchrun's parser needs torch: built only for a run; `mindspeed-ha run --help` shows it)
     sub.add_parser("run", help="launch workers on this node (torchrun's flags; mindspeed-ha run --help)",
                    add_help=False).add_argument("rest", nargs=argparse.REMAINDER)

@@ -196,8 +196,8 @@ def test_agent_reports_exits_and_obeys_restart(tmp_path):
     """The agent against a controller socket driven by the test: exit reports arrive at once with
     pid, code and signal; ``restart`` brings one worker back; ``exit`` ends the node."""
     import zmq
-    from mindspeed_ha.control import protocol as P, security
-    from mindspeed_ha.control.election import write_controller_json
+    from mindspeed_ha.control.wire import protocol as P, security
+    from mindspeed_ha.control.wire.announcement import write_controller_json
     keys = security.Keys.load(str(tmp_path), create=True)
     ctx = zmq.Context()
     srv = ctx.socket(zmq.ROUTER)

@@ -10,7 +10,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
-from mindspeed_ha.control import protocol as P, security
+from mindspeed_ha.control.wire import protocol as P, security
 from mindspeed_ha.control.controller import Controller
 from mindspeed_ha.options import HAOptions
 

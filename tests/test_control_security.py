@@ -8,10 +8,10 @@ import pytest
 import zmq
 import zmq.auth
 
-from mindspeed_ha.control import protocol as P, security
+from mindspeed_ha.control.wire import protocol as P, security
 from mindspeed_ha.control.controller import Controller
-from mindspeed_ha.control.election import write_controller_json
-from mindspeed_ha.control.link import ControllerLink
+from mindspeed_ha.control.wire.announcement import write_controller_json
+from mindspeed_ha.control.wire.link import ControllerLink
 from mindspeed_ha.options import HAOptions
 
 

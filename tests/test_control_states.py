@@ -98,7 +98,7 @@ import time as _time
 
 import zmq as _zmq
 
-from mindspeed_ha.control import protocol as _P, security as _security
+from mindspeed_ha.control.wire import protocol as _P, security as _security
 from mindspeed_ha.control.controller import Controller as _Controller
 from mindspeed_ha.control.election import choose_backups, has_quorum
 from mindspeed_ha.options import HAOptions as _HAOptions
@@ -207,7 +207,7 @@ def _store_and_standbys(tmp_path, monkeypatch, ranks=(2, 3)):
     each with its own view of the store, their controller (rank 0) gone."""
     import torch.distributed as dist
     from helpers import free_port
-    from mindspeed_ha.control.discovery import JobStore
+    from mindspeed_ha.control.wire.discovery import JobStore
     monkeypatch.setenv("MINDSPEED_HA_DEAD_AFTER", "0.6")
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
@@ -255,7 +255,7 @@ def test_half_the_world_does_not_take_over_while_the_store_hears_the_controller(
     """The far side of a partition: the standby's half (ranks 2 and 3) lost the controller, but the job
     store still hears it (its counter moves): this half must not go on. Once the store is gone with its
     host still up (it refuses connections: not a cut link), the standby takes over."""
-    from mindspeed_ha.control.discovery import JobStore, beat_key
+    from mindspeed_ha.control.wire.discovery import JobStore, beat_key
     server, port, (a,) = _store_and_standbys(tmp_path, monkeypatch, ranks=(3,))
     controller_side = JobStore(("127.0.0.1", port))
     controller_side.beat(beat_key(1))
@@ -423,7 +423,7 @@ def test_a_moved_job_store_keeps_the_records_at_home_for_a_replacement_of_node_0
     controller's counter, the tie-break of a split job, counts only in the store in use."""
     from helpers import free_port
     from mindspeed_ha.comm.stores import serve
-    from mindspeed_ha.control.discovery import CONTROLLER_KEY, JobStore, beat_key
+    from mindspeed_ha.control.wire.discovery import CONTROLLER_KEY, JobStore, beat_key
     home = ("127.0.0.1", free_port())
     first, moved = serve(*home), serve("127.0.0.1")
     record = {"endpoint": "tcp://127.0.0.1:1", "epoch": 1}
@@ -460,7 +460,7 @@ def test_a_home_store_that_is_gone_is_retried_less_and_less_often():
     each attempt fails (and torch's client prints errors of its own), so the attempts back off —
     new records, published meanwhile, do not bring the next one forward."""
     from helpers import free_port
-    from mindspeed_ha.control.discovery import JobStore
+    from mindspeed_ha.control.wire.discovery import JobStore
     gone = JobStore(("127.0.0.1", free_port()), period_s=0.1, connect_timeout_s=0.2, publish_only=True)
     try:
         attempts, seen = [], 0

@@ -5,7 +5,7 @@ import time
 import pytest
 import zmq
 
-from mindspeed_ha.control import protocol as P, security
+from mindspeed_ha.control.wire import protocol as P, security
 from mindspeed_ha.control.controller import Controller
 from mindspeed_ha.events import read_events
 from mindspeed_ha.options import HAOptions

@@ -183,7 +183,7 @@ def test_a_rank_cut_off_from_every_controller_ends_with_a_diagnosis(tmp_path):
     that names the cut (the side that reaches the job store goes on without it)."""
     code = f"""
 import time
-from mindspeed_ha.control import security
+from mindspeed_ha.control.wire import security
 from mindspeed_ha.control.controller import Controller
 from mindspeed_ha.control.processor import Processor
 from mindspeed_ha.options import HAOptions

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable
 from .. import exitcodes
 from ..events import EventLog, get_logger
 from ..options import HAOptions
-from . import discovery, election, ledger, playbooks, protocol as P, security
+from . import election, ledger, playbooks
+from .wire import discovery, protocol as P, security
 from .diagnosis import diagnosis
 from .elastic import Elastic
 from .inbox import Inbox
@@ -38,7 +39,7 @@ from .orders import Answer, Orders
 from .playbooks import Episode, FirstStep
 from .ranks import Agent, Rank, RankTable
 from .restarts import Restarts
-from .router import Router
+from .wire.router import Router
 from .rounds import Port, RunOutcome, Runner
 from .states import TABLE, TIMEOUTS, Machine, Outcome as O, State as S, choose_strategy
 from .succession import Succession

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..events import get_logger
 from ..faults import PROCESS_FATAL_EXIT
-from . import protocol as P
+from .wire import protocol as P
 from .ranks import Agent, Rank
 from .states import Outcome as O, State as S
 

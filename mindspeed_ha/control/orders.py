@@ -12,9 +12,9 @@ import dataclasses
 import time
 from typing import Any, Callable, Iterable
 
-from . import protocol as P
+from .wire import protocol as P
 from .ranks import RankTable
-from .router import Router
+from .wire.router import Router
 
 Answer = tuple[bool, Any]   # (ok, the handler's data, or its error text)
 

@@ -20,7 +20,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..events import get_logger
-from . import discovery, election
+from . import election
+from .wire import discovery
+from .wire.announcement import write_controller_json
 from .states import State as S
 
 if TYPE_CHECKING:
@@ -48,7 +50,7 @@ class Succession:
                 "world_size": c.world, "hostname": socket.gethostname(), "started": time.time(),
                 "backups": c.standbys.endpoints()}
         if c.write_json:
-            election.write_controller_json(c.log_dir, info)
+            write_controller_json(c.log_dir, info)
         if c.job_store is not None:  # where nodes without this log dir find us
             c.job_store.publish(discovery.CONTROLLER_KEY, info, epoch=c.epoch)
             c.job_store.beat(discovery.beat_key(c.epoch))  # (that this controller still reaches the store)

@@ -24,11 +24,11 @@ import time
 import uuid
 
 from .. import exitcodes
-from ..control import discovery, protocol as P, security
-from ..control.board import ProgressBoard
-from ..control.discovery import JobStore
-from ..control.election import read_controller_json
-from ..control.link import ControllerLink
+from ..control.wire import discovery, protocol as P, security
+from ..control.wire.announcement import read_controller_json
+from ..control.wire.board import ProgressBoard
+from ..control.wire.discovery import JobStore
+from ..control.wire.link import ControllerLink
 from ..events import EventLog, get_logger, log_dir_from_env, setup_text_log
 from ..options import HAConfigError, check_directory, check_writable, from_script_args
 from . import network, rendezvous, spare

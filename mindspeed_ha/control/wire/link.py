@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..events import get_logger
-from . import election, protocol as P, security
+from ...events import get_logger
+from . import protocol as P, security
+from .announcement import Candidates
 
 if TYPE_CHECKING:
     from .discovery import JobStore
@@ -39,7 +40,7 @@ class ControllerLink:
                  store: JobStore | None = None):
         self.ctx = ctx or zmq.Context.instance()
         self.keys, self.hello, self.name = keys, hello, name
-        self.cands = election.Candidates(log_dir, job_id, answer_wait=max(1.0, 2 * heartbeat_s),
+        self.cands = Candidates(log_dir, job_id, answer_wait=max(1.0, 2 * heartbeat_s),
                                          standby_wait=max(4.0, 8 * heartbeat_s), store=store)
         if store is not None:
             from .discovery import CONTROLLER_KEY

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Iterator, cast
 
 import zmq
 
-from ..events import get_logger
+from ...events import get_logger
 from . import protocol as P, security
 
 log = get_logger("control.router")
