@@ -1,7 +1,7 @@
 """Every transition of the recovery state machine table, and the strategy choice."""
 import pytest
 
-from mindspeed_ha.control.states import (HANDLES, TABLE, TIMEOUTS, Machine, Outcome as O, State as S,
+from mindspeed_ha.control.policy.states import (HANDLES, TABLE, TIMEOUTS, Machine, Outcome as O, State as S,
                                          TransitionError, choose_strategy, next_state)
 from mindspeed_ha.options import PREFERENCE
 
@@ -100,7 +100,8 @@ import zmq as _zmq
 
 from mindspeed_ha.control.wire import protocol as _P, security as _security
 from mindspeed_ha.control.controller import Controller as _Controller
-from mindspeed_ha.control.election import choose_backups, has_quorum
+from mindspeed_ha.control.policy.quorum import has_quorum
+from mindspeed_ha.control.policy.standbys import choose_backups
 from mindspeed_ha.options import HAOptions as _HAOptions
 
 
@@ -118,7 +119,7 @@ def test_quorum_is_strict_majority():
 
 
 def test_exact_half_takes_over_only_without_the_controllers_rank():
-    from mindspeed_ha.control.election import may_take_over
+    from mindspeed_ha.control.policy.quorum import may_take_over
     assert may_take_over(3, 4, True) and may_take_over(2, 4, False)   # two nodes, the controller's lost
     assert not may_take_over(2, 4, True) and not may_take_over(1, 4, False) and not may_take_over(2, 5, False)
     # exactly half, the controller's rank not among them, but the store still hears the controller (or
@@ -277,7 +278,8 @@ def test_hang_clock_gives_the_first_steps_their_warm_up():
     """A process's first steps may take seconds (allocation, group connections, helpers starting, a
     loaded host): no hang before WARM_UP_S. Once it has ended WARM_UP_STEPS steps, the hang timeout
     holds, and the blame goes to the rank that stopped moving, not to the one still going."""
-    from mindspeed_ha.control.ranks import WARM_UP_S, WARM_UP_STEPS, Rank, RankTable
+    from mindspeed_ha.control.policy.ranks import WARM_UP_S, Rank, RankTable
+    from mindspeed_ha.options import WARM_UP_STEPS
 
     def table():
         t = RankTable(2, heartbeat_s=0.5, hang_timeout_s=3.0)
@@ -333,8 +335,8 @@ def test_a_straggler_is_named_by_its_own_work_not_its_step_time():
     """Every rank's step takes as long as the slowest one's; only a rank's own work (step time less
     its waits for peers) tells the straggler. Slow for ``steps`` steps in a row: named, once per
     process; a step back at speed starts the count again."""
-    from mindspeed_ha.control.ranks import Rank
-    from mindspeed_ha.control.stragglers import StragglerWatch
+    from mindspeed_ha.control.policy.ranks import Rank
+    from mindspeed_ha.control.policy.stragglers import StragglerWatch
     ranks = [Rank(rank=r, ident=bytes([r]), pid=100 + r, busy=0.05, busy_steps=1, steps=10) for r in range(4)]
     watch = StragglerWatch(ratio=1.3, steps=5)
     slow = ranks[2]
@@ -355,7 +357,7 @@ def test_a_straggler_is_named_by_its_own_work_not_its_step_time():
 
 
 def test_restart_budget_counts_restarts_replacements_and_crash_loops():
-    from mindspeed_ha.control.budget import RestartBudget
+    from mindspeed_ha.control.policy.budget import RestartBudget
     b = RestartBudget(2)
     assert b.refusal({1: 5}, set()) is None
     b.count({1: 5}, [])                               # died in step 5, restarted

@@ -126,9 +126,9 @@ def test_answers_of_any_size_travel_whole(tmp_path, controller):
 def test_the_dump_time_limit_grows_with_the_state_and_with_progress(tmp_path):
     """120 s for a small state, more for a large one (50 MB/s), --ha-dump-timeout when given, and
     three times that while the writers show progress."""
-    from mindspeed_ha.control.playbooks import Episode
-    from mindspeed_ha.control.ranks import Rank
-    from mindspeed_ha.control.states import State as S
+    from mindspeed_ha.control.policy.playbooks import Episode
+    from mindspeed_ha.control.policy.ranks import Rank
+    from mindspeed_ha.control.policy.states import State as S
     keys = security.Keys.load(str(tmp_path), create=True)
     c = Controller(str(tmp_path), 2, HAOptions(strategies=frozenset({"dump"}), log_dir=str(tmp_path)), keys)
     try:
@@ -150,7 +150,7 @@ def test_newcomers_still_waiting_when_the_job_ends_are_told_to_leave(tmp_path):
     """A scaled-in job (DP=2) with newcomers 2 and 3 registered but not yet in the layout: a
     recovery's first step is complete without them (they train nothing), and once ranks 0 and 1 have
     ended the job, the newcomers are told to leave (exit 0) — the job is over, not waiting on them."""
-    from mindspeed_ha.control.ranks import Rank
+    from mindspeed_ha.control.policy.ranks import Rank
     keys = security.Keys.load(str(tmp_path), create=True)
     opts = HAOptions(strategies=frozenset({"dump", "elastic-training"}), log_dir=str(tmp_path))
     c = Controller(str(tmp_path), 4, opts, keys)
@@ -242,7 +242,7 @@ def test_ranks_whose_agent_has_not_registered_wait_for_their_node(tmp_path):
     yet when the node was lost: recover waits for the node (its agent, or a replacement, restarts
     them when it registers) instead of giving up on ranks 'without an agent'. The ranks of a job
     another launcher started are still refused: nothing could restart them."""
-    from mindspeed_ha.control.ranks import Agent, Rank
+    from mindspeed_ha.control.policy.ranks import Agent, Rank
     keys = security.Keys.load(str(tmp_path), create=True)
     opts = HAOptions(strategies=frozenset({"recover", "dump"}), log_dir=str(tmp_path))
     c = Controller(str(tmp_path), 4, opts, keys)

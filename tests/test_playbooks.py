@@ -2,10 +2,10 @@
 every failure, timeout and lost-rank branch — in milliseconds, without processes."""
 import pytest
 
-from mindspeed_ha.control import playbooks as PB
-from mindspeed_ha.control.playbooks import Episode, FirstStep
-from mindspeed_ha.control.rounds import DONE, NEXT, Answers, Fail, Goto, Round, Runner
-from mindspeed_ha.control.states import State as S
+from mindspeed_ha.control.policy import playbooks as PB
+from mindspeed_ha.control.policy.playbooks import Episode, FirstStep
+from mindspeed_ha.control.policy.rounds import DONE, NEXT, Answers, Fail, Goto, Round, Runner
+from mindspeed_ha.control.policy.states import State as S
 
 GROUPS = {0: [0, 2], 2: [0, 2], 1: [1, 3], 3: [1, 3]}  # DP=4, two optimizer instances
 

@@ -2,7 +2,7 @@
 
 A thread on rank 0 by default (``Controller(...).start()``), a standalone process with
 ``mindspeed-ha controller``, or a standby (``standby=True``) on a backup rank that promotes itself
-when it holds a quorum (election.py). Everything runs on the one controller thread: no locks on the
+when it holds a quorum (policy/quorum.py). Everything runs on the one controller thread: no locks on the
 rank table, and a decision is never late because a lock was held.
 
 The controller's own job is receiving (``_run``: each message to its handler in inbox.py), timing
@@ -28,21 +28,22 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable
 from .. import exitcodes
 from ..events import EventLog, get_logger
 from ..options import HAOptions
-from . import election, ledger, playbooks
-from .wire import discovery, protocol as P, security
-from .diagnosis import diagnosis
 from .elastic import Elastic
 from .inbox import Inbox
-from .ledger import Fault, FaultLedger
 from .migration import Migrations
 from .orders import Answer, Orders
-from .playbooks import Episode, FirstStep
-from .ranks import Agent, Rank, RankTable
+from .policy import ledger, playbooks
+from .policy.diagnosis import diagnosis
+from .policy.ledger import Fault, FaultLedger
+from .policy.playbooks import Episode, FirstStep
+from .policy.ranks import Agent, Rank, RankTable
+from .policy.rounds import Port, RunOutcome, Runner
+from .policy.standbys import Standbys
+from .policy.states import TABLE, TIMEOUTS, Machine, Outcome as O, State as S, choose_strategy
 from .restarts import Restarts
-from .wire.router import Router
-from .rounds import Port, RunOutcome, Runner
-from .states import TABLE, TIMEOUTS, Machine, Outcome as O, State as S, choose_strategy
 from .succession import Succession
+from .wire import discovery, hosts, protocol as P, security
+from .wire.router import Router
 
 if TYPE_CHECKING:
     from .metrics import Metrics
@@ -136,11 +137,12 @@ class Controller:
         self.job_store = job_store            # discovery.JobStore: announcements reach every node there
         self.hb = float(self.options.heartbeat_s)
         dead_after = float(os.environ.get("MINDSPEED_HA_DEAD_AFTER", 0) or 0) or None
-        self.table = RankTable(self.world, self.hb, self.options.hang_timeout_s, dead_after)
+        self.table = RankTable(self.world, self.hb, self.options.hang_timeout_s, dead_after,
+                               runs_here=lambda info: hosts.runs_here(info.pid, info.host))
         # The reports (rids) a recovery dealt with, by this controller or an earlier one, are settled:
         # a link re-sends what it was not told is settled, and a report is never acted on twice.
         self.ledger = FaultLedger(settled)
-        self.standbys = election.Standbys()
+        self.standbys = Standbys()
         self.exit_code = 0
         self.strategy_note = ""
         self.last_diagnosis = ""

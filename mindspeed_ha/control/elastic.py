@@ -27,9 +27,10 @@ import time
 from typing import TYPE_CHECKING, Any, Iterable
 
 from ..events import get_logger
-from . import election, ledger
-from .ranks import Agent, this_host
-from .states import Outcome as O, State as S
+from .policy import ledger, quorum
+from .policy.ranks import Agent
+from .policy.states import Outcome as O, State as S
+from .wire.hosts import this_host
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -69,7 +70,7 @@ class Elastic:
 
     def cut_off(self) -> str:
         """Why this controller's side of the job must not train on without its lost ranks: the rule
-        a standby takes over by (election.py), applied to the side that has the controller. A
+        a standby takes over by (policy/quorum.py), applied to the side that has the controller. A
         majority of the job's members (its ranks, less those a scale-in left out) goes on; exactly
         half goes on only where the job store says it is the store's side (it answers, or its host
         refuses: the store is gone, not out of reach); less than half never (it may be the cut-off
@@ -81,8 +82,8 @@ class Elastic:
         members = c.world - len(self.left)
         live = len(c.table.live() - self.left)
         store = c.job_store
-        if election.may_go_on(live, members, store is None or store.refused
-                              or time.monotonic() - store.answered_at < election.LEASE_S):
+        if quorum.may_go_on(live, members, store is None or store.refused
+                              or time.monotonic() - store.answered_at < quorum.LEASE_S):
             return ""
         why = "no majority" if 2 * live < members else "half of them, and the job store does not answer"
         return (f"elastic not tried: {live} of the job's {members} ranks live ({why}): this may be the cut-off "

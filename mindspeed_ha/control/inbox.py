@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..events import get_logger
 from ..faults import PROCESS_FATAL_EXIT
 from .wire import protocol as P
-from .ranks import Agent, Rank
-from .states import Outcome as O, State as S
+from .policy.ranks import Agent, Rank
+from .policy.states import Outcome as O, State as S
 
 if TYPE_CHECKING:
     from .controller import Controller

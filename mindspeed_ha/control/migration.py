@@ -14,10 +14,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..events import get_logger
-from .ledger import Fault
-from .ranks import WARM_UP_STEPS, Rank
-from .states import State as S
-from .stragglers import StragglerWatch
+from ..options import WARM_UP_STEPS
+from .policy.ledger import Fault
+from .policy.ranks import Rank
+from .policy.states import State as S
+from .policy.stragglers import StragglerWatch
 
 if TYPE_CHECKING:
     from .controller import Controller

@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from .wire import protocol as P
-from .ranks import RankTable
+from .policy.ranks import RankTable
 from .wire.router import Router
 
 Answer = tuple[bool, Any]   # (ok, the handler's data, or its error text)

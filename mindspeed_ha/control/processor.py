@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, SupportsFloat
 
 from .. import exitcodes
 from ..events import EventLog, get_logger, setup_text_log
-from ..options import HAOptions
+from ..options import WARM_UP_STEPS, HAOptions
 from .wire import protocol as P, security
 from .wire.board import ProgressBoard, board_path
 from .wire.discovery import JobStore, controller_is_external
 from .wire.link import ControllerLink, job_id_from_env
-from .ranks import WARM_UP_STEPS, this_host
+from .wire.hosts import this_host
 
 if TYPE_CHECKING:
     from .controller import Controller

@@ -13,9 +13,9 @@ import time
 from typing import Callable, Iterable
 
 from ..events import EventLog, get_logger
-from .budget import RestartBudget
+from .policy.budget import RestartBudget
 from .orders import Orders
-from .ranks import RankTable
+from .policy.ranks import RankTable
 
 log = get_logger("control.controller")
 

@@ -4,7 +4,7 @@ is lost, and a planned handover when the controller's own host rank is to be mig
 The active controller announces where it listens (``announce``: controller.json in the log dir, and
 the job store, where nodes without that dir look) and serves the metrics.
 
-A takeover (election.py says when one may happen) is the standby becoming the active controller
+A takeover (policy/quorum.py says when one may happen) is the standby becoming the active controller
 with the next epoch: the ranks that never came over are expected like any other (lost if they stay
 silent), the faults reported to it while it stood by are handled.
 
@@ -20,10 +20,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..events import get_logger
-from . import election
+from .policy import quorum
+from .policy.states import State as S
 from .wire import discovery
 from .wire.announcement import write_controller_json
-from .states import State as S
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -74,7 +74,7 @@ class Succession:
             return
         if store.refused:
             why = "its host refuses connections (the agent that served it is gone)"
-        elif silent >= 2 * election.LEASE_S and election.has_quorum(len(c.table.live()), c.world):
+        elif silent >= 2 * quorum.LEASE_S and quorum.has_quorum(len(c.table.live()), c.world):
             why = f"it has not answered for {silent:.0f} s, while this controller hears a majority of the ranks"
         else:
             return
@@ -163,10 +163,10 @@ class Succession:
         known_lost = c.previous is not None and c.previous >= 0 and c.previous not in reachable
         store = c.job_store
         store_lost_it = store is None or store.refused or \
-            store.still_for(discovery.beat_key(c.epoch)) >= election.LEASE_S
-        if not election.may_take_over(len(reachable), c.world, not known_lost, store_lost_it):
+            store.still_for(discovery.beat_key(c.epoch)) >= quorum.LEASE_S
+        if not quorum.may_take_over(len(reachable), c.world, not known_lost, store_lost_it):
             return
-        if not election.has_quorum(len(reachable), c.world) and store is not None and not store.refused:
+        if not quorum.has_quorum(len(reachable), c.world) and store is not None and not store.refused:
             # Exactly half: another standby may hear from the other half of the ranks. The store
             # lets one of them go on (without a store, or with it gone, the first takes over).
             if not store.claim(discovery.takeover_key(c.epoch + 1), f"{c.rank}:{os.getpid()}"):

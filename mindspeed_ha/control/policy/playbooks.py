@@ -30,8 +30,8 @@ import dataclasses
 import time
 from typing import Any, Callable
 
-from ..events import get_logger
-from .. import plan as planner
+from ... import plan as planner
+from ...events import get_logger
 from .ledger import Fault
 from .rounds import DONE, NEXT, Answers, Fail, Goto, Port, Round, Step, Switch
 from .states import State as S
