@@ -12,9 +12,9 @@ import dataclasses
 import time
 from typing import Any, Callable, Iterable
 
-from .wire import protocol as P
-from .policy.ranks import RankTable
-from .wire.router import Router
+from ..wire import protocol as P
+from ..policy.ranks import RankTable
+from ..wire.router import Router
 
 Answer = tuple[bool, Any]   # (ok, the handler's data, or its error text)
 

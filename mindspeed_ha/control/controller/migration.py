@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..events import get_logger
-from ..options import WARM_UP_STEPS
-from .policy.ledger import Fault
-from .policy.ranks import Rank
-from .policy.states import State as S
-from .policy.stragglers import StragglerWatch
+from ...events import get_logger
+from ...options import WARM_UP_STEPS
+from ..policy.ledger import Fault
+from ..policy.ranks import Rank
+from ..policy.states import State as S
+from ..policy.stragglers import StragglerWatch
 
 if TYPE_CHECKING:
     from .controller import Controller

@@ -25,25 +25,25 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable
 
-from .. import exitcodes
-from ..events import EventLog, get_logger
-from ..options import HAOptions
+from ... import exitcodes
+from ...events import EventLog, get_logger
+from ...options import HAOptions
 from .elastic import Elastic
 from .inbox import Inbox
 from .migration import Migrations
 from .orders import Answer, Orders
-from .policy import ledger, playbooks
-from .policy.diagnosis import diagnosis
-from .policy.ledger import Fault, FaultLedger
-from .policy.playbooks import Episode, FirstStep
-from .policy.ranks import Agent, Rank, RankTable
-from .policy.rounds import Port, RunOutcome, Runner
-from .policy.standbys import Standbys
-from .policy.states import TABLE, TIMEOUTS, Machine, Outcome as O, State as S, choose_strategy
+from ..policy import ledger, playbooks
+from ..policy.diagnosis import diagnosis
+from ..policy.ledger import Fault, FaultLedger
+from ..policy.playbooks import Episode, FirstStep
+from ..policy.ranks import Agent, Rank, RankTable
+from ..policy.rounds import Port, RunOutcome, Runner
+from ..policy.standbys import Standbys
+from ..policy.states import TABLE, TIMEOUTS, Machine, Outcome as O, State as S, choose_strategy
 from .restarts import Restarts
 from .succession import Succession
-from .wire import discovery, hosts, protocol as P, security
-from .wire.router import Router
+from ..wire import discovery, hosts, protocol as P, security
+from ..wire.router import Router
 
 if TYPE_CHECKING:
     from .metrics import Metrics

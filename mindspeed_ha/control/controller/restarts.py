@@ -12,10 +12,10 @@ import os
 import time
 from typing import Callable, Iterable
 
-from ..events import EventLog, get_logger
-from .policy.budget import RestartBudget
+from ...events import EventLog, get_logger
+from ..policy.budget import RestartBudget
 from .orders import Orders
-from .policy.ranks import RankTable
+from ..policy.ranks import RankTable
 
 log = get_logger("control.controller")
 

@@ -26,11 +26,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Iterable
 
-from ..events import get_logger
-from .policy import ledger, quorum
-from .policy.ranks import Agent
-from .policy.states import Outcome as O, State as S
-from .wire.hosts import this_host
+from ...events import get_logger
+from ..policy import ledger, quorum
+from ..policy.ranks import Agent
+from ..policy.states import Outcome as O, State as S
+from ..wire.hosts import this_host
 
 if TYPE_CHECKING:
     from .controller import Controller

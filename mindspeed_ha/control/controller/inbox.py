@@ -7,11 +7,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..events import get_logger
-from ..faults import PROCESS_FATAL_EXIT
-from .wire import protocol as P
-from .policy.ranks import Agent, Rank
-from .policy.states import Outcome as O, State as S
+from ...events import get_logger
+from ...faults import PROCESS_FATAL_EXIT
+from ..wire import protocol as P
+from ..policy.ranks import Agent, Rank
+from ..policy.states import Outcome as O, State as S
 
 if TYPE_CHECKING:
     from .controller import Controller

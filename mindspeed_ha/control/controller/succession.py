@@ -19,11 +19,11 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..events import get_logger
-from .policy import quorum
-from .policy.states import State as S
-from .wire import discovery
-from .wire.announcement import write_controller_json
+from ...events import get_logger
+from ..policy import quorum
+from ..policy.states import State as S
+from ..wire import discovery
+from ..wire.announcement import write_controller_json
 
 if TYPE_CHECKING:
     from .controller import Controller
