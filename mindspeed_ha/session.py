@@ -19,7 +19,7 @@ from mindspeed_ha.events import EventLog, get_logger, setup_text_log
 from mindspeed_ha.options import HAOptions
 
 if TYPE_CHECKING:
-    from mindspeed_ha.control.processor import Processor
+    from mindspeed_ha.control.rank.processor import Processor
     from mindspeed_ha.replica.topology import ReplicaTopology
     from mindspeed_ha.trainer.interface import TrainerInterface
 
@@ -197,12 +197,14 @@ class RankSession:
     # -- control plane ---------------------------------------------------------------------------
     def start_processor(self) -> None:
         """Report to the controller (hosted by rank 0's processor unless one runs elsewhere)."""
-        from mindspeed_ha.control.processor import Processor
+        from mindspeed_ha.control.controller import Controller
+        from mindspeed_ha.control.rank.processor import Processor
         groups = [self.topology.replica_group] if self.topology else []
         from mindspeed_ha.recovery.handlers import RankRecovery
+        # (any rank may host a controller: rank 0 the first, the others when they are named standbys)
         self.processor = Processor(self.rank, self.world_size, self.local_rank,
                                    os.environ.get("MINDSPEED_HA_NODE", ""), self.options, groups,
-                                   events=self.events)
+                                   events=self.events, controller_factory=Controller)
         from mindspeed_ha.comm import interruptible
         self.processor.in_collective = interruptible.waiting
         self.processor.waited_s = interruptible.waited_s

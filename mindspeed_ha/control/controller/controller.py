@@ -297,6 +297,11 @@ class Controller:
         if self.standby and epoch > self.epoch:
             self.epoch = epoch
 
+    def order_takeover(self, args: dict[str, Any]) -> None:
+        """A standby: the active controller hands itself over to this one (its host is to be
+        migrated); this controller's own thread promotes it at its next tick."""
+        self.succession.ordered = args
+
     def settle(self, rids: Iterable[str]) -> None:
         """A standby learns the reports its controller settled (from its own rank's link)."""
         self.ledger.settled.update(rids)
