@@ -158,15 +158,15 @@ def test_newcomers_still_waiting_when_the_job_ends_are_told_to_leave(tmp_path):
         now = time.monotonic()
         c.ranks.update({r: Rank(r, b"", seen=now, progress_at=now, it=10 if r < 2 else -1,
                                 phase="step" if r < 2 else "startup") for r in range(4)})
-        c.elastic.dp, c.elastic.left, c.elastic.offered = 2, {2, 3}, {2, 3}
-        assert not c.table.completed(10) and c.table.completed(10, c.elastic.newcomers())
-        assert not c.elastic.ended_without()  # ranks 0 and 1 still train
+        c.scaling.dp, c.scaling.left, c.scaling.offered = 2, {2, 3}, {2, 3}
+        assert not c.table.completed(10) and c.table.completed(10, c.scaling.newcomers())
+        assert not c.scaling.ended_without()  # ranks 0 and 1 still train
         sent = []
         c.orders.send = lambda action, ranks, args=None: sent.append((action, ranks, args["code"]))
         c.orders.to_agents = lambda action, args: sent.append((action, args["ranks"]))
         for r in (0, 1):
             c.ranks[r].done = True
-        assert c.elastic.ended_without() and c.table.all_over()
+        assert c.scaling.ended_without() and c.table.all_over()
         assert sent == [("exit", [2, 3], 0), ("leave", [2, 3])]
     finally:
         c.router.close()

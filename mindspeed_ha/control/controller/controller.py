@@ -8,7 +8,7 @@ rank table, and a decision is never late because a lock was held.
 The controller's own job is receiving (``_run``: each message to its handler in inbox.py), timing
 (``_tick``: silences, hangs, time limits) and deciding (the state machine). What it decides is carried
 out by the parts that hold each piece of the job: the rank table (ranks.py), orders and answers
-(orders.py), the fault ledger (ledger.py), restarts (restarts.py), elastic resizes (elastic.py),
+(orders.py), the fault ledger (ledger.py), restarts (restarts.py), elastic resizes (scaling.py),
 migrations (migration.py) and who controls next (succession.py).
 
 A fault's life: ``fault`` records it and feeds FAULT; PAUSE stops every survivor; DECIDE picks the
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable
 from ... import exitcodes
 from ...events import EventLog, get_logger
 from ...options import HAOptions
-from .elastic import Elastic
+from .scaling import Scaling
 from .inbox import Inbox
 from .migration import Migrations
 from .orders import Answer, Orders
@@ -111,10 +111,10 @@ class PlaybookPort:
         self._c.migrations.closed(faults, now, moved_bytes, phases)
 
     def scaled(self, dp: int, replica_groups: dict[int, list[int]]) -> None:
-        self._c.elastic.scaled(dp, replica_groups)
+        self._c.scaling.scaled(dp, replica_groups)
 
     def leave(self, ranks: list[int], reason: str) -> None:
-        self._c.elastic.leave(ranks, reason)
+        self._c.scaling.leave(ranks, reason)
 
 
 class Controller:
@@ -169,7 +169,7 @@ class Controller:
         self.playbook_port: Port = PlaybookPort(self)  # what the playbooks see of this controller
         self.handlers = Inbox(self).handlers()
         self.migrations = Migrations(self)
-        self.elastic = Elastic(self)           # when to scale in, wait for a node, or grow onto one
+        self.scaling = Scaling(self)           # when to scale in, wait for a node, or grow onto one
         self.succession = Succession(self)    # standbys, takeovers, a handover before the host migrates
         self.actions: dict[S, Callable[[], O | None]] = {
             S.NORMAL: self._training, S.PAUSE: self._stop_survivors, S.DECIDE: self._decide, S.REPAIR: self._play,
@@ -408,15 +408,15 @@ class Controller:
         """Conditions a state waits on, and per-state timeouts."""
         st = self.machine.state
         if st == S.NORMAL and self.first_step is not None:  # first: the last step may also end the job
-            if self.first_step.check(now, self.table.completed(self.first_step.target, self.elastic.newcomers())):
+            if self.first_step.check(now, self.table.completed(self.first_step.target, self.scaling.newcomers())):
                 self.first_step = None
-        if st == S.NORMAL and self.elastic.ended_without():
+        if st == S.NORMAL and self.scaling.ended_without():
             return
         if st in (S.NORMAL, S.INIT) and self.ranks and self.table.all_over() and not self.ledger.active:
             self.feed(O.FINISHED)
             return
-        if st == S.NORMAL and self.elastic.offered:
-            self.elastic.retry()
+        if st == S.NORMAL and self.scaling.offered:
+            self.scaling.scale_out_when_ready()
         if st in (S.PAUSE, S.REPAIR) and self.migrations.outrun():
             # The job ended its last step as the migration began: nobody parks, there is nothing to move.
             if self.table.all_over():
@@ -487,7 +487,7 @@ class Controller:
         if out == "ok":
             return O.OK
         if out[0] == "switch":  # recover waited out the spare wait: the same episode scales in
-            self.elastic.switched(out[2])
+            self.scaling.switched(out[2])
             self.strategy_note = out[2]
             self.playbook, self.chosen = playbooks.ELASTIC, O.ELASTIC
             return O.ELASTIC
@@ -512,7 +512,7 @@ class Controller:
         """Stop every survivor; decision latency is fault detection -> last stop sent."""
         fault = self.ledger.active[-1] if self.ledger.active else None
         # every live rank, reporters of comm failures included; not a newcomer waiting to scale out
-        survivors = sorted(self.table.live() - self.elastic.newcomers())
+        survivors = sorted(self.table.live() - self.scaling.newcomers())
         reason = (f"{fault['kind']} on rank(s) {fault['ranks'][:8]}" if fault else "controller")[:200]
         # Nothing broke for a migration or a scale-out: the ranks park between two steps, no step
         # is interrupted.
@@ -541,13 +541,13 @@ class Controller:
             ordered = [s for s in ordered if s != "recover"]
             self.restarts.budget.spent = f"recover not tried: {refusal}"
         if "elastic-training" in ordered:
-            ordered, why_not = self.elastic.order(ordered)
+            ordered, why_not = self.scaling.order(ordered)
             refusal = "; ".join(x for x in (refusal, why_not) if x) or None
         outcome, why = choose_strategy(ordered, kinds, BUILT)
         if refusal:
             why = f"recover not tried: {refusal}; {why}"
-        if self.elastic.spare_wait and outcome == O.RECOVER:
-            why += self.elastic.waiting_note()
+        if self.scaling.spare_wait and outcome == O.RECOVER:
+            why += self.scaling.waiting_note()
         self.strategy_note = why
         self.events.emit("strategy", outcome=outcome.value, reason=why)
         log.info("strategy for %s: %s (%s)", sorted(kinds), outcome.value, why)
@@ -571,8 +571,8 @@ class Controller:
             replica = all(i.groups for i in self.ranks.values() if i.alive)  # (no replicas: groups are not sent)
             self.episode = Episode(self.playbook_port, strategy, self.world, self.ledger.active,
                                    {r: i.groups[0] for r, i in self.ranks.items() if i.groups}, replica=replica,
-                                   spare_wait=self.elastic.spare_wait if strategy == "recover" else None,
-                                   left=frozenset(self.elastic.left))
+                                   spare_wait=self.scaling.spare_wait if strategy == "recover" else None,
+                                   left=frozenset(self.scaling.left))
             if first is not None and st in (S.REPAIR, S.DOWNGRADE, S.UPGRADE):
                 self.episode.phases["detect"] = first["detect_s"]
                 # detection -> every survivor stopped and the strategy chosen
@@ -631,7 +631,7 @@ class Controller:
                        for a in self.agents.values()],
             "faults": [{k: v for k, v in f.items() if k not in ("t_detect", "cpu_detect")} for f in self.ledger.all],
             "dropped": dict(self.router.drops.counts),
-            **self.elastic.status(),
+            **self.scaling.status(),
         }
 
 

@@ -91,7 +91,7 @@ class Inbox:
         if old is not None and old.ident != ident and old.pid in (info.pid, 0):  # 0: placeholder of a takeover
             self.c.orders.resend(r)
         if info.alive:
-            self.c.elastic.registered(r)
+            self.c.scaling.registered(r)
         if self.c.machine.state == S.INIT and not self.c.standby and self.c.table.all_in():
             self.c.feed(O.REGISTERED)
 
@@ -173,7 +173,7 @@ class Inbox:
     def _start_due(self, ident: bytes, agent: Agent, returned: bool) -> None:
         """The ranks this agent is to start now: those the recovery under way waits for, and a
         scale-out's newcomers (the offer counts them in) — its node new, or back from a silence."""
-        self.c.elastic.offer(agent, returned)
+        self.c.scaling.offer(agent, returned)
         due = self.c.restarts.due(agent.ranks, agent.pids)
         if due:
             self.c.router.send(ident, P.encode("do", action="restart", id=0, args={"ranks": due}, epoch=self.c.epoch))

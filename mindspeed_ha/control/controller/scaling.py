@@ -12,7 +12,7 @@ them (``mindspeed-ha run`` started again with that --node-rank: a replacement no
 start those ranks as joiners (``offer``). Once every one of them has registered, the controller asks
 for a scale-out (``registered``): the job parks at its next step boundary like a migration, and the
 scale-out playbook brings the newcomers into a larger layout. A request that comes while a recovery
-runs waits for the job to train again (``retry``). An agent that only restarts (the same process)
+runs waits for the job to train again (``scale_out_when_ready``). An agent that only restarts (the same process)
 offers nothing: ranks parked by a scale-in on a live node stay out, or a batch size that forbids
 their size would start, refuse and park them forever.
 
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 log = get_logger("control.controller")
 
 
-class Elastic:
+class Scaling:
     def __init__(self, controller: Controller):
         self.c = controller
         self.dp = 0                           # the data-parallel size the job runs at, scaled in (0: its own)
@@ -164,9 +164,10 @@ class Elastic:
         if r not in self.offered:
             return
         self.at = time.monotonic()
-        self.retry()
+        self.scale_out_when_ready()
 
-    def retry(self) -> None:
+    def scale_out_when_ready(self) -> None:
+        """Ask for the scale-out once every newcomer is live and the job trains, settled."""
         c = self.c
         live = c.table.live()
         if not self.offered or not self.offered <= live or c.machine.state != S.NORMAL or c.first_step is not None:
