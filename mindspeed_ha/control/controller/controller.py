@@ -28,10 +28,6 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable
 from ... import exitcodes
 from ...events import EventLog, get_logger
 from ...options import HAOptions
-from .scaling import Scaling
-from .inbox import Inbox
-from .migration import Migrations
-from .orders import Answer, Orders
 from ..policy import ledger, playbooks
 from ..policy.diagnosis import diagnosis
 from ..policy.ledger import Fault, FaultLedger
@@ -40,10 +36,15 @@ from ..policy.ranks import Agent, Rank, RankTable
 from ..policy.rounds import Port, RunOutcome, Runner
 from ..policy.standbys import Standbys
 from ..policy.states import TABLE, TIMEOUTS, Machine, Outcome as O, State as S, choose_strategy
-from .restarts import Restarts
-from .succession import Succession
 from ..wire import discovery, hosts, protocol as P, security
 from ..wire.router import Router
+from .inbox import Inbox
+from .migration import Migrations
+from .orders import Answer, Orders
+from .ports import ControllerPort, Identity
+from .restarts import Restarts
+from .scaling import Scaling
+from .succession import Succession
 
 if TYPE_CHECKING:
     from .metrics import Metrics
@@ -117,6 +118,61 @@ class PlaybookPort:
         self._c.scaling.leave(ranks, reason)
 
 
+class HelperPort:
+    """What a helper (inbox, scaling, migrations, succession) may ask of the controller
+    (ports.ControllerPort): where it stands, an outcome or a fault fed to it, a takeover or its
+    retirement, and the requests one helper makes of another — nothing else of its state."""
+
+    def __init__(self, c: Controller):
+        self._c = c
+
+    @property
+    def state(self) -> S:
+        return self._c.machine.state
+
+    @property
+    def epoch(self) -> int:
+        return self._c.epoch
+
+    @property
+    def standby(self) -> bool:
+        return self._c.standby
+
+    def first_step_pending(self) -> bool:
+        return self._c.first_step is not None
+
+    def ack(self) -> bytes:
+        return self._c.ack
+
+    def status(self) -> dict[str, Any]:
+        return self._c.status()
+
+    def feed(self, outcome: O) -> None:
+        self._c.feed(outcome)
+
+    def fault(self, ranks: list[int], kind: str, iteration: int, phase: str, detect_s: float = 0.0,
+              detail: str = "", key: Hashable = None, rid: str | None = None, feed: bool = True) -> bool:
+        return self._c.fault(ranks, kind, iteration, phase, detect_s, detail, key, rid, feed)
+
+    def become_active(self, epoch: int, now: float) -> None:
+        self._c.become_active(epoch, now)
+
+    def retire(self) -> None:
+        self._c.retire()
+
+    def push_backups(self) -> None:
+        self._c.push_backups()
+
+    def serve_metrics(self) -> None:
+        self._c.serve_metrics()
+
+    def request_migration(self, rank: int, reason: str) -> str | None:
+        return self._c.migrations.request(rank, reason)
+
+    def hand_over(self, rank: int, reason: str) -> str | None:
+        return self._c.succession.hand_over(rank, reason)
+
+
 class Controller:
     def __init__(self, log_dir: str, world_size: int, options: HAOptions | None = None,
                  keys: security.Keys | None = None, host: str | None = None, port: int = 0,
@@ -166,11 +222,20 @@ class Controller:
         self.orders = Orders(self.router, self.table, lambda: self.epoch, rank)
         self.restarts = Restarts(self.table, self.orders, self.events, self.options.max_restarts, rank,
                                  self._end_host if local_exit is not None else None)
+        self.identity = Identity(host=self.host, endpoint=self.endpoint, port=self.port_number, keys=self.keys,
+                                 job_id=self.job_id, log_dir=log_dir, world=self.world, rank=rank)
         self.playbook_port: Port = PlaybookPort(self)  # what the playbooks see of this controller
-        self.handlers = Inbox(self).handlers()
-        self.migrations = Migrations(self)
-        self.scaling = Scaling(self)           # when to scale in, wait for a node, or grow onto one
-        self.succession = Succession(self)    # standbys, takeovers, a handover before the host migrates
+        helper_port: ControllerPort = HelperPort(self)  # what its helpers see of it
+        self.migrations = Migrations(helper_port, self.table, self.ledger, self.events, self.options, rank)
+        # when to scale in, wait for a node, or grow onto one
+        self.scaling = Scaling(helper_port, self.table, self.orders, self.restarts, self.ledger, self.events,
+                               self.options.spare_wait_s, job_store)
+        # standbys, takeovers, a handover before the host migrates
+        self.succession = Succession(helper_port, self.identity, self.table, self.orders, self.standbys, self.ledger,
+                                     self.events, self.hb, job_store, write_json=write_json, previous=previous)
+        self.inbox = Inbox(helper_port, self.router, self.table, self.orders, self.restarts, self.events, self.scaling,
+                           self.migrations, self.succession)
+        self.handlers = self.inbox.handlers()
         self.actions: dict[S, Callable[[], O | None]] = {
             S.NORMAL: self._training, S.PAUSE: self._stop_survivors, S.DECIDE: self._decide, S.REPAIR: self._play,
             S.ROLLBACK: self._play, S.DUMP: self._play, S.DOWNGRADE: self._play, S.UPGRADE: self._play,
@@ -191,7 +256,7 @@ class Controller:
     def start(self) -> "Controller":
         if not self.standby:
             self.succession.announce()
-            self.succession.serve_metrics()
+            self.serve_metrics()
         self._thread = threading.Thread(target=self._run, name="mindspeed-ha-controller", daemon=True)
         self._thread.start()
         return self
@@ -260,6 +325,21 @@ class Controller:
         """The sockets of every live rank and every agent."""
         return [i.ident for i in self.ranks.values() if i.alive] + [a.ident for a in self.agents.values()]
 
+    def serve_metrics(self) -> None:
+        """--ha-metrics-port: the active controller (a standby from its takeover) serves /metrics."""
+        port = self.options.metrics_port
+        if not port or self.metrics is not None:
+            return
+        from .metrics import Metrics
+        try:
+            self.metrics = Metrics(self.host, port, self.world)
+        except OSError as e:  # metrics are for people: a taken port must not take the job down
+            log.error("--ha-metrics-port %d on %s: cannot serve metrics (%s)", port, self.host, e)
+            self.events.emit("metrics_failed", port=port, host=self.host, error=str(e))
+            return
+        self.metrics.set_state(self.machine.state.value)
+        self.events.listeners.append(self.metrics.on_event)
+
     def store(self) -> Any:
         """A TCPStore served by the controller's process, where the ranks' new communicators meet:
         a store hosted by a rank would die with that rank. One per controller; every rebuild and
@@ -300,7 +380,7 @@ class Controller:
     def order_takeover(self, args: dict[str, Any]) -> None:
         """A standby: the active controller hands itself over to this one (its host is to be
         migrated); this controller's own thread promotes it at its next tick."""
-        self.succession.ordered = args
+        self.succession.order_takeover(args)
 
     def settle(self, rids: Iterable[str]) -> None:
         """A standby learns the reports its controller settled (from its own rank's link)."""
@@ -502,8 +582,7 @@ class Controller:
         came_from = self.machine.history[-1][0] if self.machine.history else None
         if came_from == S.ROLLBACK and self.episode is not None:  # a recovery ended: its first step closes it
             self._settle_episode()
-            self.first_step = FirstStep(self.episode, list(self.ledger.active), now)
-            self.ledger.active.clear()
+            self.first_step = FirstStep(self.episode, self.ledger.close_active(), now)
             self.table.moved(now)
         self.succession.name_standbys()
         return None
@@ -533,7 +612,7 @@ class Controller:
             self.playbook, self.chosen = playbooks.SCALE_OUT, O.SCALE_OUT
             return O.SCALE_OUT
         if "scale-out" in kinds:  # a fault came first: its recovery; the newcomers are asked again after it
-            self.ledger.active[:] = [f for f in self.ledger.active if f["kind"] != "scale-out"]
+            self.ledger.close_planned("scale-out")
             kinds.discard("scale-out")
         ordered = self.options.ordered_strategies()
         refusal = self.restarts.refusal() if "recover" in ordered else None
