@@ -2,19 +2,22 @@
 
 A thread on rank 0 by default (``Controller(...).start()``), a standalone process with
 ``mindspeed-ha controller``, or a standby (``standby=True``) on a backup rank that promotes itself
-when it holds a quorum (policy/quorum.py). Everything runs on the one controller thread: no locks on the
-rank table, and a decision is never late because a lock was held.
+when it holds a quorum (policy/quorum.py). Everything runs on the one controller thread: no locks on
+the rank table, and a decision is never late because a lock was held.
 
 The controller's own job is receiving (``_run``: each message to its handler in inbox.py), timing
 (``_tick``: silences, hangs, time limits) and deciding (the state machine). What it decides is carried
-out by the parts that hold each piece of the job: the rank table (ranks.py), orders and answers
-(orders.py), the fault ledger (ledger.py), restarts (restarts.py), elastic resizes (scaling.py),
-migrations (migration.py) and who controls next (succession.py).
+out by the parts that hold each piece of the job: the rank table (policy/ranks.py), orders and
+answers (orders.py), the fault ledger (policy/ledger.py), restarts (restarts.py), elastic resizes
+(scaling.py), migrations (migration.py) and who controls next (succession.py). The helpers see the
+controller through ``HelperPort`` (ports.py), and are consulted when they have something to say —
+newcomers offered a place, a migration in the episode, a rank to migrate after a hand-over, a job
+store, a standby lost — not on every tick or fault.
 
 A fault's life: ``fault`` records it and feeds FAULT; PAUSE stops every survivor; DECIDE picks the
-strategy (states.py, one table); REPAIR / ROLLBACK / DUMP play that strategy's rounds
-(playbooks.py, through rounds.Runner and the narrow ``PlaybookPort``); EXIT tells everyone to go with
-the diagnosis. An exception inside a state's work is that state's FAILED outcome, never the end of the
+strategy (policy/states.py, one table); REPAIR / ROLLBACK / DUMP play that strategy's rounds
+(policy/playbooks.py, through rounds.Runner and the narrow ``PlaybookPort``); EXIT tells everyone to
+go with the diagnosis. An exception inside a state's work is that state's FAILED outcome, never the end of the
 controller.
 """
 from __future__ import annotations
@@ -296,10 +299,14 @@ class Controller:
             if self.standby:
                 self.succession.maybe_promote(now)
                 return
-            self.succession.migrate_when_ready(now)
-            if self.succession.superseded():
-                return
-            self.succession.keep_store(now)
+            # Succession has something to say after a hand-over (a rank to migrate), and where a job
+            # store can move or announce a newer controller; not otherwise.
+            if self.succession.after is not None:
+                self.succession.migrate_when_ready(now)
+            if self.job_store is not None:
+                if self.succession.superseded():
+                    return
+                self.succession.keep_store(now)
             if now - self._last_scan >= self.hb / 10:
                 self._last_scan = now
                 self._scan(now)
@@ -488,16 +495,16 @@ class Controller:
         """Conditions a state waits on, and per-state timeouts."""
         st = self.machine.state
         if st == S.NORMAL and self.first_step is not None:  # first: the last step may also end the job
-            if self.first_step.check(now, self.table.completed(self.first_step.target, self.scaling.newcomers())):
+            if self.first_step.check(now, self.table.completed(self.first_step.target, self._newcomers())):
                 self.first_step = None
-        if st == S.NORMAL and self.scaling.ended_without():
+        if st == S.NORMAL and self.scaling.offered and self.scaling.ended_without():
             return
         if st in (S.NORMAL, S.INIT) and self.ranks and self.table.all_over() and not self.ledger.active:
             self.feed(O.FINISHED)
             return
         if st == S.NORMAL and self.scaling.offered:
             self.scaling.scale_out_when_ready()
-        if st in (S.PAUSE, S.REPAIR) and self.migrations.outrun():
+        if st in (S.PAUSE, S.REPAIR) and self.ledger.of_kind("migrate") and self.migrations.outrun():
             # The job ended its last step as the migration began: nobody parks, there is nothing to move.
             if self.table.all_over():
                 self.migrations.abandon()
@@ -526,6 +533,11 @@ class Controller:
         if st != S.INIT and self.machine.overdue(limit):
             log.error("state %s ran past its %.1fs time limit", st.value, limit)
             self.feed(O.TIMEOUT)
+
+    def _newcomers(self) -> set[int]:
+        """Registered newcomers waiting to scale out: they train nothing yet (none unless scaling
+        offered some ranks a place)."""
+        return self.scaling.newcomers() if self.scaling.offered else set()
 
     def _not_registered(self) -> None:
         """INIT past --ha-register-timeout: the job cannot start whole; name who is missing."""
@@ -584,14 +596,15 @@ class Controller:
             self._settle_episode()
             self.first_step = FirstStep(self.episode, self.ledger.close_active(), now)
             self.table.moved(now)
-        self.succession.name_standbys()
+        if self.standbys.due(self.ranks):  # (after a recovery that cost a standby its process)
+            self.succession.name_standbys()
         return None
 
     def _stop_survivors(self) -> O | None:
         """Stop every survivor; decision latency is fault detection -> last stop sent."""
         fault = self.ledger.active[-1] if self.ledger.active else None
         # every live rank, reporters of comm failures included; not a newcomer waiting to scale out
-        survivors = sorted(self.table.live() - self.scaling.newcomers())
+        survivors = sorted(self.table.live() - self._newcomers())
         reason = (f"{fault['kind']} on rank(s) {fault['ranks'][:8]}" if fault else "controller")[:200]
         # Nothing broke for a migration or a scale-out: the ranks park between two steps, no step
         # is interrupted.

@@ -43,6 +43,10 @@ class Standbys:
     def up(self, rank: int, endpoint: str) -> None:
         self.eps[rank] = endpoint
 
+    def due(self, ranks: dict[int, Rank]) -> bool:
+        """Standbys are to be named: none is yet, or one's process is gone (``renew`` would act)."""
+        return not self.ranks or any(not ranks[r].alive or ranks[r].pid != self.pids.get(r) for r in self.ranks)
+
     def renew(self, ranks: dict[int, Rank], controller_rank: int | None) -> tuple[list[int], list[int]]:
         """Drop standbys whose process is gone (a restarted rank runs no standby) and name new ones
         up to ``count``. ``ranks``: rank -> record with ``alive``, ``pid``, ``node``.
