@@ -1,0 +1,277 @@
+"""The controller's helpers — Scaling, Migrations, Succession and the Inbox — each on a fake port
+(controller/ports.ControllerPort) with the real parts they are handed (rank table, orders, restarts,
+ledger, standbys), orders going to a fake router: every decision and message they make, in
+milliseconds, without a socket or a process (as tests/test_playbooks.py drives the playbooks)."""
+import json
+import logging
+import time
+
+import pytest
+import zmq
+
+from mindspeed_ha.control.controller.inbox import Inbox
+from mindspeed_ha.control.controller.migration import Migrations
+from mindspeed_ha.control.controller.orders import Orders
+from mindspeed_ha.control.controller.ports import Identity
+from mindspeed_ha.control.controller.restarts import Restarts
+from mindspeed_ha.control.controller.scaling import Scaling
+from mindspeed_ha.control.controller.succession import HANDOVER_WAIT_S, Succession
+from mindspeed_ha.control.policy import ledger
+from mindspeed_ha.control.policy.ledger import FaultLedger
+from mindspeed_ha.control.policy.ranks import Agent, Rank, RankTable
+from mindspeed_ha.control.policy.standbys import Standbys
+from mindspeed_ha.control.policy.states import Outcome, State
+from mindspeed_ha.control.wire import protocol
+from mindspeed_ha.control.wire.hosts import this_host
+from mindspeed_ha.control.wire.security import Keys
+from mindspeed_ha.options import HAOptions
+
+GROUPS = {0: [0, 2], 2: [0, 2], 1: [1, 3], 3: [1, 3]}  # DP=4, two optimizer instances
+
+
+@pytest.fixture(autouse=True)
+def no_sockets(monkeypatch):
+    """A helper that opened a ZeroMQ context here would fail the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a controller helper opened a ZeroMQ context in a socket-free test")
+    monkeypatch.setattr(zmq, "Context", refuse)
+
+
+class FakePort:
+    """ControllerPort: what a helper may ask of the controller, recorded."""
+
+    def __init__(self, state=State.NORMAL, epoch=1, standby=False):
+        self.state, self.epoch, self.standby = state, epoch, standby
+        self.pending_first_step = False
+        self.fed: list[Outcome] = []
+        self.faults: list[tuple] = []
+        self.calls: list[tuple] = []
+        self.migration_answer: str | None = None
+        self.hand_over_answer: str | None = None
+
+    def first_step_pending(self):
+        return self.pending_first_step
+
+    def ack(self):
+        return protocol.encode("ack", epoch=self.epoch, state=self.state.value, standby=self.standby, backups=[])
+
+    def status(self):
+        return {"state": self.state.value}
+
+    def feed(self, outcome):
+        self.fed.append(outcome)
+
+    def fault(self, ranks, kind, iteration, phase, detect_s=0.0, detail="", key=None, rid=None, feed=True):
+        self.faults.append((list(ranks), kind, iteration, phase, detail, key, rid))
+        return True
+
+    def become_active(self, epoch, now):
+        self.calls.append(("become_active", epoch))
+        self.standby, self.epoch = False, max(epoch, self.epoch + 1)
+
+    def retire(self):
+        self.calls.append(("retire",))
+
+    def push_backups(self):
+        self.calls.append(("push_backups",))
+
+    def serve_metrics(self):
+        self.calls.append(("serve_metrics",))
+
+    def request_migration(self, rank, reason):
+        self.calls.append(("request_migration", rank, reason))
+        return self.migration_answer
+
+    def hand_over(self, rank, reason):
+        self.calls.append(("hand_over", rank, reason))
+        return self.hand_over_answer
+
+
+class FakeRouter:
+    """The controller's socket, as the parts use it: every frame decoded and kept."""
+
+    def __init__(self):
+        self.sent: list[tuple[bytes, dict]] = []
+        self.drops = protocol.DropCounter(logging.getLogger("test"))
+
+    def send(self, ident, data):
+        self.sent.append((ident, protocol.decode(data)))
+
+    def fan_out(self, idents, data):
+        msg = protocol.decode(data)
+        self.sent.extend((ident, msg) for ident in idents)
+
+    def orders(self, action=None):
+        """(ident, args) of every order sent (of ``action``)."""
+        return [(i, m["args"]) for i, m in self.sent if m["t"] == "do" and action in (None, m["action"])]
+
+
+class FakeEvents:
+    def __init__(self):
+        self.records: list[tuple[str, dict]] = []
+        self.listeners: list = []
+
+    def emit(self, event, **fields):
+        self.records.append((event, fields))
+        return fields
+
+    def named(self, event):
+        return [f for e, f in self.records if e == event]
+
+
+class FakeStore:
+    """The job store, as succession reads it."""
+
+    def __init__(self, seen=None, refused=False):
+        self.address, self.moves, self.refused = ("10.0.0.1", 29500), 0, refused
+        self.ever_reached, self.answered_at = True, time.monotonic()
+        self._seen = seen or {}
+        self.moved_to = None
+
+    def seen(self, key):
+        return self._seen.get(key)
+
+    def still_for(self, key):
+        return 0.0
+
+    def claim(self, key, value):
+        return True
+
+    def move(self, address):
+        self.moved_to = address
+        return True
+
+    def publish(self, key, info, epoch=None):
+        self._seen[key] = info
+
+    def beat(self, key):
+        pass
+
+    def watch(self, key):
+        pass
+
+
+class Job:
+    """A job of ``world`` ranks as the controller's parts hold it, with a fake port and router."""
+
+    def __init__(self, world=4, state=State.NORMAL, strategies=("retry", "recover", "dump"), **options):
+        now = time.monotonic()
+        self.port = FakePort(state)
+        self.router = FakeRouter()
+        self.events = FakeEvents()
+        self.table = RankTable(world, heartbeat_s=0.5, hang_timeout_s=60.0)
+        for r in range(world):
+            self.table.ranks[r] = Rank(r, bytes([r]), node=f"n{r // 2}", pid=100 + r, host=this_host(),
+                                       groups=[GROUPS[r]] if r in GROUPS else [], it=5, seen=now, progress_at=now)
+            self.table.by_ident[bytes([r])] = r
+        self.orders = Orders(self.router, self.table, lambda: self.port.epoch, host_rank=0)
+        self.restarts = Restarts(self.table, self.orders, self.events, max_restarts=3, host_rank=0, end_host=None)
+        self.ledger = FaultLedger()
+        self.standbys = Standbys()
+        self.options = HAOptions(strategies=frozenset(strategies), log_dir="/nonexistent", **options)
+
+    def agent(self, node_rank, ranks, pids=None, pid=900, spares=0, store=""):
+        a = Agent(node_rank, b"agent%d" % node_rank, f"n{node_rank}", list(ranks),
+                  list(pids) if pids is not None else [100 + r for r in ranks], seen=time.monotonic(), pid=pid,
+                  spares=spares, store=store)
+        self.table.agents[node_rank] = a
+        return a
+
+    def scaling(self, spare_wait_s=0.0, job_store=None):
+        return Scaling(self.port, self.table, self.orders, self.restarts, self.ledger, self.events, spare_wait_s,
+                       job_store)
+
+    def migrations(self):
+        return Migrations(self.port, self.table, self.ledger, self.events, self.options, host_rank=0)
+
+    def succession(self, log_dir="/nonexistent", job_store=None, write_json=False, previous=None, rank=0):
+        me = Identity(host="127.0.0.1", endpoint="tcp://127.0.0.1:5555", port=5555, keys=Keys(None), job_id="job",
+                      log_dir=str(log_dir), world=len(self.table.ranks), rank=rank)
+        return Succession(self.port, me, self.table, self.orders, self.standbys, self.ledger, self.events, 0.5,
+                          job_store, write_json=write_json, previous=previous)
+
+    def inbox(self):
+        self.scaling_, self.migrations_, self.succession_ = self.scaling(), self.migrations(), self.succession()
+        return Inbox(self.port, self.router, self.table, self.orders, self.restarts, self.events, self.scaling_,
+                     self.migrations_, self.succession_)
+
+
+# ---- Scaling --------------------------------------------------------------------------------------
+def test_scaling_orders_the_strategies_for_a_fault():
+    """Scaled in: neither retry nor recover. A node lost with its agent and no spare wait: recover is
+    not tried; with --ha-spare-wait, recover waits that long. A lost rank whose agent lives: as asked."""
+    job = Job()
+    job.agent(0, [0, 1])
+    job.table.mark_dead([2, 3])
+    scaling = job.scaling()
+    ordered = ["retry", "recover", "elastic-training", "dump"]
+    assert scaling.order(ordered) == (["retry", "elastic-training", "dump"],
+                                      "no spare for rank(s) [2, 3] (their node is lost)")
+    waiting = job.scaling(spare_wait_s=30.0)
+    assert waiting.order(ordered) == (ordered, "") and waiting.spare_wait == 30.0
+    assert "replacement is waited for up to 30 s" in waiting.waiting_note()
+    job.agent(1, [2, 3], pids=[0, 0])
+    assert scaling.order(ordered) == (ordered, "") and scaling.spare_wait is None
+    scaling.dp = 2
+    kept, why = scaling.order(ordered)
+    assert kept == ["elastic-training", "dump"] and "runs scaled in (data-parallel size 2)" in why
+
+
+def test_scaling_does_not_train_on_in_a_minority_cut_off_from_the_rest():
+    """Ranks lost on other hosts, half the job left and no job store that says this side is the
+    store's: elastic is not tried (this side may be the cut-off one of a partition)."""
+    job = Job()
+    for r in (2, 3):
+        job.table.ranks[r].host = "another-host/net"
+    job.table.mark_dead([2, 3])
+    store = FakeStore()
+    store.answered_at = time.monotonic() - 60  # silent for a minute
+    kept, why = job.scaling(job_store=store).order(["elastic-training", "dump"])
+    assert kept == ["dump"] and "2 of the job's 4 ranks live" in why
+    store.answered_at = time.monotonic()       # the store answers this side: it goes on
+    assert job.scaling(job_store=store).order(["elastic-training", "dump"]) == (["elastic-training", "dump"], "")
+
+
+def test_scaling_offers_the_left_ranks_to_a_returned_node_and_asks_for_the_scale_out():
+    """After a scale-in that left ranks 2 and 3 out, a new agent for their node is told to start them
+    (awaited like restarts); once both registered, the scale-out is asked for (a planned change in
+    the ledger, no fault), once, and not while the last recovery's first step is awaited."""
+    job = Job()
+    scaling = job.scaling()
+    scaling.dp, scaling.left, scaling.agent_pid = 2, {2, 3}, {1: 900}
+    scaling.offer(job.agent(1, [2, 3], pid=900))  # the same agent, not back from a silence: nothing
+    assert not scaling.offered and not job.restarts.restarting
+    scaling.offer(job.agent(1, [2, 3], pid=901))
+    assert scaling.offered == {2, 3} and job.restarts.restarting == {2, 3}
+    assert job.restarts.awaiting == {2: None, 3: None}
+    assert job.events.named("scale_out_offer") == [{"node_rank": 1, "node": "n1", "ranks": [2, 3]}]
+    job.port.pending_first_step = True
+    scaling.registered(2)
+    scaling.registered(3)
+    assert job.port.fed == [] and not job.ledger.active
+    job.port.pending_first_step = False
+    scaling.registered(3)
+    assert job.port.fed == [Outcome.SCALE_OUT]
+    assert [f["kind"] for f in job.ledger.active] == ["scale-out"] and not job.ledger.all
+    scaling.scale_out_when_ready()  # asked again while it is under way: once is enough
+    assert job.port.fed == [Outcome.SCALE_OUT] and len(job.events.named("scale_out_requested")) == 1
+
+
+def test_scaling_switches_a_recover_that_waited_out_its_spare_and_lets_ranks_leave():
+    job = Job()
+    scaling = job.scaling()
+    job.agent(0, [0, 1])
+    job.restarts.expect([2, 3])
+    scaling.switched("no replacement")
+    assert not job.restarts.restarting
+    assert job.events.named("strategy") == [{"outcome": "elastic", "reason": "no replacement"}]
+    scaling.scaled(2, {0: [0], 1: [1]})
+    scaling.leave([2, 3], "the job scaled in")
+    assert scaling.dp == 2 and scaling.left == {2, 3} and job.table.ranks[0].groups == [[0]]
+    assert [a for _, a in job.router.orders("exit")] == [
+        {"code": 0, "diagnosis": "mindspeed-ha: rank(s) [2, 3] leave the job: the job scaled in"}] * 2
+    assert [a for _, a in job.router.orders("leave")] == [{"ranks": [2, 3]}] * 2  # (switched, then leave)
+    assert scaling.status() == {"layout": {"data_parallel_size": 2, "ranks": [0, 1], "left": [2, 3],
+                                           "joining": []}}
+    scaling.scaled(4, {r: GROUPS[r] for r in range(4)})  # whole again
+    assert scaling.dp == 0 and not scaling.left
