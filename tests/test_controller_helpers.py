@@ -275,3 +275,78 @@ def test_scaling_switches_a_recover_that_waited_out_its_spare_and_lets_ranks_lea
                                            "joining": []}}
     scaling.scaled(4, {r: GROUPS[r] for r in range(4)})  # whole again
     assert scaling.dp == 0 and not scaling.left
+
+
+# ---- Migrations -----------------------------------------------------------------------------------
+def test_a_migration_is_refused_with_the_reason_until_it_can_be_done():
+    job = Job()
+    migrations = job.migrations()
+    job.port.standby = True
+    assert migrations.refusal(1) == "this controller is a standby"
+    job.port.standby = False
+    assert migrations.refusal(7) == "rank 7 is not a live registered rank"
+    job.port.state = State.REPAIR
+    assert "in state repair" in migrations.refusal(1)
+    job.port.state, job.port.pending_first_step = State.NORMAL, True
+    assert "has not completed its first step" in migrations.refusal(1)
+    job.port.pending_first_step = False
+    assert "has no launcher agent" in migrations.refusal(1)
+    job.agent(0, [0, 1], spares=0)
+    assert "no spare worker is ready on node n0" in migrations.refusal(1)
+    job.table.agents[0].spares = 1
+    assert migrations.refusal(1) is None
+    job.table.mark_dead([3])
+    assert "no live twin" in migrations.refusal(1)
+    retry_only = Job(strategies=("retry", "dump"))
+    assert "recover strategy provides" in retry_only.migrations().refusal(1)
+
+
+def test_a_migration_is_a_planned_fault_and_the_hosts_a_hand_over():
+    job = Job()
+    job.agent(0, [0, 1], spares=1)
+    migrations = job.migrations()
+    assert migrations.request(1, "requested") is None
+    assert job.port.faults == [([1], "migrate", 5, "startup", "requested (pid 101 on n0)", ("migrate", 1, 101), None)]
+    assert migrations.moving == {1: {"old_pid": 101, "old_node": "n0", "reason": "requested"}}
+    job.port.hand_over_answer = "no standby"
+    assert migrations.request(0, "requested") == "no standby"  # rank 0 hosts this controller
+    assert job.port.calls == [("hand_over", 0, "requested")]
+    assert job.events.named("migrate_refused")[-1]["why"] == "no standby"
+    job.port.state = State.DUMP
+    assert "in state dump" in migrations.request(1, "again")
+
+
+def test_a_straggler_is_named_and_moved_and_its_migration_closed():
+    job = Job(migrate_stragglers=True, straggler_ratio=1.5, straggler_steps=3)
+    job.agent(0, [0, 1], spares=1)
+    migrations = job.migrations()
+    for info in job.table.ranks.values():
+        info.busy, info.busy_steps, info.steps, info.it = 0.05, 1, 10, 10
+    slow = job.table.ranks[1]
+    slow.busy = 0.5
+    for _ in range(3):
+        migrations.observe(slow)
+    assert [e["rank"] for e in job.events.named("straggler")] == [1]
+    assert [f[1] for f in job.port.faults] == ["migrate"]
+    fault = ledger.record([1], "migrate", 10, "step", ["n0"])
+    job.table.ranks[1].pid = 555  # the spare took the rank over
+    migrations.closed([fault], time.monotonic(), 1024, {"status": 0.1, "rebuild": 0.2, "repair": 0.3})
+    migrated = job.events.named("migrated")
+    assert migrated[0]["old_pid"] == 101 and migrated[0]["new_pid"] == 555 and migrated[0]["pause_s"] == 0.5
+    assert migrations.settle_until == 10 + 3 and not migrations.moving
+    migrations.observe(slow)  # the first steps after a recovery are no evidence
+    assert len(job.events.named("straggler")) == 1
+
+
+def test_a_migration_the_job_outran_is_abandoned():
+    job = Job()
+    migrations = job.migrations()
+    migrations.moving[1] = {"old_pid": 101, "reason": "requested"}
+    f = ledger.record([1], "migrate", 5, "step", ["n0"])
+    job.ledger.add(f)
+    assert not migrations.outrun()
+    job.table.ranks[0].done = True
+    assert migrations.outrun()
+    migrations.abandon()
+    assert not job.ledger.active and job.ledger.all == [f] and not migrations.moving
+    assert job.events.named("migrate_abandoned")[0]["rank"] == 1
