@@ -350,3 +350,95 @@ def test_a_migration_the_job_outran_is_abandoned():
     migrations.abandon()
     assert not job.ledger.active and job.ledger.all == [f] and not migrations.moving
     assert job.events.named("migrate_abandoned")[0]["rank"] == 1
+
+
+# ---- Succession -----------------------------------------------------------------------------------
+def test_succession_announces_the_controller_and_names_standbys(tmp_path):
+    job = Job()
+    succession = job.succession(log_dir=tmp_path, write_json=True)
+    job.port.epoch = 3
+    succession.announce()
+    info = json.load(open(tmp_path / "controller.json"))
+    assert (info["endpoint"], info["epoch"], info["job_id"], info["world_size"], info["rank"]) == \
+        ("tcp://127.0.0.1:5555", 3, "job", 4, 0)
+    assert job.standbys.due(job.table.ranks)
+    succession.name_standbys()
+    named = sorted(r for _, a in job.router.orders("standby") for r in [a["controller"]])
+    assert named == [0, 0] and sorted(job.standbys.ranks) == [2, 3]
+    assert not job.standbys.due(job.table.ranks)
+    succession.standby_up(2, "tcp://n1:1")
+    assert job.port.calls == [("push_backups",)] and json.load(open(tmp_path / "controller.json"))["backups"] == \
+        ["tcp://n1:1"]
+    job.table.ranks[2].pid = 777  # its process was replaced (a restarted rank runs no standby)
+    assert job.standbys.due(job.table.ranks)
+    succession.name_standbys()  # replaced: the new process stands by in its place
+    assert job.port.calls[-1] == ("push_backups",) and job.standbys.pids[2] == 777
+    assert job.router.orders("standby")[-1][0] == bytes([2]) and not job.standbys.due(job.table.ranks)
+
+
+def test_a_standby_takes_over_with_a_quorum_and_handles_the_faults_it_was_told():
+    job = Job(state=State.NORMAL)
+    job.port.standby = True
+    succession = job.succession(previous=0, rank=3)
+    for r in (0, 1, 2):
+        job.table.ranks[r].seen = 0.0  # only this standby's own rank came over: no quorum
+    succession.maybe_promote(time.monotonic())
+    assert job.port.calls == []
+    job.table.ranks[1].seen = job.table.ranks[2].seen = time.monotonic()  # 3 of 4
+    job.ledger.deferred.append(ledger.record([0], "process-exit", 5, "step", ["n0"], detail="pid 100 exit code 1"))
+    succession.maybe_promote(time.monotonic())
+    assert job.port.calls == [("become_active", 2), ("serve_metrics",)]
+    assert job.events.named("takeover")[0]["epoch"] == 2
+    assert [f[1] for f in job.port.faults] == ["process-exit"]
+
+
+def test_a_hand_over_is_ordered_cancelled_or_completed():
+    job = Job()
+    succession = job.succession()
+    assert "no standby stands by" in succession.hand_over(0, "requested")
+    job.standbys.ranks, job.standbys.eps = [2], {2: "tcp://n1:1"}
+    assert succession.hand_over(0, "requested") is None
+    assert job.router.orders("takeover") == [(bytes([2]), {"epoch": 2, "migrate": 0, "reason": "requested"})]
+    assert "already" in succession.hand_over(0, "again")
+    succession.cancel_hand_over("RuntimeError: no standby")
+    assert succession.handing_to is None
+    assert job.events.named("migrate_refused") == [{"rank": 0, "why": "handover failed: RuntimeError: no standby"}]
+    succession.hand_over(0, "requested")
+    succession.taken_over("tcp://n1:1")
+    assert len(job.router.orders("reconnect")) == 4 and job.port.calls == [("retire",)]
+
+
+def test_the_new_controller_migrates_the_rank_whose_host_handed_it_over():
+    job = Job()
+    job.port.standby = True
+    succession = job.succession(rank=2)
+    succession.order_takeover({"epoch": 5, "migrate": 0, "reason": "requested"})
+    now = time.monotonic()
+    succession.maybe_promote(now)
+    assert job.port.calls[0] == ("become_active", 5) and succession.after[:2] == (0, "requested")
+    succession.migrate_when_ready(now)       # rank 0's agent has no spare yet: wait
+    assert ("request_migration", 0, "requested") not in job.port.calls
+    job.agent(0, [0, 1], spares=1)
+    succession.migrate_when_ready(now)
+    assert job.port.calls[-1] == ("request_migration", 0, "requested") and succession.after is None
+    succession.after = (0, "requested", now - HANDOVER_WAIT_S - 1)
+    succession.migrate_when_ready(now)
+    assert succession.after is None and job.events.named("migrate_refused")[-1]["why"] == \
+        "the job did not come over in time"
+
+
+def test_a_superseded_controller_retires_and_a_lost_store_moves():
+    job = Job()
+    store = FakeStore(seen={"mindspeed_ha/controller": {"epoch": 2, "endpoint": "tcp://n1:2", "job_id": "job"}})
+    succession = job.succession(job_store=store)
+    assert succession.superseded()
+    assert job.router.orders("reconnect")[0][1] == {"endpoint": "tcp://n1:2"} and job.port.calls == [("retire",)]
+    job.port.epoch = 2
+    assert not succession.superseded()  # (not newer than this controller)
+    lost = FakeStore(refused=True)
+    lost.answered_at = time.monotonic() - 5
+    moving = job.succession(job_store=lost)
+    job.agent(1, [2, 3], store="10.0.0.2:29501")
+    moving.keep_store(time.monotonic())
+    assert lost.moved_to == ("10.0.0.2", 29501) and job.events.named("store_moved")[0]["node_rank"] == 1
+    assert job.port.calls[-1] == ("push_backups",)
