@@ -442,3 +442,84 @@ def test_a_superseded_controller_retires_and_a_lost_store_moves():
     moving.keep_store(time.monotonic())
     assert lost.moved_to == ("10.0.0.2", 29501) and job.events.named("store_moved")[0]["node_rank"] == 1
     assert job.port.calls[-1] == ("push_backups",)
+
+
+# ---- Inbox ----------------------------------------------------------------------------------------
+def _register(r, pid, **extra):
+    return protocol.decode(protocol.encode("register", rank=r, world=4, node=f"n{r // 2}", pid=pid,
+                                           groups=[GROUPS[r]], **extra))
+
+
+def test_the_inbox_registers_the_job_and_feeds_registered_once_everyone_is_in():
+    job = Job(state=State.INIT)
+    job.table.ranks.clear()
+    inbox = job.inbox()
+    handlers = inbox.handlers()
+    for r in range(4):
+        handlers["register"](bytes([r]), _register(r, 100 + r))
+    assert job.port.fed == [Outcome.REGISTERED]
+    assert [m["t"] for _, m in job.router.sent] == ["ack"] * 4
+    with pytest.raises(ValueError, match="says world 8"):
+        inbox.register(b"x", {**_register(1, 101), "world": 8})
+
+
+def test_the_inbox_revives_only_the_restarted_worker_and_fences_the_old_one():
+    job = Job()
+    inbox = job.inbox()
+    handlers = inbox.handlers()
+    job.table.mark_dead([1])
+    handlers["register"](b"old", _register(1, 101))   # the lost process itself: stays dead, told to exit
+    assert not job.table.ranks[1].alive
+    job.restarts.expect([1])
+    handlers["register"](b"new", _register(1, 555))
+    assert job.table.ranks[1].alive and not job.restarts.restarting
+    assert job.events.named("rejoined") == [{"rank": 1, "pid": 555, "old_pid": 101}]
+    hb = protocol.decode(protocol.encode("hb", rank=1, it=5, upd=False, health="ok", pid=101))
+    handlers["hb"](b"old", hb)                        # heard again: told to exit each time
+    handlers["hb"](b"old", hb)
+    exits = job.router.orders("exit")
+    assert len(exits) == 3 and {i for i, _ in exits} == {b"old"} and "was declared lost" in exits[0][1]["diagnosis"]
+    assert len(job.events.named("fenced")) == 1
+
+
+def test_the_inbox_turns_reports_into_faults():
+    job = Job()
+    handlers = job.inbox().handlers()
+    handlers["fault"](b"\x01", protocol.decode(protocol.encode(
+        "fault", rank=1, kind="memory-error", iteration=6, phase="backward", detail="UCE", rid="101.fault.1")))
+    assert job.port.faults[-1] == ([1], "memory-error", 6, "backward", "UCE", ("fault", 1, "memory-error", None),
+                                   "101.fault.1")
+    assert job.table.ranks[1].health == "faulty" and job.table.ranks[1].it == 6
+    handlers["exit"](b"a", {"t": "exit", "rank": 2, "pid": 999, "code": 1})  # an older incarnation
+    handlers["exit"](b"a", {"t": "exit", "rank": 2, "pid": 102, "code": 0})  # ended its work
+    assert job.table.ranks[2].done and len(job.port.faults) == 1
+    handlers["exit"](b"a", {"t": "exit", "rank": 3, "pid": 103, "code": 0, "signal": 9, "rid": "x"})
+    assert job.port.faults[-1][:2] == ([3], "process-exit") and job.port.faults[-1][4] == "pid 103 killed by signal 9"
+    job.agent(0, [0, 1], pids=[0, 0], pid=950)         # node 0 came back as a new agent without workers
+    handlers["agent"](b"agent0", {"t": "agent", "node_rank": 0, "node": "n0", "ranks": [0, 1], "pids": [0, 0],
+                                  "pid": 951})
+    assert job.port.faults[-1][:2] == ([0, 1], "node-lost")
+
+
+def test_the_inbox_routes_answers_and_requests_to_the_helper_they_concern():
+    job = Job()
+    inbox = job.inbox()
+    handlers = inbox.handlers()
+    job.standbys.ranks = [2]
+    oid = job.orders.send("standby", [2], {"world": 4, "epoch": 1, "controller": 0})
+    handlers["result"](b"\x02", {"t": "result", "rank": 2, "action": "standby", "id": oid, "ok": True,
+                                 "data": "tcp://n1:1"})
+    assert job.standbys.endpoints() == ["tcp://n1:1"] and job.port.calls == [("push_backups",)]
+    job.succession_.handing_to = 2
+    oid = job.orders.send("takeover", [2], {"epoch": 2, "migrate": 0, "reason": "requested"})
+    handlers["result"](b"\x02", {"t": "result", "rank": 2, "action": "takeover", "id": oid, "ok": False,
+                                 "error": "no standby here"})
+    assert job.succession_.handing_to is None and "handover failed" in job.events.named("migrate_refused")[0]["why"]
+    handlers["migrate"](b"cli", {"t": "migrate", "rank": 9})
+    assert job.router.sent[-1][1] == {"v": protocol.VERSION, "t": "refused",
+                                      "reason": "there is no rank 9 in this job (ranks 0..3)"}
+    handlers["inject"](b"cli", {"t": "inject", "rank": 1, "kind": "uce", "step": 7})
+    assert job.router.orders("inject") == [(bytes([1]), {"kind": "uce", "step": 7})]
+    assert job.router.sent[-1][1]["body"]["detail"] == "delivered"
+    handlers["inject"](b"cli", {"t": "inject", "rank": 1, "kind": "meteor"})
+    assert "unknown fault 'meteor'" in job.router.sent[-1][1]["reason"]
