@@ -35,8 +35,8 @@ log = get_logger("recovery.handlers")
 
 
 class Session(Protocol):
-    """What the orders use of the rank's session (``session.RankSession``): who the rank is, its
-    trainer and optimizer, and the hooks a recovery reports through."""
+    """What the orders use of the rank (``session.RankState``, the recovery's part of the rank's
+    session): who the rank is, its trainer and optimizer, and the hooks a recovery reports through."""
     rank: int
     world_size: int
     options: HAOptions
