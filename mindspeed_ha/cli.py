@@ -117,7 +117,7 @@ def _check_rank(info: dict, rank: int) -> None:
 def _request(args, data: bytes, rank: int | None = None) -> dict:
     """One authenticated request to the active controller: its answer (status or refused).
     ``rank``: the rank the request is about, checked against the job's world size first."""
-    from .control.wire import protocol as P, security
+    from .control.wire import protocol, security
     log_dir = log_dir_from_env(args.log_dir)
     info = _controller_record(args, log_dir)
     where = f"the job store at {args.job_store}" if args.job_store else f"{log_dir}/controller.json"
@@ -133,7 +133,7 @@ def _request(args, data: bytes, rank: int | None = None) -> dict:
         s.connect(info["endpoint"])
         s.send(data)
         while s.poll(int(args.timeout * 1000)):
-            msg = P.decode(s.recv())
+            msg = protocol.decode(s.recv())
             if msg["t"] in ("status", "refused"):
                 return msg
     finally:
@@ -145,10 +145,10 @@ def _request(args, data: bytes, rank: int | None = None) -> dict:
 
 
 def cmd_status(args) -> int:
-    from .control.wire import protocol as P
+    from .control.wire import protocol
     log_dir = log_dir_from_env(args.log_dir)
     try:
-        msg = _request(args, P.encode("status?"))
+        msg = _request(args, protocol.encode("status?"))
     except Unreachable as e:  # what the event log knows, then the line that says what to pass
         faults = [f for f in read_events(os.path.join(log_dir, "events", "controller.jsonl"))
                   if f.get("event") == "fault"]
@@ -188,7 +188,7 @@ def _print_faults(faults: list[dict]) -> None:
 
 
 def cmd_inject(args) -> int:
-    from .control.wire import protocol as P
+    from .control.wire import protocol
     fields = {"kind": args.kind, "rank": args.rank}
     if args.step is not None:
         fields["step"] = args.step
@@ -196,12 +196,12 @@ def cmd_inject(args) -> int:
         fields["phase"] = args.phase
     if args.factor is not None:
         fields["factor"] = args.factor
-    return _answer(_request(args, P.encode("inject", **fields), rank=args.rank))
+    return _answer(_request(args, protocol.encode("inject", **fields), rank=args.rank))
 
 
 def cmd_migrate(args) -> int:
-    from .control.wire import protocol as P
-    return _answer(_request(args, P.encode("migrate", rank=args.rank, reason=args.reason), rank=args.rank))
+    from .control.wire import protocol
+    return _answer(_request(args, protocol.encode("migrate", rank=args.rank, reason=args.reason), rank=args.rank))
 
 
 def _answer(msg: dict) -> int:

@@ -98,7 +98,7 @@ import time as _time
 
 import zmq as _zmq
 
-from mindspeed_ha.control.wire import protocol as _P, security as _security
+from mindspeed_ha.control.wire import protocol as _protocol, security as _security
 from mindspeed_ha.control.controller import Controller as _Controller
 from mindspeed_ha.control.policy.quorum import has_quorum
 from mindspeed_ha.control.policy.standbys import choose_backups
@@ -138,14 +138,14 @@ class _Links:
         s.linger = 0
         _security.secure_client(s, self.keys)
         s.connect(self.sb.endpoint)
-        s.send(_P.encode("register", rank=rank, world=4, node="n", pid=1000 + rank))
+        s.send(_protocol.encode("register", rank=rank, world=4, node="n", pid=1000 + rank))
         self.socks.append((rank, s))
 
     def beat(self, seconds):
         t = _time.time()
         while _time.time() - t < seconds:
             for r, s in self.socks:
-                s.send(_P.encode("hb", rank=r, it=3, upd=False, health="ok"))
+                s.send(_protocol.encode("hb", rank=r, it=3, upd=False, health="ok"))
                 while s.poll(0):
                     s.recv()
             _time.sleep(0.1)
@@ -386,12 +386,12 @@ def test_every_rank_learns_the_standbys_at_once_not_at_its_next_heartbeat(tmp_pa
             s.linger = 0
             _security.secure_client(s, keys)
             s.connect(c.endpoint)
-            s.send(_P.encode("register", rank=r, world=4, node=f"n{r // 2}", pid=1000 + r))
+            s.send(_protocol.encode("register", rank=r, world=4, node=f"n{r // 2}", pid=1000 + r))
         orders, t = {}, _time.time()
         while len(orders) < 2 and _time.time() - t < 20:  # the controller names two standbys
             for r, s in socks.items():
                 while s.poll(0):
-                    msg = _P.decode(s.recv())
+                    msg = _protocol.decode(s.recv())
                     if msg["t"] == "do" and msg["action"] == "standby":
                         orders[r] = msg["id"]
             _time.sleep(0.02)
@@ -400,14 +400,14 @@ def test_every_rank_learns_the_standbys_at_once_not_at_its_next_heartbeat(tmp_pa
         for s in socks.values():  # what each rank has heard so far
             while s.poll(0):
                 s.recv()
-        socks[r].send(_P.encode("result", rank=r, action="standby", id=oid, ok=True, pid=1000 + r,
-                                data="tcp://127.0.0.9:4242"))
+        socks[r].send(_protocol.encode("result", rank=r, action="standby", id=oid, ok=True, pid=1000 + r,
+                                       data="tcp://127.0.0.9:4242"))
         heard = set()
         t = _time.time()
         while len(heard) < 4 and _time.time() - t < 5:
             for q, s in socks.items():
                 while s.poll(10):
-                    msg = _P.decode(s.recv())
+                    msg = _protocol.decode(s.recv())
                     if msg["t"] == "ack" and "tcp://127.0.0.9:4242" in (msg.get("backups") or []):
                         heard.add(q)
         assert heard == {0, 1, 2, 3}  # (no rank sent anything in between)

@@ -5,7 +5,7 @@ import time
 import pytest
 import zmq
 
-from mindspeed_ha.control.wire import protocol as P, security
+from mindspeed_ha.control.wire import protocol, security
 from mindspeed_ha.control.controller import Controller
 from mindspeed_ha.events import read_events
 from mindspeed_ha.options import HAOptions
@@ -24,19 +24,19 @@ class FakeRanks:
         for r in range(world):
             s = self.ctx.socket(zmq.DEALER)
             s.linger = 0
-            s.maxmsgsize = P.MAX_BYTES + 1024
+            s.maxmsgsize = protocol.MAX_BYTES + 1024
             security.secure_client(s, keys)
             s.connect(c.endpoint)
-            s.send(P.encode("register", rank=r, world=world, node="n0", pid=1000 + r, groups=[GROUPS[r]]))
+            s.send(protocol.encode("register", rank=r, world=world, node="n0", pid=1000 + r, groups=[GROUPS[r]]))
             self.socks[r] = s
 
     def pump(self, seconds: float, until=lambda: False) -> None:
         deadline = time.time() + seconds
         while time.time() < deadline and not until():
             for r, s in self.socks.items():
-                s.send(P.encode("hb", rank=r, it=5, upd=False, health="ok", phase="forward", progress=1.0))
+                s.send(protocol.encode("hb", rank=r, it=5, upd=False, health="ok", phase="forward", progress=1.0))
                 while s.poll(0):
-                    msg = P.decode(s.recv())
+                    msg = protocol.decode(s.recv())
                     if msg["t"] == "settled":
                         self.settled.append((r, msg["rids"]))
                     if msg["t"] != "do":
@@ -44,7 +44,7 @@ class FakeRanks:
                     self.seen.append((r, msg["action"]))
                     ok, data = self.answer(r, msg)
                     fields = {"data": data} if ok else {"error": str(data)}
-                    s.send(P.encode("result", rank=r, action=msg["action"], id=msg["id"], ok=ok, **fields))
+                    s.send(protocol.encode("result", rank=r, action=msg["action"], id=msg["id"], ok=ok, **fields))
             time.sleep(0.02)
 
     def close(self):
@@ -79,8 +79,8 @@ def test_a_bug_in_a_round_fails_the_state_not_the_controller(tmp_path, controlle
     ranks = FakeRanks(c, keys, answer)
     try:
         ranks.pump(5, until=lambda: c.machine.state.value == "normal")
-        ranks.socks[1].send(P.encode("fault", rank=1, kind="memory-error", iteration=6, phase="backward",
-                                     detail="UCE ERROR", at=time.time()))
+        ranks.socks[1].send(protocol.encode("fault", rank=1, kind="memory-error", iteration=6, phase="backward",
+                                            detail="UCE ERROR", at=time.time()))
         ranks.pump(10, until=lambda: c.machine.state.value in ("exit", "done"))
         ranks.pump(1)
         moves = states(tmp_path)
@@ -112,8 +112,8 @@ def test_answers_of_any_size_travel_whole(tmp_path, controller):
     ranks = FakeRanks(c, keys, answer)
     try:
         ranks.pump(5, until=lambda: c.machine.state.value == "normal")
-        ranks.socks[3].send(P.encode("fault", rank=3, kind="other", iteration=6, phase="backward",
-                                     detail="RuntimeError: boom", at=time.time()))
+        ranks.socks[3].send(protocol.encode("fault", rank=3, kind="other", iteration=6, phase="backward",
+                                            detail="RuntimeError: boom", at=time.time()))
         ranks.pump(15, until=lambda: c.machine.state.value in ("exit", "done"))
         assert ("dump", "exit", "ok") in states(tmp_path), states(tmp_path)
         cp = [e for e in read_events(str(tmp_path / "events" / "controller.jsonl")) if e["event"] == "checkpoint"]
@@ -190,8 +190,8 @@ def test_a_recovered_fault_is_settled_everywhere_and_never_recovered_again(tmp_p
     in the log and the events, and the job trains on."""
     c, keys = controller
     ranks = FakeRanks(c, keys, retry_answers(poisoned={1}))
-    report = P.encode("fault", rank=1, kind="memory-error", iteration=6, phase="backward", detail="UCE ERROR",
-                      at=time.time(), pid=1001, rid="1001.fault.1")
+    report = protocol.encode("fault", rank=1, kind="memory-error", iteration=6, phase="backward", detail="UCE ERROR",
+                             at=time.time(), pid=1001, rid="1001.fault.1")
     try:
         ranks.pump(5, until=lambda: c.machine.state.value == "normal")
         ranks.socks[1].send(report)

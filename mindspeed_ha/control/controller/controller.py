@@ -39,7 +39,7 @@ from ..policy.ranks import Agent, Rank, RankTable
 from ..policy.rounds import Port, RunOutcome, Runner
 from ..policy.standbys import Standbys
 from ..policy.states import TABLE, TIMEOUTS, Machine, Outcome as O, State as S, choose_strategy
-from ..wire import discovery, hosts, protocol as P, security
+from ..wire import discovery, hosts, protocol, security
 from ..wire.router import Router
 from .inbox import Inbox
 from .migration import Migrations
@@ -319,7 +319,7 @@ class Controller:
     def refresh_ack(self) -> None:
         store = self.job_store
         moved = {"store": discovery.address_text(store.address)} if store is not None and store.moves else {}
-        self.ack = P.encode("ack", epoch=self.epoch, state=self.machine.state.value, standby=self.standby,
+        self.ack = protocol.encode("ack", epoch=self.epoch, state=self.machine.state.value, standby=self.standby,
                              backups=self.standbys.endpoints(), **moved)
 
     def push_backups(self) -> None:
@@ -398,7 +398,7 @@ class Controller:
         and agent, whose links then stop re-sending them, and at the standbys' ranks."""
         rids = self.ledger.settle_active()
         if rids:
-            self.router.fan_out(self._everyone(), P.encode("settled", rids=rids))
+            self.router.fan_out(self._everyone(), protocol.encode("settled", rids=rids))
 
     def fault(self, ranks: list[int], kind: str, iteration: int, phase: str, detect_s: float = 0.0,
               detail: str = "", key: Hashable = None, rid: str | None = None, feed: bool = True) -> bool:

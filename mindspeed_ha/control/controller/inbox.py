@@ -11,7 +11,7 @@ from ...events import EventLog, get_logger
 from ...faults import PROCESS_FATAL_EXIT
 from ..policy.ranks import Agent, Rank, RankTable
 from ..policy.states import Outcome as O, State as S
-from ..wire import protocol as P
+from ..wire import protocol
 from ..wire.router import Router
 from .migration import Migrations
 from .orders import Orders
@@ -57,8 +57,8 @@ class Inbox:
             self.router.drops.drop("stale", f"rank {r} pid {msg.get('pid')}: {msg['t']}")
             text = (f"mindspeed-ha: rank {r}, process {msg.get('pid')}, was declared lost and replaced; this "
                     "process must not come back into the job, so it ends here")
-            self.router.send(ident, P.encode("do", action="exit", id=0, epoch=self.port.epoch,
-                                             args={"code": 1, "diagnosis": text}))
+            self.router.send(ident, protocol.encode("do", action="exit", id=0, epoch=self.port.epoch,
+                                                    args={"code": 1, "diagnosis": text}))
             if r not in self.fenced_once:
                 self.fenced_once.add(r)
                 self.events.emit("fenced", rank=r, pid=msg.get("pid"), message=msg["t"])
@@ -111,7 +111,7 @@ class Inbox:
         reconnected = known is not None and known.ident != ident
         info = self.table.heard(ident, msg, time.monotonic())
         if info is None:
-            self.router.send(ident, P.encode("refused", reason="register first"))
+            self.router.send(ident, protocol.encode("refused", reason="register first"))
             return
         if "busy" in msg:
             self.migrations.observe(info)
@@ -146,7 +146,7 @@ class Inbox:
         if msg["action"] == "standby" and msg["ok"]:
             self.succession.standby_up(r, msg.get("data") or "")
         if pend.cli is not None:
-            self.router.send(pend.cli, P.encode("status", body={
+            self.router.send(pend.cli, protocol.encode("status", body={
                 "ok": msg["ok"], "rank": r, "action": msg["action"], "data": msg.get("data"),
                 "error": msg.get("error", "")}))
 
@@ -183,12 +183,13 @@ class Inbox:
         self.scaling.offer(agent, returned)
         due = self.restarts.due(agent.ranks, agent.pids)
         if due:
-            self.router.send(ident, P.encode("do", action="restart", id=0, args={"ranks": due}, epoch=self.port.epoch))
+            self.router.send(ident, protocol.encode("do", action="restart", id=0, args={"ranks": due},
+                                                    epoch=self.port.epoch))
 
     def agent_heartbeat(self, ident: bytes, msg: Msg) -> None:
         a = self.table.agents.get(msg["node_rank"])
         if a is None:
-            self.router.send(ident, P.encode("refused", reason="register first"))
+            self.router.send(ident, protocol.encode("refused", reason="register first"))
             return
         now = time.monotonic()
         # (heartbeats queued while the node's link was cut can arrive before its agent registers again)
@@ -227,22 +228,23 @@ class Inbox:
                         detail=f"pid {msg['pid']} {how}", key=("exit", r, msg["pid"]), rid=msg.get("rid"))
 
     def status(self, ident: bytes, msg: Msg) -> None:
-        self.router.send(ident, P.encode("status", body=self.port.status()))
+        self.router.send(ident, protocol.encode("status", body=self.port.status()))
 
     def inject(self, ident: bytes, msg: Msg) -> None:
         r = self.table.check(msg["rank"])
         info = self.table.ranks.get(r)
         if info is None or not info.alive or self.port.standby:
-            self.router.send(ident, P.encode("refused", reason=f"rank {r} is not a live registered rank"))
+            self.router.send(ident, protocol.encode("refused", reason=f"rank {r} is not a live registered rank"))
             return
-        if msg["kind"] not in P.INJECT_KINDS or msg.get("phase", "forward") not in P.INJECT_PHASES:
-            self.router.send(ident, P.encode("refused", reason=f"unknown fault {msg['kind']!r}/{msg.get('phase')!r}"))
+        if msg["kind"] not in protocol.INJECT_KINDS or msg.get("phase", "forward") not in protocol.INJECT_PHASES:
+            self.router.send(ident, protocol.encode(
+                "refused", reason=f"unknown fault {msg['kind']!r}/{msg.get('phase')!r}"))
             return
         args: dict[str, Any] = {k: msg[k] for k in ("kind", "step", "phase", "factor") if k in msg}
         oid = self.orders.send("inject", [r], args)
         # Answer on delivery: the fault may kill the rank before its handler's result gets out.
-        self.router.send(ident, P.encode("status", body={"ok": True, "rank": r, "action": "inject", "id": oid,
-                                                       "detail": "delivered", **args}))
+        self.router.send(ident, protocol.encode("status", body={"ok": True, "rank": r, "action": "inject",
+                                                              "id": oid, "detail": "delivered", **args}))
         self.events.emit("inject", target=r, **args)
 
     def migrate(self, ident: bytes, msg: Msg) -> None:
@@ -250,10 +252,10 @@ class Inbox:
         why = (self.migrations.request(r, msg.get("reason") or "requested") if 0 <= r < self.table.world
                else f"there is no rank {r} in this job (ranks 0..{self.table.world - 1})")
         if why:
-            self.router.send(ident, P.encode("refused", reason=why))
+            self.router.send(ident, protocol.encode("refused", reason=why))
             return
-        self.router.send(ident, P.encode("status", body={"ok": True, "rank": r, "action": "migrate",
-                                                       "detail": "at the next step boundary"}))
+        self.router.send(ident, protocol.encode("status", body={"ok": True, "rank": r, "action": "migrate",
+                                                              "detail": "at the next step boundary"}))
 
     def preempt(self, ident: bytes, msg: Msg) -> None:
         """The scheduler is taking the job away: stop now, write the dying gasp, exit (once, whoever

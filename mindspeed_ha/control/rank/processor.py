@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, SupportsFloat
 from ... import exitcodes
 from ...events import EventLog, get_logger, setup_text_log
 from ...options import WARM_UP_STEPS, HAOptions
-from ..wire import protocol as P, security
+from ..wire import protocol, security
 from ..wire.board import ProgressBoard, board_path
 from ..wire.discovery import JobStore, controller_is_external
 from ..wire.hosts import this_host
@@ -180,8 +180,8 @@ class Processor:
 
             def on_signal(signum: int, frame: FrameType | None, previous: object = previous) -> None:
                 rid = f"{os.getpid()}.preempt"
-                self._outbox.put((P.encode("preempt", signal=int(signum), rank=self.rank, pid=os.getpid(), rid=rid),
-                                  rid))
+                report = protocol.encode("preempt", signal=int(signum), rank=self.rank, pid=os.getpid(), rid=rid)
+                self._outbox.put((report, rid))
                 if callable(previous):
                     previous(signum, frame)
             signal.signal(sig, on_signal)
@@ -192,7 +192,7 @@ class Processor:
         if self._thread is None:
             return
         self._sent.clear()
-        self._outbox.put(P.encode("bye", rank=self.rank, pid=os.getpid()))
+        self._outbox.put(protocol.encode("bye", rank=self.rank, pid=os.getpid()))
         self._sent.wait(1.0)
         if self.controller is not None and not self.controller.standby:
             self.controller.done.wait(timeout)
@@ -314,9 +314,9 @@ class Processor:
         self._sent.clear()
         self._reports += 1
         rid = f"{os.getpid()}.fault.{self._reports}"
-        self._outbox.put((P.encode("fault", rank=self.rank, kind=kind, iteration=int(iteration),
-                                   phase=str(phase)[:64], detail=detail, at=time.time(), pid=os.getpid(), rid=rid),
-                          rid))
+        report = protocol.encode("fault", rank=self.rank, kind=kind, iteration=int(iteration), phase=str(phase)[:64],
+                                 detail=detail, at=time.time(), pid=os.getpid(), rid=rid)
+        self._outbox.put((report, rid))
         self._sent.wait(1.0)  # handed to ZeroMQ before the caller may let the process die
 
     def serve_order(self, timeout: float) -> str | None:
@@ -331,11 +331,11 @@ class Processor:
 
     # ---- processor thread ---------------------------------------------------------------------
     def _hello(self) -> bytes:
-        return P.encode("register", rank=self.rank, world=self.world, node=self.node, pid=os.getpid(),
-                        local_rank=self.local_rank, groups=self.groups, host=this_host(),
-                        iteration=self.iteration,
-                        restarts=int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0),
-                        **_agent_node())
+        return protocol.encode("register", rank=self.rank, world=self.world, node=self.node, pid=os.getpid(),
+                               local_rank=self.local_rank, groups=self.groups, host=this_host(),
+                               iteration=self.iteration,
+                               restarts=int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0),
+                               **_agent_node())
 
     def _run(self) -> None:
         assert self.link is not None and self.events is not None  # (start() made them before this thread)
@@ -358,11 +358,11 @@ class Processor:
                     next_hb, self._hb_now = now + hb, False
                     busy, n = self._busy_sum, self._busy_n
                     self._busy_sum, self._busy_n = 0.0, 0
-                    self.link.send(P.encode("hb", rank=self.rank, it=self.iteration, upd=self.updating,
-                                            health=self.health, phase=self.phase, progress=self._progress,
-                                            wait=self.in_collective(), pid=os.getpid(), steps=self.steps_done,
-                                            **({"busy": busy / n} if n else {}),
-                                            **({"ckpt": self.checkpoint} if self.checkpoint >= 0 else {})))
+                    self.link.send(protocol.encode("hb", rank=self.rank, it=self.iteration, upd=self.updating,
+                                                   health=self.health, phase=self.phase, progress=self._progress,
+                                                   wait=self.in_collective(), pid=os.getpid(), steps=self.steps_done,
+                                                   **({"busy": busy / n} if n else {}),
+                                                   **({"ckpt": self.checkpoint} if self.checkpoint >= 0 else {})))
                 for msg in self.link.receive(20):
                     if msg["t"] == "do":
                         self._dispatch(msg)
@@ -426,10 +426,10 @@ class Processor:
     def _result(self, action: str, aid: int, ok: bool, data: object = None, error: str = "") -> None:
         fields = {"data": data} if ok and data is not None else {"error": error} if not ok else {}
         try:
-            msg = P.encode("result", rank=self.rank, action=action, id=aid, ok=ok, pid=os.getpid(), **fields)
-        except P.ProtocolError as e:  # a handler's answer that is not a msgpack tree
-            msg = P.encode("result", rank=self.rank, action=action, id=aid, ok=False,
-                           error=f"rank {self.rank} could not send its answer to {action}: {e}")
+            msg = protocol.encode("result", rank=self.rank, action=action, id=aid, ok=ok, pid=os.getpid(), **fields)
+        except protocol.ProtocolError as e:  # a handler's answer that is not a msgpack tree
+            msg = protocol.encode("result", rank=self.rank, action=action, id=aid, ok=False,
+                                  error=f"rank {self.rank} could not send its answer to {action}: {e}")
         if threading.current_thread() is self._thread:
             assert self.link is not None  # (its thread runs only with it)
             self.link.send(msg)
