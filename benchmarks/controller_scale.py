@@ -68,7 +68,7 @@ def limits(ranks: int, heartbeat: float) -> dict:
 
 def simulate(a) -> None:
     """A simulator process: ranks [lo, hi) of the world; commands on stdin, reports on stdout."""
-    from mindspeed_ha.control import protocol as P, security
+    from mindspeed_ha.control.wire import protocol, security
     keys = security.Keys.load(a.log_dir, insecure=a.insecure, timeout=10)
     ctx = zmq.Context(io_threads=1)
     ctx.max_sockets = 65536
@@ -92,8 +92,8 @@ def simulate(a) -> None:
         security.secure_client(s, keys)
         s.connect(a.endpoint)
         socks[r] = s
-        send(r, P.encode("register", rank=r, world=a.world, node=f"sim{r // 8}", pid=100000 + r,
-                         groups=[[r, (r + a.world // 2) % a.world]]), "register")
+        send(r, protocol.encode("register", rank=r, world=a.world, node=f"sim{r // 8}", pid=100000 + r,
+                                groups=[[r, (r + a.world // 2) % a.world]]), "register")
     print(json.dumps({"ready": len(ranks)}), flush=True)
     hb = a.heartbeat
     n = len(ranks)
@@ -149,11 +149,11 @@ def simulate(a) -> None:
             data = {"rollback": "rollback", "repair": {"received": 0}}.get(action, "ok")
         else:
             return
-        if send(r, P.encode("result", rank=r, action=action, id=msg["id"], ok=True, data=data), f"result:{action}"):
+        if send(r, protocol.encode("result", rank=r, action=action, id=msg["id"], ok=True, data=data), f"result:{action}"):
             answered[action].add(r)
         if action == "resume":  # the next step ends at once: the controller's MTTR stops there
             iteration.update(it=11, phase="step")
-            send(r, P.encode("hb", rank=r, it=11, upd=False, health="ok", phase="step", progress=2.0), "hb")
+            send(r, protocol.encode("hb", rank=r, it=11, upd=False, health="ok", phase="step", progress=2.0), "hb")
 
     def drain(r):
         s = socks[r]
@@ -161,7 +161,7 @@ def simulate(a) -> None:
             data = s.recv(zmq.NOBLOCK)
             if b"do" not in data:
                 continue
-            msg = P.decode(data)
+            msg = protocol.decode(data)
             if msg["t"] != "do":
                 continue
             if msg["action"] == bad_action and bad_how == "lost" and r % 2:
@@ -172,8 +172,8 @@ def simulate(a) -> None:
             if msg["action"] == bad_action and bad_how == "silent" and r % 2:
                 continue
             if msg["action"] == bad_action and bad_how == "refuse" and r % 2:
-                if send(r, P.encode("result", rank=r, action=bad_action, id=msg["id"], ok=False,
-                                    error=f"simulated refusal of {bad_action}"), f"result:{bad_action}"):
+                if send(r, protocol.encode("result", rank=r, action=bad_action, id=msg["id"], ok=False,
+                                           error=f"simulated refusal of {bad_action}"), f"result:{bad_action}"):
                     answered[bad_action].add(r)
                 continue
             if a.respond:
@@ -204,8 +204,8 @@ def simulate(a) -> None:
         while due[nxt] <= now + 0.01 and k < n:
             r = ranks[nxt]
             if r != silenced:
-                send(r, P.encode("hb", rank=r, it=iteration["it"], upd=False, health="ok",
-                                 phase=iteration["phase"], progress=1.0), "hb")
+                send(r, protocol.encode("hb", rank=r, it=iteration["it"], upd=False, health="ok",
+                                        phase=iteration["phase"], progress=1.0), "hb")
                 last_hb[r] = time.time()
                 if r in sent_at and now - sent_at[r] > hb_gap[0]:
                     hb_gap[:] = [now - sent_at[r], r, time.time()]
@@ -244,8 +244,8 @@ def simulate(a) -> None:
             if cmd and cmd[0] == "fault":  # this rank's memory error (recovery mode)
                 r = int(cmd[1])
                 if a.lo <= r < a.hi:
-                    send(r, P.encode("fault", rank=r, kind="memory-error", iteration=11, phase="backward",
-                                     detail="UCE ERROR (simulated)", at=time.time()), "fault")
+                    send(r, protocol.encode("fault", rank=r, kind="memory-error", iteration=11, phase="backward",
+                                            detail="UCE ERROR (simulated)", at=time.time()), "fault")
                 report_at = time.monotonic() + a.report_s
             elif cmd and cmd[0] == "silence":
                 silenced = int(cmd[1]) if a.lo <= int(cmd[1]) < a.hi else None
@@ -471,7 +471,7 @@ def main() -> None:
     if a.sim:
         return simulate(a)
 
-    from mindspeed_ha.control import security
+    from mindspeed_ha.control.wire import security
     from mindspeed_ha.control.controller import Controller
     from mindspeed_ha.events import setup_text_log
     from mindspeed_ha.options import HAOptions

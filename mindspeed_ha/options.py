@@ -26,7 +26,10 @@ _FLAG_TO_STRATEGY = {
     "enable_elastic_training": "elastic-training",
 }
 _TFT_ALIAS = {"TTP": "dump", "UCE": "retry", "ARF": "recover"}
-WARM_UP_HANG_S = 30.0  # the least a process's first steps get before they count as hung (control.ranks)
+WARM_UP_HANG_S = 30.0  # the least a process's first steps get before they count as hung (control.policy.ranks)
+# A process's first steps allocate, connect and warm up: they count neither toward a hang (see
+# WARM_UP_HANG_S) nor as a measure of its speed. The rank and the controller both need the number.
+WARM_UP_STEPS = 3
 
 
 class HAConfigError(ValueError):

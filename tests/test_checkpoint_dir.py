@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from mindspeed_ha.trainer import checkpoint_dir as C
+from mindspeed_ha.trainer import checkpoint_dir
 
 
 def fake_checkpoint(path, payload=b"weights"):
@@ -13,11 +13,11 @@ def fake_checkpoint(path, payload=b"weights"):
     for name, data in (("__0_0.distcp", payload), (".metadata", b"m"), ("metadata.json", b"{}")):
         with open(os.path.join(path, name), "wb") as f:
             f.write(data)
-    C.write_manifest(path, {"files": C.checksums(path, 0, 1)})
+    checkpoint_dir.write_manifest(path, {"files": checkpoint_dir.checksums(path, 0, 1)})
 
 
 def test_absent_tracker_is_a_fresh_start(tmp_path):
-    assert C.tracker(str(tmp_path)) is None and C.newest_checkpoint(str(tmp_path)) is None
+    assert checkpoint_dir.tracker(str(tmp_path)) is None and checkpoint_dir.newest_checkpoint(str(tmp_path)) is None
 
 
 @pytest.mark.parametrize("tracker,needle", [
@@ -27,23 +27,23 @@ def test_absent_tracker_is_a_fresh_start(tmp_path):
 ])
 def test_a_broken_tracker_is_an_error_naming_the_newest_complete_checkpoint(tmp_path, tracker, needle):
     root = str(tmp_path)
-    fake_checkpoint(C.iter_dir(root, 2))
-    os.makedirs(C.iter_dir(root, 4))  # a directory a crash left half written
-    (tmp_path / C.TRACKER).write_text(tracker)
-    with pytest.raises(C.CheckpointError) as e:
-        C.tracker(root)
+    fake_checkpoint(checkpoint_dir.iter_dir(root, 2))
+    os.makedirs(checkpoint_dir.iter_dir(root, 4))  # a directory a crash left half written
+    (tmp_path / checkpoint_dir.TRACKER).write_text(tracker)
+    with pytest.raises(checkpoint_dir.CheckpointError) as e:
+        checkpoint_dir.tracker(root)
     msg = str(e.value)
     assert needle.format(root=root) in msg
     assert f"the newest complete checkpoint there is iteration 2 ({root}/iter_0000002)" in msg
-    assert C.newest_checkpoint(root) is None  # (the dump's fallback: none it could name)
+    assert checkpoint_dir.newest_checkpoint(root) is None  # (the dump's fallback: none it could name)
 
 
 def test_a_file_missing_from_its_manifest_makes_it_incomplete(tmp_path):
-    path = C.iter_dir(str(tmp_path), 3)
+    path = checkpoint_dir.iter_dir(str(tmp_path), 3)
     fake_checkpoint(path)
-    assert C.complete(path)
+    assert checkpoint_dir.complete(path)
     os.unlink(os.path.join(path, "__0_0.distcp"))
-    assert not C.complete(path)
+    assert not checkpoint_dir.complete(path)
 
 
 @pytest.mark.parametrize("crash_at", range(6))
@@ -51,11 +51,11 @@ def test_a_crash_at_any_step_of_publishing_leaves_a_checkpoint_to_load(tmp_path,
     """Rewriting iteration 5 (as a dump after a periodic save of 5 does), a crash after each file
     operation: --load still finds a complete iteration 5, the old copy or the new one."""
     root = str(tmp_path)
-    fake_checkpoint(C.iter_dir(root, 5), b"old")
-    C.write_tracker(root, 5)
-    fake_checkpoint(C.iter_dir(root, 5) + "_tmp", b"new")
+    fake_checkpoint(checkpoint_dir.iter_dir(root, 5), b"old")
+    checkpoint_dir.write_tracker(root, 5)
+    fake_checkpoint(checkpoint_dir.iter_dir(root, 5) + "_tmp", b"new")
     calls = {"n": 0}
-    real_replace, real_rmtree = os.replace, C.shutil.rmtree
+    real_replace, real_rmtree = os.replace, checkpoint_dir.shutil.rmtree
 
     def step(real):
         def op(*a, **k):
@@ -64,18 +64,18 @@ def test_a_crash_at_any_step_of_publishing_leaves_a_checkpoint_to_load(tmp_path,
             calls["n"] += 1
             return real(*a, **k)
         return op
-    monkeypatch.setattr(C.os, "replace", step(real_replace))
-    monkeypatch.setattr(C.shutil, "rmtree", step(real_rmtree))
+    monkeypatch.setattr(checkpoint_dir.os, "replace", step(real_replace))
+    monkeypatch.setattr(checkpoint_dir.shutil, "rmtree", step(real_rmtree))
     try:
-        C.publish(root, C.iter_dir(root, 5) + "_tmp", 5)
+        checkpoint_dir.publish(root, checkpoint_dir.iter_dir(root, 5) + "_tmp", 5)
     except KeyboardInterrupt:
         pass
-    monkeypatch.setattr(C.os, "replace", real_replace)
-    monkeypatch.setattr(C.shutil, "rmtree", real_rmtree)
-    assert C.tracker(root) == 5
-    data = open(os.path.join(C.iter_dir(root, 5), "__0_0.distcp"), "rb").read()
+    monkeypatch.setattr(checkpoint_dir.os, "replace", real_replace)
+    monkeypatch.setattr(checkpoint_dir.shutil, "rmtree", real_rmtree)
+    assert checkpoint_dir.tracker(root) == 5
+    data = open(os.path.join(checkpoint_dir.iter_dir(root, 5), "__0_0.distcp"), "rb").read()
     assert data in (b"old", b"new")
-    assert json.load(open(os.path.join(C.iter_dir(root, 5), C.MANIFEST)))["files"]
+    assert json.load(open(os.path.join(checkpoint_dir.iter_dir(root, 5), checkpoint_dir.MANIFEST)))["files"]
 
 
 def _trainer_at(iteration: int, gbs: int = 16):

@@ -196,8 +196,8 @@ def test_agent_reports_exits_and_obeys_restart(tmp_path):
     """The agent against a controller socket driven by the test: exit reports arrive at once with
     pid, code and signal; ``restart`` brings one worker back; ``exit`` ends the node."""
     import zmq
-    from mindspeed_ha.control import protocol as P, security
-    from mindspeed_ha.control.election import write_controller_json
+    from mindspeed_ha.control.wire import protocol, security
+    from mindspeed_ha.control.wire.announcement import write_controller_json
     keys = security.Keys.load(str(tmp_path), create=True)
     ctx = zmq.Context()
     srv = ctx.socket(zmq.ROUTER)
@@ -219,9 +219,9 @@ def test_agent_reports_exits_and_obeys_restart(tmp_path):
         while time.time() < end:
             if srv.poll(100):
                 ident, data = srv.recv_multipart()
-                msg = P.decode(data)
+                msg = protocol.decode(data)
                 if msg["t"] in ("agent", "agent_hb"):
-                    srv.send_multipart([ident, P.encode("ack", epoch=1, state="normal")])
+                    srv.send_multipart([ident, protocol.encode("ack", epoch=1, state="normal")])
                 if msg["t"] == t:
                     return ident, msg
         raise AssertionError(f"no {t}")
@@ -233,11 +233,11 @@ def test_agent_reports_exits_and_obeys_restart(tmp_path):
         _, ex = recv("exit")
         assert time.time() - t0 < 1.0
         assert (ex["rank"], ex["pid"], ex["signal"]) == (1, hello["pids"][1], signal.SIGKILL)
-        srv.send_multipart([ident, P.encode("do", action="restart", id=0, args={"ranks": [1]}, epoch=1)])
+        srv.send_multipart([ident, protocol.encode("do", action="restart", id=0, args={"ranks": [1]}, epoch=1)])
         _, hello2 = recv("agent")
         assert hello2["pids"][0] == hello["pids"][0] and hello2["pids"][1] != hello["pids"][1]
-        srv.send_multipart([ident, P.encode("do", action="exit", id=0, args={"code": 3, "diagnosis": "bye"},
-                                            epoch=1)])
+        srv.send_multipart([ident, protocol.encode("do", action="exit", id=0, args={"code": 3, "diagnosis": "bye"},
+                                                   epoch=1)])
         out, err = agent.communicate(timeout=20)
         assert agent.returncode == 3 and "bye" in err
         assert "restart 1" in out

@@ -10,7 +10,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
-from mindspeed_ha.control import protocol as P, security
+from mindspeed_ha.control.wire import protocol, security
 from mindspeed_ha.control.controller import Controller
 from mindspeed_ha.options import HAOptions
 
@@ -37,37 +37,37 @@ SAMPLES = {
 
 
 def test_every_type_has_a_sample():
-    assert set(SAMPLES) == set(P.SCHEMAS)
+    assert set(SAMPLES) == set(protocol.SCHEMAS)
 
 
 @pytest.mark.parametrize("t", sorted(SAMPLES))
 def test_round_trip(t):
-    msg = P.decode(P.encode(t, **SAMPLES[t]))
-    assert msg.pop("t") == t and msg.pop("v") == P.VERSION and msg == SAMPLES[t]
+    msg = protocol.decode(protocol.encode(t, **SAMPLES[t]))
+    assert msg.pop("t") == t and msg.pop("v") == protocol.VERSION and msg == SAMPLES[t]
 
 
 @pytest.mark.parametrize("bad", [
-    b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"v": P.VERSION + 1, "t": "bye", "rank": 1}),
-    msgpack.packb({"v": P.VERSION, "t": "nope"}), msgpack.packb({"v": P.VERSION, "t": "bye"}),
-    msgpack.packb({"v": P.VERSION, "t": "bye", "rank": "1"}), msgpack.packb({"v": P.VERSION, "t": "bye", "rank": True}),
-    msgpack.packb({"v": P.VERSION, "t": "bye", "rank": 1, "extra": 0}), msgpack.packb({"v": P.VERSION, "t": "bye", "rank": 2**62}),
-    msgpack.packb({"v": P.VERSION, "t": "hb", "rank": 1, "it": 1, "upd": 0, "health": "ok"}),
-    msgpack.packb({"v": P.VERSION, "t": "register", "rank": 1, "world": 4, "node": "x", "pid": 1, "groups": [[-1]]}),
-    msgpack.packb({"v": P.VERSION, "t": "status?", 1: 2}),
-    msgpack.packb({"v": P.VERSION, "t": "agent", "node": "n", "node_rank": 0, "nnodes": 1, "pid": 1,
-                   "ranks": list(range(P.MAX_LIST + 1)), "pids": []}),
-    b"\x00" * (P.MAX_BYTES + 1),
+    b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"v": protocol.VERSION + 1, "t": "bye", "rank": 1}),
+    msgpack.packb({"v": protocol.VERSION, "t": "nope"}), msgpack.packb({"v": protocol.VERSION, "t": "bye"}),
+    msgpack.packb({"v": protocol.VERSION, "t": "bye", "rank": "1"}), msgpack.packb({"v": protocol.VERSION, "t": "bye", "rank": True}),
+    msgpack.packb({"v": protocol.VERSION, "t": "bye", "rank": 1, "extra": 0}), msgpack.packb({"v": protocol.VERSION, "t": "bye", "rank": 2**62}),
+    msgpack.packb({"v": protocol.VERSION, "t": "hb", "rank": 1, "it": 1, "upd": 0, "health": "ok"}),
+    msgpack.packb({"v": protocol.VERSION, "t": "register", "rank": 1, "world": 4, "node": "x", "pid": 1, "groups": [[-1]]}),
+    msgpack.packb({"v": protocol.VERSION, "t": "status?", 1: 2}),
+    msgpack.packb({"v": protocol.VERSION, "t": "agent", "node": "n", "node_rank": 0, "nnodes": 1, "pid": 1,
+                   "ranks": list(range(protocol.MAX_LIST + 1)), "pids": []}),
+    b"\x00" * (protocol.MAX_BYTES + 1),
 ])
 def test_rejects(bad):
-    with pytest.raises(P.ProtocolError):
-        P.decode(bad)
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode(bad)
 
 
 def test_encode_refuses_what_decode_would():
-    with pytest.raises(P.ProtocolError):
-        P.encode("bye")
-    with pytest.raises(P.ProtocolError):
-        P.encode("bye", rank=1, junk=2)
+    with pytest.raises(protocol.ProtocolError):
+        protocol.encode("bye")
+    with pytest.raises(protocol.ProtocolError):
+        protocol.encode("bye", rank=1, junk=2)
 
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(), st.text(max_size=20),
@@ -75,10 +75,10 @@ scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st
 values = st.recursive(scalars, lambda c: st.one_of(st.lists(c, max_size=5),
                                                      st.dictionaries(st.text(max_size=8), c, max_size=5)),
                       max_leaves=20)
-FIELDS = sorted({f for s in P.SCHEMAS.values() for f in s})
+FIELDS = sorted({f for s in protocol.SCHEMAS.values() for f in s})
 messages = st.builds(
-    lambda t, fields, drop: {**{"v": P.VERSION, "t": t}, **{k: v for k, v in fields.items() if k not in drop}},
-    st.sampled_from(sorted(P.SCHEMAS) + ["x"]),
+    lambda t, fields, drop: {**{"v": protocol.VERSION, "t": t}, **{k: v for k, v in fields.items() if k not in drop}},
+    st.sampled_from(sorted(protocol.SCHEMAS) + ["x"]),
     st.dictionaries(st.sampled_from(FIELDS + ["zz"]), values, max_size=8),
     st.sets(st.text(max_size=3), max_size=2))
 
@@ -86,7 +86,7 @@ messages = st.builds(
 def _mutate(t, mutations):
     """A valid message (SAMPLES[t]) with up to a few things changed: a field dropped, a field (known
     to its type, to another type, or to none) set to any value, another version or type."""
-    m = {"v": P.VERSION, "t": t, **copy.deepcopy(SAMPLES[t])}
+    m = {"v": protocol.VERSION, "t": t, **copy.deepcopy(SAMPLES[t])}
     for what, *rest in mutations:
         if what == "drop":
             m.pop(rest[0], None)
@@ -98,20 +98,20 @@ def _mutate(t, mutations):
 mutated = st.builds(_mutate, st.sampled_from(sorted(SAMPLES)), st.lists(st.one_of(
     st.tuples(st.just("drop"), st.sampled_from(FIELDS + ["v", "t"])),
     st.tuples(st.just("set"), st.sampled_from(FIELDS + ["zz"]), values),
-    st.tuples(st.just("set"), st.just("v"), st.one_of(values, st.integers(P.VERSION - 1, P.VERSION + 1))),
-    st.tuples(st.just("set"), st.just("t"), st.one_of(values, st.sampled_from(sorted(P.SCHEMAS))))), max_size=3))
+    st.tuples(st.just("set"), st.just("v"), st.one_of(values, st.integers(protocol.VERSION - 1, protocol.VERSION + 1))),
+    st.tuples(st.just("set"), st.just("t"), st.one_of(values, st.sampled_from(sorted(protocol.SCHEMAS))))), max_size=3))
 
 
 # ---- an oracle, written apart from protocol.py: what a decoder must make of a message ------------------
 def _index(v):
-    return type(v) is int and 0 <= v < P.MAX_INT
+    return type(v) is int and 0 <= v < protocol.MAX_INT
 
 
-def _tree_ok(v, depth=P.MAX_DEPTH):
+def _tree_ok(v, depth=protocol.MAX_DEPTH):
     if v is None or type(v) in (bool, float, str):
         return True
     if type(v) is int:
-        return -P.MAX_INT < v < P.MAX_INT
+        return -protocol.MAX_INT < v < protocol.MAX_INT
     if type(v) is list:
         return depth > 0 and all(_tree_ok(x, depth - 1) for x in v)
     if type(v) is dict:
@@ -120,7 +120,7 @@ def _tree_ok(v, depth=P.MAX_DEPTH):
 
 
 KIND_OK = {
-    "int": lambda v: type(v) is int and -P.MAX_INT < v < P.MAX_INT,
+    "int": lambda v: type(v) is int and -protocol.MAX_INT < v < protocol.MAX_INT,
     "str": lambda v: type(v) is str,
     "bool": lambda v: type(v) is bool,
     "float": lambda v: type(v) is int or type(v) is float and not math.isnan(v),
@@ -147,12 +147,12 @@ def refusals(m) -> list[str]:
     is a valid message that must decode as it is."""
     if _binary(m):
         return ["undecodable: "]
-    if m.get("v") != P.VERSION:
-        return [f"version {m.get('v')!r} != {P.VERSION}"]
+    if m.get("v") != protocol.VERSION:
+        return [f"version {m.get('v')!r} != {protocol.VERSION}"]
     t = m.get("t")
-    if type(t) is not str or t not in P.SCHEMAS:
+    if type(t) is not str or t not in protocol.SCHEMAS:
         return [f"unknown type {t!r}"]
-    schema = P.SCHEMAS[t]
+    schema = protocol.SCHEMAS[t]
     out = [f"unknown field {k!r} in {t!r}" if k not in schema else f"field {k!r}: bad {schema[k][0]}"
            for k, v in m.items() if k not in ("v", "t") and (k not in schema or not KIND_OK[schema[k][0]](v))]
     return out + [f"missing field {k!r} in {t!r}" for k, (_, required) in schema.items() if required and k not in m]
@@ -174,22 +174,22 @@ def _same(a, b) -> bool:
 
 
 def _round_trips(msg: dict) -> None:
-    P.validate(msg)  # what passes is a valid message
-    again = P.decode(P.encode(msg["t"], **{k: v for k, v in msg.items() if k not in ("v", "t")}))
+    protocol.validate(msg)  # what passes is a valid message
+    again = protocol.decode(protocol.encode(msg["t"], **{k: v for k, v in msg.items() if k not in ("v", "t")}))
     assert _same(again, msg), (again, msg)
 
 
 def test_oracle_knows_every_kind():
-    assert {kind for s in P.SCHEMAS.values() for kind, _ in s.values()} <= set(KIND_OK)
-    assert all(refusals({"v": P.VERSION, "t": t, **SAMPLES[t]}) == [] for t in SAMPLES)
+    assert {kind for s in protocol.SCHEMAS.values() for kind, _ in s.values()} <= set(KIND_OK)
+    assert all(refusals({"v": protocol.VERSION, "t": t, **SAMPLES[t]}) == [] for t in SAMPLES)
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.one_of(st.binary(max_size=300), messages.map(lambda m: msgpack.packb(m, use_bin_type=True))))
 def test_fuzz_decoder(data):
     try:
-        msg = P.decode(data)
-    except P.ProtocolError as e:
+        msg = protocol.decode(data)
+    except protocol.ProtocolError as e:
         assert REASON.fullmatch(str(e)), f"refused without a reason: {e!r}"
         return
     _round_trips(msg)
@@ -197,16 +197,16 @@ def test_fuzz_decoder(data):
 
 @settings(max_examples=100, deadline=None)
 @given(st.one_of(mutated, messages))
-@example({"v": P.VERSION, "t": "bye", "rank": 3})                    # valid: decodes, round trips
-@example({"v": P.VERSION, "t": "bye"})                               # a required field missing
-@example({"v": P.VERSION, "t": "hb", **SAMPLES["hb"], "upd": 0})     # a field of the wrong type
-@example({"v": P.VERSION + 1, "t": "bye", "rank": 3})                # another version
+@example({"v": protocol.VERSION, "t": "bye", "rank": 3})                    # valid: decodes, round trips
+@example({"v": protocol.VERSION, "t": "bye"})                               # a required field missing
+@example({"v": protocol.VERSION, "t": "hb", **SAMPLES["hb"], "upd": 0})     # a field of the wrong type
+@example({"v": protocol.VERSION + 1, "t": "bye", "rank": 3})                # another version
 def test_fuzz_mutated_valid(m):
     """Each example either decodes into the very message, or is refused with one of its real faults."""
     expected = refusals(m)
     try:
-        msg = P.decode(msgpack.packb(m, use_bin_type=True))
-    except P.ProtocolError as e:
+        msg = protocol.decode(msgpack.packb(m, use_bin_type=True))
+    except protocol.ProtocolError as e:
         event(f"refused: {str(e).split(' ', 1)[0]}")
         assert expected, f"a valid message was refused: {e}"
         assert any(str(e).startswith(r) for r in expected), f"refused for {e!r}; its faults are {expected}"
@@ -237,11 +237,11 @@ def _status(s, owed: int = 0):
     """The controller's status, asked after everything sent on ``s`` so far (ZeroMQ keeps a connection's
     order, and the controller answers in it); ``owed``: status answers due to what was sent before.
     (Other answers — ack, refused — are skipped.)"""
-    s.send(P.encode("status?"))
+    s.send(protocol.encode("status?"))
     for _ in range(owed + 1):
         while True:
             assert s.poll(5000), "controller stopped answering"
-            msg = P.decode(s.recv())
+            msg = protocol.decode(s.recv())
             if msg["t"] == "status":
                 break
     return msg["body"]
@@ -249,15 +249,15 @@ def _status(s, owed: int = 0):
 
 # Valid messages a job's key may send that change nothing (a heartbeat of a rank that has not registered
 # is refused: register first): none of them may count as dropped.
-harmless = st.one_of(st.just(P.encode("status?")), st.builds(
-    lambda fields, extra: P.encode("hb", **fields, **extra),
+harmless = st.one_of(st.just(protocol.encode("status?")), st.builds(
+    lambda fields, extra: protocol.encode("hb", **fields, **extra),
     st.fixed_dictionaries({"rank": st.integers(0, 3), "it": st.integers(-1, 10**6), "upd": st.booleans(),
                            "health": st.text(max_size=10)}),
-    st.fixed_dictionaries({}, optional={"phase": st.sampled_from(P.PHASES), "wait": st.booleans(),
+    st.fixed_dictionaries({}, optional={"phase": st.sampled_from(protocol.PHASES), "wait": st.booleans(),
                                         "progress": st.floats(allow_nan=False), "steps": st.integers(0, 10**6),
                                         "busy": st.floats(0, 10), "ckpt": st.integers(-1, 10**6)})))
 # Valid messages a job's key may not send: each must be dropped for its role.
-FORBIDDEN = [P.encode(t, **SAMPLES[t]) for t in sorted(set(SAMPLES) - security.MAY_SEND["job"])]
+FORBIDDEN = [protocol.encode(t, **SAMPLES[t]) for t in sorted(set(SAMPLES) - security.MAY_SEND["job"])]
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
@@ -281,8 +281,8 @@ def test_fuzz_live_controller(live, data):
     else:
         s.send(data)
         try:
-            msg = P.decode(data)
-        except P.ProtocolError:
+            msg = protocol.decode(data)
+        except protocol.ProtocolError:
             must = "malformed"
         else:
             if msg["t"] not in security.MAY_SEND["job"]:
@@ -302,14 +302,14 @@ def test_fuzz_live_controller(live, data):
 
 def test_live_controller_survives_fuzz(live):
     c, s = live
-    s.send(b"\x00" * (P.MAX_BYTES + 10))  # above the socket's maxmsgsize: libzmq drops the connection
+    s.send(b"\x00" * (protocol.MAX_BYTES + 10))  # above the socket's maxmsgsize: libzmq drops the connection
     time.sleep(0.2)
     assert c._thread.is_alive()
     st_ = _status(s)
     assert st_["state"] == "init"
     assert sum(st_["dropped"].values()) > 0  # malformed input was dropped and counted
     # a legitimate registration after the storm still works
-    s.send(P.encode("register", **SAMPLES["register"]))
+    s.send(protocol.encode("register", **SAMPLES["register"]))
     deadline = time.time() + 5
     while time.time() < deadline and not any(r["rank"] == 1 and r["pid"] == 12 for r in _status(s)["ranks"]):
         time.sleep(0.05)

@@ -8,10 +8,10 @@ import pytest
 import zmq
 import zmq.auth
 
-from mindspeed_ha.control import protocol as P, security
+from mindspeed_ha.control.wire import protocol, security
 from mindspeed_ha.control.controller import Controller
-from mindspeed_ha.control.election import write_controller_json
-from mindspeed_ha.control.link import ControllerLink
+from mindspeed_ha.control.wire.announcement import write_controller_json
+from mindspeed_ha.control.wire.link import ControllerLink
 from mindspeed_ha.options import HAOptions
 
 
@@ -47,11 +47,11 @@ def _offer(s, msg: bytes) -> bool:
 
 
 def _ask_status(s, timeout=2.0):
-    if not _offer(s, P.encode("status?")):
+    if not _offer(s, protocol.encode("status?")):
         return None
     if not s.poll(int(timeout * 1000)):
         return None
-    return P.decode(s.recv())["body"]
+    return protocol.decode(s.recv())["body"]
 
 
 REG = dict(rank=1, world=4, node="evil", pid=666)
@@ -73,7 +73,7 @@ def test_no_keys_refused(ctl):
     d, keys, c = ctl
     s = _client()
     s.connect(c.endpoint)
-    _offer(s, P.encode("register", **REG))
+    _offer(s, protocol.encode("register", **REG))
     assert _ask_status(s, 1.0) is None
     ok = _client(keys)
     ok.connect(c.endpoint)
@@ -86,8 +86,8 @@ def test_wrong_keys_refused(ctl):
     public, secret = zmq.curve_keypair()
     s = _client(server_key=keys.server_public, secret=secret, public=public)
     s.connect(c.endpoint)
-    _offer(s, P.encode("register", **REG))
-    _offer(s, P.encode("inject", kind="kill", rank=1))
+    _offer(s, protocol.encode("register", **REG))
+    _offer(s, protocol.encode("inject", kind="kill", rank=1))
     assert _ask_status(s, 1.5) is None
     ok = _client(keys)
     ok.connect(c.endpoint)
@@ -106,7 +106,7 @@ def test_forged_controller_gets_nothing(ctl, tmp_path):
     port = forged.bind_to_random_port("tcp://127.0.0.1")
     write_controller_json(d, {"host": "127.0.0.1", "port": port, "endpoint": f"tcp://127.0.0.1:{port}",
                               "server_public_key": fake_pub.decode(), "epoch": 99})
-    link = ControllerLink(keys, d, None, lambda: P.encode("register", rank=1, world=4, node="n", pid=1), 0.2)
+    link = ControllerLink(keys, d, None, lambda: protocol.encode("register", rank=1, world=4, node="n", pid=1), 0.2)
     t = time.time()
     while time.time() - t < 1.5:
         link.maintain()
@@ -122,7 +122,7 @@ def test_a_link_whose_connect_failed_connects_again(ctl):
     """An endpoint that cannot be connected to (a malformed address in controller.json or in an
     ack's backups) fails that connect only: the next one, to the real controller, registers."""
     d, keys, c = ctl
-    link = ControllerLink(keys, d, None, lambda: P.encode("register", rank=1, world=4, node="n", pid=7), 0.2)
+    link = ControllerLink(keys, d, None, lambda: protocol.encode("register", rank=1, world=4, node="n", pid=7), 0.2)
     try:
         with pytest.raises(zmq.ZMQError):
             link._connect("tcp://127.0.0.1:not-a-port")
@@ -152,21 +152,21 @@ def test_roles_the_operator_drills_ranks_report(ctl):
     d, keys, c = ctl
     op = _client(security.Keys.load(d, role="operator"))
     op.connect(c.endpoint)
-    op.send(P.encode("register", **REG))  # an operator impersonating rank 1: dropped
+    op.send(protocol.encode("register", **REG))  # an operator impersonating rank 1: dropped
     assert _ask_status(op, 5.0)["ranks"] == []
     rank = _client(keys)
     rank.connect(c.endpoint)
-    rank.send(P.encode("register", **REG))
-    rank.send(P.encode("inject", kind="kill", rank=1))  # a rank's key may not drill: dropped
+    rank.send(protocol.encode("register", **REG))
+    rank.send(protocol.encode("inject", kind="kill", rank=1))  # a rank's key may not drill: dropped
     time.sleep(0.3)
     while rank.poll(0):  # (the ack of its registration)
         rank.recv()
     st = _ask_status(rank, 5.0)
     assert [r["rank"] for r in st["ranks"]] == [1] and st["dropped"].get("role") == 2
-    op.send(P.encode("inject", kind="kill", rank=1))  # the operator may (rank 1 is live)
+    op.send(protocol.encode("inject", kind="kill", rank=1))  # the operator may (rank 1 is live)
     assert op.poll(5000)
     while True:
-        msg = P.decode(op.recv())
+        msg = protocol.decode(op.recv())
         if msg["t"] == "status" and msg["body"].get("action") == "inject":
             break
     assert msg["body"]["ok"] and msg["body"]["detail"] == "delivered"

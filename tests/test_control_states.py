@@ -1,7 +1,7 @@
 """Every transition of the recovery state machine table, and the strategy choice."""
 import pytest
 
-from mindspeed_ha.control.states import (HANDLES, TABLE, TIMEOUTS, Machine, Outcome as O, State as S,
+from mindspeed_ha.control.policy.states import (HANDLES, TABLE, TIMEOUTS, Machine, Outcome as O, State as S,
                                          TransitionError, choose_strategy, next_state)
 from mindspeed_ha.options import PREFERENCE
 
@@ -98,9 +98,10 @@ import time as _time
 
 import zmq as _zmq
 
-from mindspeed_ha.control import protocol as _P, security as _security
+from mindspeed_ha.control.wire import protocol as _protocol, security as _security
 from mindspeed_ha.control.controller import Controller as _Controller
-from mindspeed_ha.control.election import choose_backups, has_quorum
+from mindspeed_ha.control.policy.quorum import has_quorum
+from mindspeed_ha.control.policy.standbys import choose_backups
 from mindspeed_ha.options import HAOptions as _HAOptions
 
 
@@ -118,7 +119,7 @@ def test_quorum_is_strict_majority():
 
 
 def test_exact_half_takes_over_only_without_the_controllers_rank():
-    from mindspeed_ha.control.election import may_take_over
+    from mindspeed_ha.control.policy.quorum import may_take_over
     assert may_take_over(3, 4, True) and may_take_over(2, 4, False)   # two nodes, the controller's lost
     assert not may_take_over(2, 4, True) and not may_take_over(1, 4, False) and not may_take_over(2, 5, False)
     # exactly half, the controller's rank not among them, but the store still hears the controller (or
@@ -137,14 +138,14 @@ class _Links:
         s.linger = 0
         _security.secure_client(s, self.keys)
         s.connect(self.sb.endpoint)
-        s.send(_P.encode("register", rank=rank, world=4, node="n", pid=1000 + rank))
+        s.send(_protocol.encode("register", rank=rank, world=4, node="n", pid=1000 + rank))
         self.socks.append((rank, s))
 
     def beat(self, seconds):
         t = _time.time()
         while _time.time() - t < seconds:
             for r, s in self.socks:
-                s.send(_P.encode("hb", rank=r, it=3, upd=False, health="ok"))
+                s.send(_protocol.encode("hb", rank=r, it=3, upd=False, health="ok"))
                 while s.poll(0):
                     s.recv()
             _time.sleep(0.1)
@@ -207,7 +208,7 @@ def _store_and_standbys(tmp_path, monkeypatch, ranks=(2, 3)):
     each with its own view of the store, their controller (rank 0) gone."""
     import torch.distributed as dist
     from helpers import free_port
-    from mindspeed_ha.control.discovery import JobStore
+    from mindspeed_ha.control.wire.discovery import JobStore
     monkeypatch.setenv("MINDSPEED_HA_DEAD_AFTER", "0.6")
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
@@ -255,7 +256,7 @@ def test_half_the_world_does_not_take_over_while_the_store_hears_the_controller(
     """The far side of a partition: the standby's half (ranks 2 and 3) lost the controller, but the job
     store still hears it (its counter moves): this half must not go on. Once the store is gone with its
     host still up (it refuses connections: not a cut link), the standby takes over."""
-    from mindspeed_ha.control.discovery import JobStore, beat_key
+    from mindspeed_ha.control.wire.discovery import JobStore, beat_key
     server, port, (a,) = _store_and_standbys(tmp_path, monkeypatch, ranks=(3,))
     controller_side = JobStore(("127.0.0.1", port))
     controller_side.beat(beat_key(1))
@@ -277,7 +278,8 @@ def test_hang_clock_gives_the_first_steps_their_warm_up():
     """A process's first steps may take seconds (allocation, group connections, helpers starting, a
     loaded host): no hang before WARM_UP_S. Once it has ended WARM_UP_STEPS steps, the hang timeout
     holds, and the blame goes to the rank that stopped moving, not to the one still going."""
-    from mindspeed_ha.control.ranks import WARM_UP_S, WARM_UP_STEPS, Rank, RankTable
+    from mindspeed_ha.control.policy.ranks import WARM_UP_S, Rank, RankTable
+    from mindspeed_ha.options import WARM_UP_STEPS
 
     def table():
         t = RankTable(2, heartbeat_s=0.5, hang_timeout_s=3.0)
@@ -333,8 +335,8 @@ def test_a_straggler_is_named_by_its_own_work_not_its_step_time():
     """Every rank's step takes as long as the slowest one's; only a rank's own work (step time less
     its waits for peers) tells the straggler. Slow for ``steps`` steps in a row: named, once per
     process; a step back at speed starts the count again."""
-    from mindspeed_ha.control.ranks import Rank
-    from mindspeed_ha.control.stragglers import StragglerWatch
+    from mindspeed_ha.control.policy.ranks import Rank
+    from mindspeed_ha.control.policy.stragglers import StragglerWatch
     ranks = [Rank(rank=r, ident=bytes([r]), pid=100 + r, busy=0.05, busy_steps=1, steps=10) for r in range(4)]
     watch = StragglerWatch(ratio=1.3, steps=5)
     slow = ranks[2]
@@ -355,7 +357,7 @@ def test_a_straggler_is_named_by_its_own_work_not_its_step_time():
 
 
 def test_restart_budget_counts_restarts_replacements_and_crash_loops():
-    from mindspeed_ha.control.budget import RestartBudget
+    from mindspeed_ha.control.policy.budget import RestartBudget
     b = RestartBudget(2)
     assert b.refusal({1: 5}, set()) is None
     b.count({1: 5}, [])                               # died in step 5, restarted
@@ -384,12 +386,12 @@ def test_every_rank_learns_the_standbys_at_once_not_at_its_next_heartbeat(tmp_pa
             s.linger = 0
             _security.secure_client(s, keys)
             s.connect(c.endpoint)
-            s.send(_P.encode("register", rank=r, world=4, node=f"n{r // 2}", pid=1000 + r))
+            s.send(_protocol.encode("register", rank=r, world=4, node=f"n{r // 2}", pid=1000 + r))
         orders, t = {}, _time.time()
         while len(orders) < 2 and _time.time() - t < 20:  # the controller names two standbys
             for r, s in socks.items():
                 while s.poll(0):
-                    msg = _P.decode(s.recv())
+                    msg = _protocol.decode(s.recv())
                     if msg["t"] == "do" and msg["action"] == "standby":
                         orders[r] = msg["id"]
             _time.sleep(0.02)
@@ -398,14 +400,14 @@ def test_every_rank_learns_the_standbys_at_once_not_at_its_next_heartbeat(tmp_pa
         for s in socks.values():  # what each rank has heard so far
             while s.poll(0):
                 s.recv()
-        socks[r].send(_P.encode("result", rank=r, action="standby", id=oid, ok=True, pid=1000 + r,
-                                data="tcp://127.0.0.9:4242"))
+        socks[r].send(_protocol.encode("result", rank=r, action="standby", id=oid, ok=True, pid=1000 + r,
+                                       data="tcp://127.0.0.9:4242"))
         heard = set()
         t = _time.time()
         while len(heard) < 4 and _time.time() - t < 5:
             for q, s in socks.items():
                 while s.poll(10):
-                    msg = _P.decode(s.recv())
+                    msg = _protocol.decode(s.recv())
                     if msg["t"] == "ack" and "tcp://127.0.0.9:4242" in (msg.get("backups") or []):
                         heard.add(q)
         assert heard == {0, 1, 2, 3}  # (no rank sent anything in between)
@@ -423,7 +425,7 @@ def test_a_moved_job_store_keeps_the_records_at_home_for_a_replacement_of_node_0
     controller's counter, the tie-break of a split job, counts only in the store in use."""
     from helpers import free_port
     from mindspeed_ha.comm.stores import serve
-    from mindspeed_ha.control.discovery import CONTROLLER_KEY, JobStore, beat_key
+    from mindspeed_ha.control.wire.discovery import CONTROLLER_KEY, JobStore, beat_key
     home = ("127.0.0.1", free_port())
     first, moved = serve(*home), serve("127.0.0.1")
     record = {"endpoint": "tcp://127.0.0.1:1", "epoch": 1}
@@ -460,7 +462,7 @@ def test_a_home_store_that_is_gone_is_retried_less_and_less_often():
     each attempt fails (and torch's client prints errors of its own), so the attempts back off —
     new records, published meanwhile, do not bring the next one forward."""
     from helpers import free_port
-    from mindspeed_ha.control.discovery import JobStore
+    from mindspeed_ha.control.wire.discovery import JobStore
     gone = JobStore(("127.0.0.1", free_port()), period_s=0.1, connect_timeout_s=0.2, publish_only=True)
     try:
         attempts, seen = [], 0

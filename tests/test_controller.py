@@ -5,7 +5,7 @@ import time
 import pytest
 import zmq
 
-from mindspeed_ha.control import protocol as P, security
+from mindspeed_ha.control.wire import protocol, security
 from mindspeed_ha.control.controller import Controller
 from mindspeed_ha.events import read_events
 from mindspeed_ha.options import HAOptions
@@ -24,19 +24,19 @@ class FakeRanks:
         for r in range(world):
             s = self.ctx.socket(zmq.DEALER)
             s.linger = 0
-            s.maxmsgsize = P.MAX_BYTES + 1024
+            s.maxmsgsize = protocol.MAX_BYTES + 1024
             security.secure_client(s, keys)
             s.connect(c.endpoint)
-            s.send(P.encode("register", rank=r, world=world, node="n0", pid=1000 + r, groups=[GROUPS[r]]))
+            s.send(protocol.encode("register", rank=r, world=world, node="n0", pid=1000 + r, groups=[GROUPS[r]]))
             self.socks[r] = s
 
     def pump(self, seconds: float, until=lambda: False) -> None:
         deadline = time.time() + seconds
         while time.time() < deadline and not until():
             for r, s in self.socks.items():
-                s.send(P.encode("hb", rank=r, it=5, upd=False, health="ok", phase="forward", progress=1.0))
+                s.send(protocol.encode("hb", rank=r, it=5, upd=False, health="ok", phase="forward", progress=1.0))
                 while s.poll(0):
-                    msg = P.decode(s.recv())
+                    msg = protocol.decode(s.recv())
                     if msg["t"] == "settled":
                         self.settled.append((r, msg["rids"]))
                     if msg["t"] != "do":
@@ -44,7 +44,7 @@ class FakeRanks:
                     self.seen.append((r, msg["action"]))
                     ok, data = self.answer(r, msg)
                     fields = {"data": data} if ok else {"error": str(data)}
-                    s.send(P.encode("result", rank=r, action=msg["action"], id=msg["id"], ok=ok, **fields))
+                    s.send(protocol.encode("result", rank=r, action=msg["action"], id=msg["id"], ok=ok, **fields))
             time.sleep(0.02)
 
     def close(self):
@@ -79,8 +79,8 @@ def test_a_bug_in_a_round_fails_the_state_not_the_controller(tmp_path, controlle
     ranks = FakeRanks(c, keys, answer)
     try:
         ranks.pump(5, until=lambda: c.machine.state.value == "normal")
-        ranks.socks[1].send(P.encode("fault", rank=1, kind="memory-error", iteration=6, phase="backward",
-                                     detail="UCE ERROR", at=time.time()))
+        ranks.socks[1].send(protocol.encode("fault", rank=1, kind="memory-error", iteration=6, phase="backward",
+                                            detail="UCE ERROR", at=time.time()))
         ranks.pump(10, until=lambda: c.machine.state.value in ("exit", "done"))
         ranks.pump(1)
         moves = states(tmp_path)
@@ -112,8 +112,8 @@ def test_answers_of_any_size_travel_whole(tmp_path, controller):
     ranks = FakeRanks(c, keys, answer)
     try:
         ranks.pump(5, until=lambda: c.machine.state.value == "normal")
-        ranks.socks[3].send(P.encode("fault", rank=3, kind="other", iteration=6, phase="backward",
-                                     detail="RuntimeError: boom", at=time.time()))
+        ranks.socks[3].send(protocol.encode("fault", rank=3, kind="other", iteration=6, phase="backward",
+                                            detail="RuntimeError: boom", at=time.time()))
         ranks.pump(15, until=lambda: c.machine.state.value in ("exit", "done"))
         assert ("dump", "exit", "ok") in states(tmp_path), states(tmp_path)
         cp = [e for e in read_events(str(tmp_path / "events" / "controller.jsonl")) if e["event"] == "checkpoint"]
@@ -126,9 +126,9 @@ def test_answers_of_any_size_travel_whole(tmp_path, controller):
 def test_the_dump_time_limit_grows_with_the_state_and_with_progress(tmp_path):
     """120 s for a small state, more for a large one (50 MB/s), --ha-dump-timeout when given, and
     three times that while the writers show progress."""
-    from mindspeed_ha.control.playbooks import Episode
-    from mindspeed_ha.control.ranks import Rank
-    from mindspeed_ha.control.states import State as S
+    from mindspeed_ha.control.policy.playbooks import Episode
+    from mindspeed_ha.control.policy.ranks import Rank
+    from mindspeed_ha.control.policy.states import State as S
     keys = security.Keys.load(str(tmp_path), create=True)
     c = Controller(str(tmp_path), 2, HAOptions(strategies=frozenset({"dump"}), log_dir=str(tmp_path)), keys)
     try:
@@ -150,7 +150,7 @@ def test_newcomers_still_waiting_when_the_job_ends_are_told_to_leave(tmp_path):
     """A scaled-in job (DP=2) with newcomers 2 and 3 registered but not yet in the layout: a
     recovery's first step is complete without them (they train nothing), and once ranks 0 and 1 have
     ended the job, the newcomers are told to leave (exit 0) — the job is over, not waiting on them."""
-    from mindspeed_ha.control.ranks import Rank
+    from mindspeed_ha.control.policy.ranks import Rank
     keys = security.Keys.load(str(tmp_path), create=True)
     opts = HAOptions(strategies=frozenset({"dump", "elastic-training"}), log_dir=str(tmp_path))
     c = Controller(str(tmp_path), 4, opts, keys)
@@ -158,15 +158,15 @@ def test_newcomers_still_waiting_when_the_job_ends_are_told_to_leave(tmp_path):
         now = time.monotonic()
         c.ranks.update({r: Rank(r, b"", seen=now, progress_at=now, it=10 if r < 2 else -1,
                                 phase="step" if r < 2 else "startup") for r in range(4)})
-        c.elastic.dp, c.elastic.left, c.elastic.offered = 2, {2, 3}, {2, 3}
-        assert not c.table.completed(10) and c.table.completed(10, c.elastic.newcomers())
-        assert not c.elastic.ended_without()  # ranks 0 and 1 still train
+        c.scaling.dp, c.scaling.left, c.scaling.offered = 2, {2, 3}, {2, 3}
+        assert not c.table.completed(10) and c.table.completed(10, c.scaling.newcomers())
+        assert not c.scaling.ended_without()  # ranks 0 and 1 still train
         sent = []
         c.orders.send = lambda action, ranks, args=None: sent.append((action, ranks, args["code"]))
         c.orders.to_agents = lambda action, args: sent.append((action, args["ranks"]))
         for r in (0, 1):
             c.ranks[r].done = True
-        assert c.elastic.ended_without() and c.table.all_over()
+        assert c.scaling.ended_without() and c.table.all_over()
         assert sent == [("exit", [2, 3], 0), ("leave", [2, 3])]
     finally:
         c.router.close()
@@ -190,8 +190,8 @@ def test_a_recovered_fault_is_settled_everywhere_and_never_recovered_again(tmp_p
     in the log and the events, and the job trains on."""
     c, keys = controller
     ranks = FakeRanks(c, keys, retry_answers(poisoned={1}))
-    report = P.encode("fault", rank=1, kind="memory-error", iteration=6, phase="backward", detail="UCE ERROR",
-                      at=time.time(), pid=1001, rid="1001.fault.1")
+    report = protocol.encode("fault", rank=1, kind="memory-error", iteration=6, phase="backward", detail="UCE ERROR",
+                             at=time.time(), pid=1001, rid="1001.fault.1")
     try:
         ranks.pump(5, until=lambda: c.machine.state.value == "normal")
         ranks.socks[1].send(report)
@@ -242,7 +242,7 @@ def test_ranks_whose_agent_has_not_registered_wait_for_their_node(tmp_path):
     yet when the node was lost: recover waits for the node (its agent, or a replacement, restarts
     them when it registers) instead of giving up on ranks 'without an agent'. The ranks of a job
     another launcher started are still refused: nothing could restart them."""
-    from mindspeed_ha.control.ranks import Agent, Rank
+    from mindspeed_ha.control.policy.ranks import Agent, Rank
     keys = security.Keys.load(str(tmp_path), create=True)
     opts = HAOptions(strategies=frozenset({"recover", "dump"}), log_dir=str(tmp_path))
     c = Controller(str(tmp_path), 4, opts, keys)

@@ -42,10 +42,10 @@ def _init(rank, port, backend="emulated_nccl"):
 
 def _engine():
     """The engine's collective wrappers and stable groups, as a job with HA on has them."""
-    from mindspeed_ha import patches as P
+    from mindspeed_ha import patches
 
-    P.apply("interruptible_collectives", {"import_megatron": False})
-    P.apply("stable_groups")
+    patches.apply("interruptible_collectives", {"import_megatron": False})
+    patches.apply("stable_groups")
 
 
 def _write(out, name, rank, result):

@@ -105,7 +105,7 @@ def test_a_rank_that_reaches_no_controller_does_not_train(tmp_path):
     --ha-register-timeout, then ends with 201 and a diagnosis that says so."""
     code = f"""
 import sys, time
-from mindspeed_ha.control.processor import Processor
+from mindspeed_ha.control.rank.processor import Processor
 from mindspeed_ha.options import HAOptions
 opts = HAOptions(strategies=frozenset({{"dump"}}), log_dir={str(tmp_path)!r}, insecure=True, register_timeout_s=1.5)
 p = Processor(1, 4, 1, "n0", opts, [[1, 3]]).start()
@@ -183,13 +183,13 @@ def test_a_rank_cut_off_from_every_controller_ends_with_a_diagnosis(tmp_path):
     that names the cut (the side that reaches the job store goes on without it)."""
     code = f"""
 import time
-from mindspeed_ha.control import security
+from mindspeed_ha.control.wire import security
 from mindspeed_ha.control.controller import Controller
-from mindspeed_ha.control.processor import Processor
+from mindspeed_ha.control.rank.processor import Processor
 from mindspeed_ha.options import HAOptions
 opts = HAOptions(strategies=frozenset({{"dump"}}), log_dir={str(tmp_path)!r}, insecure=True, register_timeout_s=1.5)
 c = Controller({str(tmp_path)!r}, 4, opts, security.Keys.load({str(tmp_path)!r}, insecure=True), host="127.0.0.1").start()
-p = Processor(1, 4, 1, "n0", opts, [[1, 3]]).start()
+p = Processor(1, 4, 1, "n0", opts, [[1, 3]], controller_factory=Controller).start()
 p.await_controller()
 print("registered", flush=True)
 c.close()

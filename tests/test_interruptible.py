@@ -29,10 +29,10 @@ def _init(rank, port):
 
 
 def _apply_patches():
-    from mindspeed_ha import patches as P
+    from mindspeed_ha import patches
 
-    P.apply("interruptible_collectives", {"import_megatron": False})
-    return P
+    patches.apply("interruptible_collectives", {"import_megatron": False})
+    return patches
 
 
 def worker_stop(rank, port, port2, out):
@@ -341,14 +341,14 @@ def worker_equiv(rank, port, port2, out):
                 for x in res]
 
     base = digest(_mixed_collectives(rank, sub))
-    P = _apply_patches()
+    patches = _apply_patches()
     from mindspeed_ha.comm.interruptible import PollingWork
 
     assert hasattr(dist.all_reduce, "__mindspeed_ha_original__")
     w = dist.all_reduce(torch.ones(2), async_op=True)
     assert isinstance(w, PollingWork) and w.wait()
     patched = digest(_mixed_collectives(rank, sub))
-    P.remove_all()
+    patches.remove_all()
     assert not hasattr(dist.all_reduce, "__mindspeed_ha_original__")
     again = digest(_mixed_collectives(rank, sub))
     with open(os.path.join(out, f"equiv_{rank}.json"), "w") as f:

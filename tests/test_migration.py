@@ -185,10 +185,11 @@ def test_the_health_hook_names_a_rank_and_it_moves(tmp_path, ref):
 
 def test_migration_refused_plainly_and_training_goes_on(tmp_path, ref):
     """With --ha-spares 0 no spare is ready for rank 2, and rank 7 is no rank of the job: each request
-    is refused with the reason and what would work, nothing is stopped, the job ends as if unasked."""
+    is refused with the reason and what would work (rank 7 by the CLI itself, exit 2: there is no such
+    rank to ask about), nothing is stopped, the job ends as if unasked."""
     proc, answers = migrate_live(tmp_path, [7, 2], extra=("--ha-spares", "0"))
-    assert [(r, rc) for r, rc, _ in answers] == [(7, 1), (2, 1)], answers
-    assert "no controller answered" not in answers[0][2]
+    assert [(r, rc) for r, rc, _ in answers] == [(7, 2), (2, 1)], answers
+    assert "no controller answered" not in answers[0][2] and "pass --rank 0..3" in answers[0][2]
     assert "no spare worker is ready" in answers[1][2] and "--ha-spares" in answers[1][2]
     assert_ok(proc)
     assert losses(tmp_path) == ref
@@ -197,4 +198,4 @@ def test_migration_refused_plainly_and_training_goes_on(tmp_path, ref):
     assert not [e for e in events(tmp_path, "controller") if e["event"] in ("fault", "migrated")]
     cli = subprocess.run(MINDSPEED_HA + ["migrate", "--log-dir", str(tmp_path), "--rank", "1"], env=clean_env(),
                          capture_output=True, text=True, timeout=30)  # the job is over
-    assert cli.returncode == 1 and "no controller answered" in cli.stderr
+    assert cli.returncode == 2 and "no controller answered" in cli.stderr and "Traceback" not in cli.stderr

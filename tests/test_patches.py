@@ -35,17 +35,19 @@ def test_apply_is_idempotent_and_remove_restores():
 
 def test_megatron_adaptor_applies_everything_once():
     out = run_py(
-        "import mindspeed_ha.megatron_adaptor, mindspeed_ha.patches as p\n"
+        "import mindspeed_ha.megatron_adaptor, mindspeed_ha.patches\n"
         "import mindspeed_ha.megatron_adaptor\n"
-        "import megatron.core.optimizer as o\n"
-        "print(sorted(p.applied()), hasattr(o.get_megatron_optimizer, '__wrapped__'))")
+        "import megatron.core.optimizer\n"
+        "print(sorted(mindspeed_ha.patches.applied()),\n"
+        "      hasattr(megatron.core.optimizer.get_megatron_optimizer, '__wrapped__'))")
     assert "'replica_optimizer'" in out and "'torch_cpu'" in out and out.endswith("True")
 
 
 def test_patch_modules_installed_under_mindspeed_ha():
-    import mindspeed_ha.patches as p
     import importlib
-    for group, module in p.GROUPS.items():
+
+    from mindspeed_ha import patches
+    for group, module in patches.GROUPS.items():
         assert module.startswith("mindspeed_ha.patches")
         if group != "megatron_training":
             importlib.import_module(module)

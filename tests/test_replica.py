@@ -112,23 +112,23 @@ def test_one_bit_flip_is_caught(tmp_path):
 
 
 def test_the_replica_digest_catches_any_flipped_bit_and_stays_on_the_device():
-    """replica.verify.digest: every single flipped bit of a shard tensor changes it (all 32 bits of a
+    """replica.digest: every single flipped bit of a shard tensor changes it (all 32 bits of a
     word, words at any position, tensors of every dtype the state holds and at any storage offset),
     computed in chunks on the tensor's own device (here the CPU: no host copy to make)."""
     import torch
-    from mindspeed_ha.replica import verify
+    from mindspeed_ha.replica.digest import DIGEST_CHUNK, digest
 
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(3 * verify.DIGEST_CHUNK // 2 + 5, generator=g)  # (more than one chunk)
-    d0 = verify.digest(x)
+    x = torch.randn(3 * DIGEST_CHUNK // 2 + 5, generator=g)  # (more than one chunk)
+    d0 = digest(x)
     assert d0.dtype == torch.int64 and d0.device == x.device
-    for i in (0, 1, verify.DIGEST_CHUNK - 1, verify.DIGEST_CHUNK, x.numel() - 1):
+    for i in (0, 1, DIGEST_CHUNK - 1, DIGEST_CHUNK, x.numel() - 1):
         for bit in range(32):
             y = x.clone()
             y.view(torch.int32)[i] ^= (1 << bit) if bit < 31 else -(1 << 31)
-            assert verify.digest(y) != d0, (i, bit)
+            assert digest(y) != d0, (i, bit)
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int16):
         t = torch.arange(1, 12).to(dtype)
-        assert verify.digest(t) == verify.digest(t.clone()) != verify.digest(t.flip(0))
+        assert digest(t) == digest(t.clone()) != digest(t.flip(0))
     buf = torch.randn(101, generator=g)
-    assert verify.digest(buf[3:50]) == verify.digest(buf[3:50].clone())  # a shard view at an odd offset
+    assert digest(buf[3:50]) == digest(buf[3:50].clone())  # a shard view at an odd offset

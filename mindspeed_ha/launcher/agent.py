@@ -24,11 +24,11 @@ import time
 import uuid
 
 from .. import exitcodes
-from ..control import discovery, protocol as P, security
-from ..control.board import ProgressBoard
-from ..control.discovery import JobStore
-from ..control.election import read_controller_json
-from ..control.link import ControllerLink
+from ..control.wire import discovery, protocol, security
+from ..control.wire.announcement import read_controller_json
+from ..control.wire.board import ProgressBoard
+from ..control.wire.discovery import JobStore
+from ..control.wire.link import ControllerLink
 from ..events import EventLog, get_logger, log_dir_from_env, setup_text_log
 from ..options import HAConfigError, check_directory, check_writable, from_script_args
 from . import network, rendezvous, spare
@@ -217,8 +217,8 @@ class Agent:
             self.events.emit("worker_exit", worker_rank=w.rank, worker_pid=w.popen.pid, code=w.code,
                              signal=w.sig, **extra)
             rid = f"{os.getpid()}.exit.{w.popen.pid}"
-            self.link.send(P.encode("exit", node_rank=self.a.node_rank, rank=w.rank, pid=w.popen.pid,
-                                    code=w.code, signal=w.sig, at=at, rid=rid, **extra), rid=rid)
+            self.link.send(protocol.encode("exit", node_rank=self.a.node_rank, rank=w.rank, pid=w.popen.pid,
+                                           code=w.code, signal=w.sig, at=at, rid=rid, **extra), rid=rid)
             if (w.code or w.sig) and not self.first_failure and self.exit_order is None:
                 self.first_failure = time.monotonic()
                 how = f"signal {w.sig}" if w.sig else f"exit code {w.code}"
@@ -230,8 +230,8 @@ class Agent:
         # (a replacement node's ranks have no worker until the controller orders their restart: pid 0)
         pids = [self.workers[r].popen.pid if r in self.workers else 0 for r in ranks]
         offer = {"store": self.store_offer} if self.store_offer else {}
-        return P.encode("agent", node=self.node, node_rank=self.a.node_rank, nnodes=self.a.nnodes,
-                        pid=os.getpid(), ranks=ranks, pids=pids, **offer)
+        return protocol.encode("agent", node=self.node, node_rank=self.a.node_rank, nnodes=self.a.nnodes,
+                               pid=os.getpid(), ranks=ranks, pids=pids, **offer)
 
     # ---- controller orders --------------------------------------------------------------------
     def _on_do(self, msg: dict) -> None:
@@ -273,7 +273,7 @@ class Agent:
         if self.ha and self.link.active and not self._preempted and self.exit_order is None:
             self._preempted = time.monotonic()
             rid = f"{os.getpid()}.preempt"
-            self.link.send(P.encode("preempt", node_rank=self.a.node_rank, signal=int(signum), rid=rid), rid=rid)
+            self.link.send(protocol.encode("preempt", node_rank=self.a.node_rank, signal=int(signum), rid=rid), rid=rid)
             return
         self._signal = signum
         for w in self.workers.values():
@@ -421,14 +421,14 @@ class Agent:
             now = time.monotonic()
             if now >= next_hb and self.link.sock is not None:
                 next_hb = now + self.hb
-                self.link.send(P.encode("agent_hb", node_rank=self.a.node_rank, spares=self.spares.warm()))
+                self.link.send(protocol.encode("agent_hb", node_rank=self.a.node_rank, spares=self.spares.warm()))
                 self._say_running()
             self._poll_workers()
             if self.exit_order is None and not self._signal:
                 self.spares.maintain(now)
                 for ranks, why in (f for h in self.health for f in h.poll(now, self.workers)):
                     self.events.emit("health", ranks=ranks, detail=why)
-                    self.link.send(P.encode("health", node_rank=self.a.node_rank, ranks=ranks, detail=why))
+                    self.link.send(protocol.encode("health", node_rank=self.a.node_rank, ranks=ranks, detail=why))
             alive = [w for w in self.workers.values() if not w.reported]
             if self._preempted and self.exit_order is None and now - self._preempted > self.term_grace + 10.0:
                 log.error("agent %d: no exit order %.0f s after the preemption signal: ending the workers",

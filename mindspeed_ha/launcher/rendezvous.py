@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from ..control.discovery import CONTROLLER_KEY, JobStore, agent_key
+from ..control.wire.discovery import CONTROLLER_KEY, JobStore, agent_key
 from ..events import get_logger
 
 log = get_logger("launcher.rendezvous")

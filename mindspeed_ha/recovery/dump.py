@@ -39,19 +39,6 @@ class DumpError(RuntimeError):
     """Nothing was written (or the temporary directory was removed): the dump did not happen."""
 
 
-def local_status(trainer: TrainerInterface) -> dict[str, Any]:
-    """This rank's shard for the plan (``mindspeed_ha.plan``): a few scalars and its replica group,
-    whatever the job's size."""
-    from mindspeed_ha.comm.groups import job_rank
-    opt = trainer.optimizer
-    topo = getattr(opt, "ha_topology", None)
-    rank = dist.get_rank() if topo is None else topo.rank
-    return {"rank": job_rank(rank), "iteration": int(getattr(opt, "ha_iteration", trainer.iteration)),
-            "updating": bool(getattr(opt, "ha_updating", False)), "touched": bool(getattr(opt, "ha_touched", True)),
-            "replica_group": [job_rank(r) for r in (topo.replica_group if topo else [rank])],
-            "trainer_iteration": trainer.iteration}
-
-
 # ================================================================================================
 # Writing
 # ================================================================================================
@@ -102,6 +89,7 @@ def prepare(trainer: TrainerInterface, abandon_update: bool = False) -> Prepared
     sd = checkpoint.state_dict(trainer)
     size = sum(t.numel() * t.element_size() for t in opt.ha_export_shard().values())
     size += sum(p.numel() * p.element_size() for p, _ in params.values())
+    from mindspeed_ha.recovery.repair import local_status
     return Prepared(trainer, local_status(trainer), sd, params, shard, time.perf_counter() - t0, size)
 
 

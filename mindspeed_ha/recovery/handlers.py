@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 from mindspeed_ha.events import EventLog, get_logger
 
 if TYPE_CHECKING:
-    from mindspeed_ha.control.processor import Later, Processor
+    from mindspeed_ha.control.rank.processor import Later, Processor
     from mindspeed_ha.options import HAOptions
     from mindspeed_ha.recovery.dump import Prepared
     from mindspeed_ha.replica.topology import ReplicaTopology
@@ -35,8 +35,8 @@ log = get_logger("recovery.handlers")
 
 
 class Session(Protocol):
-    """What the orders use of the rank's session (``session.RankSession``): who the rank is, its
-    trainer and optimizer, and the hooks a recovery reports through."""
+    """What the orders use of the rank (``session.RankState``, the recovery's part of the rank's
+    session): who the rank is, its trainer and optimizer, and the hooks a recovery reports through."""
     rank: int
     world_size: int
     options: HAOptions
@@ -192,7 +192,7 @@ class RankRecovery:
         held before, the controller plans again with every loss known, and the next resize moves
         that state. Only a completed resize clears it."""
         from mindspeed_ha.comm.interruptible import clear_stop
-        from mindspeed_ha.control.processor import Later
+        from mindspeed_ha.control.rank.processor import Later
         from mindspeed_ha.plan import ElasticPlan
         from mindspeed_ha.recovery import elastic
         clear_stop()

@@ -35,9 +35,21 @@ class RepairError(RuntimeError):
     pass
 
 
+def local_status(trainer: TrainerInterface) -> dict[str, Any]:
+    """This rank's shard for the plan (``mindspeed_ha.plan``): a few scalars and its replica group,
+    whatever the job's size."""
+    from mindspeed_ha.comm.groups import job_rank
+    opt = trainer.optimizer
+    topo = getattr(opt, "ha_topology", None)
+    rank = dist.get_rank() if topo is None else topo.rank
+    return {"rank": job_rank(rank), "iteration": int(getattr(opt, "ha_iteration", trainer.iteration)),
+            "updating": bool(getattr(opt, "ha_updating", False)), "touched": bool(getattr(opt, "ha_touched", True)),
+            "replica_group": [job_rank(r) for r in (topo.replica_group if topo else [rank])],
+            "trainer_iteration": trainer.iteration}
+
+
 def status(trainer: TrainerInterface) -> dict[str, Any]:
     """The shard's state for the plan (as the dump reports it) plus the last step that ended."""
-    from mindspeed_ha.recovery.dump import local_status
     return {**local_status(trainer), "ended": trainer.ended}
 
 

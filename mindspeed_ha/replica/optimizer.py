@@ -297,8 +297,8 @@ class ReplicaMixin:
 
     def ha_fingerprint(self) -> tuple[list[str], torch.Tensor]:
         """Every shard tensor's name and a 64-bit digest of its bytes, computed where the shard lives
-        (``replica.verify.digest``: no copy of the shard leaves the device); any flipped bit changes it."""
-        from mindspeed_ha.replica.verify import digest
+        (``replica.digest``: no copy of the shard leaves the device); any flipped bit changes it."""
+        from mindspeed_ha.replica.digest import digest
         shard = self.ha_export_shard()
         return list(shard), torch.stack([digest(t, current()) for t in shard.values()])
 

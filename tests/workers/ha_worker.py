@@ -13,7 +13,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from mindspeed_ha.control.processor import Processor
+from mindspeed_ha.control.controller import Controller
+from mindspeed_ha.control.rank.processor import Processor
 from mindspeed_ha.events import EventLog
 from mindspeed_ha.faults import fault_kind
 from mindspeed_ha.options import HAOptions
@@ -48,7 +49,7 @@ def main():
     half = world // 2
     groups = [[i, i + half] for i in range(half)]
     proc = Processor(rank, world, int(os.environ.get("LOCAL_RANK", 0)), os.environ.get("MINDSPEED_HA_NODE", ""),
-                     opts, groups).start()
+                     opts, groups, controller_factory=Controller).start()
     events = EventLog.for_rank(log_dir, rank)
     fault = parse_fault(a.fault) if a.fault else None
     armed = {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..events import get_logger
+from ...events import get_logger
 
 log = get_logger("control.metrics")
 STATES = ("init", "normal", "pause", "decide", "repair", "rollback", "dump", "downgrade", "upgrade", "exit", "done")

@@ -5,16 +5,20 @@ type, in one table (``handlers``)."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-from ..events import get_logger
-from ..faults import PROCESS_FATAL_EXIT
-from . import protocol as P
-from .ranks import Agent, Rank
-from .states import Outcome as O, State as S
-
-if TYPE_CHECKING:
-    from .controller import Controller
+from ...events import EventLog, get_logger
+from ...faults import PROCESS_FATAL_EXIT
+from ..policy.ranks import Agent, Rank, RankTable
+from ..policy.states import Outcome as O, State as S
+from ..wire import protocol
+from ..wire.router import Router
+from .migration import Migrations
+from .orders import Orders
+from .ports import ControllerPort
+from .restarts import Restarts
+from .scaling import Scaling
+from .succession import Succession
 
 log = get_logger("control.controller")
 Msg = dict[str, Any]                       # a decoded, validated message (protocol.py)
@@ -22,8 +26,16 @@ Handler = Callable[[bytes, Msg], None]    # (the sender's socket identity, its m
 
 
 class Inbox:
-    def __init__(self, controller: Controller):
-        self.c = controller
+    """The messages' handlers. Each updates the parts it is handed (the rank table, orders, restarts)
+    and tells the helper a message concerns (scaling, migrations, succession) what it says: the
+    helpers are consulted when there is something for them, not polled."""
+
+    def __init__(self, port: ControllerPort, router: Router, table: RankTable, orders: Orders,
+                 restarts: Restarts, events: EventLog, scaling: Scaling, migrations: Migrations,
+                 succession: Succession):
+        self.port, self.router, self.table, self.orders = port, router, table, orders
+        self.restarts, self.events = restarts, events
+        self.scaling, self.migrations, self.succession = scaling, migrations, succession
         self.fenced_once: set[int] = set()
 
     def handlers(self) -> dict[str, Handler]:
@@ -38,28 +50,28 @@ class Inbox:
         rank stopped and replaced meanwhile — is dropped, and that process is told to exit: the job
         has another process for its rank (or will have)."""
         def checked(ident: bytes, msg: Msg) -> None:
-            r = self.c.table.check(msg["rank"])
-            if not self.c.table.stale(r, msg.get("pid")):
+            r = self.table.check(msg["rank"])
+            if not self.table.stale(r, msg.get("pid")):
                 handle(ident, msg)
                 return
-            self.c.router.drops.drop("stale", f"rank {r} pid {msg.get('pid')}: {msg['t']}")
+            self.router.drops.drop("stale", f"rank {r} pid {msg.get('pid')}: {msg['t']}")
             text = (f"mindspeed-ha: rank {r}, process {msg.get('pid')}, was declared lost and replaced; this "
                     "process must not come back into the job, so it ends here")
-            self.c.router.send(ident, P.encode("do", action="exit", id=0, epoch=self.c.epoch,
-                                               args={"code": 1, "diagnosis": text}))
+            self.router.send(ident, protocol.encode("do", action="exit", id=0, epoch=self.port.epoch,
+                                                    args={"code": 1, "diagnosis": text}))
             if r not in self.fenced_once:
                 self.fenced_once.add(r)
-                self.c.events.emit("fenced", rank=r, pid=msg.get("pid"), message=msg["t"])
+                self.events.emit("fenced", rank=r, pid=msg.get("pid"), message=msg["t"])
                 log.warning("rank %d: a message from its old process %s (declared lost): told to exit",
                             r, msg.get("pid"))
         return checked
 
     def register(self, ident: bytes, msg: Msg) -> None:
-        r = self.c.table.check(msg["rank"])
-        if msg["world"] != self.c.world:
-            raise ValueError(f"rank {r} says world {msg['world']}, controller has {self.c.world}")
+        r = self.table.check(msg["rank"])
+        if msg["world"] != self.table.world:
+            raise ValueError(f"rank {r} says world {msg['world']}, controller has {self.table.world}")
         now = time.monotonic()
-        old = self.c.ranks.get(r)
+        old = self.table.ranks.get(r)
         info = Rank(rank=r, ident=ident, node=msg["node"], pid=msg["pid"], host=msg.get("host", ""),
                     groups=msg.get("groups", []), it=msg.get("iteration", -1), seen=now, progress_at=now,
                     agent_node=msg.get("agent_node"))
@@ -67,7 +79,7 @@ class Inbox:
             info.it, info.phase, info.progress, info.progress_at = old.it, old.phase, old.progress, old.progress_at
         if old is not None and not info.groups:
             info.groups = old.groups  # a restarted worker learns its groups only when it joins
-        if old is not None and old.pid != info.pid and old.alive and self.c.machine.state != S.INIT:
+        if old is not None and old.pid != info.pid and old.alive and self.port.state != S.INIT:
             log.warning("rank %d re-registered with a new pid %d (was %d)", r, info.pid, old.pid)
         if old is not None and not old.alive:
             # A dead rank stays dead, unless it is the worker the recover strategy restarted: a new
@@ -76,139 +88,135 @@ class Inbox:
             # (a node whose link healed: its old workers reconnect before their agent ends them).
             # While the restart is awaited, the pid the agent lists is the old worker's: its new one
             # is listed only once the agent carried the order out.
-            agent = self.c.table.agent_of(r)
+            agent = self.table.agent_of(r)
             started = agent is not None and agent.pids[agent.ranks.index(r)] == info.pid \
-                and r not in self.c.restarts.awaiting
-            info.alive = old.pid != info.pid and r in self.c.restarts.restarting and (old.pid != 0 or started)
+                and r not in self.restarts.awaiting
+            info.alive = old.pid != info.pid and r in self.restarts.restarting and (old.pid != 0 or started)
             if info.alive:
-                self.c.restarts.restarting.discard(r)
-                self.c.restarts.awaiting.pop(r, None)
-                self.c.events.emit("rejoined", rank=r, pid=info.pid, old_pid=old.pid)
+                self.restarts.came_back(r)
+                self.events.emit("rejoined", rank=r, pid=info.pid, old_pid=old.pid)
                 log.info("rank %d rejoined with pid %d (was %d)", r, info.pid, old.pid)
-        self.c.ranks[r] = info
-        self.c.table.by_ident[ident] = r
-        self.c.router.send(ident, self.c.ack)
+        self.table.ranks[r] = info
+        self.table.by_ident[ident] = r
+        self.router.send(ident, self.port.ack())
         if old is not None and old.ident != ident and old.pid in (info.pid, 0):  # 0: placeholder of a takeover
-            self.c.orders.resend(r)
+            self.orders.resend(r)
         if info.alive:
-            self.c.elastic.registered(r)
-        if self.c.machine.state == S.INIT and not self.c.standby and self.c.table.all_in():
-            self.c.feed(O.REGISTERED)
+            self.scaling.registered(r)
+        if self.port.state == S.INIT and not self.port.standby and self.table.all_in():
+            self.port.feed(O.REGISTERED)
 
     def heartbeat(self, ident: bytes, msg: Msg) -> None:
-        known = self.c.ranks.get(msg["rank"])
+        known = self.table.ranks.get(msg["rank"])
         reconnected = known is not None and known.ident != ident
-        info = self.c.table.heard(ident, msg, time.monotonic())
+        info = self.table.heard(ident, msg, time.monotonic())
         if info is None:
-            self.c.router.send(ident, P.encode("refused", reason="register first"))
+            self.router.send(ident, protocol.encode("refused", reason="register first"))
             return
         if "busy" in msg:
-            self.c.migrations.observe(info)
+            self.migrations.observe(info)
         if reconnected:
-            self.c.orders.resend(msg["rank"])
-        self.c.router.send(ident, self.c.ack)
+            self.orders.resend(msg["rank"])
+        self.router.send(ident, self.port.ack())
 
     def fault(self, ident: bytes, msg: Msg) -> None:
-        r = self.c.table.check(msg["rank"])
-        info = self.c.ranks.get(r)
+        r = self.table.check(msg["rank"])
+        info = self.table.ranks.get(r)
         if info:
             info.health = "faulty"
             info.it = max(info.it, msg["iteration"])
             info.phase = msg["phase"]
         at = msg.get("at")
-        self.c.fault([r], msg["kind"], msg["iteration"], msg["phase"],
-                    detect_s=max(0.0, time.time() - at) if at else 0.0, detail=msg.get("detail", ""),
-                    key=("fault", r, msg["kind"], at), rid=msg.get("rid"))
+        self.port.fault([r], msg["kind"], msg["iteration"], msg["phase"],
+                        detect_s=max(0.0, time.time() - at) if at else 0.0, detail=msg.get("detail", ""),
+                        key=("fault", r, msg["kind"], at), rid=msg.get("rid"))
 
     def result(self, ident: bytes, msg: Msg) -> None:
-        r = self.c.table.check(msg["rank"])
-        pend = self.c.orders.answer(r, msg["id"], msg["ok"], msg.get("data") if msg["ok"] else msg.get("error", ""))
+        r = self.table.check(msg["rank"])
+        pend = self.orders.answer(r, msg["id"], msg["ok"], msg.get("data") if msg["ok"] else msg.get("error", ""))
         if pend is None:
             return
-        if msg["action"] == "stop" and r in self.c.ranks:
-            self.c.ranks[r].stopped = True
+        if msg["action"] == "stop" and r in self.table.ranks:
+            self.table.ranks[r].stopped = True
         if msg["action"] == "takeover":
             if msg["ok"]:
-                self.c.succession.taken_over(str(msg.get("data") or ""))
+                self.succession.taken_over(str(msg.get("data") or ""))
             else:
-                self.c.succession.handing_to = None
-                self.c.events.emit("migrate_refused", rank=self.c.rank, why=f"handover failed: {msg.get('error')}")
+                self.succession.cancel_hand_over(str(msg.get("error")))
         if msg["action"] == "standby" and msg["ok"]:
-            self.c.standbys.up(r, msg.get("data") or "")
-            self.c.push_backups()
-            self.c.succession.announce(quiet=True)  # a client that never got an ack naming it finds it there
-            self.c.events.emit("standby", rank=r, endpoint=msg.get("data") or "")
+            self.succession.standby_up(r, msg.get("data") or "")
         if pend.cli is not None:
-            self.c.router.send(pend.cli, P.encode("status", body={
+            self.router.send(pend.cli, protocol.encode("status", body={
                 "ok": msg["ok"], "rank": r, "action": msg["action"], "data": msg.get("data"),
                 "error": msg.get("error", "")}))
 
     def bye(self, ident: bytes, msg: Msg) -> None:
-        r = self.c.table.check(msg["rank"])
-        if r in self.c.ranks:
-            self.c.ranks[r].done = True
-            self.c.ranks[r].seen = time.monotonic()
+        r = self.table.check(msg["rank"])
+        if r in self.table.ranks:
+            self.table.ranks[r].done = True
+            self.table.ranks[r].seen = time.monotonic()
 
     def agent(self, ident: bytes, msg: Msg) -> None:
         n = msg["node_rank"]
-        old = self.c.agents.get(n)
+        old = self.table.agents.get(n)
         # (the same agent, silent past the loss limit until now: its node's link was cut, and healed)
-        returned = old is not None and old.pid == msg["pid"] and time.monotonic() - old.seen > self.c.table.dead_after
-        self.c.agents[n] = Agent(n, ident, msg["node"], list(msg["ranks"]), list(msg["pids"]), seen=time.monotonic(),
+        returned = old is not None and old.pid == msg["pid"] and time.monotonic() - old.seen > self.table.dead_after
+        self.table.agents[n] = Agent(n, ident, msg["node"], list(msg["ranks"]), list(msg["pids"]), seen=time.monotonic(),
                                  pid=msg["pid"], store=msg.get("store", ""))
-        self.c.router.send(ident, self.c.ack)
+        self.router.send(ident, self.port.ack())
         # A node started again (a new agent), or an agent with no worker for a rank we think alive
         # (a standby that took over never knew the old node): those processes are gone.
         replaced = old is not None and old.pid and old.pid != msg["pid"]
-        live = self.c.table.live()
+        live = self.table.live()
         gone = sorted(r for r, pid in zip(msg["ranks"], msg["pids"])
-                      if r in live and (replaced or not pid) and r not in self.c.restarts.restarting)
+                      if r in live and (replaced or not pid) and r not in self.restarts.restarting)
         if gone:
-            info = self.c.ranks[gone[0]]
-            self.c.fault(gone, "node-lost", info.it, info.phase,
-                          detail=f"node {n} came back as a new agent (pid {msg['pid']}) without these ranks' processes",
-                          key=("node-replaced", n, msg["pid"]))
-        self._start_due(ident, self.c.agents[n], returned)
+            info = self.table.ranks[gone[0]]
+            self.port.fault(gone, "node-lost", info.it, info.phase,
+                            detail=f"node {n} came back as a new agent (pid {msg['pid']}) without these ranks' processes",
+                            key=("node-replaced", n, msg["pid"]))
+        self._start_due(ident, self.table.agents[n], returned)
 
     def _start_due(self, ident: bytes, agent: Agent, returned: bool) -> None:
         """The ranks this agent is to start now: those the recovery under way waits for, and a
         scale-out's newcomers (the offer counts them in) — its node new, or back from a silence."""
-        self.c.elastic.offer(agent, returned)
-        due = self.c.restarts.due(agent.ranks, agent.pids)
+        self.scaling.offer(agent, returned)
+        due = self.restarts.due(agent.ranks, agent.pids)
         if due:
-            self.c.router.send(ident, P.encode("do", action="restart", id=0, args={"ranks": due}, epoch=self.c.epoch))
+            self.router.send(ident, protocol.encode("do", action="restart", id=0, args={"ranks": due},
+                                                    epoch=self.port.epoch))
 
     def agent_heartbeat(self, ident: bytes, msg: Msg) -> None:
-        a = self.c.agents.get(msg["node_rank"])
+        a = self.table.agents.get(msg["node_rank"])
         if a is None:
-            self.c.router.send(ident, P.encode("refused", reason="register first"))
+            self.router.send(ident, protocol.encode("refused", reason="register first"))
             return
         now = time.monotonic()
         # (heartbeats queued while the node's link was cut can arrive before its agent registers again)
-        returned = now - a.seen > self.c.table.dead_after
+        returned = now - a.seen > self.table.dead_after
         a.ident, a.seen, a.spares = ident, now, msg.get("spares", a.spares)
-        self.c.router.send(ident, self.c.ack)
+        self.router.send(ident, self.port.ack())
         if returned:
             self._start_due(ident, a, returned)
 
     def exit(self, ident: bytes, msg: Msg) -> None:
-        r = self.c.table.check(msg["rank"])
+        r = self.table.check(msg["rank"])
         code, sig = msg.get("code", 0), msg.get("signal", 0)
-        info = self.c.ranks.get(r)
+        info = self.table.ranks.get(r)
         if info is not None and info.pid and info.pid != msg["pid"]:
             return  # an older incarnation of this rank
-        agent = self.c.agents.get(msg.get("node_rank", -1))
+        agent = self.table.agents.get(msg.get("node_rank", -1))
         if agent is not None and r in agent.ranks and agent.pids[agent.ranks.index(r)] != msg["pid"]:
             return  # the same, told by the agent's current worker list (a report replayed to a new controller)
         if info is not None and not info.alive:
             return
         if info is not None:
-            self.c.table.mark_dead([r])
+            self.table.mark_dead([r])
         if code == 0 and not sig:
             if info is not None:
                 info.done = True
             return
-        if self.c.machine.state in (S.EXIT, S.DONE):
+        if self.port.state in (S.EXIT, S.DONE):
             return  # survivors we told to exit
         how = f"killed by signal {sig}" if sig else f"exit code {code}"
         if code == PROCESS_FATAL_EXIT and not sig:
@@ -216,37 +224,38 @@ class Inbox:
         it = msg.get("iteration", info.it if info else -1)
         phase = msg.get("phase", info.phase if info else "unknown")
         at = msg.get("at")
-        self.c.fault([r], "process-exit", it, phase, detect_s=max(0.0, time.time() - at) if at else 0.0,
-                    detail=f"pid {msg['pid']} {how}", key=("exit", r, msg["pid"]), rid=msg.get("rid"))
+        self.port.fault([r], "process-exit", it, phase, detect_s=max(0.0, time.time() - at) if at else 0.0,
+                        detail=f"pid {msg['pid']} {how}", key=("exit", r, msg["pid"]), rid=msg.get("rid"))
 
     def status(self, ident: bytes, msg: Msg) -> None:
-        self.c.router.send(ident, P.encode("status", body=self.c.status()))
+        self.router.send(ident, protocol.encode("status", body=self.port.status()))
 
     def inject(self, ident: bytes, msg: Msg) -> None:
-        r = self.c.table.check(msg["rank"])
-        info = self.c.ranks.get(r)
-        if info is None or not info.alive or self.c.standby:
-            self.c.router.send(ident, P.encode("refused", reason=f"rank {r} is not a live registered rank"))
+        r = self.table.check(msg["rank"])
+        info = self.table.ranks.get(r)
+        if info is None or not info.alive or self.port.standby:
+            self.router.send(ident, protocol.encode("refused", reason=f"rank {r} is not a live registered rank"))
             return
-        if msg["kind"] not in P.INJECT_KINDS or msg.get("phase", "forward") not in P.INJECT_PHASES:
-            self.c.router.send(ident, P.encode("refused", reason=f"unknown fault {msg['kind']!r}/{msg.get('phase')!r}"))
+        if msg["kind"] not in protocol.INJECT_KINDS or msg.get("phase", "forward") not in protocol.INJECT_PHASES:
+            self.router.send(ident, protocol.encode(
+                "refused", reason=f"unknown fault {msg['kind']!r}/{msg.get('phase')!r}"))
             return
         args: dict[str, Any] = {k: msg[k] for k in ("kind", "step", "phase", "factor") if k in msg}
-        oid = self.c.orders.send("inject", [r], args)
+        oid = self.orders.send("inject", [r], args)
         # Answer on delivery: the fault may kill the rank before its handler's result gets out.
-        self.c.router.send(ident, P.encode("status", body={"ok": True, "rank": r, "action": "inject", "id": oid,
-                                                         "detail": "delivered", **args}))
-        self.c.events.emit("inject", target=r, **args)
+        self.router.send(ident, protocol.encode("status", body={"ok": True, "rank": r, "action": "inject",
+                                                              "id": oid, "detail": "delivered", **args}))
+        self.events.emit("inject", target=r, **args)
 
     def migrate(self, ident: bytes, msg: Msg) -> None:
         r = msg["rank"]
-        why = (self.c.migrations.request(r, msg.get("reason") or "requested") if 0 <= r < self.c.world
-               else f"there is no rank {r} in this job (ranks 0..{self.c.world - 1})")
+        why = (self.migrations.request(r, msg.get("reason") or "requested") if 0 <= r < self.table.world
+               else f"there is no rank {r} in this job (ranks 0..{self.table.world - 1})")
         if why:
-            self.c.router.send(ident, P.encode("refused", reason=why))
+            self.router.send(ident, protocol.encode("refused", reason=why))
             return
-        self.c.router.send(ident, P.encode("status", body={"ok": True, "rank": r, "action": "migrate",
-                                                         "detail": "at the next step boundary"}))
+        self.router.send(ident, protocol.encode("status", body={"ok": True, "rank": r, "action": "migrate",
+                                                              "detail": "at the next step boundary"}))
 
     def preempt(self, ident: bytes, msg: Msg) -> None:
         """The scheduler is taking the job away: stop now, write the dying gasp, exit (once, whoever
@@ -257,12 +266,12 @@ class Inbox:
         except ValueError:
             name = f"signal {msg['signal']}"
         who = f"rank {msg['rank']}" if "rank" in msg else f"node {msg.get('node_rank', '?')}'s agent"
-        ranks = [msg["rank"]] if "rank" in msg else (self.c.agents[msg["node_rank"]].ranks
-                                                     if msg.get("node_rank") in self.c.agents else [])
-        self.c.fault(ranks, "preempted", self.c.table.newest_iteration(), "step",
-                      detail=f"{name} to {who}", key=("preempted",))
+        ranks = [msg["rank"]] if "rank" in msg else (self.table.agents[msg["node_rank"]].ranks
+                                                     if msg.get("node_rank") in self.table.agents else [])
+        self.port.fault(ranks, "preempted", self.table.newest_iteration(), "step",
+                        detail=f"{name} to {who}", key=("preempted",))
 
     def health(self, ident: bytes, msg: Msg) -> None:
         """An agent's health hook named ranks of its node sub-healthy."""
         for r in msg["ranks"]:
-            self.c.migrations.sub_healthy(self.c.table.check(r), msg.get("detail") or "health check")
+            self.migrations.sub_healthy(self.table.check(r), msg.get("detail") or "health check")

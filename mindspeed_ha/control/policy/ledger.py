@@ -61,6 +61,26 @@ class FaultLedger:
         self.all.append(f)
         self.active.append(f)
 
+    def open_planned(self, f: Fault) -> None:
+        """A planned change (a scale-out) the next recovery carries out: in the episode, not a fault of
+        the job (neither in ``all`` nor in the diagnosis)."""
+        self.active.append(f)
+
+    def close_planned(self, kind: str) -> None:
+        """The episode drops its planned changes of ``kind`` (a fault came first: its recovery runs,
+        and the change is asked for again after it)."""
+        self.active[:] = [f for f in self.active if f["kind"] != kind]
+
+    def close_active(self) -> list[Fault]:
+        """The episode is over (recovered, or abandoned): its faults leave the active list, returned."""
+        closed = list(self.active)
+        self.active.clear()
+        return closed
+
+    def under_way(self, kind: str) -> bool:
+        """The episode under way (or about to start) deals with a fault or change of ``kind``."""
+        return any(f["kind"] == kind for f in self.active)
+
     def of_kind(self, *kinds: str) -> bool:
         """The recovery under way deals with faults of these kinds only (and with some)."""
         return bool(self.active) and all(f["kind"] in kinds for f in self.active)

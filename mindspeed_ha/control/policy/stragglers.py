@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import statistics
 
-from .ranks import WARM_UP_STEPS, Rank
+from ...options import WARM_UP_STEPS
+from .ranks import Rank
 
 NOISE_S = 0.02
 

@@ -22,7 +22,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from ..events import get_logger
+from ...events import get_logger
 
 log = get_logger("control.security")
 INSECURE_WARNING = ("!!! mindspeed-ha control plane runs WITHOUT authentication or encryption "

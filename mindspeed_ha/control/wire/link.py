@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..events import get_logger
-from . import election, protocol as P, security
+from ...events import get_logger
+from . import protocol, security
+from .announcement import Candidates
 
 if TYPE_CHECKING:
     from .discovery import JobStore
@@ -39,7 +40,7 @@ class ControllerLink:
                  store: JobStore | None = None):
         self.ctx = ctx or zmq.Context.instance()
         self.keys, self.hello, self.name = keys, hello, name
-        self.cands = election.Candidates(log_dir, job_id, answer_wait=max(1.0, 2 * heartbeat_s),
+        self.cands = Candidates(log_dir, job_id, answer_wait=max(1.0, 2 * heartbeat_s),
                                          standby_wait=max(4.0, 8 * heartbeat_s), store=store)
         if store is not None:
             from .discovery import CONTROLLER_KEY
@@ -56,7 +57,7 @@ class ControllerLink:
         self.answered = False
         self._t_connect = self._last_heard = self._standby_since = self._last_maintain = 0.0
         self._replay: dict[str, bytes] = {}   # rid -> report not settled yet, in the order sent
-        self.drops = P.DropCounter(log)
+        self.drops = protocol.DropCounter(log)
         self.ever_active = False
         self.active_at = 0.0         # when an active controller last answered (monotonic)
         self.state = ""              # the controller's state in its last ack
@@ -65,7 +66,7 @@ class ControllerLink:
         self._close_sockets(linger=0)
         s = self.ctx.socket(zmq.DEALER)
         s.linger = 500
-        s.maxmsgsize = P.MAX_BYTES + 1024
+        s.maxmsgsize = protocol.MAX_BYTES + 1024
         s.handshake_ivl = 300_000  # a controller busy with a thousand handshakes is slow, not dead
         security.secure_client(s, self.keys)
         self.monitor = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
@@ -161,8 +162,8 @@ class ControllerLink:
             except zmq.Again:
                 break
             try:
-                msg = P.decode(data)
-            except P.ProtocolError as e:
+                msg = protocol.decode(data)
+            except protocol.ProtocolError as e:
                 self.drops.drop("malformed", str(e))
                 continue
             now = time.monotonic()

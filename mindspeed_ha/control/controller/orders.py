@@ -12,9 +12,9 @@ import dataclasses
 import time
 from typing import Any, Callable, Iterable
 
-from . import protocol as P
-from .ranks import RankTable
-from .router import Router
+from ..wire import protocol
+from ..policy.ranks import RankTable
+from ..wire.router import Router
 
 Answer = tuple[bool, Any]   # (ok, the handler's data, or its error text)
 
@@ -42,7 +42,7 @@ class Orders:
         The host rank's ``exit`` is left out: it exits last, locally."""
         oid = self._next_id
         self._next_id += 1
-        data = P.encode("do", action=action, id=oid, args=args or {}, epoch=self.epoch())
+        data = protocol.encode("do", action=action, id=oid, args=args or {}, epoch=self.epoch())
         skip = self.host_rank if action == "exit" else None
         ranks_ = self.table.ranks
         targets = [ranks_[r] for r in ranks if r in ranks_ and ranks_[r].alive and r != skip]
@@ -53,7 +53,7 @@ class Orders:
         return oid
 
     def to_agents(self, action: str, args: dict[str, Any]) -> None:
-        data = P.encode("do", action=action, id=0, args=args, epoch=self.epoch())
+        data = protocol.encode("do", action=action, id=0, args=args, epoch=self.epoch())
         self.router.fan_out((a.ident for a in self.table.agents.values()), data)
 
     def answer(self, r: int, oid: int, ok: bool, data: Any) -> Pending | None:

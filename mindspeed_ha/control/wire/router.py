@@ -9,8 +9,8 @@ from typing import Any, Iterable, Iterator, cast
 
 import zmq
 
-from ..events import get_logger
-from . import protocol as P, security
+from ...events import get_logger
+from . import protocol, security
 
 log = get_logger("control.router")
 # pyzmq's Cython send, without the Python-level wrapper: half the cost per frame, which is most of
@@ -26,7 +26,7 @@ class Router:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 500
         self.sock.rcvhwm = self.sock.sndhwm = 100000
-        self.sock.maxmsgsize = P.MAX_BYTES + 1024  # libzmq drops oversized frames before Python sees them
+        self.sock.maxmsgsize = protocol.MAX_BYTES + 1024  # libzmq drops oversized frames before Python sees them
         # Thousands of ranks connect at once and every handshake waits its turn at the ZAP handler:
         # the default 30 s handshake limit would drop them and start a reconnect storm.
         self.sock.handshake_ivl = 300_000
@@ -42,7 +42,7 @@ class Router:
             host = "127.0.0.1"
         self.port = int(cast(bytes, self.sock.last_endpoint).decode().rsplit(":", 1)[1])  # (LAST_ENDPOINT: bytes)
         self.endpoint = f"tcp://{host}:{self.port}"
-        self.drops = P.DropCounter(log)
+        self.drops = protocol.DropCounter(log)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
 
@@ -63,8 +63,8 @@ class Router:
                 continue
             ident, data = (frames[0].bytes, frames[1].bytes) if secure else frames
             try:
-                msg = P.decode(data)
-            except P.ProtocolError as e:
+                msg = protocol.decode(data)
+            except protocol.ProtocolError as e:
                 self.drops.drop("malformed", str(e))
                 continue
             if secure:

@@ -12,15 +12,13 @@ WARM_UP_S; when every rank stands still at once, twice the limit.
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
-from typing import Any, Collection, Iterable
+from typing import Any, Callable, Collection, Iterable
 
-from mindspeed_ha.options import WARM_UP_HANG_S
+from mindspeed_ha.options import WARM_UP_HANG_S, WARM_UP_STEPS
 
 PHASE_ORDER = {p: i for i, p in enumerate(("startup", "forward", "backward", "grad-sync", "optimizer",
                                            "param-sync", "checkpoint", "step"))}
-WARM_UP_STEPS, WARM_UP_S = 3, WARM_UP_HANG_S
+WARM_UP_S = WARM_UP_HANG_S
 
 
 @dataclasses.dataclass
@@ -74,9 +72,17 @@ class Detected:
     key: tuple[str | int, ...]
 
 
+def _nowhere(info: Rank) -> bool:
+    return False
+
+
 class RankTable:
-    def __init__(self, world: int, heartbeat_s: float, hang_timeout_s: float, dead_after: float | None = None):
+    def __init__(self, world: int, heartbeat_s: float, hang_timeout_s: float, dead_after: float | None = None,
+                 runs_here: Callable[[Rank], bool] = _nowhere):
+        """``runs_here``: whether a rank's process still runs on the controller's host (a silent rank
+        that does is starved, not lost); the controller asks the host, this table only decides."""
         self.world = world
+        self.runs_here = runs_here
         self.hang_timeout = float(hang_timeout_s)
         self.dead_after = dead_after or max(1.8 * float(heartbeat_s), 3.0)
         self.fresh_s = max(2.0 * float(heartbeat_s), 1.0)   # a heartbeat this recent tells where a rank is now
@@ -183,7 +189,7 @@ class RankTable:
             if not info.alive or info.done:
                 continue
             silent = now - info.seen
-            if silent > self.dead_after and ((info.rank not in watched and not runs_here(info))
+            if silent > self.dead_after and ((info.rank not in watched and not self.runs_here(info))
                                              or silent > max(self.dead_after, self.hang_limit(info))):
                 lost.append(info)
             elif (training and info.it >= 0 and now - info.progress_at > self.hang_limit(info)
@@ -222,27 +228,3 @@ class RankTable:
                  "update": i.upd, "health": i.health, "alive": i.alive, "done": i.done,
                  "last_seen_s": round(now - i.seen, 3), "replica_groups": i.groups}
                 for i in sorted(self.ranks.values(), key=lambda i: i.rank)]
-
-
-def this_host() -> str:
-    """This process's host, as ``runs_here`` compares it: the host name and, where Linux names it,
-    the network namespace. A process in another one is as far away as another host whatever its
-    pid says (a node in a namespace of its own, a container sharing the host's pids): a cut link
-    silences it while it runs on."""
-    try:
-        return f"{socket.gethostname()}/{os.readlink('/proc/self/ns/net')}"
-    except OSError:
-        return socket.gethostname()
-
-
-def runs_here(info: Rank) -> bool:
-    """The rank's process runs on this host (not a zombie, not stopped: a stopped process is as
-    silent as a lost one and must be treated as one)."""
-    import psutil
-    if not info.pid or info.host != this_host():
-        return False
-    try:
-        return psutil.Process(info.pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_STOPPED,
-                                                         psutil.STATUS_DEAD)
-    except psutil.Error:
-        return False

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..exitcodes import MEANING
+from ...exitcodes import MEANING
 from .ledger import Fault
 
 

@@ -40,7 +40,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Mapping
 
-from ..events import get_logger
+from ...events import get_logger
 
 if TYPE_CHECKING:
     from torch.distributed import Store, TCPStore

@@ -30,8 +30,8 @@ import dataclasses
 import time
 from typing import Any, Callable
 
-from ..events import get_logger
-from .. import plan as planner
+from ... import plan as planner
+from ...events import get_logger
 from .ledger import Fault
 from .rounds import DONE, NEXT, Answers, Fail, Goto, Port, Round, Step, Switch
 from .states import State as S
@@ -57,7 +57,8 @@ class Episode:
     statuses: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # rank -> its answer to status
     joiners: list[int] = dataclasses.field(default_factory=list)    # restarted ranks (hold nothing yet)
     plan: Any = None                       # the planner's plan (plan.py): repair, reload, elastic or dump
-    mode: str = ""                         # repair (from the twins) or reload (the periodic checkpoint)
+    source: str = ""                       # where the lost state comes from: "twins" (the repair round)
+                                           # or "checkpoint" (the reload round: the periodic checkpoint)
     generation: int = 0
     how: str = ""
     lost_steps: int = 0
@@ -176,7 +177,7 @@ def _plan(ep: Episode) -> Step:
         holders = planner.holders(ep.world, ep.statuses, groups)
         plan = planner.plan_repair(holders, ep.joiners)
         if plan.ok:
-            ep.plan, ep.mode, ep.generation = plan, "repair", ep.port.new_generation()
+            ep.plan, ep.source, ep.generation = plan, "twins", ep.port.new_generation()
             ep.port.emit("repair_plan", iteration=plan.iteration, pairs=plan.pairs_flat, joiners=plan.joiners_flat,
                          generation=ep.generation)
             log.info("%s: resume at iteration %d; shards to copy (src, dst): %s", ep.strategy, plan.iteration,
@@ -186,7 +187,7 @@ def _plan(ep: Episode) -> Step:
     reload = planner.plan_reload(ep.statuses)
     if not reload.ok:
         return Fail(reload.reason if not ep.replica else f"{why}; and {reload.reason}")
-    ep.plan, ep.mode, ep.generation, ep.lost_steps = reload, "reload", ep.port.new_generation(), reload.lost_steps
+    ep.plan, ep.source, ep.generation, ep.lost_steps = reload, "checkpoint", ep.port.new_generation(), reload.lost_steps
     ep.port.emit("repair_plan", iteration=reload.iteration, reload=reload.path, lost_steps=reload.lost_steps,
                  generation=ep.generation, reason=why)
     log.info("%s: %s: every rank reloads iteration %d from %s (%d step(s) lost)", ep.strategy, why,
@@ -218,9 +219,10 @@ def _repaired(ep: Episode, ans: Answers) -> Step:
     return DONE
 
 
-REPAIR = Round("repair", order="repair", decide=_repaired, when=lambda ep: ep.mode == "repair",
+REPAIR = Round("repair", order="repair", decide=_repaired, when=lambda ep: ep.source == "twins",
                args=lambda ep: {"pairs": ep.plan.pairs_flat, "iteration": ep.target, "joiners": ep.plan.joiners_flat})
-RELOAD = Round("reload", order="reload", decide=_then("reload", DONE, how="reload"), when=lambda ep: ep.mode == "reload",
+RELOAD = Round("reload", order="reload", decide=_then("reload", DONE, how="reload"),
+               when=lambda ep: ep.source == "checkpoint",
                args=lambda ep: {"ended": ep.target + ep.lost_steps})
 
 
@@ -233,7 +235,7 @@ def _rolled(ep: Episode, ans: Answers) -> Step:
 
 
 ROLLBACK = Round("rollback", order="rollback", args=lambda ep: {"iteration": ep.target}, decide=_rolled,
-                 when=lambda ep: ep.mode == "repair")  # (a reload put every rank at the checkpoint already)
+                 when=lambda ep: ep.source == "twins")  # (a reload put every rank at the checkpoint already)
 RESUME = Round("resume", order="resume", decide=_then("resume", DONE),
                args=lambda ep: {"strategy": ep.strategy, "lost_steps": ep.lost_steps})
 

@@ -6,6 +6,9 @@ where they must: ``stop``, ``exit`` and ``standby`` on the processor thread at o
 while the training thread is blocked in a collective); the recovery's orders on the training thread,
 parked after a fault (``serve_order``); the rest on a handler thread, so heartbeats go on meanwhile.
 A handler returns its answer (any msgpack tree) or raises: the exception is the failed answer.
+
+The processor never imports the controller: it is handed a factory (``controller_factory``, the
+``Controller`` class where the rank may host one) and uses what it makes through ``HostedController``.
 """
 from __future__ import annotations
 
@@ -17,23 +20,37 @@ import sys
 import threading
 import time
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Callable, Mapping, SupportsFloat
+from typing import Any, Callable, Iterable, Mapping, Protocol, SupportsFloat
 
-from .. import exitcodes
-from ..events import EventLog, get_logger, setup_text_log
-from ..options import HAOptions
-from . import protocol as P, security
-from .board import ProgressBoard, board_path
-from .discovery import JobStore, controller_is_external
-from .link import ControllerLink, job_id_from_env
-from .ranks import WARM_UP_STEPS, this_host
-
-if TYPE_CHECKING:
-    from .controller import Controller
+from ... import exitcodes
+from ...events import EventLog, get_logger, setup_text_log
+from ...options import WARM_UP_STEPS, HAOptions
+from ..wire import protocol, security
+from ..wire.board import ProgressBoard, board_path
+from ..wire.discovery import JobStore, controller_is_external
+from ..wire.hosts import this_host
+from ..wire.link import ControllerLink, job_id_from_env
 
 log = get_logger("control.processor")
 # An order's handler: its arguments -> its answer (a msgpack tree, or a Later).
 Handler = Callable[[dict[str, Any]], object]
+
+
+class HostedController(Protocol):
+    """What a rank's processor uses of the controller it hosts: rank 0's, or a standby."""
+    standby: bool
+    endpoint: str
+    done: threading.Event
+
+    def start(self) -> HostedController: ...
+    def close(self, timeout: float = 2.0) -> None: ...
+    def saw_epoch(self, epoch: int) -> None: ...
+    def settle(self, rids: Iterable[str]) -> None: ...
+    def order_takeover(self, args: dict[str, Any]) -> None: ...
+
+
+# Makes the controller this rank hosts: (log dir, world size, options, keys, **where and how).
+ControllerFactory = Callable[..., HostedController]
 
 
 def _agent_node() -> dict[str, int]:
@@ -65,14 +82,18 @@ class Later:
 
 class Processor:
     def __init__(self, rank: int, world_size: int, local_rank: int, node: str, options: HAOptions,
-                 replica_groups: list[list[int]], events: EventLog | None = None):
+                 replica_groups: list[list[int]], events: EventLog | None = None,
+                 controller_factory: ControllerFactory | None = None):
+        """``controller_factory``: makes the controller this rank hosts (rank 0's, or a standby when
+        the controller names this rank); None: this rank hosts none."""
         self.rank, self.world, self.local_rank, self.node = rank, world_size, local_rank, node or _socket.gethostname()
         self.options = options
         self.groups = [list(map(int, g)) for g in (replica_groups or []) if rank in g]
         self.log_dir = options.log_dir
         self.job_id = job_id_from_env()
         self.handlers: dict[str, Handler] = {}
-        self.controller: Controller | None = None  # the Controller hosted here (rank 0, or a standby)
+        self.controller_factory = controller_factory
+        self.controller: HostedController | None = None  # the controller hosted here (rank 0, or a standby)
         self.iteration = -1
         self.steps_done = 0   # steps this process has ended (its warm-up is the first few)
         # A step's own work (its time less the time blocked in collectives, waiting for slower peers):
@@ -127,11 +148,10 @@ class Processor:
         # A restarted rank 0 (recover) finds the controller that took over from its predecessor.
         restarted = int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0) > 0
         self.job_store = JobStore.from_env()  # where the controller is announced to every node
-        if self.rank == 0 and in_rank0 and not restarted:
-            from .controller import Controller
-            self.controller = Controller(self.log_dir, self.world, self.options, self.keys, rank=0,
-                                         job_id=self.job_id, local_exit=self._exit_now,
-                                         job_store=self.job_store).start()
+        if self.rank == 0 and in_rank0 and not restarted and self.controller_factory is not None:
+            self.controller = self.controller_factory(self.log_dir, self.world, self.options, self.keys, rank=0,
+                                                      job_id=self.job_id, local_exit=self._exit_now,
+                                                      job_store=self.job_store).start()
         self.link = ControllerLink(self.keys, self.log_dir, self.job_id, self._hello, self.options.heartbeat_s,
                                    name=f"rank {self.rank}", store=self.job_store)
         self._thread = threading.Thread(target=self._run, name="mindspeed-ha-processor", daemon=True)
@@ -160,8 +180,8 @@ class Processor:
 
             def on_signal(signum: int, frame: FrameType | None, previous: object = previous) -> None:
                 rid = f"{os.getpid()}.preempt"
-                self._outbox.put((P.encode("preempt", signal=int(signum), rank=self.rank, pid=os.getpid(), rid=rid),
-                                  rid))
+                report = protocol.encode("preempt", signal=int(signum), rank=self.rank, pid=os.getpid(), rid=rid)
+                self._outbox.put((report, rid))
                 if callable(previous):
                     previous(signum, frame)
             signal.signal(sig, on_signal)
@@ -172,7 +192,7 @@ class Processor:
         if self._thread is None:
             return
         self._sent.clear()
-        self._outbox.put(P.encode("bye", rank=self.rank, pid=os.getpid()))
+        self._outbox.put(protocol.encode("bye", rank=self.rank, pid=os.getpid()))
         self._sent.wait(1.0)
         if self.controller is not None and not self.controller.standby:
             self.controller.done.wait(timeout)
@@ -294,9 +314,9 @@ class Processor:
         self._sent.clear()
         self._reports += 1
         rid = f"{os.getpid()}.fault.{self._reports}"
-        self._outbox.put((P.encode("fault", rank=self.rank, kind=kind, iteration=int(iteration),
-                                   phase=str(phase)[:64], detail=detail, at=time.time(), pid=os.getpid(), rid=rid),
-                          rid))
+        report = protocol.encode("fault", rank=self.rank, kind=kind, iteration=int(iteration), phase=str(phase)[:64],
+                                 detail=detail, at=time.time(), pid=os.getpid(), rid=rid)
+        self._outbox.put((report, rid))
         self._sent.wait(1.0)  # handed to ZeroMQ before the caller may let the process die
 
     def serve_order(self, timeout: float) -> str | None:
@@ -311,11 +331,11 @@ class Processor:
 
     # ---- processor thread ---------------------------------------------------------------------
     def _hello(self) -> bytes:
-        return P.encode("register", rank=self.rank, world=self.world, node=self.node, pid=os.getpid(),
-                        local_rank=self.local_rank, groups=self.groups, host=this_host(),
-                        iteration=self.iteration,
-                        restarts=int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0),
-                        **_agent_node())
+        return protocol.encode("register", rank=self.rank, world=self.world, node=self.node, pid=os.getpid(),
+                               local_rank=self.local_rank, groups=self.groups, host=this_host(),
+                               iteration=self.iteration,
+                               restarts=int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0),
+                               **_agent_node())
 
     def _run(self) -> None:
         assert self.link is not None and self.events is not None  # (start() made them before this thread)
@@ -338,11 +358,11 @@ class Processor:
                     next_hb, self._hb_now = now + hb, False
                     busy, n = self._busy_sum, self._busy_n
                     self._busy_sum, self._busy_n = 0.0, 0
-                    self.link.send(P.encode("hb", rank=self.rank, it=self.iteration, upd=self.updating,
-                                            health=self.health, phase=self.phase, progress=self._progress,
-                                            wait=self.in_collective(), pid=os.getpid(), steps=self.steps_done,
-                                            **({"busy": busy / n} if n else {}),
-                                            **({"ckpt": self.checkpoint} if self.checkpoint >= 0 else {})))
+                    self.link.send(protocol.encode("hb", rank=self.rank, it=self.iteration, upd=self.updating,
+                                                   health=self.health, phase=self.phase, progress=self._progress,
+                                                   wait=self.in_collective(), pid=os.getpid(), steps=self.steps_done,
+                                                   **({"busy": busy / n} if n else {}),
+                                                   **({"ckpt": self.checkpoint} if self.checkpoint >= 0 else {})))
                 for msg in self.link.receive(20):
                     if msg["t"] == "do":
                         self._dispatch(msg)
@@ -406,10 +426,10 @@ class Processor:
     def _result(self, action: str, aid: int, ok: bool, data: object = None, error: str = "") -> None:
         fields = {"data": data} if ok and data is not None else {"error": error} if not ok else {}
         try:
-            msg = P.encode("result", rank=self.rank, action=action, id=aid, ok=ok, pid=os.getpid(), **fields)
-        except P.ProtocolError as e:  # a handler's answer that is not a msgpack tree
-            msg = P.encode("result", rank=self.rank, action=action, id=aid, ok=False,
-                           error=f"rank {self.rank} could not send its answer to {action}: {e}")
+            msg = protocol.encode("result", rank=self.rank, action=action, id=aid, ok=ok, pid=os.getpid(), **fields)
+        except protocol.ProtocolError as e:  # a handler's answer that is not a msgpack tree
+            msg = protocol.encode("result", rank=self.rank, action=action, id=aid, ok=False,
+                                  error=f"rank {self.rank} could not send its answer to {action}: {e}")
         if threading.current_thread() is self._thread:
             assert self.link is not None  # (its thread runs only with it)
             self.link.send(msg)
@@ -434,12 +454,13 @@ class Processor:
         return "stop requested"
 
     def _stand_by(self, args: dict[str, Any]) -> str:
-        from .controller import Controller
         if self.controller is None:
-            self.controller = Controller(self.log_dir, self.world, self.options, self.keys, rank=self.rank,
-                                         standby=True, epoch=int(args.get("epoch", 1)), job_id=self.job_id,
-                                         local_exit=self._exit_now, job_store=self.job_store,
-                                         previous=int(args.get("controller", -1)), settled=self.settled).start()
+            if self.controller_factory is None:
+                raise RuntimeError(f"rank {self.rank} was given no controller to host, so it cannot stand by")
+            self.controller = self.controller_factory(
+                self.log_dir, self.world, self.options, self.keys, rank=self.rank, standby=True,
+                epoch=int(args.get("epoch", 1)), job_id=self.job_id, local_exit=self._exit_now,
+                job_store=self.job_store, previous=int(args.get("controller", -1)), settled=self.settled).start()
         return self.controller.endpoint
 
     def _settled(self, rids: list[str]) -> None:
@@ -451,7 +472,7 @@ class Processor:
         """The active controller hands itself over to this standby (its host is to be migrated)."""
         if self.controller is None or not self.controller.standby:
             raise RuntimeError(f"rank {self.rank} runs no standby controller")
-        self.controller.succession.ordered = dict(args)  # (its own thread promotes it)
+        self.controller.order_takeover(dict(args))  # (its own thread promotes it)
         return self.controller.endpoint
 
     def _reconnect(self, args: dict[str, Any]) -> str:

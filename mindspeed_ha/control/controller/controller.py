@@ -2,19 +2,22 @@
 
 A thread on rank 0 by default (``Controller(...).start()``), a standalone process with
 ``mindspeed-ha controller``, or a standby (``standby=True``) on a backup rank that promotes itself
-when it holds a quorum (election.py). Everything runs on the one controller thread: no locks on the
-rank table, and a decision is never late because a lock was held.
+when it holds a quorum (policy/quorum.py). Everything runs on the one controller thread: no locks on
+the rank table, and a decision is never late because a lock was held.
 
 The controller's own job is receiving (``_run``: each message to its handler in inbox.py), timing
 (``_tick``: silences, hangs, time limits) and deciding (the state machine). What it decides is carried
-out by the parts that hold each piece of the job: the rank table (ranks.py), orders and answers
-(orders.py), the fault ledger (ledger.py), restarts (restarts.py), elastic resizes (elastic.py),
-migrations (migration.py) and who controls next (succession.py).
+out by the parts that hold each piece of the job: the rank table (policy/ranks.py), orders and
+answers (orders.py), the fault ledger (policy/ledger.py), restarts (restarts.py), elastic resizes
+(scaling.py), migrations (migration.py) and who controls next (succession.py). The helpers see the
+controller through ``HelperPort`` (ports.py), and are consulted when they have something to say —
+newcomers offered a place, a migration in the episode, a rank to migrate after a hand-over, a job
+store, a standby lost — not on every tick or fault.
 
 A fault's life: ``fault`` records it and feeds FAULT; PAUSE stops every survivor; DECIDE picks the
-strategy (states.py, one table); REPAIR / ROLLBACK / DUMP play that strategy's rounds
-(playbooks.py, through rounds.Runner and the narrow ``PlaybookPort``); EXIT tells everyone to go with
-the diagnosis. An exception inside a state's work is that state's FAILED outcome, never the end of the
+strategy (policy/states.py, one table); REPAIR / ROLLBACK / DUMP play that strategy's rounds
+(policy/playbooks.py, through rounds.Runner and the narrow ``PlaybookPort``); EXIT tells everyone to
+go with the diagnosis. An exception inside a state's work is that state's FAILED outcome, never the end of the
 controller.
 """
 from __future__ import annotations
@@ -25,22 +28,25 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable
 
-from .. import exitcodes
-from ..events import EventLog, get_logger
-from ..options import HAOptions
-from . import discovery, election, ledger, playbooks, protocol as P, security
-from .diagnosis import diagnosis
-from .elastic import Elastic
+from ... import exitcodes
+from ...events import EventLog, get_logger
+from ...options import HAOptions
+from ..policy import ledger, playbooks
+from ..policy.diagnosis import diagnosis
+from ..policy.ledger import Fault, FaultLedger
+from ..policy.playbooks import Episode, FirstStep
+from ..policy.ranks import Agent, Rank, RankTable
+from ..policy.rounds import Port, RunOutcome, Runner
+from ..policy.standbys import Standbys
+from ..policy.states import TABLE, TIMEOUTS, Machine, Outcome as O, State as S, choose_strategy
+from ..wire import discovery, hosts, protocol, security
+from ..wire.router import Router
 from .inbox import Inbox
-from .ledger import Fault, FaultLedger
 from .migration import Migrations
 from .orders import Answer, Orders
-from .playbooks import Episode, FirstStep
-from .ranks import Agent, Rank, RankTable
+from .ports import ControllerPort, Identity
 from .restarts import Restarts
-from .router import Router
-from .rounds import Port, RunOutcome, Runner
-from .states import TABLE, TIMEOUTS, Machine, Outcome as O, State as S, choose_strategy
+from .scaling import Scaling
 from .succession import Succession
 
 if TYPE_CHECKING:
@@ -109,10 +115,65 @@ class PlaybookPort:
         self._c.migrations.closed(faults, now, moved_bytes, phases)
 
     def scaled(self, dp: int, replica_groups: dict[int, list[int]]) -> None:
-        self._c.elastic.scaled(dp, replica_groups)
+        self._c.scaling.scaled(dp, replica_groups)
 
     def leave(self, ranks: list[int], reason: str) -> None:
-        self._c.elastic.leave(ranks, reason)
+        self._c.scaling.leave(ranks, reason)
+
+
+class HelperPort:
+    """What a helper (inbox, scaling, migrations, succession) may ask of the controller
+    (ports.ControllerPort): where it stands, an outcome or a fault fed to it, a takeover or its
+    retirement, and the requests one helper makes of another — nothing else of its state."""
+
+    def __init__(self, c: Controller):
+        self._c = c
+
+    @property
+    def state(self) -> S:
+        return self._c.machine.state
+
+    @property
+    def epoch(self) -> int:
+        return self._c.epoch
+
+    @property
+    def standby(self) -> bool:
+        return self._c.standby
+
+    def first_step_pending(self) -> bool:
+        return self._c.first_step is not None
+
+    def ack(self) -> bytes:
+        return self._c.ack
+
+    def status(self) -> dict[str, Any]:
+        return self._c.status()
+
+    def feed(self, outcome: O) -> None:
+        self._c.feed(outcome)
+
+    def fault(self, ranks: list[int], kind: str, iteration: int, phase: str, detect_s: float = 0.0,
+              detail: str = "", key: Hashable = None, rid: str | None = None, feed: bool = True) -> bool:
+        return self._c.fault(ranks, kind, iteration, phase, detect_s, detail, key, rid, feed)
+
+    def become_active(self, epoch: int, now: float) -> None:
+        self._c.become_active(epoch, now)
+
+    def retire(self) -> None:
+        self._c.retire()
+
+    def push_backups(self) -> None:
+        self._c.push_backups()
+
+    def serve_metrics(self) -> None:
+        self._c.serve_metrics()
+
+    def request_migration(self, rank: int, reason: str) -> str | None:
+        return self._c.migrations.request(rank, reason)
+
+    def hand_over(self, rank: int, reason: str) -> str | None:
+        return self._c.succession.hand_over(rank, reason)
 
 
 class Controller:
@@ -135,11 +196,12 @@ class Controller:
         self.job_store = job_store            # discovery.JobStore: announcements reach every node there
         self.hb = float(self.options.heartbeat_s)
         dead_after = float(os.environ.get("MINDSPEED_HA_DEAD_AFTER", 0) or 0) or None
-        self.table = RankTable(self.world, self.hb, self.options.hang_timeout_s, dead_after)
+        self.table = RankTable(self.world, self.hb, self.options.hang_timeout_s, dead_after,
+                               runs_here=lambda info: hosts.runs_here(info.pid, info.host))
         # The reports (rids) a recovery dealt with, by this controller or an earlier one, are settled:
         # a link re-sends what it was not told is settled, and a report is never acted on twice.
         self.ledger = FaultLedger(settled)
-        self.standbys = election.Standbys()
+        self.standbys = Standbys()
         self.exit_code = 0
         self.strategy_note = ""
         self.last_diagnosis = ""
@@ -163,11 +225,20 @@ class Controller:
         self.orders = Orders(self.router, self.table, lambda: self.epoch, rank)
         self.restarts = Restarts(self.table, self.orders, self.events, self.options.max_restarts, rank,
                                  self._end_host if local_exit is not None else None)
+        self.identity = Identity(host=self.host, endpoint=self.endpoint, port=self.port_number, keys=self.keys,
+                                 job_id=self.job_id, log_dir=log_dir, world=self.world, rank=rank)
         self.playbook_port: Port = PlaybookPort(self)  # what the playbooks see of this controller
-        self.handlers = Inbox(self).handlers()
-        self.migrations = Migrations(self)
-        self.elastic = Elastic(self)           # when to scale in, wait for a node, or grow onto one
-        self.succession = Succession(self)    # standbys, takeovers, a handover before the host migrates
+        helper_port: ControllerPort = HelperPort(self)  # what its helpers see of it
+        self.migrations = Migrations(helper_port, self.table, self.ledger, self.events, self.options, rank)
+        # when to scale in, wait for a node, or grow onto one
+        self.scaling = Scaling(helper_port, self.table, self.orders, self.restarts, self.ledger, self.events,
+                               self.options.spare_wait_s, job_store)
+        # standbys, takeovers, a handover before the host migrates
+        self.succession = Succession(helper_port, self.identity, self.table, self.orders, self.standbys, self.ledger,
+                                     self.events, self.hb, job_store, write_json=write_json, previous=previous)
+        self.inbox = Inbox(helper_port, self.router, self.table, self.orders, self.restarts, self.events, self.scaling,
+                           self.migrations, self.succession)
+        self.handlers = self.inbox.handlers()
         self.actions: dict[S, Callable[[], O | None]] = {
             S.NORMAL: self._training, S.PAUSE: self._stop_survivors, S.DECIDE: self._decide, S.REPAIR: self._play,
             S.ROLLBACK: self._play, S.DUMP: self._play, S.DOWNGRADE: self._play, S.UPGRADE: self._play,
@@ -188,7 +259,7 @@ class Controller:
     def start(self) -> "Controller":
         if not self.standby:
             self.succession.announce()
-            self.succession.serve_metrics()
+            self.serve_metrics()
         self._thread = threading.Thread(target=self._run, name="mindspeed-ha-controller", daemon=True)
         self._thread.start()
         return self
@@ -228,10 +299,14 @@ class Controller:
             if self.standby:
                 self.succession.maybe_promote(now)
                 return
-            self.succession.migrate_when_ready(now)
-            if self.succession.superseded():
-                return
-            self.succession.keep_store(now)
+            # Succession has something to say after a hand-over (a rank to migrate), and where a job
+            # store can move or announce a newer controller; not otherwise.
+            if self.succession.after is not None:
+                self.succession.migrate_when_ready(now)
+            if self.job_store is not None:
+                if self.succession.superseded():
+                    return
+                self.succession.keep_store(now)
             if now - self._last_scan >= self.hb / 10:
                 self._last_scan = now
                 self._scan(now)
@@ -244,7 +319,7 @@ class Controller:
     def refresh_ack(self) -> None:
         store = self.job_store
         moved = {"store": discovery.address_text(store.address)} if store is not None and store.moves else {}
-        self.ack = P.encode("ack", epoch=self.epoch, state=self.machine.state.value, standby=self.standby,
+        self.ack = protocol.encode("ack", epoch=self.epoch, state=self.machine.state.value, standby=self.standby,
                              backups=self.standbys.endpoints(), **moved)
 
     def push_backups(self) -> None:
@@ -256,6 +331,21 @@ class Controller:
     def _everyone(self) -> list[bytes]:
         """The sockets of every live rank and every agent."""
         return [i.ident for i in self.ranks.values() if i.alive] + [a.ident for a in self.agents.values()]
+
+    def serve_metrics(self) -> None:
+        """--ha-metrics-port: the active controller (a standby from its takeover) serves /metrics."""
+        port = self.options.metrics_port
+        if not port or self.metrics is not None:
+            return
+        from .metrics import Metrics
+        try:
+            self.metrics = Metrics(self.host, port, self.world)
+        except OSError as e:  # metrics are for people: a taken port must not take the job down
+            log.error("--ha-metrics-port %d on %s: cannot serve metrics (%s)", port, self.host, e)
+            self.events.emit("metrics_failed", port=port, host=self.host, error=str(e))
+            return
+        self.metrics.set_state(self.machine.state.value)
+        self.events.listeners.append(self.metrics.on_event)
 
     def store(self) -> Any:
         """A TCPStore served by the controller's process, where the ranks' new communicators meet:
@@ -294,6 +384,11 @@ class Controller:
         if self.standby and epoch > self.epoch:
             self.epoch = epoch
 
+    def order_takeover(self, args: dict[str, Any]) -> None:
+        """A standby: the active controller hands itself over to this one (its host is to be
+        migrated); this controller's own thread promotes it at its next tick."""
+        self.succession.order_takeover(args)
+
     def settle(self, rids: Iterable[str]) -> None:
         """A standby learns the reports its controller settled (from its own rank's link)."""
         self.ledger.settled.update(rids)
@@ -303,7 +398,7 @@ class Controller:
         and agent, whose links then stop re-sending them, and at the standbys' ranks."""
         rids = self.ledger.settle_active()
         if rids:
-            self.router.fan_out(self._everyone(), P.encode("settled", rids=rids))
+            self.router.fan_out(self._everyone(), protocol.encode("settled", rids=rids))
 
     def fault(self, ranks: list[int], kind: str, iteration: int, phase: str, detect_s: float = 0.0,
               detail: str = "", key: Hashable = None, rid: str | None = None, feed: bool = True) -> bool:
@@ -400,16 +495,16 @@ class Controller:
         """Conditions a state waits on, and per-state timeouts."""
         st = self.machine.state
         if st == S.NORMAL and self.first_step is not None:  # first: the last step may also end the job
-            if self.first_step.check(now, self.table.completed(self.first_step.target, self.elastic.newcomers())):
+            if self.first_step.check(now, self.table.completed(self.first_step.target, self._newcomers())):
                 self.first_step = None
-        if st == S.NORMAL and self.elastic.ended_without():
+        if st == S.NORMAL and self.scaling.offered and self.scaling.ended_without():
             return
         if st in (S.NORMAL, S.INIT) and self.ranks and self.table.all_over() and not self.ledger.active:
             self.feed(O.FINISHED)
             return
-        if st == S.NORMAL and self.elastic.offered:
-            self.elastic.retry()
-        if st in (S.PAUSE, S.REPAIR) and self.migrations.outrun():
+        if st == S.NORMAL and self.scaling.offered:
+            self.scaling.scale_out_when_ready()
+        if st in (S.PAUSE, S.REPAIR) and self.ledger.of_kind("migrate") and self.migrations.outrun():
             # The job ended its last step as the migration began: nobody parks, there is nothing to move.
             if self.table.all_over():
                 self.migrations.abandon()
@@ -438,6 +533,11 @@ class Controller:
         if st != S.INIT and self.machine.overdue(limit):
             log.error("state %s ran past its %.1fs time limit", st.value, limit)
             self.feed(O.TIMEOUT)
+
+    def _newcomers(self) -> set[int]:
+        """Registered newcomers waiting to scale out: they train nothing yet (none unless scaling
+        offered some ranks a place)."""
+        return self.scaling.newcomers() if self.scaling.offered else set()
 
     def _not_registered(self) -> None:
         """INIT past --ha-register-timeout: the job cannot start whole; name who is missing."""
@@ -479,7 +579,7 @@ class Controller:
         if out == "ok":
             return O.OK
         if out[0] == "switch":  # recover waited out the spare wait: the same episode scales in
-            self.elastic.switched(out[2])
+            self.scaling.switched(out[2])
             self.strategy_note = out[2]
             self.playbook, self.chosen = playbooks.ELASTIC, O.ELASTIC
             return O.ELASTIC
@@ -494,17 +594,17 @@ class Controller:
         came_from = self.machine.history[-1][0] if self.machine.history else None
         if came_from == S.ROLLBACK and self.episode is not None:  # a recovery ended: its first step closes it
             self._settle_episode()
-            self.first_step = FirstStep(self.episode, list(self.ledger.active), now)
-            self.ledger.active.clear()
+            self.first_step = FirstStep(self.episode, self.ledger.close_active(), now)
             self.table.moved(now)
-        self.succession.name_standbys()
+        if self.standbys.due(self.ranks):  # (after a recovery that cost a standby its process)
+            self.succession.name_standbys()
         return None
 
     def _stop_survivors(self) -> O | None:
         """Stop every survivor; decision latency is fault detection -> last stop sent."""
         fault = self.ledger.active[-1] if self.ledger.active else None
         # every live rank, reporters of comm failures included; not a newcomer waiting to scale out
-        survivors = sorted(self.table.live() - self.elastic.newcomers())
+        survivors = sorted(self.table.live() - self._newcomers())
         reason = (f"{fault['kind']} on rank(s) {fault['ranks'][:8]}" if fault else "controller")[:200]
         # Nothing broke for a migration or a scale-out: the ranks park between two steps, no step
         # is interrupted.
@@ -525,7 +625,7 @@ class Controller:
             self.playbook, self.chosen = playbooks.SCALE_OUT, O.SCALE_OUT
             return O.SCALE_OUT
         if "scale-out" in kinds:  # a fault came first: its recovery; the newcomers are asked again after it
-            self.ledger.active[:] = [f for f in self.ledger.active if f["kind"] != "scale-out"]
+            self.ledger.close_planned("scale-out")
             kinds.discard("scale-out")
         ordered = self.options.ordered_strategies()
         refusal = self.restarts.refusal() if "recover" in ordered else None
@@ -533,13 +633,13 @@ class Controller:
             ordered = [s for s in ordered if s != "recover"]
             self.restarts.budget.spent = f"recover not tried: {refusal}"
         if "elastic-training" in ordered:
-            ordered, why_not = self.elastic.order(ordered)
+            ordered, why_not = self.scaling.order(ordered)
             refusal = "; ".join(x for x in (refusal, why_not) if x) or None
         outcome, why = choose_strategy(ordered, kinds, BUILT)
         if refusal:
             why = f"recover not tried: {refusal}; {why}"
-        if self.elastic.spare_wait and outcome == O.RECOVER:
-            why += self.elastic.waiting_note()
+        if self.scaling.spare_wait and outcome == O.RECOVER:
+            why += self.scaling.waiting_note()
         self.strategy_note = why
         self.events.emit("strategy", outcome=outcome.value, reason=why)
         log.info("strategy for %s: %s (%s)", sorted(kinds), outcome.value, why)
@@ -563,8 +663,8 @@ class Controller:
             replica = all(i.groups for i in self.ranks.values() if i.alive)  # (no replicas: groups are not sent)
             self.episode = Episode(self.playbook_port, strategy, self.world, self.ledger.active,
                                    {r: i.groups[0] for r, i in self.ranks.items() if i.groups}, replica=replica,
-                                   spare_wait=self.elastic.spare_wait if strategy == "recover" else None,
-                                   left=frozenset(self.elastic.left))
+                                   spare_wait=self.scaling.spare_wait if strategy == "recover" else None,
+                                   left=frozenset(self.scaling.left))
             if first is not None and st in (S.REPAIR, S.DOWNGRADE, S.UPGRADE):
                 self.episode.phases["detect"] = first["detect_s"]
                 # detection -> every survivor stopped and the strategy chosen
@@ -623,7 +723,7 @@ class Controller:
                        for a in self.agents.values()],
             "faults": [{k: v for k, v in f.items() if k not in ("t_detect", "cpu_detect")} for f in self.ledger.all],
             "dropped": dict(self.router.drops.counts),
-            **self.elastic.status(),
+            **self.scaling.status(),
         }
 
 

@@ -12,10 +12,10 @@ import os
 import time
 from typing import Callable, Iterable
 
-from ..events import EventLog, get_logger
-from .budget import RestartBudget
+from ...events import EventLog, get_logger
+from ..policy.budget import RestartBudget
 from .orders import Orders
-from .ranks import RankTable
+from ..policy.ranks import RankTable
 
 log = get_logger("control.controller")
 
@@ -72,6 +72,24 @@ class Restarts:
         if by_agent:
             self.orders.to_agents("restart", {"ranks": by_agent})
         return by_agent, awaiting, []
+
+    def expect(self, ranks: Iterable[int]) -> None:
+        """These ranks are to be started by their agent when it registers (a scale-out's newcomers):
+        awaited like restarted ones, and not ordered yet."""
+        ranks = list(ranks)
+        self.restarting |= set(ranks)
+        self.awaiting.update(dict.fromkeys(ranks))
+
+    def no_longer_awaited(self) -> list[int]:
+        """The restarts under way are given up (recover switched to scaling in): returns their ranks."""
+        given_up = sorted(self.restarting)
+        self.restarting.clear()
+        return given_up
+
+    def came_back(self, r: int) -> None:
+        """Restarted rank ``r`` registered again: it is no longer awaited."""
+        self.restarting.discard(r)
+        self.awaiting.pop(r, None)
 
     def due(self, ranks: Iterable[int], pids: Iterable[int]) -> list[int]:
         """An agent registered with these ranks (``pids``: its workers, 0 for none): those of them
