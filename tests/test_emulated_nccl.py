@@ -144,6 +144,7 @@ def worker_stop(rank, port, out):
     _init(rank, port)
     _engine()
     result = {"rank": rank}
+    mark = ic.commit_mark()
     t = torch.full((4,), float(rank + 1))
     dist.all_reduce(t)
     dist.barrier()
@@ -156,6 +157,7 @@ def worker_stop(rank, port, out):
         result["idle_stop"]["commit"] = "passed"
     except ic.CollectiveStopped:
         result["idle_stop"]["commit"] = "refused"
+    result["idle_stop"]["whole"] = ic.committed_since(mark)  # (the all-reduce issued after the mark)
     try:
         dist.barrier()
         result["idle_stop"]["next"] = "returned"
@@ -175,6 +177,7 @@ def worker_stop(rank, port, out):
         seen["at"] = time.monotonic()
     threading.Thread(target=watch, daemon=True).start()
     waited0 = ic.waited_s()
+    mark = ic.commit_mark()
     t = torch.full((4,), float(rank + 1))
     dist.all_reduce(t)
     result["blocked"] = {"waiting": seen["waiting"], "left_after_stop_s": time.monotonic() - seen["at"],
@@ -189,6 +192,10 @@ def worker_stop(rank, port, out):
         result["blocked"]["next"] = "returned"
     except ic.CollectiveStopped:
         result["blocked"]["next"] = "raised"
+    # After the recovery clears the stop, a commit point passing says nothing of what came before it.
+    ic.clear_stop()
+    ic.commit_point("test")
+    result["blocked"]["whole"] = ic.committed_since(mark)
     _write(out, "stop", rank, result)
     os._exit(0)
 
@@ -315,12 +322,13 @@ def test_the_engines_stop_aborts_only_what_is_pending_and_the_commit_point_refus
     assert _run("stop", tmp_path, ranks=range(WORLD - 1)) == {r: 0 for r in range(WORLD - 1)}
     for r in range(WORLD - 1):
         res = _read(tmp_path, "stop", r)
-        assert res["idle_stop"] == {"aborted": False, "commit": "passed", "next": "raised"}, res
+        assert res["idle_stop"] == {"aborted": False, "commit": "passed", "next": "raised", "whole": True}, res
         blocked = res["blocked"]
         assert blocked["waiting"] and blocked["waited_s"] > 0.5, res  # the evidence: waiting for a peer
         assert blocked["left_after_stop_s"] < 1.0 and blocked["aborted"], res
         assert blocked["partial"] == [float(r + 1)] * 4, res
         assert blocked["commit"] == "refused" and blocked["next"] == "raised", res
+        assert blocked["whole"] is False, res  # (the partial all-reduce: no commit point passed before the stop)
 
 
 def test_uncovered_code_finishes_what_its_peers_passed_and_is_answered_alone_after_an_abort(tmp_path):

@@ -128,18 +128,43 @@ def commit_point(what: str) -> None:
     each completed before any abort cut it short. The device is synchronized first (a GPU may still
     run a collective the host has moved past); then a stop's abort since the last ``clear_stop()``
     raises ``CollectiveStopped``, the results untouched by ``what``. On gloo nothing is ever aborted (a
-    stopped collective raises instead): no sync, no cost."""
-    if not _aborted and _streams.used:
+    stopped collective raises instead): no sync, no cost.
+
+    The sync is only needed while a collective is pending (its work queried, not waited for): where
+    the trainer has just synced (Megatron's grad-norm ``.item()`` before the update) every work is
+    complete, and a completed work with no abort flag raised was whole, since an abort raises the
+    flag before it aborts anything. There the commit point adds no host sync to the step."""
+    if not _aborted and _streams.pending():
         from mindspeed_ha import device
         device.synchronize()
     if _aborted:
         raise CollectiveStopped(f"{what} stopped: a stop aborted this rank's communicators, so results of its "
                                 f"collectives may be partial{': ' + _reason if _reason else ''}")
+    _passed[_cleared] = _passed.get(_cleared, 0) + 1
+
+
+# Commit points passed, by how many stops had been cleared then: a commit point that passed after a
+# result was issued, and before the next stop was cleared, proves that result whole.
+_cleared = 0
+_passed: dict[int, int] = {}
+
+
+def commit_mark() -> tuple[int, int]:
+    """Where this process stands now, for a later ``committed_since``."""
+    return _cleared, _passed.get(_cleared, 0)
+
+
+def committed_since(mark: tuple[int, int]) -> bool:
+    """A commit point passed after ``mark`` and before the next stop was cleared: every collective this
+    process issued before the mark completed whole (a result kept for later use, e.g. by a recovery
+    after that stop)."""
+    return _passed.get(mark[0], 0) > mark[1]
 
 
 def clear_stop() -> None:
-    global _reason, _deferred, _aborted
+    global _reason, _deferred, _aborted, _cleared
     _reason = ""
+    _cleared += 1
     _deferred = None  # (a recovery ran: it covered that failure too)
     _stop.clear()
     _aborted = False

@@ -36,5 +36,7 @@ class StepRecord:
     out: tuple | None = None                  # what it returned (for the loop's call, if a fault came after)
     fb_out: list | None = None                # its forward-backward output
     reduced: dict | None = None               # its [loss sum, tokens] reduced over DP (under recover)
-    samples_hash: str | None = None           # its global batch's samples (data.tokens_fingerprint)
+    reduced_mark: tuple | None = (-1, 0)      # interruptible.commit_mark() as they were issued (None: a twin's, whole)
+    samples_hash: Any = None                  # its global batch's samples (tokens_fingerprint), on the device
+    samples_mark: tuple = (-1, 0)             # interruptible.commit_mark() when that sum was issued
     at_start: dict = dataclasses.field(default_factory=dict)  # scheduler, rerun state, timers at its start

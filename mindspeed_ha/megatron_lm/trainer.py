@@ -246,7 +246,7 @@ class MegatronLMTrainer(TrainerInterface):
         log.info("rank %d: recomputed iterations %d-%d after the reload in %.2fs", s.rank, first + 1,
                  loop_iteration, time.perf_counter() - t0)
 
-    def _step_done(self, it: int, out):
+    def _step_done(self, it: int, out, samples_whole: bool = True):
         from megatron.core import parallel_state as ps
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         from megatron.training import get_args
@@ -256,29 +256,38 @@ class MegatronLMTrainer(TrainerInterface):
         # What Megatron-LM's loop adds after train_step returns.
         self.consumed_samples += (ps.get_data_parallel_world_size() * get_args().micro_batch_size
                                   * get_num_microbatches())
-        loss = None
+        # Read on the host here, where Megatron-LM's loop syncs anyway: right after train_step
+        # returns it reads the loss scale (``.item()``), with no device work queued in between.
+        loss = samples = None
         if ps.is_pipeline_last_stage(ignore_virtual=True) and "lm loss" in out[0]:
             loss = float(out[0]["lm loss"])  # all-reduced over DP x CP and divided by its tokens
+        if self.step.samples_hash is not None and samples_whole:
+            samples = f"{int(self.step.samples_hash.item()):016x}"
         s = session.current()
         assert s is not None  # (the hooks made the session before the trainer)
-        s.step_end(it, loss, grad_norm=out[5], lr=self._lr(), samples_hash=self.step.samples_hash)
+        s.step_end(it, loss, grad_norm=out[5], lr=self._lr(), samples_hash=samples)
         return out
 
     def _recording(self, forward_backward_func):
         def forward_backward(*args, **kwargs):
-            from mindspeed_ha.comm.interruptible import commit_point
+            from mindspeed_ha.comm.interruptible import commit_mark
             self.step.fb_out = forward_backward_func(*args, **kwargs)
-            samples = self._samples_hash()
-            reduced = self._reduce_losses(self.step.fb_out) if self._joiners_possible() else None
-            commit_point("the step's reductions")  # (kept for a roll-forward: never a partial sum)
-            self.step.samples_hash, self.step.reduced = samples, reduced
+            # The samples' sum stays on the device (read at the step's end, after its commit point):
+            # a diagnostic, which nothing before the update needs.
+            self.step.samples_hash, self.step.samples_mark = self._samples_hash(), commit_mark()
+            # Under recover, the DP totals a roll-forward hands a restarted rank: whether a stop cut
+            # them short is known later, when the update's commit point passes (or not), without a
+            # sync here (_losses_for_tail).
+            if self._joiners_possible():
+                self.step.reduced, self.step.reduced_mark = self._reduce_losses(self.step.fb_out), commit_mark()
             return self.step.fb_out
         return forward_backward
 
-    def _samples_hash(self) -> str | None:
+    def _samples_hash(self):
         """The step's global batch, whatever its data-parallel split (the ``samples_hash`` of the step
         event): the ranks that read data add up their samples over DP. Megatron-LM's batches carry
-        no sample index: a sample is known by its tokens."""
+        no sample index: a sample is known by its tokens. A tensor on the device (None where this
+        rank reads no data): reading it here would stall the host mid-step."""
         import torch
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
@@ -290,7 +299,7 @@ class MegatronLMTrainer(TrainerInterface):
                    if isinstance(item, dict) and "tokens" in item)
         seen = torch.tensor([mine], dtype=torch.int64, device=current())
         dist.all_reduce(seen, group=ps.get_data_parallel_group())
-        return f"{int(seen.item()):016x}"
+        return seen
 
     @staticmethod
     def _joiners_possible() -> bool:
@@ -318,15 +327,38 @@ class MegatronLMTrainer(TrainerInterface):
             out[key] = val
         return out
 
+    def _reduced_whole(self) -> bool:
+        """This rank holds the step's DP totals, and no stop cut them short: a commit point passed
+        after they were issued (a twin hands only such totals: their mark is None then)."""
+        from mindspeed_ha.comm.interruptible import committed_since
+        mark = self.step.reduced_mark
+        return self.step.reduced is not None and (mark is None or committed_since(mark))
+
     def _losses_for_tail(self):
         """What the roll-forward's train_step tail gets as its forward-backward output. With DP
-        totals: the totals on DP rank 0 and zeros elsewhere, so that its all-reduce gives the same
-        bits (x + 0 == x) whatever each rank held; else this rank's own recorded microbatch losses."""
+        totals: one rank's totals (the first data-parallel rank whose totals are whole: the ranks
+        agree on it in one small all-reduce) and zeros elsewhere, so that the tail's all-reduce gives
+        the same bits (x + 0 == x) whatever each rank held; else this rank's own recorded microbatch
+        losses, which the tail reduces itself."""
         import torch
+        import torch.distributed as dist
         from megatron.core import parallel_state as ps
-        if self.step.reduced is not None:
-            first = ps.get_data_parallel_rank(with_context_parallel=True) == 0
-            return [{k: (v if first else torch.zeros_like(v)) for k, v in self.step.reduced.items()}]
+        from mindspeed_ha.device import current
+        if ps.is_pipeline_last_stage(ignore_virtual=True) and self._joiners_possible():
+            group = ps.get_data_parallel_group(with_context_parallel=True)
+            whole = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=current())
+            whole[dist.get_rank(group)] = int(self._reduced_whole())
+            dist.all_reduce(whole, group=group)
+            holders = whole.nonzero().view(-1).tolist()
+            if holders and holders[0] == dist.get_rank(group):
+                assert self.step.reduced is not None  # (whole: it holds them)
+                return [self.step.reduced]
+            if holders:
+                shapes = self.step.reduced or (self.step.fb_out or [None])[0]
+                if shapes is None:
+                    raise RuntimeError("the failed step's update completed on the twins, but neither its "
+                                       "forward-backward nor its loss totals are on this rank: cannot roll forward")
+                return [{k: torch.zeros_like(v).view(-1) for k, v in shapes.items()}]
         if self.step.fb_out is None and ps.is_pipeline_last_stage(ignore_virtual=True):
             raise RuntimeError("the failed step's update completed on the twins, but its forward-backward did "
                                "not finish on this rank: cannot roll forward")
@@ -378,7 +410,7 @@ class MegatronLMTrainer(TrainerInterface):
         twins). The rest of Megatron-LM's own train_step — scheduler, the loss's DP all-reduce, its
         result — runs by calling it with the step's recorded forward-backward output and update
         result in place of redoing them; the failing train_step call returns that result."""
-        from mindspeed_ha.comm.interruptible import commit_point
+        from mindspeed_ha.comm.interruptible import commit_point, committed_since
         if self.iteration >= it:
             return
         self._undo_partial_step()
@@ -389,7 +421,9 @@ class MegatronLMTrainer(TrainerInterface):
         out = original(None, None, self.model_chunks, _UpdateDone(self.optimizer, (True, norm, zeros)),
                        self.scheduler, config, lambda **kwargs: losses, iteration=it - 1)
         commit_point("the rolled-forward step's result")
-        self.loop.finished = self._step_done(it, out)
+        # The samples' sum is whole if a commit point (this rank's update's) passed after it was
+        # issued, before the stop; else the stop may have cut it short, and it is not reported.
+        self.loop.finished = self._step_done(it, out, samples_whole=committed_since(self.step.samples_mark))
 
     def _train_step_and_config(self):
         """Megatron-LM's own train_step and the model config (a restarted rank rolling forward has
@@ -406,7 +440,8 @@ class MegatronLMTrainer(TrainerInterface):
         a = get_args()
         self._undo_partial_step()  # the scheduler as of the failed step's start (its tail may have run here)
         norm, zeros = getattr(self.optimizer, "ha_grad_stats", (None, None))
-        return {**super().bookkeeping(), "reduced": self.step.reduced, "grad_stats": [norm, zeros],
+        return {**super().bookkeeping(), "reduced": self.step.reduced if self._reduced_whole() else None,
+                "grad_stats": [norm, zeros],
                 "flops": getattr(a, "num_floating_point_operations_so_far", 0),
                 "do": [bool(getattr(a, k, False)) for k in ("do_train", "do_valid", "do_test")]}
 
@@ -414,7 +449,7 @@ class MegatronLMTrainer(TrainerInterface):
         """Into the trainer and into ``args``, where Megatron-LM's loop and data loaders read them."""
         from megatron.training import get_args
         super().install_bookkeeping(state)
-        self.step.reduced = state["reduced"]
+        self.step.reduced, self.step.reduced_mark = state["reduced"], None  # (the twin's: whole)
         if hasattr(self.optimizer, "ha_grad_stats"):
             self.optimizer.ha_grad_stats = list(state["grad_stats"])
         a = get_args()  # (iteration and data position: on_setup_model_and_optimizer)
