@@ -30,20 +30,22 @@ def check_replicas(optimizer: ReplicaMixin, iteration: int, replica_group_pg: di
     names, mine = optimizer.ha_fingerprint()
     gathered = [torch.empty_like(mine) for _ in topo.replica_group]
     dist.all_gather(gathered, mine, group=replica_group_pg)
-    problem: dict[str, Any] | None = None
+    # Compared on the device: the one value the host reads is the world's verdict (8 bytes).
+    flag = torch.zeros(1, dtype=torch.int64, device=current())
     for peer, theirs in zip(topo.replica_group, gathered):
-        if peer == topo.rank:
-            continue
-        diff = (theirs != mine).nonzero()
-        if diff.numel():
-            problem = {"ranks": sorted([job_rank(topo.rank), job_rank(peer)]), "tensor": names[int(diff[0, 0])],
-                       "differing_tensors": int(diff.numel())}
-            break
-    flag = torch.tensor([1 if problem else 0], dtype=torch.int64, device=current())
+        if peer != topo.rank:
+            flag += (theirs != mine).any()
     dist.all_reduce(flag)  # every rank learns whether anyone found a mismatch
     # (a digest cut short by a stop's abort is no evidence of corruption: that stop is recovered)
     commit_point("the replica check")
     if int(flag.item()):
+        problem: dict[str, Any] | None = None
+        for peer, theirs in zip(topo.replica_group, gathered):
+            diff = (theirs != mine).nonzero()
+            if peer != topo.rank and diff.numel():
+                problem = {"ranks": sorted([job_rank(topo.rank), job_rank(peer)]), "tensor": names[int(diff[0, 0])],
+                           "differing_tensors": int(diff.numel())}
+                break
         reports: list[dict[str, Any] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(reports, problem)
         first = next(r for r in reports if r)
