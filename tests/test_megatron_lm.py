@@ -162,24 +162,53 @@ def test_megatron_lm_dying_gasp_then_megatron_lm_resume(tmp_path, layout, rank, 
     assert sorted(got) == list(range(it + 1, 10)) and got == {i: want[i] for i in got}
 
 
-def _mindspeed_ha_run(log_dir, *extra, inject=None, iters=10, nproc=4, backend="gloo"):
+def _mindspeed_ha_run(log_dir, *extra, inject=None, iters=10, nproc=4, backend="gloo", env=None):
     import subprocess
     import sys
 
     from helpers import PRETRAIN, clean_env
     cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", "--nproc-per-node", str(nproc), PRETRAIN,
            *TINY, "--train-iters", str(iters), "--ha-log-dir", str(log_dir), *extra]
-    env = clean_env({**ENV, **backend_env(backend), **({"MINDSPEED_HA_INJECT": inject} if inject else {})})
+    env = clean_env({**ENV, **backend_env(backend), **({"MINDSPEED_HA_INJECT": inject} if inject else {}), **(env or {})})
     log_dir.mkdir(parents=True, exist_ok=True)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(log_dir))
 
 
+HOST_READS = Path(__file__).resolve().parents[1] / "benchmarks" / "host_reads"
+
+
 @pytest.fixture(scope="module")
-def fault_free(tmp_path_factory):
-    """Loss bits of 10 fault-free iterations of Megatron-LM's loop (HA on, no recovery strategy)."""
+def fault_free_dir(tmp_path_factory):
+    """10 fault-free iterations of Megatron-LM's loop (HA on, retry and recover armed, on the emulated
+    NCCL), with mindspeed_ha's host reads of tensors counted (benchmarks/host_reads)."""
     d = tmp_path_factory.mktemp("mlm_ref")
-    assert_ok(_mindspeed_ha_run(d, "--enable-high-availability"))
-    return losses(d)
+    (d / "host_reads").mkdir()
+    assert_ok(_mindspeed_ha_run(d, "--enable-high-availability", "--enable-hbmfault-repair", "--enable-worker-reboot",
+                                backend="emulated_nccl",
+                                env={"PYTHONPATH": str(HOST_READS), "MINDSPEED_HA_HOST_READS": str(d / "host_reads")}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def fault_free(fault_free_dir):
+    """Loss bits of those iterations."""
+    return losses(fault_free_dir)
+
+
+@pytest.mark.nccl
+def test_megatron_lm_steps_read_nothing_from_the_device_before_they_end(fault_free_dir):
+    """HA adds no host sync while a step's device work is being queued: from the step's start to the
+    end of Megatron-LM's train_step, none of mindspeed_ha's code reads a tensor's value (the samples'
+    sum and the recover strategy's loss totals stay on the device, whether they are whole is known
+    from the update's commit point). At the step's end it reads the loss and the samples' sum, where
+    the loop syncs anyway (its loss scale's ``.item()``)."""
+    import json
+    reads = [json.loads(f.read_text()) for f in sorted((fault_free_dir / "host_reads").glob("*.json"))]
+    assert len(reads) == 4 and all(r["steps"] == 10 for r in reads), reads
+    for r in reads:
+        assert r["mid_step"] == {}, r
+        assert r["step_end"]["megatron_lm/trainer.py:_step_done __float__"] == [10, 40], r  # the loss
+        assert r["step_end"]["megatron_lm/trainer.py:_step_done item"] == [10, 80], r  # the samples' sum
 
 
 @pytest.mark.compat
