@@ -323,7 +323,8 @@ def write(prep: Prepared, plan: DumpPlan, world: World, save_dir: str, events: E
     if ev is not None:
         ev.emit("checkpoint", kind="dying_gasp", iteration=plan.iteration, path=result.path, seconds=seconds,
                 ranks=result.writers, survivors=list(world.ranks), main_items=mains,
-                save_s=t_saved - t_save, prepare_s=prep.seconds, bytes=total, resync_bytes_received=resync_bytes)
+                save_s=t_saved - t_save, prepare_s=prep.seconds, bytes=total, resync_bytes_received=resync_bytes,
+                own_weights_bytes=sum(p.numel() * p.element_size() for p, _ in prep.params.values()))
     log.info("dying-gasp checkpoint: iteration %d written to %s in %.2f s (writers %s)",
              plan.iteration, final, seconds, result.writers)
     return result

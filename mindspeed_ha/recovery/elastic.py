@@ -74,7 +74,9 @@ def enter_layout(trainer: TrainerInterface, plan: ElasticPlan, rank: int, store_
     newcomer whose loop builds its own model (Megatron-LM's) has only its groups afterwards (no
     optimizer yet): ``move_state`` follows once its loop has built them."""
     from mindspeed_ha.comm import groups
+    from mindspeed_ha.device.memory import PeakExtra
     t = {"start": time.perf_counter()}
+    mem = PeakExtra().start()  # (to the end of move_state: the new layout's allocations and the move's)
     held = held or holdings(trainer)
     world = groups.new_epoch(plan.order, rank, store_host, store_port, generation, timeout=timeout, backend=backend,
                              host_rank=plan.order[0] if host_store else None)
@@ -84,7 +86,7 @@ def enter_layout(trainer: TrainerInterface, plan: ElasticPlan, rank: int, store_
     else:
         trainer.relayout()
     t["relayout"] = time.perf_counter()
-    return {"t": t, "world": world, **held}
+    return {"t": t, "world": world, "mem": mem, **held}
 
 
 def move_state(trainer: TrainerInterface, plan: ElasticPlan, rank: int, entered: dict[str, Any]) -> dict[str, Any]:
@@ -119,7 +121,10 @@ def move_state(trainer: TrainerInterface, plan: ElasticPlan, rank: int, entered:
     trainer.resync_weights()
     commit_point("the resize")  # (state, counters and weights all moved by collectives none cut short)
     t["moved"] = time.perf_counter()
+    entered["mem"].stop()
     out = {"dp": plan.dp, "new_rank": entered["world"].new_rank, "received": got, "newcomer": newcomer,
+           "shard_bytes": sum(v.numel() * v.element_size() for vals in new_ranges.values() for v in vals),
+           "extra_mem_bytes": entered["mem"].bytes,
            "group_s": round(t["group"] - t["start"], 4), "relayout_s": round(t["built"] - t["group"], 4),
            "move_s": round(t["moved"] - t["built"], 4), "seconds": round(t["moved"] - t["start"], 4)}
     log.info("scaled %s to data-parallel size %d: %s", plan.direction, plan.dp, out)

@@ -146,6 +146,7 @@ class RankRecovery:
 
     def repair(self, args: dict[str, Any]) -> dict[str, Any]:
         from mindspeed_ha.comm.interruptible import commit_point
+        from mindspeed_ha.device.memory import PeakExtra
         from mindspeed_ha.recovery import repair
         flat = list(args.get("pairs", []))
         pairs = list(zip(flat[0::2], flat[1::2]))
@@ -153,7 +154,8 @@ class RankRecovery:
 
         def overwriting() -> None:  # (the shard is whole again only once the commit point below passed)
             self.s.shard_poisoned = True
-        got = repair.transfer_shards(self.s.optimizer, pairs, self.s.rank, int(args["iteration"]), overwriting)
+        with PeakExtra() as mem:
+            got = repair.transfer_shards(self.s.optimizer, pairs, self.s.rank, int(args["iteration"]), overwriting)
         flat = list(args.get("joiners", []))  # restarted rank, its twin, ...
         joiners = dict(zip(flat[0::2], flat[1::2]))
         received = repair.transfer_bookkeeping(self.trainer, joiners, self.s.rank) if joiners else None
@@ -165,7 +167,8 @@ class RankRecovery:
             self.s.shard_poisoned = False  # overwritten by its twin's
         if got:
             self.s.events.emit("repaired", iteration=int(args["iteration"]), bytes=got,
-                               sources=[s for s, d in pairs if d == self.s.rank])
+                               sources=[s for s, d in pairs if d == self.s.rank],
+                               shard_bytes=repair.shard_bytes(self.s.optimizer), extra_mem_bytes=mem.bytes)
         return {"received": got}
 
     def reload(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -212,6 +215,7 @@ class RankRecovery:
             assert plan.iteration is not None  # (an ok plan names its iteration)
             self.s.fire("resize", plan.iteration + 1)
             out = elastic.move_state(trainer or self.trainer, plan, self.s.rank, entered)
+            self.s.events.emit("resized", iteration=plan.iteration, **out)
             self.unfinished = None
             wrote = self.s.writes_loss
             self.s.relaid_out()

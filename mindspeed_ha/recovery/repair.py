@@ -90,6 +90,11 @@ def transfer_shards(optimizer: ReplicaMixin, pairs: list[tuple[int, int]], rank:
     return got
 
 
+def shard_bytes(optimizer: ReplicaMixin) -> int:
+    """What a repair moves to each receiver: this rank's shard state, in bytes."""
+    return sum(t.numel() * t.element_size() for t in optimizer.ha_export_shard().values() if torch.is_tensor(t))
+
+
 def _byte_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each tensor's bytes, a view of it (every shard tensor is contiguous: a flat slice or its own)."""
     out = []
