@@ -163,11 +163,12 @@ REASON = re.compile(r"(not bytes|oversized \(\d+ bytes\)|undecodable: \w+|not a 
 
 
 def _same(a, b) -> bool:
-    """Equal as messages: NaN equals NaN (a float field or a tree may carry one)."""
+    """Equal as messages: NaN equals NaN (a float field or a tree may carry one), and a map's order of
+    keys is no part of it (the encoder writes "v" and "t" first; a sender may not)."""
     if isinstance(a, float) and math.isnan(a):
         return isinstance(b, float) and math.isnan(b)
     if isinstance(a, dict):
-        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, list):
         return isinstance(b, list) and len(a) == len(b) and all(map(_same, a, b))
     return type(a) is type(b) and a == b or (type(a) in (int, float) and type(b) in (int, float) and a == b)
