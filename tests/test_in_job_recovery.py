@@ -37,14 +37,15 @@ def ref(references):
     return references.tiny_layouts()
 
 
-def check_recovered(proc, log_dir, want, nproc=4, n=1) -> list:
-    """Exit 0, the same pid per rank all along, every loss bit-identical, `recovered` events."""
+def check_recovered(proc, log_dir, want, nproc=4, n: int | tuple = 1) -> list:
+    """Exit 0, the same pid per rank all along, every loss bit-identical, ``n`` (or one of the
+    counts ``n`` lists) `recovered` events."""
     assert_ok(proc)
     starts = [e for e in all_rank_events(log_dir) if e["event"] == "start"]
     assert sorted(e["rank"] for e in starts) == list(range(nproc))  # nobody restarted
     assert losses(log_dir) == want
     rec = [e for e in events(log_dir, "controller") if e["event"] == "recovered"]
-    assert len(rec) == n, [e for e in events(log_dir, "controller") if e["event"] in ("fault", "strategy", "repair_failed")]
+    assert len(rec) in (n if isinstance(n, tuple) else (n,)), [e for e in events(log_dir, "controller") if e["event"] in ("fault", "strategy", "repair_failed")]
     for r in rec:
         assert r["strategy"] == "retry" and r["lost_steps"] == 0 and r["mttr_s"] > 0
         assert {"detect", "stop", "rebuild", "repair", "rollback", "first_step"} <= set(r["phases"])
@@ -143,8 +144,12 @@ def test_moe_and_overlapped_communication_under_retry_and_recover(tmp_path, refe
 
 @pytest.mark.compat
 def test_two_uces_in_different_replica_pairs_at_once(tmp_path, ref):
+    """Both faults in one recovery, or, where the stop that rank 2's fault caused reached rank 1 before
+    its own backward (a loaded machine), rank 1's in the recomputed step: a second recovery. Either
+    way each shard comes from its twin and every loss is the fault-free run's."""
     proc = job(tmp_path, inject="uce:rank=1:step=3:phase=backward,uce:rank=2:step=3:phase=backward")
-    check_recovered(proc, tmp_path, ref["dp4"])
+    rec = check_recovered(proc, tmp_path, ref["dp4"], n=(1, 2))
+    assert sorted(r for e in rec for f in e["faults"] for r in f["ranks"]) == [1, 2]
     repaired = {e["rank"]: e["sources"] for e in all_rank_events(tmp_path) if e["event"] == "repaired"}
     assert repaired == {1: [3], 2: [0]}
 
