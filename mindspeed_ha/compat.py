@@ -166,6 +166,19 @@ def cuda_device_count() -> int:
 
 
 def nccl_version() -> tuple | None:
+    """The NCCL this process runs: the loaded library's ``ncclGetVersion``, since
+    ``torch.cuda.nccl.version()`` is the version torch was built with (a newer libnccl.so.2 loaded in
+    its place, e.g. through LD_PRELOAD, reports the old one there); torch's figure where no library
+    answers."""
+    try:
+        import ctypes
+        lib = ctypes.CDLL("libnccl.so.2")  # (the one already loaded, if any: same soname)
+        code = ctypes.c_int()
+        if lib.ncclGetVersion(ctypes.byref(code)) == 0 and code.value > 0:
+            v = code.value  # NCCL >= 2.9 encodes major*10000 + minor*100 + patch
+            return (v // 10000, v % 10000 // 100, v % 100)
+    except (OSError, AttributeError):
+        pass
     try:
         return tuple(torch.cuda.nccl.version())
     except Exception:
