@@ -97,12 +97,24 @@ def _abort_when_due() -> None:
     after the grace (the uncovered one while the training thread is outside the covered calls). None
     pending: no abort, the next collective raises at its entry, and every result read meanwhile was
     whole."""
+    logged = False
     while _stop.is_set() and not _aborted:
         grace = UNCOVERED_GRACE_S if _uncovered else STOP_GRACE_S
-        if _streams.pending() and time.monotonic() - _stopped_at >= grace:
+        due = time.monotonic() - _stopped_at >= grace
+        if _streams.pending() and due:
+            _log().warning("stop: a stream-ordered collective was still pending %.2fs after the stop: aborting "
+                           "this rank's communicators (%s)", time.monotonic() - _stopped_at, _reason or "-")
             abort_now()
             return
+        if due and not logged:  # (a GPU hang with nothing tracked as pending would show here, and nowhere else)
+            _log().info("stop: no stream-ordered collective pending after the %.1fs grace: no abort", grace)
+            logged = True
         time.sleep(WAIT_SLICE_S)
+
+
+def _log():
+    from mindspeed_ha.events import get_logger
+    return get_logger("comm")
 
 
 def abort_now(reason: str = "") -> None:
@@ -869,14 +881,19 @@ def _abort_stream_ordered(reason: str) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     stop_npu = False
+    aborted, failed = 0, []
+    t0 = time.monotonic()
     for pg in compat.registered_groups():
         try:
             name = backends.canonical(str(dist.get_backend(pg)))
             if name == backends.EMULATED_NCCL or (name == "nccl" and torch.cuda.is_available()):
                 pg.abort()
+                aborted += 1
             stop_npu |= name == "hccl"
-        except Exception:  # one that cannot be aborted must not keep the others from it
-            pass
+        except Exception as e:  # one that cannot be aborted must not keep the others from it
+            failed.append(f"{type(e).__name__}: {e}"[:200])
+    _log().warning("stop: %d communicator(s) aborted in %.2fs%s", aborted, time.monotonic() - t0,
+                   f"; {len(failed)} could not be: {failed}" if failed else "")
     if stop_npu:
         from mindspeed_ha import device
         device.stop_device()
