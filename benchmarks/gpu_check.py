@@ -15,8 +15,10 @@ from the ranks' event logs and compared bit for bit (``float.hex``) with a fault
 - the same training and resume through Megatron-LM's own loop (``MEGATRON_LM_PATH``);
 - where two or more ranks can have a GPU (>= 2 GPUs, or one with NCCL >= 2.30 and
   ``NCCL_MULTI_RANK_GPU_ENABLE=1``): DP=2 and DP=4 with the replica optimizer, a ``uce`` under retry,
-  a kill under recover (only that rank restarted, its shard from its twin), a ``bitflip`` caught by
-  the replica check (exit 4); and more ranks than GPUs refused with exit 2.
+  a kill in the optimizer phase under recover (only that rank restarted, its shard from its twin; the
+  survivors stopped inside the grad-norm all-reduce), a kill inside the gradient reduce-scatter under
+  the dump then a ``--load`` of the survivors' checkpoint, a ``bitflip`` caught by the replica check
+  (exit 4); and more ranks than GPUs refused with exit 2. ``--only multi-rank`` runs these alone.
 
 A comparison passes when the losses are bit-identical, or, where the two fault-free runs already
 differ, within that measured spread (the JSON says which). Last line: one JSON object. Exit 0: every
@@ -77,16 +79,16 @@ def environment(cpu: bool) -> dict:
     return env
 
 
-def ranks_possible(env: dict) -> tuple[int, str]:
-    """How many ranks can have a GPU of their own (or share one where NCCL allows it)."""
+def ranks_possible(env: dict, most: int = 4) -> tuple[int, str]:
+    """How many ranks (up to ``most``) can have a GPU of their own (or share one where NCCL allows it)."""
     if env["mode"] == "cpu":
-        return 4, "CPU mode: gloo"
+        return most, "CPU mode: gloo"
     from mindspeed_ha.device import NCCL_SHARED_GPU
     if env["gpus"] >= 2:
-        return min(4, env["gpus"] - env["gpus"] % 2), f"{env['gpus']} GPUs"
+        return min(most, env["gpus"] - env["gpus"] % 2), f"{env['gpus']} GPUs"
     nccl = tuple(int(x) for x in (env["nccl"] or "0").split("."))
     if nccl >= NCCL_SHARED_GPU and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1":
-        return 4, f"one GPU shared by 4 ranks (NCCL {env['nccl']}, NCCL_MULTI_RANK_GPU_ENABLE=1, experimental)"
+        return most, f"one GPU shared by {most} ranks (NCCL {env['nccl']}, NCCL_MULTI_RANK_GPU_ENABLE=1, experimental)"
     why = (f"one GPU, and NCCL {env['nccl']} refuses two ranks on it" if nccl < NCCL_SHARED_GPU else
            "one GPU; set NCCL_MULTI_RANK_GPU_ENABLE=1 to let NCCL >= 2.30 share it (experimental)")
     return 1, why
@@ -198,7 +200,7 @@ def resume_dir(src: str, dst: str, iteration: int) -> str:
 
 
 # ---- the checks -------------------------------------------------------------------------------
-def run_checks(r: Runner, env: dict, results: dict, skipped: dict) -> None:
+def run_checks(r: Runner, env: dict, results: dict, skipped: dict, one_rank: bool = True, most_ranks: int = 4) -> None:
     state: dict = {}
 
     def check(name: str, fn) -> None:
@@ -287,7 +289,7 @@ def run_checks(r: Runner, env: dict, results: dict, skipped: dict) -> None:
         return {**compare(job.losses(), ref, spread, range(RESUME_AT + 1, ITERS + 1)),
                 "run_to_run_spread": spread}
 
-    n, why = ranks_possible(env)
+    n, why = ranks_possible(env, most_ranks)
     # (first: seconds, before any model; the budget must not starve it)
     if r.cpu:
         skipped["ranks_refused"] = "CPU mode: a CPU never refuses ranks"
@@ -303,9 +305,12 @@ def run_checks(r: Runner, env: dict, results: dict, skipped: dict) -> None:
 
     for name, fn in (("train", train), ("run_to_run", repeat), ("resume", resume), ("retry_reload", retry_reload),
                      ("sticky_error", sticky_error), ("megatron_lm_resume", megatron_lm)):
-        check(name, fn)
+        if one_rank:
+            check(name, fn)
+        else:
+            skipped[name] = "not asked for (--only multi-rank)"
 
-    multi = ["replica_dp2", "replica_dp4", "retry_uce", "recover_kill", "bitflip_caught"]
+    multi = ["replica_dp2", "replica_dp4", "retry_uce", "recover_kill", "dump_then_load", "bitflip_caught"]
     if n < 2:
         for name in multi:
             skipped[name] = why
@@ -349,6 +354,18 @@ def run_multi_rank(r: Runner, n: int, state: dict, check) -> None:
         return {**compare(job.losses(), state[f"ref{n}"], 0.0), "mttr_s": rec[0].get("mttr_s"),
                 "worker_starts": len(starts), "dp": n}
 
+    def dump_then_load():
+        need(state, f"ref{n}")
+        dck = os.path.join(r.root, "ck_dump")
+        job = r.run("dump", n, MODEL + ha + ["--save", dck], inject="kill:rank=1:step=6:phase=grad-sync")
+        saved = [e for e in job.events("controller") if e.get("event") == "checkpoint" and e.get("kind") == "dying_gasp"]
+        if job.code == 0 or not saved:
+            raise Check.Failed(f"exit {job.code}: expected the survivors' dying-gasp checkpoint\n{job.tail()}")
+        it = saved[0]["iteration"]
+        again = expect_ok(r.run("dump_load", n, MODEL + ha + ["--load", dck]))
+        return {**compare(again.losses(), state[f"ref{n}"], 0.0, range(it + 1, ITERS + 1)), "dumped_iteration": it,
+                "survivors": saved[0].get("survivors"), "dp": n}
+
     def bitflip():
         job = r.run("bitflip", n, MODEL + ha, inject="bitflip:rank=1:step=3:phase=param-sync")
         codes = {e.get("code") for e in job.events("agent_0") if e.get("event") == "worker_exit"}
@@ -361,6 +378,7 @@ def run_multi_rank(r: Runner, n: int, state: dict, check) -> None:
     check("replica_dp4", replica(4))
     check("retry_uce", retry_uce)
     check("recover_kill", recover_kill)
+    check("dump_then_load", dump_then_load)
     check("bitflip_caught", bitflip)
 
 
@@ -375,6 +393,10 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true", help="run the checks on the CPU (gloo): tests this script")
     p.add_argument("--keep", default=None, help="keep the jobs' logs and checkpoints in this directory")
     p.add_argument("--budget", type=float, default=300.0, help="seconds for every check together (default 300)")
+    p.add_argument("--only", choices=("all", "multi-rank"), default="all",
+                   help="multi-rank: only the checks of several ranks (default: all)")
+    p.add_argument("--ranks", type=int, choices=(2, 4), default=4,
+                   help="at most this many ranks in the multi-rank checks (default 4)")
     a = p.parse_args(argv)
     t0 = time.monotonic()
     env = environment(a.cpu)
@@ -388,7 +410,7 @@ def main(argv=None) -> int:
     root = a.keep or tempfile.mkdtemp(prefix="gpu_check_")
     os.makedirs(root, exist_ok=True)
     r = Runner(root, a.cpu, t0 + a.budget)
-    run_checks(r, env, out["checks"], out["skipped"])
+    run_checks(r, env, out["checks"], out["skipped"], one_rank=a.only == "all", most_ranks=a.ranks)
     out["ok"] = bool(out["checks"]) and all(c["ok"] for c in out["checks"].values())
     out["seconds"] = round(time.monotonic() - t0, 1)
     if not a.keep:
