@@ -85,8 +85,9 @@ def test_scale_in_twice_dp8_to_4_to_2(tmp_path):
 
 
 @pytest.mark.parametrize("layout,killed,kept,dropped", [
-    (("--tensor-model-parallel-size", "2"), 3, [[0, 1], [6, 7]], [2, 3, 4, 5]),
-    (("--pipeline-model-parallel-size", "2"), 5, [[0, 4], [3, 7]], [1, 2, 5, 6]),
+    # (TP and PP scale-ins in CI: test_cluster's TP=2 and pipeline nodes lost and back, and vpp2 here)
+    extended(("--tensor-model-parallel-size", "2"), 3, [[0, 1], [6, 7]], [2, 3, 4, 5], id="tp2"),
+    extended(("--pipeline-model-parallel-size", "2"), 5, [[0, 4], [3, 7]], [1, 2, 5, 6], id="pp2"),
     (("--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"),
      5, [[0, 4], [3, 7]], [1, 2, 5, 6]),
     (("--num-experts", "4", "--expert-model-parallel-size", "2"), 2, [[0], [1], [6], [7]], [2, 3, 4, 5])],
@@ -149,7 +150,7 @@ def test_a_loss_the_resized_job_cannot_absorb_ends_in_the_dying_gasp(tmp_path):
     assert rel < 1e-6, rel
 
 
-@pytest.mark.parametrize("phase", ["recovery", "resize"])
+@pytest.mark.parametrize("phase", [extended("recovery"), "resize"])
 def test_a_fault_during_the_scale_in_plans_again_with_every_loss(tmp_path, phase):
     """DP=8: rank 1 killed in step 4, and rank 2 killed while it serves the scale-in — answering its
     status round (``recovery``), or after it entered the new layout, before any state moved
