@@ -5,12 +5,13 @@ import json
 import subprocess
 import sys
 
-from helpers import REPO, clean_env
+from helpers import REPO, clean_env, extended_test
 
 REQUIRED = ("ha_runtime_ratio", "step_time_ratio", "bytes_per_param_replica", "formula_replica",
             "bytes_per_param_distributed", "formula_distributed")
 
 
+@extended_test  # (the replica optimizer's steps: every drill; the benchmark's own code: README's figures)
 def test_replica_overhead_smoke(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "replica_overhead.py"), "--iters", "4", "--warmup", "2",

@@ -12,8 +12,8 @@ import urllib.request
 
 import pytest
 
-from helpers import (MLM_ENV, MLM_MISSING, MLM_READY, MLM_TINY, PRETRAIN, TINY, all_rank_events, assert_ok, extended,
-                     clean_env, events, free_port, losses)
+from helpers import (MLM_ENV, MLM_MISSING, MLM_READY, MLM_TINY, PRETRAIN, TINY, all_rank_events, assert_ok, clean_env,
+                     events, extended, extended_test, free_port, losses)
 
 pytestmark = pytest.mark.timeout(420)
 MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
@@ -301,6 +301,7 @@ def assert_resized_losses(got: dict, ref: dict, first: int, bound: float) -> Non
     assert rel < bound, rel
 
 
+@extended_test  # (a lost node's scale-in: test_elastic_node_lost_twice_and_back_twice, in CI)
 def test_a_lost_node_without_a_replacement_scales_the_job_in(tmp_path, keys, ref):
     """Recover and elastic both on; node 1 is lost and no replacement comes within --ha-spare-wait:
     recover waits for one, then the episode scales in — ranks 0 and 1 train on at DP=2 to the end.
@@ -435,8 +436,8 @@ MOE = ("--num-experts", "4", "--expert-model-parallel-size", "2")
 
 
 @pytest.mark.parametrize("layout,gbs,kept,loop", [
-    (("--tensor-model-parallel-size", "2"), "8", [[0, 1], [2, 3]], "built-in"),
-    # (MoE's blocks in CI: test_elastic's and test_megatron_lm's scale-ins)
+    extended(("--tensor-model-parallel-size", "2"), "8", [[0, 1], [2, 3]], "built-in", id="tp2"),
+    # (model parallelism lost and back in CI: the pipeline nodes' drill; MoE's blocks: test_elastic's scale-in)
     extended(MOE, "16", [[0], [1], [2], [3]], "built-in", id="moe"),
     extended(MOE, "16", [[0], [1], [2], [3]], "megatron-lm", id="moe-megatron-lm")], ids=["tp2", "moe", "moe-megatron-lm"])
 def test_elastic_model_parallel_node_lost_and_back(tmp_path, keys, layout, gbs, kept, loop):

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from helpers import (PRETRAIN, TINY, TINY_ITERS, TINY_LAYOUTS, all_rank_events, assert_ok, backend_env, clean_env, events,
-                     extended, free_port, losses, on, recomputed, twins_agree)
+                     extended, extended_test, free_port, losses, on, recomputed, twins_agree)
 
 MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
 ITERS = TINY_ITERS  # (the shared fault-free runs': references.tiny)
@@ -79,6 +79,7 @@ def test_uce_each_phase_dp4(tmp_path, ref, name, backend):
         assert (r, [TWIN[r]]) in repaired, repaired
 
 
+@extended_test  # (TP=2 x DP=4 in CI: test_ttp's dumps; retry and recover at DP=4 and in pipelines)
 def test_uce_then_kill_tp2_dp4(tmp_path, ref):
     """8 ranks, TP=2 x DP=4: replica groups [0, 4], [2, 6] (TP rank 0) and [1, 5], [3, 7]. A memory
     error on rank 3 (retry), then rank 6 killed in its update (recover: it joins with its TP peer's
@@ -102,7 +103,7 @@ def pipeline_drills(first_stage: int) -> list[tuple[int, int, str]]:
 
 
 @pytest.mark.parametrize("layout,kind,backend", [
-    on("pp2", "uce", "emulated_nccl"), on("pp2", "kill", "emulated_nccl"), on("vpp2", "uce", "gloo"),
+    on("pp2", "uce", "emulated_nccl"), extended("pp2", "kill", "emulated_nccl"), extended("vpp2", "uce", "gloo"),
     on("vpp2", "kill", "gloo"), extended("pp2", "uce", "gloo"), extended("pp2", "kill", "gloo"),
     extended("vpp2", "uce", "emulated_nccl"), extended("vpp2", "kill", "emulated_nccl")])
 def test_every_phase_on_both_pipeline_stages(tmp_path, references, layout, kind, backend):
@@ -130,7 +131,7 @@ def test_every_phase_on_both_pipeline_stages(tmp_path, references, layout, kind,
     assert fired == [(s, r, p) for r, s, p in drills]
 
 
-@pytest.mark.parametrize("layout", ["moe", "overlap"])
+@pytest.mark.parametrize("layout", [extended("moe"), "overlap"])  # (MoE in CI: Megatron-LM's loop's drill)
 def test_moe_and_overlapped_communication_under_retry_and_recover(tmp_path, references, layout):
     """MoE (4 experts, EP=2) x DP=4, whose optimizer is chained (dense, expert); or DP=4 with the
     grad reduction and the parameter all-gather overlapped with compute (both --overlap flags). A
@@ -399,6 +400,7 @@ def test_a_rank_lost_while_the_others_rebuild_their_communicators(tmp_path, ref)
     assert rec[0]["mttr_s"] < 20, rec[0]  # not the rebuild's 60 s timeout
 
 
+@extended_test
 def test_twelve_repairs_leave_fds_and_threads_flat(tmp_path):
     """Twelve in-place repairs in one job (memory errors on every rank at every phase, and broken
     communicators): each replaces every communicator, and the replaced ones are released, so each
@@ -462,6 +464,7 @@ def test_both_twins_poisoned_the_job_goes_on_from_the_periodic_checkpoint(tmp_pa
 HANGS = [(1, 4, "forward"), (2, 6, "backward"), (3, 8, "grad-sync"), (0, 10, "optimizer"), (1, 12, "param-sync")]
 
 
+@extended_test  # (a hang under recover in CI: test_hosts' cut-off nodes; under retry: test_ttp)
 def test_hang_at_every_phase_under_recover_the_hung_rank_is_replaced(tmp_path):
     """A rank whose training thread hangs (alive, heartbeating, no progress) at each phase: found by
     the hang timeout, killed by its agent and restarted like a dead one; its twin fills it in.

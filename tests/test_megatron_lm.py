@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (MLM_ENV, MLM_MISSING, MLM_PATH, MLM_READY, MLM_TINY, all_rank_events, assert_ok, backend_env,
-                     extended, losses, on, recomputed, torchrun, twins_agree)
+                     extended, extended_test, losses, on, recomputed, torchrun, twins_agree)
 
 pytestmark = pytest.mark.skipif(not MLM_READY, reason=MLM_MISSING)
 TINY, ENV = MLM_TINY, MLM_ENV
@@ -125,11 +125,11 @@ def test_trainer_interface_save_load_replay_in_process(tmp_path):
 
 
 @pytest.mark.parametrize("layout, rank, phase, backend", [
-    on((), 1, "optimizer", "gloo", id="dp4"),
+    extended((), 1, "optimizer", "gloo", id="dp4"),  # (a DP=4 dump in CI: dp4-rank2-emulated_nccl)
     on((), 2, "optimizer", "emulated_nccl", id="dp4-rank2-emulated_nccl"),
     extended((), 2, "optimizer", "gloo", id="dp4-rank2"),
-    on(("--pipeline-model-parallel-size", "2"), 1, "backward", "gloo", id="pp2"),
-    on(("--num-experts", "4", "--expert-model-parallel-size", "2"), 2, "optimizer", "gloo", id="moe"),
+    extended(("--pipeline-model-parallel-size", "2"), 1, "backward", "gloo", id="pp2"),  # (pipelines: test_ttp's)
+    extended(("--num-experts", "4", "--expert-model-parallel-size", "2"), 2, "optimizer", "gloo", id="moe"),  # (test_ttp's)
 ])
 def test_megatron_lm_dying_gasp_then_megatron_lm_resume(tmp_path, layout, rank, phase, backend):
     """Megatron-LM's own loop under `mindspeed-ha run`: one rank killed in step 6 -> the survivors
@@ -334,7 +334,9 @@ def _retry_then_recover(tmp_path, layout: tuple, inject: str):
 
 
 @pytest.mark.parametrize("inject, fired", [
-    ("uce:rank=0:step=3:phase=backward,kill:rank=1:step=6:phase=backward", [(0, "backward", 3), (1, "backward", 6)]),
+    # (a uce in a stage's backward under retry and a kill under recover in CI: the interleaved pipeline's drill)
+    extended("uce:rank=0:step=3:phase=backward,kill:rank=1:step=6:phase=backward", [(0, "backward", 3), (1, "backward", 6)],
+             id="backward"),
     ("uce:rank=0:step=3:phase=pipeline-send,kill:rank=3:step=6:phase=pipeline-recv",
      [(0, "pipeline-send", 3), (3, "pipeline-recv", 6)]),
 ], ids=["backward", "pipeline"])
@@ -369,6 +371,7 @@ def test_megatron_lm_moe_retry_and_recover_a_kill_inside_the_update(tmp_path):
                         "uce:rank=1:step=3:phase=backward,kill:rank=2:step=6:phase=optimizer")
 
 
+@extended_test  # (the no-replica reload in CI: test_in_job_recovery's, the built-in trainer)
 def test_megatron_lm_no_replica_reload_in_process(tmp_path):
     """--distributed-optimizer-no-replica through Megatron-LM's loop. A uce in step 6 (retry): every
     rank reloads Megatron-LM's iteration-3 checkpoint in process, recomputes 4 and 5 inside the
@@ -430,6 +433,7 @@ def test_megatron_lm_elastic_scale_in_follows_args_lr_and_data(tmp_path, backend
                   for p in (proc, ref_proc))
     assert lr == ref_lr and len(lr) == 10
 
+@extended_test  # (MoE's blocks in a scale-in in CI: test_elastic's, the built-in trainer)
 def test_megatron_lm_moe_elastic_scale_in_keeps_the_expert_blocks(tmp_path):
     """--enable-elastic-training through Megatron-LM's loop with MoE (4 experts, EP=2) x DP=8, rank 2
     killed in step 6: replicas leave in pairs (the two that hold every expert between them), so

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from helpers import PRETRAIN, TINY, all_rank_events, assert_ok, clean_env, events, losses, recomputed, twins_agree
+from helpers import (PRETRAIN, TINY, all_rank_events, assert_ok, clean_env, events, extended_test, losses, recomputed,
+                     twins_agree)
 
 MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
 ITERS = 30
@@ -128,6 +129,7 @@ def ref_tp2(tmp_path_factory):
     return losses(d)
 
 
+@extended_test  # (a migration in CI: on request and by the health hook at DP=4, a straggler in Megatron-LM's loop)
 def test_migrate_a_rank_of_a_tp2_dp4_job(tmp_path, ref_tp2):
     """8 ranks, TP=2 x DP=4: rank 6 (TP rank 0 of the fourth DP replica; its twin is rank 2) moves."""
     proc, answers = migrate_live(tmp_path, [6], extra=("--tensor-model-parallel-size", "2"), nproc=8)
@@ -160,6 +162,7 @@ def test_a_straggler_is_found_and_migrated(tmp_path, ref):
     assert moved["pause_s"] < 30
 
 
+@extended_test  # (a migration chosen by the engine in CI: the straggler drills)
 def test_the_health_hook_names_a_rank_and_it_moves(tmp_path, ref):
     """The agent's --ha-health-cmd says local rank 3 is sub-healthy once (a marker file the test drops
     after step 3 stands for a climbing error count): a `sub_healthy` event, and with

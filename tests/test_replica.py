@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from helpers import TINY, all_rank_events, assert_ok, losses, torchrun
+from helpers import TINY, all_rank_events, assert_ok, extended, losses, torchrun
 
 HA = ["--enable-high-availability", "--ha-verify-replicas-interval", "1"]
 
@@ -19,8 +19,8 @@ def groups(log_dir):
 
 @pytest.mark.parametrize("nproc,layout,expected", [
     (4, [], {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}),
-    (8, ["--tensor-model-parallel-size", "2"],
-     {0: [0, 4], 2: [2, 6], 4: [0, 4], 6: [2, 6], 1: [1, 5], 3: [3, 7], 5: [1, 5], 7: [3, 7]}),
+    extended(8, ["--tensor-model-parallel-size", "2"],  # (TP=2 x DP=4's twins in CI: test_ttp's drills check them)
+             {0: [0, 4], 2: [2, 6], 4: [0, 4], 6: [2, 6], 1: [1, 5], 3: [3, 7], 5: [1, 5], 7: [3, 7]}, id="TP2xDP4"),
     (4, ["--pipeline-model-parallel-size", "2"], {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}),
 ], ids=["DP4", "TP2xDP4", "PP2xDP2"])
 def test_replica_shards_bit_identical(tmp_path, nproc, layout, expected):
@@ -63,7 +63,7 @@ def test_bf16_replicas(tmp_path):
     assert all(math.isfinite(float.fromhex(h)) for h in losses(tmp_path).values())
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bf16", [extended(False, id="fp32"), True], ids=["fp32", "bf16"])  # (fp32 resumes: test_ttp)
 def test_save_resume_bit_identical(tmp_path, bf16):
     extra = ["--bf16"] if bf16 else []
     full, first, resumed, ck = (tmp_path / d for d in ("full", "first", "resumed", "ck"))
