@@ -236,6 +236,7 @@ def test_slurm_nodes_with_own_log_dirs_node_lost_then_preempted(tmp_path, keys, 
     assert losses(d) == {i: h for i, h in ref.items() if i > saved}
 
 
+@extended_test  # (the controller's node lost in CI: test_hosts' three hosts, test_elastic_rank_0s_node_lost)
 def test_controller_node_lost_three_times(tmp_path, keys, ref):
     """Node 0 (rank 0 hosts the controller, node 0's agent serves the job store) is lost; its
     replacement serves a new, empty store that the running job fills again, and joins. A standby on
@@ -301,7 +302,7 @@ def assert_resized_losses(got: dict, ref: dict, first: int, bound: float) -> Non
     assert rel < bound, rel
 
 
-@extended_test  # (a lost node's scale-in: test_elastic_node_lost_twice_and_back_twice, in CI)
+@extended_test  # (a lost node's scale-in: test_elastic_newcomer_lost_during_the_scale_out, in CI)
 def test_a_lost_node_without_a_replacement_scales_the_job_in(tmp_path, keys, ref):
     """Recover and elastic both on; node 1 is lost and no replacement comes within --ha-spare-wait:
     recover waits for one, then the episode scales in — ranks 0 and 1 train on at DP=2 to the end.
@@ -322,8 +323,8 @@ def test_a_lost_node_without_a_replacement_scales_the_job_in(tmp_path, keys, ref
     assert_resized_losses(losses(c.dirs), ref, scaled[0]["iteration"], 1e-6)
 
 
-# (Megatron-LM's loop lost and back on two nodes: test_elastic_pipeline_nodes_lost_and_back in CI)
-@pytest.mark.parametrize("loop", ["built-in", extended("megatron-lm")])
+# (a node lost and back in CI: test_elastic_newcomer_lost_during_the_scale_out, the pipeline nodes' drill)
+@pytest.mark.parametrize("loop", [extended("built-in"), extended("megatron-lm")])
 def test_elastic_node_lost_twice_and_back_twice(tmp_path, keys, loop, request):
     """HIGH_AVAILABILITY=elastic-training only: node 1 is lost (no spare: DP 4 -> 2), its replacement
     comes (DP 2 -> 4, its ranks take weights, shards, counters and RNG from the kept ones), then

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from helpers import PRETRAIN, TINY, TINY_ITERS, all_rank_events, clean_env, events, extended_test, free_port, losses
+from helpers import (PRETRAIN, TINY, TINY_ITERS, all_rank_events, clean_env, events, extended, extended_test, free_port,
+                     losses)
 from hosts import Hosts
 from mindspeed_ha.trainer.checkpoint_dir import iter_dir, mismatches, read_manifest, tracker
 
@@ -161,7 +162,7 @@ def kill_agent_0_then_rank_3(hosts: Hosts, agents: list, dirs: list, tmp_path) -
     return orphans
 
 
-@pytest.mark.parametrize("cut_s", [1.0, 25.0])
+@pytest.mark.parametrize("cut_s", [1.0, extended(25.0)])  # (a long cut in CI: the controller's node, three hosts)
 def test_node_1_cut_off_then_healed_finishes_bit_identical(tmp_path, hosts, references, cut_s):
     """Node 1's link goes down at iteration 3 for ``cut_s`` seconds, then comes back; both nodes run
     on. Shorter than detection, training just waits (TCP retransmits). Longer, the controller's half
@@ -432,6 +433,7 @@ def test_elastic_node_1_cut_off_again_during_the_scale_out(tmp_path, hosts, refe
     assert max(abs(float.fromhex(got[i]) / float.fromhex(ref[i]) - 1) for i in ref if i > first) < 1e-4
 
 
+@extended_test  # (the job store moving in CI: test_node_0s_agent_killed_…; a scale-in: test_elastic)
 def test_elastic_node_0s_agent_killed_then_a_rank_lost_the_job_scales_in(tmp_path, hosts, references):
     """elastic-training only: node 0's agent (the job store) is killed at iteration 2, and the store
     moves to node 1's agent; then rank 3 is killed. With no spare the job scales in to DP=2 on node

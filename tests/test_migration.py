@@ -186,6 +186,7 @@ def test_the_health_hook_names_a_rank_and_it_moves(tmp_path, ref):
     assert sick["rank"] == 3 and sick["rank_pid"] == moved["old_pid"]
 
 
+@extended_test
 def test_migration_refused_plainly_and_training_goes_on(tmp_path, ref):
     """With --ha-spares 0 no spare is ready for rank 2, and rank 7 is no rank of the job: each request
     is refused with the reason and what would work (rank 7 by the CLI itself, exit 2: there is no such

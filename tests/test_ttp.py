@@ -131,7 +131,7 @@ def test_kill_in_a_model_parallel_job_its_dying_gasp_resumes_bit_identically(tmp
 
 
 @pytest.mark.parametrize("phase,rank,backend", [
-    on("forward", 1, "gloo"), on("backward", 2, "emulated_nccl"), on("grad-sync", 3, "gloo"),
+    extended("forward", 1, "gloo"), on("backward", 2, "emulated_nccl"), on("grad-sync", 3, "gloo"),
     on("optimizer", 1, "emulated_nccl"), on("param-sync", 2, "gloo"), extended("forward", 1, "emulated_nccl"),
     extended("backward", 2, "gloo"), extended("grad-sync", 3, "emulated_nccl"), extended("optimizer", 1, "gloo"),
     extended("param-sync", 2, "emulated_nccl")])
