@@ -323,7 +323,7 @@ def test_a_lost_node_without_a_replacement_scales_the_job_in(tmp_path, keys, ref
     assert_resized_losses(losses(c.dirs), ref, scaled[0]["iteration"], 1e-6)
 
 
-# (a node lost and back in CI: test_elastic_newcomer_lost_during_the_scale_out, the pipeline nodes' drill)
+# (a node lost and back in CI: test_elastic_newcomer_lost_during_the_scale_out)
 @pytest.mark.parametrize("loop", [extended("built-in"), extended("megatron-lm")])
 def test_elastic_node_lost_twice_and_back_twice(tmp_path, keys, loop, request):
     """HIGH_AVAILABILITY=elastic-training only: node 1 is lost (no spare: DP 4 -> 2), its replacement
@@ -438,7 +438,7 @@ MOE = ("--num-experts", "4", "--expert-model-parallel-size", "2")
 
 @pytest.mark.parametrize("layout,gbs,kept,loop", [
     extended(("--tensor-model-parallel-size", "2"), "8", [[0, 1], [2, 3]], "built-in", id="tp2"),
-    # (model parallelism lost and back in CI: the pipeline nodes' drill; MoE's blocks: test_elastic's scale-in)
+    # (model parallelism's scale-in in CI: test_elastic's vpp2 and MoE drills)
     extended(MOE, "16", [[0], [1], [2], [3]], "built-in", id="moe"),
     extended(MOE, "16", [[0], [1], [2], [3]], "megatron-lm", id="moe-megatron-lm")], ids=["tp2", "moe", "moe-megatron-lm"])
 def test_elastic_model_parallel_node_lost_and_back(tmp_path, keys, layout, gbs, kept, loop):
@@ -472,7 +472,8 @@ def test_elastic_model_parallel_node_lost_and_back(tmp_path, keys, layout, gbs, 
     assert sample_hashes(c.dirs) == sample_hashes(ref_dir)
 
 
-@pytest.mark.parametrize("loop", [extended("built-in"), "megatron-lm"])
+# (in CI: a pipeline's scale-in, test_elastic's vpp2; Megatron-LM's loop's, test_megatron_lm's elastic drill)
+@pytest.mark.parametrize("loop", [extended("built-in"), extended("megatron-lm")])
 def test_elastic_pipeline_nodes_lost_and_back(tmp_path, keys, loop):
     """PP=2 x DP=4 on four agents of two ranks (megatron-core lays the stages outermost: nodes 0 and 1
     hold stage 0, nodes 2 and 3 stage 1). Node 3 is lost: replicas (2, 6) and (3, 7) lose their

@@ -63,7 +63,8 @@ def test_bf16_replicas(tmp_path):
     assert all(math.isfinite(float.fromhex(h)) for h in losses(tmp_path).values())
 
 
-@pytest.mark.parametrize("bf16", [extended(False, id="fp32"), True], ids=["fp32", "bf16"])  # (fp32 resumes: test_ttp)
+# (resumes in CI: test_ttp's, after every dump; bf16's twins: test_bf16_replicas)
+@pytest.mark.parametrize("bf16", [extended(False, id="fp32"), extended(True, id="bf16")], ids=["fp32", "bf16"])
 def test_save_resume_bit_identical(tmp_path, bf16):
     extra = ["--bf16"] if bf16 else []
     full, first, resumed, ck = (tmp_path / d for d in ("full", "first", "resumed", "ck"))
