@@ -50,7 +50,9 @@ def model_args(a) -> list[str]:
             "--seq-length", str(a.seq), "--max-position-embeddings", str(a.seq), "--micro-batch-size", "1",
             "--global-batch-size", "4", "--vocab-size", str(a.vocab), "--tokenizer-type", "NullTokenizer",
             "--lr", "1e-4", "--lr-warmup-iters", "1", "--use-distributed-optimizer", "--mock-data",
-            "--log-interval", "1", *(["--bf16"] if a.bf16 else [])]
+            "--log-interval", "1", *(["--bf16"] if a.bf16 else []),
+            # a step of this size takes minutes on a few CPU cores: not a hang
+            "--ha-hang-timeout", "600", "--distributed-timeout-minutes", "30"]
 
 
 def run_job(a, work: str, name: str, flags: list[str], inject: str, iters: int, megatron_lm: bool = False,
