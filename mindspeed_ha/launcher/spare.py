@@ -34,10 +34,13 @@ import sys
 import time
 
 from ..events import get_logger
+from . import fork_server
 
 ENV = "MINDSPEED_HA_SPARE"
 REPORT_FD = "MINDSPEED_HA_SPARE_REPORT_FD"
 FORK_DIR = "MINDSPEED_HA_SPARE_FORK_DIR"  # set for the template: forked spares wait on FIFOs there
+AGENT_PID = "MINDSPEED_HA_SPARE_AGENT_PID"  # (a fork server's template is not the agent's child)
+Process = subprocess.Popen | fork_server.FromServer  # the template, or a spare the agent started
 
 log = get_logger("launcher.spare")
 
@@ -77,16 +80,10 @@ def _serve_forks(fork_dir: str, report: int) -> str:
     only in a forked spare, with its assignment; the template itself exits once stdin closes and
     every child has ended (a worker's exit code can be reported only by its parent)."""
     def reap(*_):
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            _report(report, f"exit {pid} {os.waitstatus_to_exitcode(status)}")
+        for pid, code in fork_server.reaped_children():
+            _report(report, f"exit {pid} {code}")
 
-    template, agent = os.getpid(), os.getppid()
+    template, agent = os.getpid(), int(os.environ.get(AGENT_PID) or os.getppid())
     signal.signal(signal.SIGCHLD, reap)
     # Python's collector would walk, and so copy, every page of the template's heap in each fork:
     # what exists now is left out of collection for good (the forks still collect what they make).
@@ -236,7 +233,7 @@ class Pool:
                  fork_workers: bool = False):
         """``fork_workers``: the template also starts the node's first workers (``start_workers``)."""
         self.wanted, self.cmd, self.env, self.events, self.who = wanted_n, cmd, env, events, who
-        self.spares: list[Forked | subprocess.Popen] = []  # in the order they were made
+        self.spares: list[Forked | Process] = []  # in the order they were made
         self.ready: set[int] = set()    # pids that reported waiting for a rank
         self.ended: dict[int, int] = {}  # forked pid -> exit code, as the template reported it
         self.started: dict[int, Forked] = {}  # rank -> a first worker the template forked
@@ -244,7 +241,7 @@ class Pool:
         self._buf = b""
         self._report_r, self._report_w = os.pipe()
         os.set_blocking(self._report_r, False)
-        self.template: subprocess.Popen | None = None
+        self.template: Process | None = None
         if (wanted_n > 0 or fork_workers) and hasattr(os, "fork") and hasattr(os, "mkfifo"):
             self.fork_dir = fork_dir
             os.makedirs(fork_dir, exist_ok=True)
@@ -285,7 +282,7 @@ class Pool:
         return dict(self.started)
 
     def maintain(self, now: float) -> None:
-        p: Forked | subprocess.Popen  # a spare, in each loop below
+        p: Forked | Process  # a spare, in each loop below
         self.read_reports()
         if self.template is not None and self.template.poll() is not None:
             code = self.template.returncode
@@ -314,7 +311,7 @@ class Pool:
                 self.spares.append(p)
                 self.events.emit("spare_start", worker_pid=p.pid, forked=False)
 
-    def hand_over(self, line: bytes) -> tuple[Forked | subprocess.Popen, bool] | None:
+    def hand_over(self, line: bytes) -> tuple[Forked | Process, bool] | None:
         """Give a spare the assignment ``line``: (its process handle, whether it was ready), or None
         when there is none. A ready spare first; one still starting is better than none."""
         self.read_reports()
@@ -362,12 +359,11 @@ class Pool:
         os.close(self._report_r)
         os.close(self._report_w)
 
-    def _popen(self, extra: dict) -> subprocess.Popen:
+    def _popen(self, extra: dict) -> Process:
         # torch.cuda.is_available() from NVML, not the driver: a template on a GPU node forks spares and
         # must not hold a CUDA context (megatron-core asks at import). (The CPU shim drops it again.)
-        env = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **self.env, ENV: "1", REPORT_FD: str(self._report_w), **extra}
-        return subprocess.Popen(self.cmd, env=env, stdin=subprocess.PIPE, start_new_session=True,
-                                pass_fds=(self._report_w,))
+        env = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", **self.env, ENV: "1", AGENT_PID: str(os.getpid()), **extra}
+        return fork_server.popen(self.cmd, env, {REPORT_FD: self._report_w})
 
     def _request(self, n: int) -> None:
         assert self.template is not None and self.template.stdin is not None  # (only while the template runs)
