@@ -1,6 +1,7 @@
 """Launch real multi-process training jobs on 127.0.0.1 and read their event logs."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -71,10 +72,17 @@ def on(*values, **kw):
     return pytest.param(*values, marks=[pytest.mark.nccl] if "emulated_nccl" in values else [], **kw)
 
 
+# The session's fork server (conftest.py): the agents' spare templates fork from it instead of
+# importing torch and megatron-core again (mindspeed_ha/launcher/fork_server.py).
+FORK_SERVER: str | None = None
+
+
 def clean_env(extra: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("MINDSPEED_HA_", "HIGH_AVAILABILITY", "MS_ENABLE_TFT", "MEGATRON_LM_PATH"))}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"})
+    if FORK_SERVER:
+        env["MINDSPEED_HA_FORK_SERVER"] = FORK_SERVER
     env.update(extra or {})
     return env
 
@@ -185,20 +193,31 @@ TINY_LAYOUTS = {"dp4": (4, []), "dp6": (6, []), "tp2": (8, ["--tensor-model-para
 
 class References:
     """Fault-free runs, one per configuration per test session, each made when a test first needs it
-    (a selection of tests pays only for the references it uses)."""
+    (a selection of tests pays only for the references it uses). Under pytest-xdist the workers share
+    them: the first to need one makes it under a file lock in the session's common temporary
+    directory and writes its losses there; the others wait for it and read them."""
 
     def __init__(self, tmp_path_factory):
         self.factory, self.done, self.lock = tmp_path_factory, {}, threading.Lock()
+        base = tmp_path_factory.getbasetemp()
+        # (xdist gives each worker its own basetemp inside the session's: popen-gw0, popen-gw1, ...)
+        self.shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
     def losses(self, name: str, nproc: int, args: list, env: dict | None = None, timeout: int = 300) -> dict:
+        from filelock import FileLock
         with self.lock:
-            if name not in self.done:
-                d = self.factory.mktemp(f"reference-{name}")
-                cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", f"--nproc-per-node={nproc}",
-                       PRETRAIN, *args, "--ha-log-dir", str(d)]
-                assert_ok(subprocess.run(cmd, env=clean_env(env), capture_output=True, text=True, timeout=timeout,
-                                         cwd=str(d)))
-                self.done[name] = losses(d)
+            if name in self.done:
+                return self.done[name]
+            made = self.shared / f"reference-{name}.json"
+            with FileLock(str(made) + ".lock"):
+                if not made.exists():
+                    d = self.factory.mktemp(f"reference-{name}")
+                    cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", f"--nproc-per-node={nproc}",
+                           PRETRAIN, *args, "--ha-log-dir", str(d)]
+                    assert_ok(subprocess.run(cmd, env=clean_env(env), capture_output=True, text=True, timeout=timeout,
+                                             cwd=str(d)))
+                    made.write_text(json.dumps(losses(d)))
+                self.done[name] = {int(k): v for k, v in json.loads(made.read_text()).items()}
             return self.done[name]
 
     def tiny(self, layout: str) -> dict:

@@ -56,6 +56,7 @@ def test_kill_nonzero_rank_each_phase(tmp_path, phase):
     _no_process_left(tmp_path)
 
 
+@pytest.mark.alone  # (asserts a latency)
 def test_exception_reported_at_once(tmp_path):
     p = launch(tmp_path, "--steps", "400", "--fault", "exception:rank=1:step=2:phase=backward")
     rc, out, err, t_end = finish(p)

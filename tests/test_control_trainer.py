@@ -6,23 +6,32 @@ import time
 import psutil
 import pytest
 
-from helpers import PRETRAIN, TINY, all_rank_events, clean_env, events, losses
+from helpers import PRETRAIN, TINY, all_rank_events, clean_env, events, free_port, losses
 
 MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
 
 
 def run_job(tmp_path, inject=None, extra=(), timeout=180):
     env = clean_env({"MINDSPEED_HA_INJECT": inject} if inject else {})
-    cmd = MINDSPEED_HA + ["run", "--nproc-per-node", "4", PRETRAIN, *TINY, "--train-iters", "8",
-                          "--enable-high-availability", "--ha-log-dir", str(tmp_path), *extra]
+    # (not --standalone: a one-node job as a scheduler starts it; its own port, as tests run side by side)
+    cmd = MINDSPEED_HA + ["run", "--master-port", str(free_port()), "--nproc-per-node", "4", PRETRAIN, *TINY,
+                          "--train-iters", "8", "--enable-high-availability", "--ha-log-dir", str(tmp_path), *extra]
     t0 = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path))
     return proc, time.time() - t0
 
 
 def leftover_workers(log_dir) -> list:
-    return [p for p in psutil.process_iter(["cmdline"])
-            if p.info["cmdline"] and PRETRAIN in p.info["cmdline"] and str(log_dir) in p.info["cmdline"]]
+    """The job's processes that still run: every one its agent started or was told of (workers,
+    spares, the spare template), by pid (a fork server's forks show the server's command line)."""
+    left = []
+    for pid in {e["worker_pid"] for e in events(log_dir, "agent_0") if "worker_pid" in e}:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                left.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return left
 
 
 def test_fault_free_job_under_the_agent(tmp_path):
@@ -33,6 +42,7 @@ def test_fault_free_job_under_the_agent(tmp_path):
     assert ("init", "normal") in states and ("normal", "done") in states
 
 
+@pytest.mark.alone  # (asserts a latency)
 @pytest.mark.parametrize("phase", ["forward", "backward", "grad-sync", "optimizer", "param-sync"])
 def test_killed_rank_ends_job_cleanly_with_diagnosis(tmp_path, phase):
     proc, seconds = run_job(tmp_path, inject=f"kill:rank=1:step=4:phase={phase}")
@@ -56,8 +66,8 @@ def test_killed_rank_ends_job_cleanly_with_diagnosis(tmp_path, phase):
 def test_status_and_live_inject(tmp_path):
     """`mindspeed-ha status` reads a live job; `mindspeed-ha inject` (authenticated) faults it."""
     env = clean_env()
-    cmd = MINDSPEED_HA + ["run", "--nproc-per-node", "4", PRETRAIN, *TINY, "--train-iters", "100000",
-                          "--enable-high-availability", "--ha-log-dir", str(tmp_path)]
+    cmd = MINDSPEED_HA + ["run", "--master-port", str(free_port()), "--nproc-per-node", "4", PRETRAIN, *TINY,
+                          "--train-iters", "100000", "--enable-high-availability", "--ha-log-dir", str(tmp_path)]
     job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
     try:
         deadline = time.time() + 120

@@ -296,6 +296,7 @@ def test_results_equal_gloos_bits(tmp_path):
         assert _read(tmp_path, "equiv_emulated_nccl_engine", r) == gloo
 
 
+@pytest.mark.alone  # (asserts a latency)
 def test_returns_at_once_and_an_abort_completes_without_error(tmp_path):
     assert _run("backend", tmp_path) == {r: 0 for r in range(WORLD)}
     for r in range(WORLD - 1):
@@ -318,6 +319,7 @@ def test_the_watchdog_ends_survivors_unless_told_to_clean_up_only(tmp_path, mode
         assert _read(tmp_path, "watchdog", r)["wait"] == "DistBackendError"
 
 
+@pytest.mark.alone  # (asserts a latency)
 def test_the_engines_stop_aborts_only_what_is_pending_and_the_commit_point_refuses(tmp_path):
     assert _run("stop", tmp_path, ranks=range(WORLD - 1)) == {r: 0 for r in range(WORLD - 1)}
     for r in range(WORLD - 1):

@@ -259,6 +259,7 @@ def test_uce_then_kill_retry_and_recover_in_one_job(tmp_path, ref):
     assert [(e["worker_rank"], e.get("spare")) for e in starts] == [(1, True)]
 
 
+@pytest.mark.alone  # (asserts a latency)
 def test_back_to_back_kills_on_one_node_each_take_a_warm_spare(tmp_path, ref):
     """Two workers of one node killed a step apart, with --ha-spares 2: each restart is a spare that
     had finished its start-up (a fork of the agent's spare template), each used one is replaced at
@@ -388,6 +389,7 @@ def test_fault_during_recovery_restarts_it_with_both_faults(tmp_path, ref):
     assert repaired == {1: [3], 2: [0]}
 
 
+@pytest.mark.alone  # (asserts a latency)
 def test_a_rank_lost_while_the_others_rebuild_their_communicators(tmp_path, ref):
     """A memory error on rank 2 in step 5; rank 1 dies as it starts the rebuild of that recovery, so
     the others wait for it in their communicators' rendezvous. They leave it at the controller's stop

@@ -295,6 +295,7 @@ def test_many_processes_share_one_rotating_log_without_losing_a_line(tmp_path):
     assert len({ln.split("line ")[1][:4] + ln.split("writer ")[1][:1] for ln in mine}) == 1600
 
 
+@pytest.mark.alone  # (asserts a latency)
 def test_slow_factor_one_ends_a_slowdown(tmp_path):
     """A straggler drill paces a rank; ``slow`` with factor 1 (live, or at a later step) brings it back
     to full speed."""

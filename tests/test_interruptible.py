@@ -13,6 +13,8 @@ import threading
 import time
 from datetime import timedelta
 
+import pytest
+
 
 WORLD = 4
 HERE = os.path.abspath(__file__)
@@ -389,6 +391,7 @@ def _kill_all(procs):
             p.wait()
 
 
+@pytest.mark.alone  # (asserts a latency)
 def test_stop_leaves_blocked_collective_and_group_rebuilds(tmp_path):
     stores, procs = _launch("stop", tmp_path)
     try:
@@ -419,6 +422,7 @@ def _run_to_the_end(mode, tmp_path, timeout):
     assert codes == {r: 0 for r in range(WORLD)}, codes
 
 
+@pytest.mark.alone  # (asserts a latency)
 def test_uncovered_code_finishes_the_collective_its_peers_passed(tmp_path):
     _run_to_the_end("uncovered", tmp_path, 90)
     for r in range(1, WORLD):
