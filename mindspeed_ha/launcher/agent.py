@@ -51,12 +51,6 @@ def _scan(args: list[str], flag: str, has_value: bool = True):
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Worker:
     def __init__(self, rank: int, local_rank: int, popen):  # a Popen, or spare.Forked
         self.rank, self.local_rank, self.popen = rank, local_rank, popen
@@ -84,7 +78,7 @@ class Agent:
         self.hb = float(hb) if hb else 0.5
         if a.standalone:
             a.nnodes, a.node_rank, a.master_addr = 1, 0, "127.0.0.1"
-            a.master_port = _free_port()
+            a.master_port = 0  # (the job store takes a free one: run() serves it first)
         if a.nnodes > 1 and not kd and not self.insecure:
             raise LaunchError(
                 "a job of several nodes needs CurveZMQ keys that every node reads: make them once with "
@@ -296,7 +290,10 @@ class Agent:
         from ..comm.stores import serve
         if a.node_rank == 0:  # the job store: where this job's workers and agents meet
             try:
+                # --standalone: the port is the one the store got, not one found free a moment before
+                # it binds (another job's connections take ports meanwhile)
                 self.served = serve(a.master_addr, a.master_port)
+                a.master_port = a.master_port or self.served.port
             except OSError as e:
                 raise LaunchError(f"node 0's agent cannot serve the job store at {a.master_addr}:{a.master_port} "
                                   f"({e.strerror or e}): run node 0 on the host --master-addr names, with a free "
