@@ -66,8 +66,12 @@ def test_retry_and_recover_keep_the_optimizers_own_state(tmp_path, fault_free, l
                inject="uce:rank=2:step=5:phase=optimizer,kill:rank=1:step=6:phase=backward")
     assert_ok(proc)
     assert losses(tmp_path) == fault_free(layout)
-    rec = [e for e in events(tmp_path, "controller") if e["event"] == "recovered"]
-    assert [e["strategy"] for e in rec] == ["retry", "recover"], rec
+    ctl = events(tmp_path, "controller")
+    assert [e["outcome"] for e in ctl if e["event"] == "strategy"] == ["retry", "recover"]
+    rec = [e for e in ctl if e["event"] == "recovered"]
+    # (a recovery is recovered once its first step ends: the kill a step after the memory error may
+    # come before the retried step ended, and then one recovery ends both)
+    assert [e["strategy"] for e in rec] in (["retry", "recover"], ["recover"]), rec
     twins_agree(tmp_path, rec)
     if layout == "fp16":  # the drilled step was one the scaler skipped (no grad norm: no update)
         skipped = {e["iteration"] for e in all_rank_events(tmp_path) if e["event"] == "step" and "grad_norm" not in e}
