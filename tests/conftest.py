@@ -65,8 +65,9 @@ def references(tmp_path_factory):
 
 # README's test command runs two pytest-xdist workers: a drill leaves a core idle much of its time
 # (the agent's start, the controller's waits), so two fill this 2-core machine (test_ttp.py: 376 s
-# with two workers against about 450 s with one, before the fork server). A test marked ``alone`` asserts a latency (a detection or an abort within a second) that the
-# other worker's jobs would skew: it runs with no other test beside it. Two locks, so that a test
+# with two workers against about 450 s with one, before the fork server). A test marked ``alone``
+# asserts a latency (a detection or an abort within a second) that the other worker's jobs would
+# skew: it runs with no other test beside it. Two locks, so that a test
 # waiting to run alone is not starved by the other worker's stream of shared ones: each test passes
 # the turnstile (exclusively, briefly) before it takes the machine (shared, or exclusive if alone).
 @contextmanager
