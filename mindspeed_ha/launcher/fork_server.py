@@ -55,10 +55,10 @@ def namespaces() -> dict:
     return found
 
 
-def refusal(argv: list[str], env: dict, ns: dict | None = None) -> str | None:
+def refusal(argv: list[str], env: dict, ns: dict | None) -> str | None:
     """Why this server cannot start ``argv`` with ``env``, for a client in namespaces ``ns``, as a
-    fresh interpreter would (None: it can)."""
-    if ns is not None and ns != namespaces():
+    fresh interpreter would (None: it can). A client that does not say its namespaces is refused."""
+    if ns != namespaces():
         return "the agent runs in other namespaces"
     script = argv[2:3] if argv[1:2] == ["-u"] else argv[1:2]
     if os.path.realpath(argv[0]) != os.path.realpath(sys.executable) or not script or script[0].startswith("-"):
