@@ -158,7 +158,13 @@ def twins_agree(log_dir, recovered: list[dict]) -> list[dict]:
 
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    if proc.returncode == 0:
+        return
+    # The controller's lines tell a failed recovery's story; four ranks' tracebacks would push them
+    # out of the stderr's tail.
+    story = [line for line in proc.stderr.splitlines() if "mindspeed_ha.control" in line]
+    raise AssertionError(f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- controller\n"
+                         + "\n".join(line[:600] for line in story[-40:]) + f"\n--- stderr\n{proc.stderr[-6000:]}")
 
 
 def free_port() -> int:

@@ -8,6 +8,7 @@ bit-identical, and an elastic scale-in within the measured bound of another data
 Optimizers whose state the engine does not know are refused before anything is built."""
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -67,7 +68,10 @@ def test_retry_and_recover_keep_the_optimizers_own_state(tmp_path, fault_free, l
     assert_ok(proc)
     assert losses(tmp_path) == fault_free(layout)
     ctl = events(tmp_path, "controller")
-    assert [e["outcome"] for e in ctl if e["event"] == "strategy"] == ["retry", "recover"]
+    # (a survivor's late report of the lost peer, come once the repair began, has the controller
+    # pause and decide again: recover twice in a row is one recovery)
+    chosen = [e["outcome"] for e in ctl if e["event"] == "strategy"]
+    assert [s for s, _ in itertools.groupby(chosen)] == ["retry", "recover"], chosen
     rec = [e for e in ctl if e["event"] == "recovered"]
     # (a recovery is recovered once its first step ends: the kill a step after the memory error may
     # come before the retried step ended, and then one recovery ends both)
