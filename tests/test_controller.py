@@ -89,6 +89,8 @@ def test_a_bug_in_a_round_fails_the_state_not_the_controller(tmp_path, controlle
         assert bug and "failed" in bug[0].getMessage()  # logged with its traceback
         diagnosis = [e for e in read_events(str(tmp_path / "events" / "controller.jsonl")) if e["event"] == "diagnosis"]
         assert diagnosis and "exit code 1" in diagnosis[0]["text"]
+        # (the retry's failure, what ended the job, and the dump's that followed it)
+        assert "retry failed (" in diagnosis[0]["text"] and "; then the dump: " in diagnosis[0]["text"], diagnosis
         assert {r for r, a in ranks.seen if a == "exit"} == {0, 1, 2, 3}  # told to end, with the diagnosis
     finally:
         ranks.close()

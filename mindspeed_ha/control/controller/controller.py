@@ -204,6 +204,7 @@ class Controller:
         self.standbys = Standbys()
         self.exit_code = 0
         self.strategy_note = ""
+        self.repair_failure = ""              # why this episode's retry/recover/resize failed (the dump follows)
         self.last_diagnosis = ""
         self.started_at = time.monotonic()
         self.generation = 0                   # of the rebuild store's key space; one per rebuild or dump
@@ -311,9 +312,9 @@ class Controller:
                 self._last_scan = now
                 self._scan(now)
             self._progress(now)
-        except Exception:
+        except Exception as e:
             log.exception("controller: the work of state %s failed", self.machine.state.value)
-            self._failed()
+            self._failed(e)
 
     # ---- output -------------------------------------------------------------------------------
     def refresh_ack(self) -> None:
@@ -486,9 +487,13 @@ class Controller:
         if result is not None:
             self.feed(result)
 
-    def _failed(self) -> None:
+    def _failed(self, error: Exception) -> None:
         """The work of the current state raised: its FAILED outcome, where the table has one."""
-        if (self.machine.state, O.FAILED) in TABLE:
+        st = self.machine.state
+        if st in (S.REPAIR, S.ROLLBACK, S.DOWNGRADE, S.UPGRADE):
+            self.repair_failure = self.strategy_note = (f"{self._strategy_of(st)} failed "
+                                                        f"(its {st.value} raised {type(error).__name__}: {error})")
+        if (st, O.FAILED) in TABLE:
             self.feed(O.FAILED)
 
     def _progress(self, now: float) -> None:
@@ -584,7 +589,11 @@ class Controller:
             self.playbook, self.chosen = playbooks.ELASTIC, O.ELASTIC
             return O.ELASTIC
         assert self.playbook is not None and self.episode is not None
-        self.strategy_note = playbooks.failed(self.playbook, self.episode, out[1])
+        failure = playbooks.failed(self.playbook, self.episode, out[1])
+        if self.playbook is not playbooks.DUMP:
+            self.repair_failure = self.strategy_note = failure
+        else:  # (after a failed recovery the diagnosis names both: the first is what ended the job)
+            self.strategy_note = f"{self.repair_failure}; then the dump: {failure}" if self.repair_failure else failure
         return O.FAILED
 
     # ---- what each state does on entry ----------------------------------------------------------
@@ -618,6 +627,7 @@ class Controller:
         return None
 
     def _decide(self) -> O | None:
+        self.repair_failure = ""
         kinds = {f["kind"] for f in self.ledger.active}
         if kinds == {"scale-out"}:
             self.strategy_note = "scale-out onto returned rank(s)"
@@ -655,10 +665,7 @@ class Controller:
         if st in (S.REPAIR, S.DUMP, S.DOWNGRADE, S.UPGRADE):
             if st == S.DUMP:
                 self.playbook = playbooks.DUMP
-            if st == S.REPAIR:
-                strategy = "recover" if self.chosen == O.RECOVER else "retry"
-            else:
-                strategy = {S.DOWNGRADE: "elastic-training", S.UPGRADE: "scale-out"}.get(st, "dump")
+            strategy = self._strategy_of(st)
             first = self.ledger.active[0] if self.ledger.active else None
             replica = all(i.groups for i in self.ranks.values() if i.alive)  # (no replicas: groups are not sent)
             self.episode = Episode(self.playbook_port, strategy, self.world, self.ledger.active,
@@ -673,6 +680,14 @@ class Controller:
         self.runner = Runner(self.playbook.rounds(st), self.episode)
         out = self.runner.start()
         return None if out is None else self._outcome(out)
+
+    def _strategy_of(self, st: S) -> str:
+        """The strategy whose playbook state ``st`` plays (ROLLBACK goes on with the episode before it)."""
+        if st == S.ROLLBACK and self.episode is not None:
+            return self.episode.strategy
+        if st == S.REPAIR:
+            return "recover" if self.chosen == O.RECOVER else "retry"
+        return {S.DOWNGRADE: "elastic-training", S.UPGRADE: "scale-out"}.get(st, "dump")
 
     def _tell_exit(self) -> O | None:
         faults = self.ledger.active or self.ledger.all
