@@ -84,7 +84,7 @@ def enter_layout(trainer: TrainerInterface, plan: ElasticPlan, rank: int, store_
     if trainer.optimizer is None:
         trainer.setup(joining=True)
     else:
-        trainer.relayout()
+        trainer.relayout(keep=[t for values in held["old_ranges"].values() for t in values])
     t["relayout"] = time.perf_counter()
     return {"t": t, "world": world, "mem": mem, **held}
 

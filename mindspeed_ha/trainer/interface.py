@@ -9,7 +9,7 @@ the counters a restarted rank takes from its twin) has its implementation here.
 from __future__ import annotations
 
 import abc
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from mindspeed_ha.trainer import rng
 
@@ -103,12 +103,14 @@ class TrainerInterface(abc.ABC):
             m.start_param_sync(force_sync=True)
 
     # -- elastic resize ----------------------------------------------------------------------------
-    def relayout(self) -> None:
+    def relayout(self, keep: Iterable[Any] = ()) -> None:
         """The default group is a new layout's now (elastic resize, ``comm.groups.new_epoch``):
         megatron-core's groups again, the same model in a new DDP, a new optimizer (its state is the
         caller's to move in), the scheduler pointed at it, the micro-batch count and the data position
         at the new data-parallel size (the global batch stays). The model list is changed in place (a
-        loop holding it sees the new DDP); the old DDP is emptied so that its buffers can go."""
+        loop holding it sees the new DDP); the old DDP is emptied and its buffers freed before the new
+        optimizer allocates: its gradients first, its parameters once the new DDP holds their values,
+        unless a tensor of ``keep`` (the old state the caller still moves) lives in them."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
         from megatron.core.num_microbatches_calculator import reconfigure_num_microbatches_calculator
@@ -118,9 +120,12 @@ class TrainerInterface(abc.ABC):
         reconfigure_num_microbatches_calculator(dist.get_rank(), None, self.global_batch_size, self.micro_batch_size,
                                                 dp, decrease_batch_size_if_needed=False)
         old = list(self.model_chunks)
+        old_buffers = [b for m in old for b in list(getattr(m, "buffers", [])) + list(getattr(m, "expert_parallel_buffers", []))]
+        drop_grad_buffers(old_buffers)
         self.model_chunks[:] = [self._rewrap(m) for m in old]
         for m in old:
             release_ddp(m)
+        drop_param_buffers(old_buffers, keep)
         self.optimizer = self._build_optimizer()
         self.scheduler.optimizer = self.optimizer
         self.scheduler.step(increment=0)  # the current lr and weight decay into the new param groups
@@ -173,6 +178,31 @@ class TrainerInterface(abc.ABC):
     @abc.abstractmethod
     def load_checkpoint(self, load_dir: str) -> int:
         """Restore model, optimizer, scheduler, RNG and data position; return the iteration."""
+
+
+def drop_grad_buffers(buffers: Iterable[Any]) -> None:
+    """Free the gradients of DDP ``buffers`` about to be replaced by another layout's, before the new
+    ones are allocated: a resize runs between two steps, where they hold nothing anyone reads again
+    (a whole model slice of fp32 gradients, ~17 GB a rank at 70B: the two are never held at once).
+    The storage itself goes (the views into it, ``main_grad``, go with the old DDP); gradients that
+    share their storage with the parameters' are left."""
+    for buf in buffers:
+        grad, params = getattr(buf, "grad_data", None), getattr(buf, "param_data", None)
+        shared = params is not None and grad is not None and \
+            params.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr()
+        if grad is not None and not shared:
+            grad.untyped_storage().resize_(0)
+
+
+def drop_param_buffers(buffers: Iterable[Any], keep: Iterable[Any]) -> None:
+    """Free the parameter storage of replaced DDP ``buffers`` (the new DDP copied the values) unless a
+    tensor of ``keep`` lives in it: fp32 main values are views of fp32 parameters, and a
+    precision-aware optimizer's may be too."""
+    kept = {t.untyped_storage().data_ptr() for t in keep}
+    for buf in buffers:
+        params = getattr(buf, "param_data", None)
+        if params is not None and params.untyped_storage().data_ptr() not in kept:
+            params.untyped_storage().resize_(0)
 
 
 def release_ddp(ddp) -> None:
