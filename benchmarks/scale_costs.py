@@ -42,6 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PRETRAIN = os.path.join(ROOT, "examples", "pretrain_gpt.py")
 HOST_READS = os.path.join(HERE, "host_reads")
+PARTS = ("repair", "elastic", "dump", "megatron-lm")
 sys.path.insert(0, ROOT)
 
 
@@ -106,7 +107,11 @@ def main() -> None:
     p.add_argument("--bf16", action="store_true", help="bf16 weights with fp32 main params (default: fp32)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per job")
     p.add_argument("--keep", default=None, help="keep the jobs' logs in this directory")
+    p.add_argument("--only", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)} (default: all)")
     a = p.parse_args()
+    parts = a.only.split(",")
+    if not set(parts) <= set(PARTS):
+        p.error(f"--only {a.only}: each part is one of {', '.join(PARTS)}")
     work = a.keep or tempfile.mkdtemp(prefix="scale_costs_")
     os.makedirs(work, exist_ok=True)
     h, L, V = a.hidden, a.layers, a.vocab
@@ -115,7 +120,21 @@ def main() -> None:
           flush=True)
     out: dict = {"parameters_m": round(params / 1e6, 1)}
 
-    # -- repair, and the replica check in the same job ---------------------------------------------
+    if "repair" in parts:
+        measure_repair(a, work, out)
+    if "elastic" in parts:
+        measure_scale_in(a, work, out)
+    if "dump" in parts:
+        measure_dump(a, work, out)
+    if "megatron-lm" in parts:
+        measure_host_syncs(a, work, out)
+    if not a.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(out))
+
+
+def measure_repair(a, work: str, out: dict) -> None:
+    """A repair, and the replica check in the same job."""
     job = run_job(a, work, "repair", ["--enable-hbmfault-repair", "--ha-verify-replicas-interval", "1"],
                   "uce:rank=1:step=3:phase=optimizer", 4)
     repaired = expect_events("repair", job, "repaired", "expected a repair in place")
@@ -136,7 +155,9 @@ def main() -> None:
     print(f"replica check: {out['check_host_copy_bytes']} host bytes a check, {out['check_s']} s against a "
           f"{out['step_s']} s step", flush=True)
 
-    # -- elastic scale-in ----------------------------------------------------------------------------
+
+
+def measure_scale_in(a, work: str, out: dict) -> None:
     job = run_job(a, work, "elastic", ["--enable-elastic-training"], "kill:rank=1:step=3:phase=forward", 4)
     resized = expect_events("elastic", job, "resized", "expected a scale-in")
     for r, e in resized.items():
@@ -145,7 +166,9 @@ def main() -> None:
     out["reshard_extra_mem_ratio"] = round(max(e["extra_mem_bytes"] / e["shard_bytes"] for e in resized.values()), 4)
     out["reshard_shard_bytes"] = max(e["shard_bytes"] for e in resized.values())
 
-    # -- dump -----------------------------------------------------------------------------------------
+
+
+def measure_dump(a, work: str, out: dict) -> None:
     job = run_job(a, work, "dump", ["--enable-high-availability", "--save", os.path.join(work, "dump", "ck")],
                   "kill:rank=1:step=3:phase=optimizer", 4)
     dumps = expect_events("dump", job, "checkpoint", "expected a dying-gasp checkpoint",
@@ -157,7 +180,10 @@ def main() -> None:
                                                  for e in dumps.values()), 4)
     shutil.rmtree(os.path.join(work, "dump", "ck"), ignore_errors=True)
 
-    # -- host syncs a step adds (Megatron-LM's loop) -------------------------------------------------
+
+
+def measure_host_syncs(a, work: str, out: dict) -> None:
+    """Megatron-LM's own loop (a tiny model: the count does not depend on its size)."""
     if os.environ.get("MEGATRON_LM_PATH"):
         tiny = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
                 "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -176,9 +202,6 @@ def main() -> None:
     else:
         print("Megatron-LM's loop: skipped (MEGATRON_LM_PATH is not set)", flush=True)
         out["step_host_syncs_added"] = None
-    if not a.keep:
-        shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps(out))
 
 
 if __name__ == "__main__":

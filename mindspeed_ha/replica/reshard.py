@@ -23,6 +23,7 @@ import torch.distributed as dist
 from mindspeed_ha.device import current
 
 Range = tuple[Hashable, int, int]  # (parameter key, start, end) of its flattened elements
+Rows = torch.Tensor | tuple[torch.Tensor, ...]  # a piece of state: one row per state tensor
 
 
 class ReshardError(ValueError):
@@ -83,23 +84,26 @@ def _cut(moves: list[Move], elems: int) -> list[Move]:
             for a in range(m.start, m.end, elems)]
 
 
-def exchange(moves: list[Move], rank: int, read: Callable[[Move], torch.Tensor],
-             write: Callable[[Move, torch.Tensor], None], width: int = 3, dtype: torch.dtype = torch.float32,
+def exchange(moves: list[Move], rank: int, read: Callable[[Move], Rows],
+             write: Callable[[Move, Rows], None], width: int = 3, dtype: torch.dtype = torch.float32,
              group: dist.ProcessGroup | None = None, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Carry out this rank's part of ``moves``. ``read(move)``: the piece as a [width, numel] tensor
-    of ``dtype`` (the state tensors of the range: main values, exp_avg, exp_avg_sq); ``write(move,
-    piece)`` installs one. Ranks are ranks of ``group``. Returns the bytes this rank received.
+    """Carry out this rank's part of ``moves``. ``read(move)``: the piece's ``width`` rows of numel
+    elements (the state tensors of the range: main values, exp_avg, exp_avg_sq), views where they
+    can be: a [width, numel] tensor or a tuple of 1-D ones; ``write(move, piece)`` installs such
+    rows. Ranks are ranks of ``group``. Returns the bytes this rank received.
 
-    Each (source, destination) pair's pieces go in messages of at most ``chunk_bytes``, written into
-    the new state as each arrives: one message's buffer at a time beside the state. Every rank walks
-    the pairs in one global order with blocking sends and receives, so the first pair not yet done
-    always has both its ends at it: pairs that swap pieces cannot deadlock."""
+    Each (source, destination) pair's pieces go in messages of at most ``chunk_bytes`` of ``dtype``,
+    written into the new state as each arrives: one message's buffer at a time beside the state (a
+    sender copies the rows straight into it, cast on the way: no stack, cast or concatenation of
+    its own). Every rank walks the pairs in one global order with blocking sends and receives, so
+    the first pair not yet done always has both its ends at it: pairs that swap pieces cannot
+    deadlock."""
     pairs = collections.defaultdict(list)
     for m in moves:
         if rank in (m.src, m.dst):
             pairs[(m.src, m.dst)].append(m)
     for m in pairs.pop((rank, rank), ()):
-        write(m, read(m).clone())
+        write(m, read(m))  # (the old state and the new are distinct tensors: straight across)
     elems = max(1, chunk_bytes // (width * dtype.itemsize))
     got = 0
     for (src, dst), ms in sorted(pairs.items()):
@@ -108,23 +112,27 @@ def exchange(moves: list[Move], rank: int, read: Callable[[Move], torch.Tensor],
             message.append(piece)
             if i + 1 < len(pieces) and sum(m.numel for m in message) + pieces[i + 1].numel <= elems:
                 continue  # (the next piece fits in this message too)
+            buf = torch.empty(width * sum(m.numel for m in message), dtype=dtype, device=current())
+            at = 0
             if src == rank:
-                flat = torch.cat([read(m).to(current(), dtype).reshape(-1) for m in message])
-                dist.send(flat, dst, group)
+                for m in message:
+                    for row in read(m):
+                        buf[at:at + m.numel].copy_(row.reshape(-1))
+                        at += m.numel
+                dist.send(buf, dst, group)
             else:
-                buf = torch.empty(width * sum(m.numel for m in message), dtype=dtype, device=current())
                 dist.recv(buf, src, group)
                 got += buf.numel() * buf.element_size()
-                at = 0
                 for m in message:
                     write(m, buf[at:at + width * m.numel].view(width, m.numel))
                     at += width * m.numel
             message = []
+            del buf  # (freed before the next message's is allocated)
     return got
 
 
 def state_io(ranges: Mapping[Range, tuple[torch.Tensor, ...]]
-             ) -> tuple[Callable[[Move], torch.Tensor], Callable[[Move, torch.Tensor], None]]:
+             ) -> tuple[Callable[[Move], Rows], Callable[[Move, Rows], None]]:
     """``read`` and ``write`` for ``exchange`` over an optimizer's ``ha_state_ranges()``: read from
     the old optimizer's, write into the new one's."""
     by_key = collections.defaultdict(list)
@@ -137,11 +145,11 @@ def state_io(ranges: Mapping[Range, tuple[torch.Tensor, ...]]
                 return a, tensors
         raise ReshardError(f"{m.key}: elements [{m.start}, {m.end}) are not in this rank's shard")
 
-    def read(m: Move) -> torch.Tensor:
+    def read(m: Move) -> tuple[torch.Tensor, ...]:
         a, tensors = find(m)
-        return torch.stack([t.detach().reshape(-1)[m.start - a:m.end - a] for t in tensors])
+        return tuple(t.detach().reshape(-1)[m.start - a:m.end - a] for t in tensors)
 
-    def write(m: Move, piece: torch.Tensor) -> None:
+    def write(m: Move, piece: Rows) -> None:
         a, tensors = find(m)
         with torch.no_grad():
             for t, row in zip(tensors, piece):
