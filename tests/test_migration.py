@@ -156,10 +156,12 @@ def test_the_migrating_rank_dies_on_the_way(tmp_path, ref):
 def test_a_straggler_is_found_and_migrated(tmp_path, ref):
     """Rank 2 turns 4x slower from step 6: its own work per step (not its step time, which every rank
     shares) gives it away within a few steps, and it moves to a spare by itself."""
-    proc = run(tmp_path, ("--ha-migrate-stragglers", "--ha-straggler-steps", "3", "--ha-straggler-ratio", "2"), inject="slow:rank=2:step=6:factor=4")
+    # (ratio 3: the slowed rank shows 5-13x; on 2 shared cores a healthy rank's own work still swings
+    # past 2x for 3 steps now and then, which moved a second rank in CI)
+    proc = run(tmp_path, ("--ha-migrate-stragglers", "--ha-straggler-steps", "3", "--ha-straggler-ratio", "3"), inject="slow:rank=2:step=6:factor=4")
     (moved,) = check_migrated(proc, tmp_path, ref, ranks=(2,), reason_has="straggler")
     (found,) = [e for e in events(tmp_path, "controller") if e["event"] == "straggler"]
-    assert found["rank"] == 2 and found["ratio"] > 2 and 6 <= found["iteration"] <= 6 + 3 + 3, found
+    assert found["rank"] == 2 and found["ratio"] > 3 and 6 <= found["iteration"] <= 6 + 3 + 3, found
     assert moved["pause_s"] < 30
 
 
