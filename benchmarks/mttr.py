@@ -140,7 +140,9 @@ def run_torchrun(a, work: str) -> dict:
     fault = min(x["time"] for x in ev if x["event"] == "inject")
     loads = [x for x in ev if x["event"] == "load"]
     loaded = loads[0]["iteration"] if loads else 0
-    after = sorted((x for x in ev if x["event"] == "step" and x["time"] > fault), key=lambda x: x["time"])
+    # Steps of the relaunch only: a first-launch rank may still log its step F-1 after the fault.
+    relaunched = {x["pid"] for x in ev if x["event"] == "start" and x["time"] > fault}
+    after = sorted((x for x in ev if x["event"] == "step" and x["pid"] in relaunched), key=lambda x: x["time"])
     regain = next(x for x in after if x["iteration"] == a.fault_step)
     return {"mttr_s": after[0]["time"] - fault, "regain_s": regain["time"] - fault,
             "lost_steps": a.fault_step - 1 - loaded, "loaded_iteration": loaded,
