@@ -58,6 +58,9 @@ class BuiltinTrainer(TrainerInterface):
         self.args = args
         self.session = session  # mindspeed_ha.session.RankSession: HA hooks, events, device
         self._saved = -1        # the iteration whose periodic save last completed
+        # When this process began the step in flight; None where it ran none since its bookkeeping
+        # came from a peer (a restarted rank rolling forward a step its predecessor ran).
+        self._t_step: float | None = None
 
     # -- set-up ----------------------------------------------------------------------------------
     def setup(self, joining: bool = False, dataset=None) -> None:
@@ -314,9 +317,9 @@ class BuiltinTrainer(TrainerInterface):
         self.ended = it
         if loss is not None and it % a.log_interval == 0 and ps.get_tensor_model_parallel_rank() == 0 \
                 and ps.get_data_parallel_rank() == 0:
-            dt = time.perf_counter() - self._t_step
-            print(f" iteration {it:8d}/{a.train_iters:8d} | lm loss: {loss:.6E} | step time: {dt * 1000:.1f} ms",
-                  flush=True)
+            took = ("n/a (rolled forward: its predecessor ran it)" if self._t_step is None else
+                    f"{(time.perf_counter() - self._t_step) * 1000:.1f} ms")
+            print(f" iteration {it:8d}/{a.train_iters:8d} | lm loss: {loss:.6E} | step time: {took}", flush=True)
         s.step_end(it, loss, grad_norm=grad_norm, lr=self.scheduler.get_lr(self.optimizer.param_groups[0]),
                    samples_hash=getattr(self, "_samples_hash", None))
         return loss
@@ -338,6 +341,7 @@ class BuiltinTrainer(TrainerInterface):
         self._step_loss = state["step_loss"]
         self._samples_hash = state.get("samples_hash")
         self._saved = state["saved"]
+        self._t_step = None  # (the step in flight, if any, was its peer's)
         self._data_iter = self.data_iterator(self.consumed_samples)
 
     def save_checkpoint(self, save_dir: str) -> str:
