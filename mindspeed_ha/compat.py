@@ -118,36 +118,48 @@ def resolve_group(group):
 
 
 # ---- communicators -----------------------------------------------------------------------------
-def make_communicator(store, rank: int, size: int, backend: str, timeout: datetime.timedelta):
+def make_communicator(store, rank: int, size: int, backend: str, timeout: datetime.timedelta,
+                      options: Any = None, device: torch.device | None = None):
     """A ProcessGroup of one backend over ``store`` (what new_group builds inside, without registering
     anything): gloo for CPU tensors, NCCL for CUDA ones, HCCL for NPU ones; the emulated NCCL of drills
-    over a gloo one."""
+    over a gloo one. ``options``: the backend's options the group was made with (Megatron's
+    ``pg_options``; NCCL's and HCCL's are kept, with ``timeout`` set in them); ``device``: the rank's
+    device, to which an NCCL communicator is connected here and now (as torch's own groups are when
+    ``init_process_group`` is given a ``device_id``) rather than in its first collective. Gloo
+    connects every member at construction anyway."""
     if backend == "emulated_nccl":
         from mindspeed_ha.comm.emulated_nccl import EmulatedNCCL
-        return EmulatedNCCL(make_communicator(store, rank, size, "gloo", timeout), rank, size)
+        emulated = EmulatedNCCL(make_communicator(store, rank, size, "gloo", timeout), rank, size)
+        if device is not None:
+            emulated.eager_connect_single_device(device)
+        return emulated
     pg = dist.ProcessGroup(store, rank, size)
     inner: Any
     if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
+        opts = options if isinstance(options, dist.ProcessGroupNCCL.Options) else dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         inner = dist.ProcessGroupNCCL(store, rank, size, opts)
-        kind, device = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
+        kind, device_type = dist.ProcessGroup.BackendType.NCCL, "cuda"
     elif backend == "gloo":
         inner = dist.ProcessGroupGloo(store, rank, size, timeout)
-        kind, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
+        kind, device_type = dist.ProcessGroup.BackendType.GLOO, "cpu"
     elif backend == "hccl":
         # ASCEND (unverified: no NPU here): torch_npu's communicator, registered as a custom backend
         # for NPU tensors, as torch_npu's own group helper does.
         from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # type: ignore[import-not-found]
-        hccl_opts = ProcessGroupHCCL.Options()
+        hccl_opts = options if isinstance(options, ProcessGroupHCCL.Options) else ProcessGroupHCCL.Options()
         hccl_opts._timeout = timeout
         inner = ProcessGroupHCCL(store, rank, size, hccl_opts)
-        kind, device = dist.ProcessGroup.BackendType.CUSTOM, torch.device("npu")
+        kind, device_type = dist.ProcessGroup.BackendType.CUSTOM, "npu"
     else:
         raise RuntimeError(f"mindspeed-ha cannot rebuild {backend!r} process groups (gloo, nccl, hccl and the "
                            "emulated nccl only)")
     pg._set_default_backend(kind)
-    pg._register_backend(device, kind, inner)
+    pg._register_backend(torch.device(device_type), kind, inner)
+    if backend == "nccl" and device is not None and device.type == "cuda":
+        # torch's own eager path (distributed_c10d's _new_process_group_helper with a device_id):
+        # ncclCommInitRank now, for the device the collectives will use, instead of in the first one
+        inner.eager_connect_single_device(device)
     return pg
 
 

@@ -252,6 +252,44 @@ def worker_uncovered(rank, port, out):
     os._exit(0)
 
 
+def worker_rebuild(rank, port, out):
+    """A recovery's rebuild of the stable groups (``groups.reconnect``) on the emulated NCCL: the
+    communicators of the new generation are connected in it, none in a collective after it, and each
+    replaced one is aborted; torch's own default group (made without a device, as a job's is) is the
+    control that connects in its first collective."""
+    import torch
+    import torch.distributed as dist
+
+    from mindspeed_ha.comm import emulated_nccl, groups
+
+    _engine()
+    _init(rank, port)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # (every rank makes every group)
+    sub = pairs[rank // 2]
+    groups.seal()
+    t = torch.full((2,), float(rank + 1))
+    dist.all_reduce(t)
+    dist.all_reduce(t, group=sub)
+    result = {"before": [list(x) for x in emulated_nccl.lazy_inits], "sum_before": t.tolist()}
+    old_sub = sub._inner
+    emulated_nccl.lazy_inits.clear()
+    result["reconnect"] = groups.reconnect("127.0.0.1", port, generation=1)
+    result["old_sub_aborted"] = bool(old_sub.aborted)
+    t = torch.full((2,), float(rank + 1))
+    dist.all_reduce(t)
+    dist.all_reduce(t, group=sub)
+    peer = rank ^ 1
+    msg = torch.full((3,), float(rank))
+    if rank % 2 == 0:
+        dist.send(msg, peer)
+    else:
+        dist.recv(msg, peer)
+    result.update(after=[list(x) for x in emulated_nccl.lazy_inits], sum_after=t.tolist(), received=msg.tolist())
+    _write(out, "rebuild", rank, result)
+    dist.barrier()
+    os._exit(0)
+
+
 # ----------------------------------------------------------------------------------- tests
 
 def _run(mode, tmp_path, env=None, timeout=60, ranks=range(WORLD)):
@@ -398,8 +436,26 @@ def test_without_the_commit_point_the_same_stop_leaves_a_wrong_shard(tmp_path, r
     assert {i: want[i] for i in range(1, 5)} == {i: got[i] for i in range(1, 5)}  # (before the stop: the same)
 
 
+def test_a_rebuild_connects_its_communicators_and_aborts_the_replaced_ones(tmp_path):
+    """``groups.reconnect`` (a recovery's rebuild phase) on NCCL's semantics: every communicator of
+    the new generation is initialised inside it, on the rank's device, so none is left to the first
+    step after the recovery (where its set-up would count in no phase and no stop could abort it);
+    each replaced communicator is aborted before its successor allocates. Torch's own default
+    group, made without a device as a job's first one is, connects in its first collective: the
+    record that tells the two apart works."""
+    assert _run("rebuild", tmp_path) == {r: 0 for r in range(WORLD)}
+    for r in range(WORLD):
+        res = _read(tmp_path, "rebuild", r)
+        assert res["before"] == [["allreduce", r, WORLD]], res  # (the control: torch's own group, lazily)
+        assert res["reconnect"]["groups"] == 2 and res["reconnect"]["lazy"] == 0, res  # (the world, its pair)
+        assert res["after"] == [], res  # every collective and message after the rebuild: nothing set up late
+        assert res["old_sub_aborted"], res
+        assert res["sum_before"] == res["sum_after"] == [20.0] * 2, res  # (1+2+3+4, then twice that)
+        assert res["received"] == [float(r - r % 2)] * 3, res
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(HERE))
     mode, rank, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     {"equiv": worker_equiv, "backend": worker_backend, "watchdog": worker_watchdog, "stop": worker_stop,
-     "uncovered": worker_uncovered}[mode](rank, port, out)
+     "uncovered": worker_uncovered, "rebuild": worker_rebuild}[mode](rank, port, out)

@@ -15,6 +15,10 @@ job's results equal a gloo job's bits) and reproduces what matters to fault tole
   in-place reduction keeps the rank's own contribution, an out-of-place output what it held (what a
   ring leaves in the chunks it never received); nothing lands later. Every collective issued after
   it raises, as NCCL's aborted communicator does.
+- A communicator is initialised (``ncclCommInitRank``) in its first collective unless it was connected
+  eagerly (``eager_connect_single_device``, what torch does for a group bound to a device): an
+  initialisation in a collective is recorded (``lazy_inits``), so a drill can tell whether a rebuild
+  left its communicators' set-up to the first step after it.
 - A collective that fails (a peer's connection closed, the timeout) fails its work, as NCCL's
   watchdog does with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (CleanUpOnly). Under torch's default, 3
   (SkipCleanUp), or 1 (TearDown), the watchdog ends the process instead, and so does this backend.
@@ -22,7 +26,9 @@ job's results equal a gloo job's bits) and reproduces what matters to fault tole
 What it cannot reproduce: device memory and a compute stream that runs ahead of the host (tensors are
 CPU tensors; a synchronous collective blocks the host where a GPU's would block the stream, so a
 result is never read early), NCCL's algorithms and their numerics, communicator splitting or
-shrinking, and a peer's abort failing this rank's collective (here, as NCCL's kernel, it waits until
+shrinking, the cost of an initialisation (the gloo underneath connects when it is made: a lazy one is
+recorded, not slower) and the separate two-rank communicators NCCL makes for point-to-point
+messages, and a peer's abort failing this rank's collective (here, as NCCL's kernel, it waits until
 its own abort or the timeout).
 
 A job runs on it with ``MINDSPEED_HA_EMULATE_NCCL=1`` (the device layer picks it instead of gloo for
@@ -63,6 +69,9 @@ _WRITES: dict[str, tuple[int, bool] | None] = {
 ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 _ENDS_PROCESS = ("1", "3")
 _STOP = object()
+# The collectives in which a communicator of this process was initialised, not connected before
+# (what NCCL does without a bound device): (method, rank in the group, group size).
+lazy_inits: list[tuple[str, int, int]] = []
 
 
 class CommunicatorAborted(RuntimeError):
@@ -177,6 +186,7 @@ class EmulatedNCCL(dist.ProcessGroup):
         self._pending: "weakref.WeakSet[_Work]" = weakref.WeakSet()
         self._lock = threading.Lock()
         self._aborted = False
+        self.connected = False  # initialised (eagerly, or by its first collective)
         self._thread = threading.Thread(target=_stream, args=(self._jobs, rank), daemon=True,
                                         name=f"emulated-nccl-stream-r{rank}")
         self._thread.start()
@@ -194,11 +204,19 @@ class EmulatedNCCL(dist.ProcessGroup):
     def _get_backend_name(self) -> str:
         return EMULATED_NCCL
 
+    def eager_connect_single_device(self, device: torch.device | None) -> None:
+        """Initialise the communicator now (NCCL: ``ncclCommInitRank`` for ``device``), not in its
+        first collective."""
+        self.connected = True
+
     def _issue(self, method: str, args: tuple, kwargs: dict[str, Any]) -> _Work:
         with self._lock:
             if self._aborted:
                 raise CommunicatorAborted(f"NCCL communicator was aborted on rank {self._rank} (emulated): "
                                           f"{method} after the abort")
+            if not self.connected:
+                self.connected = True
+                lazy_inits.append((method, self._rank, self._size))
         writes = _WRITES.get(method)
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         outputs: list[torch.Tensor] = []

@@ -69,11 +69,12 @@ class StableGroup(dist.ProcessGroup):
     """A process group whose communicator can be replaced (``_inner``); see the module's text."""
 
     def __init__(self, key: str, ranks: Sequence[int], group_rank: int, backend: str,
-                 timeout: datetime.timedelta, desc: str):
+                 timeout: datetime.timedelta, desc: str, options=None):
         # torch's stub lists only the (store, rank, size) constructor; (rank, size) makes a group of no backend
         super().__init__(group_rank, len(ranks))  # type: ignore[call-arg]
         self.key, self.ranks, self.group_rank = key, tuple(ranks), group_rank
         self.backend, self.timeout, self._desc = backend, timeout, desc
+        self.options = options  # the backend's options it was made with (Megatron's pg_options), every communicator's
         self._inner: dist.ProcessGroup | None = None
         self._inner_gen = -1
 
@@ -114,6 +115,7 @@ class StableGroup(dist.ProcessGroup):
         if self._inner is None or self._inner_gen != _gen.serial:
             with _lock:
                 if self._inner is None or self._inner_gen != _gen.serial:
+                    self._swap(None)  # (the old one ended before the new one allocates: see _retire)
                     self._swap(_connect(self, _gen))
         assert self._inner is not None  # (_swap put a communicator in place)
         return self._inner
@@ -137,12 +139,13 @@ class StableGroup(dist.ProcessGroup):
             self._inner.set_timeout(timeout)
 
     def _swap(self, new) -> None:
-        """Put ``new`` in place; the replaced communicator goes to a releasing thread of its own, as
-        its only owner: its destructor may wait for an abandoned collective (see ``_release_one``)
-        and must never run on the training thread."""
+        """Put ``new`` in place; the replaced communicator is ended (``_retire``) and goes to a
+        releasing thread of its own, as its only owner: its destructor may wait for an abandoned
+        collective (see ``_release_one``) and must never run on the training thread."""
         global _replaced
         if self._inner is not None:
             _replaced = True
+            _retire(self._inner, self.backend)
             _retired.append(self._inner)
             self._inner = None
             t = threading.Thread(target=_release_one, name="mindspeed-ha-release", daemon=True)
@@ -178,15 +181,33 @@ def _key(desc: str, ranks: Sequence[int], n: int) -> str:
     return f"{desc[:40]}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
 
+def _retire(pg, backend: str) -> None:
+    """End a replaced communicator before anything allocates its successor: NCCL's (and the emulated
+    NCCL's) is aborted here, on this thread — ``ncclCommAbort`` frees its device buffers at once,
+    where a destructor left to the releasing thread would free them while the new communicators
+    allocate theirs. Gloo's holds sockets only, and its abort cannot wake a wait on a live peer:
+    released as it is. HCCL: its "abort" stops the device (``device.restart_after_stop``), not
+    one communicator: released as it is."""
+    if backend == "nccl" or backends.canonical(backend) == backends.EMULATED_NCCL:
+        try:
+            pg.abort()
+        except Exception as e:  # (torn down already, e.g. a drill's broken link: nothing left to free)
+            from mindspeed_ha.events import get_logger
+            get_logger("comm.groups").debug("abort of a replaced %s communicator: %s", backend, e)
+
+
 def _connect(group: StableGroup, gen: _Generation) -> dist.ProcessGroup:
     """A communicator for ``group`` among its members over ``gen``'s store (blocks until every
-    member has come)."""
+    member has come), connected now, on this rank's device (NCCL's would otherwise connect in its
+    first collective: after the recovery, outside its phases, where no stop can abort it)."""
+    from mindspeed_ha.device import current
     if gen.store is None:
         raise RuntimeError(f"{group!r} has no store to connect over: the job has not joined yet")
     store = dist.PrefixStore(f"mindspeed_ha/gen{gen.number}/{group.key}/", gen.store)
     rank, size, timeout = group.group_rank, len(group.ranks), group.timeout
     _await_members(store, rank, size, timeout, group)
-    return compat.make_communicator(store, rank, size, group.backend, timeout)
+    return compat.make_communicator(store, rank, size, group.backend, timeout, options=group.options,
+                                    device=current() if backends.stream_ordered(group.backend) else None)
 
 
 def _await_members(store, rank: int, size: int, timeout: datetime.timedelta, group: StableGroup) -> None:
@@ -225,7 +246,8 @@ def init_process_group(original, *args, **kwargs):
     real = compat.default_group()
     ranks = list(range(real.size()))
     backend = _backend_name(dist.get_backend(real))
-    world = StableGroup("world", ranks, real.rank(), backend, kwargs.get("timeout") or DEFAULT_TIMEOUT, "default_pg")
+    world = StableGroup("world", ranks, real.rank(), backend, kwargs.get("timeout") or DEFAULT_TIMEOUT, "default_pg",
+                        kwargs.get("pg_options"))
     store = compat.group_store(real)
     compat.unregister_group(real)
     _gen.enter(0, store)
@@ -256,9 +278,10 @@ def new_group(original, ranks=None, timeout=None, backend=None, pg_options=None,
     group = _reusable.pop((desc, tuple(job_rank(r) for r in ranks), n), None)
     if group is not None:  # the same members as before a resize: the same object, renumbered
         group.key, group.ranks, group.group_rank = _key(desc, ranks, n), tuple(ranks), ranks.index(me)
+        group.options = pg_options
     else:
         group = StableGroup(_key(desc, ranks, n), ranks, ranks.index(me), _backend_name(backend),
-                            timeout or world.timeout, desc)
+                            timeout or world.timeout, desc, pg_options)
     _register(group, group.backend, _gen.store)
     with _lock:
         _groups.append(group)
