@@ -18,6 +18,10 @@ on 4 ranks (gloo; NCCL on a GPU) under `mindspeed-ha run`, DP=4 with replicas (e
   model: the count does not depend on its size), mindspeed_ha's host reads from a step's start to
   the end of train_step (benchmarks/host_reads).
 
+Every job runs with `--ha-recovery-message-mib` of `--message-mib` (default 64, the engine's): a
+repair's extra memory is one such message whatever the shard's size, so its ratio to the shard is
+that of the message to the shard (here a shard is 0.1-0.4 GB; at 7B-70B, 10-26 GB).
+
 Memory is the process's peak resident set above its level at the operation's start (Linux VmHWM,
 reset through /proc/self/clear_refs), with glibc's mmap threshold fixed so that large tensors come
 and go with their own mappings: a CPU figure (a GPU's allocator counters are what the engine reads
@@ -70,7 +74,7 @@ def run_job(a, work: str, name: str, flags: list[str], inject: str, iters: int, 
         env["MEGATRON_LM_PATH"] = os.environ["MEGATRON_LM_PATH"]
     cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", "--nproc-per-node", "4", PRETRAIN,
            *(model if model is not None else model_args(a)), "--train-iters", str(iters), "--ha-log-dir", log_dir,
-           *flags]
+           *flags, "--ha-recovery-message-mib", str(a.message_mib)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout, cwd=log_dir)
     ev = {os.path.basename(f)[:-len(".jsonl")]: read_events(f) for f in glob.glob(os.path.join(log_dir, "events", "*.jsonl"))}
     return {"proc": proc, "events": ev, "reads": [json.load(open(f)) for f in sorted(glob.glob(os.path.join(reads, "*.json")))]}
@@ -105,6 +109,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--bf16", action="store_true", help="bf16 weights with fp32 main params (default: fp32)")
+    p.add_argument("--message-mib", type=int, default=64,
+                   help="the jobs' --ha-recovery-message-mib: the largest recovery message (default 64, the engine's)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per job")
     p.add_argument("--keep", default=None, help="keep the jobs' logs in this directory")
     p.add_argument("--only", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)} (default: all)")
@@ -118,7 +124,7 @@ def main() -> None:
     params = L * 12 * h * h + (V + a.seq) * h
     print(f"GPT: {L} layers, hidden {h}, vocabulary {V}: ~{params / 1e6:.0f} M parameters; 4 ranks, DP=4 with replicas",
           flush=True)
-    out: dict = {"parameters_m": round(params / 1e6, 1)}
+    out: dict = {"parameters_m": round(params / 1e6, 1), "message_mib": a.message_mib}
 
     if "repair" in parts:
         measure_repair(a, work, out)

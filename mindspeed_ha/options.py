@@ -65,6 +65,7 @@ class HAOptions:
     hang_timeout_s: float = 60.0
     collective_timeout_s: float = 600.0  # --distributed-timeout-minutes: every group's, rebuilt ones too
     dump_timeout_s: float | None = None  # None: from the state's size
+    recovery_message_mib: int = 64  # a repair's, a reshard's and the dump resync's largest message
     spares: int = 1                # recover: pre-started workers each agent keeps ready
     straggler_ratio: float = 1.3   # a rank whose own step work is this many times the others' median...
     straggler_steps: int = 5       # ...for this many steps in a row is a straggler
@@ -111,6 +112,9 @@ def add_ha_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ha-key-dir", default=None, help="CurveZMQ keys (default DIR/keys, made per job)")
     g.add_argument("--ha-insecure", action="store_true", help="Turn CurveZMQ off (not recommended)")
     g.add_argument("--ha-heartbeat-interval", type=float, default=0.5, help="Seconds between heartbeats")
+    g.add_argument("--ha-recovery-message-mib", type=int, default=64,
+                   help="Largest message (MiB) a repair, an elastic reshard or the dump's weight resync sends: "
+                        "the memory each holds beside the state it moves (default 64)")
     g.add_argument("--ha-hang-timeout", type=float, default=60.0,
                    help="Seconds without progress before a live rank is declared hung")
     g.add_argument("--ha-spares", type=int, default=1,
@@ -266,6 +270,10 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) ->
                             "optimizer: add --enable-high-availability and drop "
                             "--distributed-optimizer-no-replica, or set the interval to 0")
     drill_optimizer(env)
+    message_mib = getattr(args, "ha_recovery_message_mib", 64)
+    if not isinstance(message_mib, int) or not 1 <= message_mib <= 1 << 14:
+        raise HAConfigError(f"--ha-recovery-message-mib {message_mib}: give a whole number of MiB from 1 to 16384 "
+                            "(default 64; smaller holds less memory beside a moved shard, larger sends fewer messages)")
     hang = _seconds(args, "ha_hang_timeout", 60.0)
     collective = 60.0 * float(getattr(args, "distributed_timeout_minutes", None) or 10)
     if strategies and 2 * max(hang, WARM_UP_HANG_S) >= collective:
@@ -284,7 +292,8 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) ->
         log_dir=getattr(args, "ha_log_dir", None) or env.get("MINDSPEED_HA_LOG_DIR") or "./logs",
         key_dir=getattr(args, "ha_key_dir", None), insecure=bool(getattr(args, "ha_insecure", False)),
         heartbeat_s=_seconds(args, "ha_heartbeat_interval", 0.5), hang_timeout_s=hang, collective_timeout_s=collective,
-        dump_timeout_s=_seconds(args, "ha_dump_timeout", None), spares=spares, source=source,
+        dump_timeout_s=_seconds(args, "ha_dump_timeout", None), recovery_message_mib=message_mib,
+        spares=spares, source=source,
         straggler_ratio=float(ratio), straggler_steps=steps, migrate_stragglers=migrate,
         health_cmd=getattr(args, "ha_health_cmd", None) or None,
         health_interval_s=_seconds(args, "ha_health_interval", 30.0),

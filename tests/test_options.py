@@ -76,11 +76,17 @@ def test_elastic_needs_the_replica_optimizer():
      "needs the replica"),
     (["--enable-elastic-training", "--ha-spare-wait", "-1"], "--ha-spare-wait -1"),
     (["--enable-elastic-training", "--ha-spare-wait", "inf"], "0 or more"),
+    (["--enable-hbmfault-repair", "--ha-recovery-message-mib", "0"], "--ha-recovery-message-mib 0"),
 ])
 def test_inconsistent_flags(argv, needle):
     with pytest.raises(HAConfigError) as e:
         opts(argv)
     assert needle in str(e.value)
+
+
+def test_recovery_message_size():
+    assert opts(["--enable-hbmfault-repair"]).recovery_message_mib == 64
+    assert opts(["--enable-hbmfault-repair", "--ha-recovery-message-mib", "8"]).recovery_message_mib == 8
 
 
 def test_no_replica_keeps_ha_but_not_replicas():

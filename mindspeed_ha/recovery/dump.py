@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from mindspeed_ha.events import EventLog, get_logger
 from mindspeed_ha.plan import DumpPlan
+from mindspeed_ha.recovery.repair import REPAIR_CHUNK_BYTES
 
 if TYPE_CHECKING:
     from mindspeed_ha.comm.groups import World
@@ -93,14 +94,14 @@ def prepare(trainer: TrainerInterface, abandon_update: bool = False) -> Prepared
     return Prepared(trainer, local_status(trainer), sd, params, shard, time.perf_counter() - t0, size)
 
 
-def _resync_model_weights(prep: Prepared, plan: DumpPlan, world: World) -> int:
+def _resync_model_weights(prep: Prepared, plan: DumpPlan, world: World, chunk_bytes: int) -> int:
     """Model weights := the writers' fp32 main params (cast like the distributed optimizer's own
     copy). A fault between the shard updates and the parameter all-gather leaves stale weights for
     other ranks' shards; this is that all-gather, from the chosen holders only, and only to the
     survivors that hold the same parameter at the same (TP, PP, EP) position — their data-parallel
     peers — in the weights' own dtype (the cast the receiver would make). Point to point, every rank
-    walking the (writer, receiver) pairs in one order. Returns the bytes this rank received."""
-    from mindspeed_ha.recovery.repair import REPAIR_CHUNK_BYTES
+    walking the (writer, receiver) pairs in one order, in messages of at most ``chunk_bytes``.
+    Returns the bytes this rank received."""
     me = world.rank
     held = sorted((name, tuple(pos)) for name, (_, pos) in prep.params.items())
     every: list[Any] = [None] * len(world.ranks)  # filled by all_gather_object
@@ -125,7 +126,7 @@ def _resync_model_weights(prep: Prepared, plan: DumpPlan, world: World) -> int:
         views = [prep.params[d["param"]][0].data.view(-1)[d["start"]:d["end"]] for d in entries]
         if src == mine:  # (the weights the receiver will hold: the fp32 main values in their dtype)
             views = [exported[f"{d['name']}.param"].reshape(-1).to(v.dtype) for d, v in zip(entries, views)]
-        got += _move_weights(views, sending=src == mine, peer=dst if src == mine else src, chunk=REPAIR_CHUNK_BYTES)
+        got += _move_weights(views, sending=src == mine, peer=dst if src == mine else src, chunk=chunk_bytes)
     return got
 
 
@@ -249,7 +250,7 @@ def _verify(tmp: str, world: World, manifest: dict[str, Any]) -> None:
 
 
 def write(prep: Prepared, plan: DumpPlan, world: World, save_dir: str, events: EventLog | None = None,
-          progress: Callable[[], None] = lambda: None) -> DumpResult:
+          progress: Callable[[], None] = lambda: None, chunk_bytes: int = REPAIR_CHUNK_BYTES) -> DumpResult:
     """Collective over ``world``, the survivors' default group from ``comm.groups.survivor_world``
     (called after ``prepare``). ``plan`` must be the same on every survivor. ``progress()`` is called
     after each part (the controller extends the dump's time limit while writers make progress)."""
@@ -274,7 +275,7 @@ def write(prep: Prepared, plan: DumpPlan, world: World, save_dir: str, events: E
         os.makedirs(tmp)
         checkpoint_dir.remove_leftovers(save_dir, keep=tmp)  # e.g. a periodic save the fault interrupted
     try:
-        resync_bytes = _resync_model_weights(prep, plan, world)
+        resync_bytes = _resync_model_weights(prep, plan, world, chunk_bytes)
         progress()
         rng_ok = _normalize(prep, plan)
         sd = prep.sd

@@ -35,7 +35,7 @@ from mindspeed_ha.comm.groups import DEFAULT_TIMEOUT
 from mindspeed_ha.comm.interruptible import commit_point
 from mindspeed_ha.events import get_logger
 from mindspeed_ha.replica.optimizer import set_step_counts, step_count
-from mindspeed_ha.replica.reshard import described, exchange, schedule, state_io
+from mindspeed_ha.replica.reshard import CHUNK_BYTES, described, exchange, schedule, state_io
 
 if TYPE_CHECKING:
     from mindspeed_ha.plan import ElasticPlan
@@ -89,8 +89,9 @@ def enter_layout(trainer: TrainerInterface, plan: ElasticPlan, rank: int, store_
     return {"t": t, "world": world, "mem": mem, **held}
 
 
-def move_state(trainer: TrainerInterface, plan: ElasticPlan, rank: int, entered: dict[str, Any]) -> dict[str, Any]:
-    """Step 4, with every rank of the new layout."""
+def move_state(trainer: TrainerInterface, plan: ElasticPlan, rank: int, entered: dict[str, Any],
+               chunk_bytes: int = CHUNK_BYTES) -> dict[str, Any]:
+    """Step 4, with every rank of the new layout, in messages of at most ``chunk_bytes``."""
     from mindspeed_ha.recovery.repair import transfer_bookkeeping
     t, old_ranges, newcomer = entered["t"], entered["old_ranges"], entered["newcomer"]
     t["built"] = time.perf_counter()  # (a newcomer of Megatron-LM's loop: its model built meanwhile)
@@ -112,7 +113,7 @@ def move_state(trainer: TrainerInterface, plan: ElasticPlan, rank: int, entered:
     read, _ = state_io(old_ranges)
     _, write = state_io(new_ranges)
     width = len(next(iter(new_ranges.values()), (None, None, None)))  # main values, then the moments
-    got = exchange(moves, entered["world"].new_rank, read, write, width=width)
+    got = exchange(moves, entered["world"].new_rank, read, write, width=width, chunk_bytes=chunk_bytes)
     new.ha_install_state_ranges(new_ranges)
     set_step_counts(new, steps.pop())
     new.ha_install_scaler_states(scalers[0])

@@ -80,6 +80,11 @@ class RankRecovery:
                 "dump-status": self.dump_status, "dump": self.dump}
 
     @property
+    def message_bytes(self) -> int:
+        """The largest message a repair, a reshard or the dump's resync sends (--ha-recovery-message-mib)."""
+        return self.s.options.recovery_message_mib << 20
+
+    @property
     def collective_timeout(self) -> datetime.timedelta:
         """Every group's collective timeout, a rebuilt or resized one's too: the job's own."""
         return datetime.timedelta(seconds=self.s.options.collective_timeout_s)
@@ -155,7 +160,8 @@ class RankRecovery:
         def overwriting() -> None:  # (the shard is whole again only once the commit point below passed)
             self.s.shard_poisoned = True
         with PeakExtra() as mem:
-            got = repair.transfer_shards(self.s.optimizer, pairs, self.s.rank, int(args["iteration"]), overwriting)
+            got = repair.transfer_shards(self.s.optimizer, pairs, self.s.rank, int(args["iteration"]), overwriting,
+                                         chunk_bytes=self.message_bytes)
         flat = list(args.get("joiners", []))  # restarted rank, its twin, ...
         joiners = dict(zip(flat[0::2], flat[1::2]))
         received = repair.transfer_bookkeeping(self.trainer, joiners, self.s.rank) if joiners else None
@@ -214,7 +220,8 @@ class RankRecovery:
         def rest(trainer: TrainerInterface | None = None) -> dict[str, Any]:
             assert plan.iteration is not None  # (an ok plan names its iteration)
             self.s.fire("resize", plan.iteration + 1)
-            out = elastic.move_state(trainer or self.trainer, plan, self.s.rank, entered)
+            out = elastic.move_state(trainer or self.trainer, plan, self.s.rank, entered,
+                                     chunk_bytes=self.message_bytes)
             self.s.events.emit("resized", iteration=plan.iteration, **out)
             self.unfinished = None
             wrote = self.s.writes_loss
@@ -285,6 +292,7 @@ class RankRecovery:
                                       timeout=self.collective_timeout, backend=self.s.device.backend)
         save = self.trainer.save_dir
         assert save is not None  # (dump_status, which prepared the dump, refuses a rank without one)
-        res = dump.write(self.prepared, plan, world, save, self.s.events, progress=self.s.progressed)
+        res = dump.write(self.prepared, plan, world, save, self.s.events, progress=self.s.progressed,
+                         chunk_bytes=self.message_bytes)
         return {"iteration": res.iteration, "path": res.path, "seconds": round(res.seconds, 4),
                 "bytes": res.bytes, "save": os.path.abspath(save)}
