@@ -249,6 +249,12 @@ def worker_uncovered(rank, port, out):
     except ic.CollectiveStopped:
         result["covered"] = "raised"
     _write(out, "uncovered", rank, result)
+    # No rank leaves before the others have been aborted too: a peer's exit closes its connections,
+    # and a rank whose aborter is still in its grace (a loaded machine) would see its pending
+    # collective fail, which torch's default watchdog mode answers by ending the process.
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=timedelta(seconds=60))
+    store.set(f"uncovered_done/{rank}", "1")
+    store.wait([f"uncovered_done/{r}" for r in range(WORLD - 1)])
     os._exit(0)
 
 
