@@ -217,8 +217,8 @@ def test_megatron_lm_steps_read_nothing_from_the_device_before_they_end(fault_fr
 def test_megatron_lm_retry_rolls_back_and_forward_bit_identical(tmp_path, fault_free):
     """Megatron-LM's own loop repaired in place (retry), each fault its own recovery: a uce in the
     backward (the step is recomputed with the same microbatches, replayed), a uce at the start of the
-    update and one in the parameter all-gather (the update completed on the twins: only the rest of
-    train_step runs), a comm failure in the gradient sync. No process restarts; every loss equals a
+    update and one in the parameter all-gather (where the update completed on the twins only the rest
+    of train_step runs, else the step is recomputed), a comm failure in the gradient sync. No process restarts; every loss equals a
     fault-free run's, bit for bit, and Megatron-LM's loop logs all ten iterations."""
     faults = ("uce:rank=2:step=2:phase=backward,uce:rank=2:step=4:phase=optimizer,"
               "uce:rank=1:step=6:phase=param-sync,comm:rank=3:step=8:phase=grad-sync")
@@ -229,8 +229,14 @@ def test_megatron_lm_retry_rolls_back_and_forward_bit_identical(tmp_path, fault_
     assert proc.stdout.count("iteration       10/      10 |") == 1  # Megatron-LM's own training_log
     from helpers import events as read_events
     rec = [e for e in read_events(tmp_path / "fault", "controller") if e["event"] == "recovered"]
-    assert [(e["iteration"], e["how"], e["lost_steps"]) for e in rec] == [
-        (1, "rollback", 0), (4, "roll-forward", 0), (6, "roll-forward", 0), (7, "rollback", 0)]
+    # A fault from the update on (steps 4 and 6) rolls its step forward where every twin had
+    # finished its update, and back where the stop caught a twin still inside it (a loaded machine:
+    # rank 1 reached its parameter all-gather before rank 3 had ended Adam): both are whole.
+    got_how = [(e["iteration"], e["how"], e["lost_steps"]) for e in rec]
+    assert got_how[0] == (1, "rollback", 0) and got_how[3] == (7, "rollback", 0), got_how
+    for (it, how, lost), step in zip(got_how[1:3], (4, 6)):
+        assert (it, how, lost) in ((step, "roll-forward", 0), (step - 1, "rollback", 0)), got_how
+    assert len(got_how) == 4, got_how
     events = all_rank_events(tmp_path / "fault")
     starts = {e["rank"]: e["pid"] for e in events if e["event"] == "start"}
     assert len(starts) == 4 and all(e["pid"] == starts[e["rank"]] for e in events if e["event"] == "step")
