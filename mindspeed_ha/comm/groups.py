@@ -188,7 +188,7 @@ def _retire(pg, backend: str) -> None:
     allocate theirs. Gloo's holds sockets only, and its abort cannot wake a wait on a live peer:
     released as it is. HCCL: its "abort" stops the device (``device.restart_after_stop``), not
     one communicator: released as it is."""
-    if backend == "nccl" or backends.canonical(backend) == backends.EMULATED_NCCL:
+    if backends.canonical(backend) in ("nccl", backends.EMULATED_NCCL):
         try:
             pg.abort()
         except Exception as e:  # (torn down already, e.g. a drill's broken link: nothing left to free)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from mindspeed_ha.events import EventLog, get_logger
 from mindspeed_ha.plan import DumpPlan
-from mindspeed_ha.recovery.repair import REPAIR_CHUNK_BYTES
+from mindspeed_ha.replica.reshard import CHUNK_BYTES
 
 if TYPE_CHECKING:
     from mindspeed_ha.comm.groups import World
@@ -250,7 +250,7 @@ def _verify(tmp: str, world: World, manifest: dict[str, Any]) -> None:
 
 
 def write(prep: Prepared, plan: DumpPlan, world: World, save_dir: str, events: EventLog | None = None,
-          progress: Callable[[], None] = lambda: None, chunk_bytes: int = REPAIR_CHUNK_BYTES) -> DumpResult:
+          progress: Callable[[], None] = lambda: None, chunk_bytes: int = CHUNK_BYTES) -> DumpResult:
     """Collective over ``world``, the survivors' default group from ``comm.groups.survivor_world``
     (called after ``prepare``). ``plan`` must be the same on every survivor. ``progress()`` is called
     after each part (the controller extends the dump's time limit while writers make progress)."""

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from mindspeed_ha.device import current
 from mindspeed_ha.events import get_logger
+from mindspeed_ha.replica.reshard import CHUNK_BYTES
 from mindspeed_ha.trainer import rng
 
 if TYPE_CHECKING:
@@ -53,14 +54,13 @@ def status(trainer: TrainerInterface) -> dict[str, Any]:
     return {**local_status(trainer), "ended": trainer.ended}
 
 
-# What one repair message carries at most: the receiver writes each message into the shard it is
-# replacing (it is being overwritten anyway), so a repair allocates one message beside the state on
+# A repair's receiver writes each message into the shard it is replacing (it is being overwritten
+# anyway), so a repair allocates one message (at most CHUNK_BYTES by default) beside the state on
 # either side, whatever the shard's size.
-REPAIR_CHUNK_BYTES = 64 << 20
 
 
 def transfer_shards(optimizer: ReplicaMixin, pairs: list[tuple[int, int]], rank: int, iteration: int,
-                    overwriting: Callable[[], None] = lambda: None, chunk_bytes: int = REPAIR_CHUNK_BYTES) -> int:
+                    overwriting: Callable[[], None] = lambda: None, chunk_bytes: int = CHUNK_BYTES) -> int:
     """Point to point over the rebuilt default group: for each (src, dst) (job ranks), src sends its
     shard state (fp32 main params and the optimizer's state for them, its step counts and loss
     scaler: ``ReplicaMixin.ha_export_shard``), dst overwrites its own in place. Every rank walks the

@@ -73,8 +73,9 @@ def schedule(held: Mapping[int, Iterable[Range]], wanted: Mapping[int, Iterable[
     return sorted(moves, key=lambda m: (m.src, m.dst, str(m.key), m.start))
 
 
-# What one reshard message carries at most (the same bound as a repair's): a move larger than that
-# is cut into pieces, and a rank never holds more than one message beside the state it moves.
+# What one recovery message carries at most by default (--ha-recovery-message-mib: a reshard's, a
+# repair's and the dump resync's): a move larger than that is cut into pieces, and a rank never
+# holds more than one message beside the state it moves.
 CHUNK_BYTES = 64 << 20
 
 
