@@ -121,7 +121,20 @@ class Job:
         return {i: r[-1] for i, r in sorted(runs.items())}
 
     def tail(self, n: int = 1500) -> str:
-        return self.out[-n:]
+        """The job's last output, then what its ranks said of a stop: a failed multi-rank check
+        shows there whether the survivors' communicators were aborted, and where a training thread
+        that never served the recovery was held."""
+        said = self.stop_evidence()
+        return self.out[-n:] + (f"\n--- the ranks on the stop\n{said}" if said else "")
+
+    def stop_evidence(self, n: int = 4000) -> str:
+        lines = [f"rank {e.get('rank')}: {e.get('detail', '')}" for e in self.events("rank_*") if e.get("event") == "held"]
+        path = os.path.join(self.log_dir, "ttp_log.log")
+        if os.path.exists(path):
+            with open(path, errors="replace") as f:
+                lines += [line.rstrip()[:600] for line in f
+                          if "mindspeed_ha.comm: stop:" in line or "left its collective" in line]
+        return "\n".join(lines)[-n:]
 
 
 class Runner:

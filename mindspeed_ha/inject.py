@@ -7,6 +7,10 @@
            | freeze (the whole process stops, SIGSTOP: silent, its sockets open, as on a frozen
              node; SIGCONT resumes it)
            | comm (abort this rank's communicators, raise a CommFault)
+           | held (this thread waits on a receive no peer sends, issued past the engine's tracking, then
+             syncs the device: a host held in a device sync behind a collective the engine never saw,
+             as a library's own call into the backend leaves it; only an abort of this rank's
+             communicators frees it. Stream-ordered backends only: NCCL, HCCL, the emulated NCCL)
            | bitflip (flip one bit of this rank's optimizer shard, silently: a drill for
              --ha-verify-replicas-interval)
            | ecc (raise CUDA's sticky "uncorrectable ECC error encountered": process-fatal)
@@ -47,8 +51,9 @@ from mindspeed_ha.faults import CommFault, MemoryFault
 
 ENV = "MINDSPEED_HA_INJECT"
 KINDS = ("kill", "exit", "exception", "uce", "hang", "freeze", "comm", "bitflip", "ecc", "slow",
-         "cuda-illegal-address")
+         "cuda-illegal-address", "held")
 DEVICE_KINDS = {"cuda-illegal-address": "cuda"}  # drills that need a real device of that kind
+STREAM_ORDERED_KINDS = ("held",)  # drills that need a backend whose abort ends a pending collective
 PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "step-end", "checkpoint", "recovery",
           "rebuild", "resize", "pipeline-send", "pipeline-recv")
 DEFAULT_PHASE = "forward"
@@ -158,13 +163,19 @@ def check_reachable(faults: list[Fault], world_size: int, train_iters: int) -> N
                                   f"1..{train_iters} (--train-iters {train_iters})")
 
 
-def check_device(faults: list[Fault], device_kind: str) -> None:
-    """A drill that needs a real GPU is refused on any other device, before anything is built."""
+def check_device(faults: list[Fault], device_kind: str, backend: str) -> None:
+    """A drill that needs a real GPU is refused on any other device, and one that needs a
+    stream-ordered backend on gloo, before anything is built."""
+    from mindspeed_ha.comm.backends import EMULATE_ENV, stream_ordered
     for f in faults:
         need = DEVICE_KINDS.get(f.kind)
         if need and need != device_kind:
             raise InjectSpecError(f"{ENV}: {f.spec()} needs a {need.upper()} device, and this rank trains on "
                                   f"{device_kind}; on the CPU, ecc drills the same process-fatal path")
+        if f.kind in STREAM_ORDERED_KINDS and not stream_ordered(backend):
+            raise InjectSpecError(f"{ENV}: {f.spec()} needs a stream-ordered backend (NCCL, HCCL), and this rank's "
+                                  f"collectives run on {backend}, whose abort frees no waiting thread; on the CPU, "
+                                  f"set {EMULATE_ENV}=1 (the emulated NCCL)")
 
 
 def job_id(env: Mapping[str, str] | None = None) -> str:
@@ -312,6 +323,8 @@ class Injector:
         elif f.kind == "comm":
             (self._comm_breaker or default_comm_breaker)()
             raise CommFault(f"injected communication failure: communicators aborted ({where})")
+        elif f.kind == "held":
+            hold_on_untracked()
 
 
 def default_comm_breaker() -> None:
@@ -337,3 +350,29 @@ def default_comm_breaker() -> None:
         dist.destroy_process_group()
     except Exception:
         pass
+
+
+# The tag of the held drill's receive (no message of a job carries it; NCCL ignores tags: on a layout
+# with point-to-point messages of its own there, the drill may take one of them).
+HELD_TAG = 0x4D48
+
+
+def hold_on_untracked() -> None:
+    """The held drill: a receive from the next rank, which never sends it, issued on the world
+    group's communicator itself (past the engine's tracking, as a library calling the backend would),
+    then the device synced: this thread stays there until an abort of this rank's communicators
+    completes the receive (with nothing received). The step then goes on, and its next collective
+    meets the stop."""
+    import torch
+    import torch.distributed as dist
+    from mindspeed_ha import compat, device
+    from mindspeed_ha.comm import backends
+    backend = backends.canonical(str(dist.get_backend()))
+    if not backends.stream_ordered(backend):  # (a live injection: the environment's are refused at start)
+        log.error("held drill not run: it needs a stream-ordered backend, and this rank's collectives run on %s, "
+                  "whose abort frees no waiting thread", backend)
+        return
+    peer = (dist.get_rank() + 1) % dist.get_world_size()
+    work = compat.default_group().recv([torch.empty(1, device=device.current())], peer, HELD_TAG)
+    work.wait()  # (the emulated NCCL: the host waits here; NCCL: the stream does)
+    device.synchronize()

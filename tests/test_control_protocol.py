@@ -256,7 +256,8 @@ harmless = st.one_of(st.just(protocol.encode("status?")), st.builds(
                            "health": st.text(max_size=10)}),
     st.fixed_dictionaries({}, optional={"phase": st.sampled_from(protocol.PHASES), "wait": st.booleans(),
                                         "progress": st.floats(allow_nan=False), "steps": st.integers(0, 10**6),
-                                        "busy": st.floats(0, 10), "ckpt": st.integers(-1, 10**6)})))
+                                        "busy": st.floats(0, 10), "ckpt": st.integers(-1, 10**6),
+                                        "held": st.text(max_size=40)})))
 # Valid messages a job's key may not send: each must be dropped for its role.
 FORBIDDEN = [protocol.encode(t, **SAMPLES[t]) for t in sorted(set(SAMPLES) - security.MAY_SEND["job"])]
 

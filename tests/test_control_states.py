@@ -477,3 +477,14 @@ def test_a_home_store_that_is_gone_is_retried_less_and_less_often():
         assert 2 <= len(attempts) <= 5, [round(b - a, 2) for a, b in zip(attempts, attempts[1:])]
     finally:
         gone.close()
+
+
+def test_a_heartbeat_carries_a_ranks_report_of_where_its_training_thread_is_held_until_it_is_not():
+    from mindspeed_ha.control.policy.ranks import Rank, RankTable
+    t = RankTable(1, heartbeat_s=0.5, hang_timeout_s=3.0)
+    t.ranks[0] = Rank(rank=0, ident=b"\0")
+    beat = {"rank": 0, "it": 5, "upd": False, "health": "ok", "phase": "recovery"}
+    t.heard(b"\0", {**beat, "held": "it is in synchronize (streams.py:90)"}, 1.0)
+    assert t.ranks[0].held == "it is in synchronize (streams.py:90)"
+    t.heard(b"\0", beat, 2.0)
+    assert t.ranks[0].held == ""

@@ -7,7 +7,7 @@ import zmq
 
 from mindspeed_ha.control.wire import protocol, security
 from mindspeed_ha.control.controller import Controller
-from mindspeed_ha.events import read_events
+from mindspeed_ha.events import EventLog, read_events
 from mindspeed_ha.options import HAOptions
 
 GROUPS = {0: [0, 2], 2: [0, 2], 1: [1, 3], 3: [1, 3]}
@@ -260,3 +260,44 @@ def test_ranks_whose_agent_has_not_registered_wait_for_their_node(tmp_path):
         assert c.restarts.restart([2, 3]) == ([], [], [2, 3])
     finally:
         c.router.close()
+
+
+def test_a_rank_whose_training_thread_does_not_take_an_order_says_where_that_thread_is(tmp_path):
+    """An order for the training thread left untaken for HELD_REPORT_S: the processor reports where
+    that thread is (its innermost frames) and where the stop stands, in what heartbeats carry; the
+    report ends when the thread takes the order."""
+    import threading
+    from mindspeed_ha.comm import interruptible as ic
+    from mindspeed_ha.control.rank import processor as P
+
+    gate = threading.Event()
+
+    def held_in_a_device_sync():
+        gate.wait()
+
+    t = threading.Thread(target=held_in_a_device_sync, daemon=True)
+    t.start()
+    p = P.Processor(1, 4, 1, "n0", HAOptions(strategies=frozenset({"retry"}), log_dir=str(tmp_path)), [[1, 3]])
+    p.events = EventLog.for_rank(str(tmp_path), 1)
+    p.serve({"ha-status": lambda args: "here"}, training_thread=True)
+    p._training_ident = t.ident
+    p._dispatch({"action": "ha-status", "id": 7, "epoch": 1, "args": {}})
+    queued = p._queued_at
+    assert queued is not None
+    p._check_held(queued + P.HELD_REPORT_S - 1)
+    assert p.held == ""  # (not yet)
+    ic.request_stop("test: a peer faulted")
+    try:
+        p._check_held(queued + P.HELD_REPORT_S + 2)
+        assert p.held.startswith(f"the training thread has not taken the controller's order for "
+                                 f"{P.HELD_REPORT_S + 2:.0f}s; it is in wait (threading.py:"), p.held
+        assert "<- held_in_a_device_sync (test_controller.py:" in p.held and "(test: a peer faulted)" in p.held
+        held = [e for e in read_events(str(tmp_path / "events" / "rank_1.jsonl")) if e["event"] == "held"]
+        assert [e["detail"] for e in held] == [p.held]
+    finally:
+        ic.clear_stop()
+        gate.set()
+        t.join()
+    # The thread takes the order (here: this one, in its place): the report ends, the answer goes out.
+    assert p.serve_order(timeout=1.0) == "ha-status"
+    assert p.held == "" and p._queued_at is None

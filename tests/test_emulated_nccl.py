@@ -442,6 +442,50 @@ def test_without_the_commit_point_the_same_stop_leaves_a_wrong_shard(tmp_path, r
     assert {i: want[i] for i in range(1, 5)} == {i: got[i] for i in range(1, 5)}  # (before the stop: the same)
 
 
+# Rank 2 ends step 5 and is held at its end (the held drill: a wait on a receive the engine never saw,
+# as a host held in a device sync behind a library's own collective); nothing it tracks is pending.
+# Rank 1 goes on to step 6 (no replica check after step 5: they run every 2nd step here, and each is a
+# world collective) and meets a memory error there.
+HELD_UNTRACKED = "held:rank=2:step=5:phase=step-end,uce:rank=1:step=6:phase=forward"
+HELD_FLAGS = ("--ha-verify-replicas-interval", "2")
+
+
+def test_a_rank_held_behind_a_collective_the_engine_never_saw_is_freed_by_the_backstop_abort(tmp_path, references):
+    """The stop finds nothing pending on rank 2, so its grace aborts nothing; the backstop does, once
+    rank 2 has not reached the recovery: its wait ends, it joins the retry, and every loss is the
+    fault-free run's bits, nobody restarted, the twins equal."""
+    from helpers import all_rank_events, assert_ok, events, losses, twins_agree
+    proc = _drill_job(tmp_path, HELD_UNTRACKED, HELD_FLAGS)
+    assert_ok(proc)
+    assert losses(tmp_path) == references.tiny("dp4")
+    assert sorted(e["rank"] for e in all_rank_events(tmp_path) if e["event"] == "start") == [0, 1, 2, 3]
+    rec = [e for e in events(tmp_path, "controller") if e["event"] == "recovered"]
+    assert [(e["strategy"], [f["ranks"] for f in e["faults"]]) for e in rec] == [("retry", [[1]])], rec
+    assert "stop: the training thread had not reached the recovery (held on the device?)" in proc.stderr
+    twins_agree(tmp_path, rec)
+
+
+def test_without_the_backstop_the_held_rank_never_answers_and_the_controller_says_where_it_is(tmp_path):
+    """The same drill with the backstop switched off (a sitecustomize): rank 2 never takes the
+    controller's order; after HELD_REPORT_S its processor reports where its training thread is, and
+    the failed retry's reason names the drill's frame and the stop's state (no abort). The dump
+    follows, without rank 2."""
+    from helpers import events
+    off = tmp_path / "no_backstop"
+    off.mkdir()
+    (off / "sitecustomize.py").write_text("import mindspeed_ha.comm.interruptible as ic\n"
+                                          "ic.BACKSTOP_S = 1e9\n")
+    proc = _drill_job(tmp_path / "job", HELD_UNTRACKED, HELD_FLAGS, env={
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(off), os.environ.get("PYTHONPATH")]))})
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    failed = [e["reason"] for e in events(tmp_path / "job", "controller") if e["event"] == "repair_failed"]
+    assert failed and failed[0].startswith("status failed (rank 2: no answer (the training thread has not taken "
+                                           "the controller's order for "), failed
+    assert "<- hold_on_untracked (inject.py:" in failed[0] and "no communicator aborted" in failed[0], failed
+    held = [e for e in events(tmp_path / "job", "rank_2") if e["event"] == "held"]
+    assert held and "hold_on_untracked" in held[0]["detail"], held
+
+
 def test_a_rebuild_connects_its_communicators_and_aborts_the_replaced_ones(tmp_path):
     """``groups.reconnect`` (a recovery's rebuild phase) on NCCL's semantics: every communicator of
     the new generation is initialised inside it, on the rank's device, so none is left to the first

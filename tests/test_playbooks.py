@@ -22,6 +22,7 @@ class FakePort:
         self.generation = 0
         self.note = ""
         self.hangs: list = []
+        self.held_reports: dict[int, str] = {}
 
     # rounds.Port
     def order(self, action, ranks, args):
@@ -81,6 +82,9 @@ class FakePort:
 
     def host_rank(self):
         return 0
+
+    def held(self, rank):
+        return self.held_reports.get(rank, "")
 
     # test helpers
     def last(self):
@@ -336,6 +340,16 @@ def test_retry_a_silent_rank_times_the_round_out():
     assert runner.tick() == ("failed", "status failed (rank 3: no answer)")
 
 
+def test_a_silent_ranks_own_report_of_where_it_is_held_is_in_the_failure_whole():
+    port, clock = FakePort(), Clock()
+    runner, _ = play(playbooks.RETRY, S.REPAIR, episode(port), clock)
+    where = "the training thread has not taken the controller's order for 29s; it is in synchronize " + "x" * 700
+    port.held_reports = {3: where, 1: "a report of a rank that answered: not shown"}
+    port.answer({r: s for r, s in statuses().items() if r != 3})
+    clock.t += playbooks.ROUND_WAIT_S + 1
+    assert runner.tick() == ("failed", f"status failed (rank 3: no answer ({where}))")
+
+
 def test_retry_a_rank_lost_meanwhile_fails_the_round():
     port = FakePort()
     runner, _ = play(playbooks.RETRY, S.REPAIR, episode(port))
@@ -527,9 +541,11 @@ def test_recover_a_rank_silent_in_a_round_is_hung_and_the_recovery_starts_over()
     port.answer(statuses(6))
     runner.tick()  # rebuild sent
     port.answer({0: "ok", 1: "ok", 3: "ok"})
+    port.held_reports = {2: "it is in synchronize (streams.py:90)"}
     clock.t += playbooks.ROUND_WAIT_S + 1
     assert runner.tick() is None
-    assert port.hangs == [([2], f"no answer to rebuild within {playbooks.ROUND_WAIT_S:g}s")]
+    assert port.hangs == [([2], f"no answer to rebuild within {playbooks.ROUND_WAIT_S:g}s; "
+                                "rank 2: it is in synchronize (streams.py:90)")]
 
 
 def test_dump_does_not_ask_a_hung_rank():

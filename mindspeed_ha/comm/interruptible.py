@@ -60,6 +60,12 @@ STOP_GRACE_S = 0.1
 # is kept for the rank's next hooked call (``raise_deferred``), and until then the collectives of that
 # code, which only time and log the loop, are answered by this rank alone.
 UNCOVERED_GRACE_S = 10.0
+# A training thread that has not reached the recovery (waiting for its orders) this long after a
+# stop's grace is taken to be held on the device behind a collective this module never saw: one a
+# library issued through the backend itself, a communicator's set-up inside a collective. Nothing
+# tracked is pending then, yet the thread can leave only if the communicators are aborted, so they
+# are. It costs nothing a recovery would not pay: every recovery after a stop replaces them.
+BACKSTOP_S = 5.0
 
 _stop = threading.Event()
 _thread = threading.local()  # .uncovered: this thread runs code no recovery covers
@@ -71,6 +77,13 @@ _stopped_at = 0.0
 _aborted = False
 _uncovered = False  # the training thread runs code no recovery covers (what the aborter reads)
 _aborter: threading.Thread | None = None
+# The training thread waits for the controller's next order (``awaiting_orders``): it left the step.
+_awaiting = threading.Event()
+# Held by the abort of a stop, and by ``clear_stop``: a recovery that clears the stop (and then
+# makes new communicators) never runs beside an abort still deciding or aborting the old ones.
+_abort_lock = threading.Lock()
+# The last abort: (seconds after its stop it began, seconds it took or None while it runs, why).
+_abort_info: tuple[float, float | None, str] | None = None
 
 
 class CollectiveStopped(RuntimeError):
@@ -93,23 +106,60 @@ def request_stop(reason: str = "") -> None:
 
 
 def _abort_when_due() -> None:
-    """A stop's communicator abort: when a stream-ordered collective issued before it is still pending
-    after the grace (the uncovered one while the training thread is outside the covered calls). None
-    pending: no abort, the next collective raises at its entry, and every result read meanwhile was
+    """A stop's communicator abort, once its grace has passed (the uncovered one while the training
+    thread is outside the covered calls), when a stream-ordered collective issued before it is still
+    pending, or (``BACKSTOP_S`` later) when the training thread has still not reached the recovery.
+    Otherwise no abort: the next collective raises at its entry, and every result read meanwhile was
     whole."""
     logged = False
-    while _stop.is_set() and not _aborted:
-        grace = UNCOVERED_GRACE_S if _uncovered else STOP_GRACE_S
-        due = time.monotonic() - _stopped_at >= grace
-        if _streams.pending() and due:
-            _log().warning("stop: a stream-ordered collective was still pending %.2fs after the stop: aborting "
-                           "this rank's communicators (%s)", time.monotonic() - _stopped_at, _reason or "-")
-            abort_now()
-            return
-        if due and not logged:  # (a GPU hang with nothing tracked as pending would show here, and nowhere else)
-            _log().info("stop: no stream-ordered collective pending after the %.1fs grace: no abort", grace)
+    while True:
+        with _abort_lock:
+            if not _stop.is_set() or _aborted:
+                return
+            grace = UNCOVERED_GRACE_S if _uncovered else STOP_GRACE_S
+            since = time.monotonic() - _stopped_at
+            why = ""
+            if since >= grace and _streams.pending():
+                why = "a stream-ordered collective was still pending"
+            elif since >= grace + BACKSTOP_S and not _awaiting.is_set():
+                why = "the training thread had not reached the recovery (held on the device?)"
+            if why:
+                _log().warning("stop: %s %.2fs after the stop: aborting this rank's communicators (%s)",
+                               why, since, _reason or "-")
+                abort_now(why=why)
+                return
+        if since >= grace and not logged:
+            _log().info("stop: no stream-ordered collective pending after the %.1fs grace: no abort, unless the "
+                        "training thread has not reached the recovery %.0fs later", grace, BACKSTOP_S)
             logged = True
         time.sleep(WAIT_SLICE_S)
+
+
+@contextlib.contextmanager
+def awaiting_orders():
+    """The (training) thread waits for the controller's next order inside: it has left the step, so
+    a stop's backstop abort is not needed to free it."""
+    _awaiting.set()
+    try:
+        yield
+    finally:
+        _awaiting.clear()
+
+
+def stop_report() -> str:
+    """Where this rank's stop stands, for a report of a training thread that does not serve the
+    recovery: how long ago, and what its abort did."""
+    if not _stop.is_set():
+        return "no stop in force"
+    text = f"stopped {time.monotonic() - _stopped_at:.1f}s ago ({_reason or '-'})"
+    if _abort_info is not None:
+        began, took, why = _abort_info
+        text += (f"; communicators aborted {began:.2f}s after the stop, in {took:.2f}s ({why})" if took is not None
+                 else f"; the communicators' abort began {began:.2f}s after the stop and has not returned ({why})")
+    elif _streams.used:
+        text += "; no communicator aborted"
+    pending = _streams.pending_count()
+    return text + (f"; {pending} tracked collective(s) pending" if pending else "")
 
 
 def _log():
@@ -117,16 +167,20 @@ def _log():
     return get_logger("comm")
 
 
-def abort_now(reason: str = "") -> None:
+def abort_now(reason: str = "", why: str = "") -> None:
     """Abort every stream-ordered communicator of this process now (the abort hooks). A commit point
     refuses from here until ``clear_stop()``."""
-    global _aborted
+    global _aborted, _abort_info
     _aborted = True  # (first: a commit point that sees the abort's effect sees this too)
+    t0 = time.monotonic()
+    began = t0 - _stopped_at if _stop.is_set() else 0.0
+    _abort_info = (began, None, why or "asked")
     for hook in list(_abort_hooks):
         try:
             hook(reason or _reason)
         except Exception:  # a failing abort must not stop the others
             pass
+    _abort_info = (began, time.monotonic() - t0, why or "asked")
 
 
 def aborted() -> bool:
@@ -174,13 +228,15 @@ def committed_since(mark: tuple[int, int]) -> bool:
 
 
 def clear_stop() -> None:
-    global _reason, _deferred, _aborted, _cleared
-    _reason = ""
-    _cleared += 1
-    _deferred = None  # (a recovery ran: it covered that failure too)
-    _stop.clear()
-    _aborted = False
-    _streams.forget()  # (the aborted communicators' works: they are being replaced)
+    global _reason, _deferred, _aborted, _cleared, _abort_info
+    with _abort_lock:  # (an abort under way ends first: it aborts the old communicators only)
+        _reason = ""
+        _cleared += 1
+        _deferred = None  # (a recovery ran: it covered that failure too)
+        _stop.clear()
+        _aborted = False
+        _abort_info = None
+        _streams.forget()  # (the aborted communicators' works: they are being replaced)
     _cancel_park()
 
 
@@ -304,10 +360,13 @@ class _InFlight:
         return self._waits[kind]
 
     def pending(self) -> bool:
+        return bool(self.pending_count()) or any(w.pending() for w in list(self._waits.values()))
+
+    def pending_count(self) -> int:
+        """The works issued and not complete."""
         with self._lock:
             self._works = [w for w in self._works if not w.is_completed()]
-            works = bool(self._works)
-        return works or any(w.pending() for w in list(self._waits.values()))
+            return len(self._works)
 
     def waiting(self) -> bool:
         return any(w.waiting() for w in list(self._waits.values()))

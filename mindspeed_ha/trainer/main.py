@@ -47,7 +47,7 @@ def run(argv: list[str] | None = None) -> int:
         ha_options.check_dirs(opts, bool(args.ha_log_dir), args.save)
         faults = inject.parse(os.environ.get(inject.ENV, ""))
         inject.check_reachable(faults, world, args.train_iters)
-        inject.check_device(faults, device.kind)
+        inject.check_device(faults, device.kind, device.backend)
         compat.check()  # last: it imports megatron-core (seconds), the checks above are instant
     except (HAConfigError, ArgError, DeviceError, compat.CompatError, inject.InjectSpecError) as e:
         _fail(str(e))

@@ -82,6 +82,10 @@ class PlaybookPort:
     def host_rank(self) -> int | None:
         return self._c.rank
 
+    def held(self, rank: int) -> str:
+        info = self._c.table.ranks.get(rank)
+        return info.held if info is not None and info.alive else ""
+
     def condemn(self, ranks: list[int]) -> None:
         """recover: hung ranks are replaced like dead ones (their agent kills and restarts them)."""
         self._c.table.mark_dead(ranks)

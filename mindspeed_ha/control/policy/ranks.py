@@ -45,6 +45,7 @@ class Rank:
     busy_steps: int = 0          # the steps that figure covers (ended since the heartbeat before)
     checkpoint: int = -1         # the newest iteration it saved (periodic checkpoints)
     agent_node: int | None = None  # the node rank of the mindspeed-ha run agent that started it
+    held: str = ""               # where its training thread is held, when it has not taken an order (its report)
 
 
 @dataclasses.dataclass
@@ -133,6 +134,7 @@ class RankTable:
         info.checkpoint = msg.get("ckpt", info.checkpoint)
         info.it, info.upd, info.health, info.phase, info.progress = msg["it"], msg["upd"], msg["health"], phase, prog
         info.waiting = bool(msg.get("wait", False))
+        info.held = str(msg.get("held", ""))
         return info
 
     def mark_dead(self, ranks: Iterable[int]) -> None:

@@ -41,6 +41,10 @@ class Port(Protocol):
     def host_rank(self) -> int | None:
         """The rank whose process runs this controller (None: a process of its own)."""
 
+    def held(self, rank: int) -> str:
+        """Where the rank says its training thread is held, when it has not taken an order ("": no
+        such report)."""
+
     # ---- recover: restarts
     def condemn(self, ranks: list[int]) -> None:
         """Live ranks to be replaced like dead ones (hung, or migrating): marked dead, they owe no answers."""
@@ -110,9 +114,13 @@ class Answers:
     ok: dict[int, Any]
     failed: dict[int, Any]
     seconds: float
+    held: dict[int, str] = dataclasses.field(default_factory=dict)   # silent ranks' own reports of why
 
     def why(self, limit: int = 500) -> str:
-        return "; ".join(f"rank {r}: {d}" for r, d in sorted(self.failed.items()))[:limit]
+        # (a silent rank's report is kept whole: it is what explains the silence)
+        told = sum(len(text) + 3 for r, text in self.held.items() if r in self.failed)
+        return "; ".join(f"rank {r}: {d}" + (f" ({self.held[r]})" if r in self.held else "")
+                         for r, d in sorted(self.failed.items()))[:limit + told]
 
 
 class Memory(Protocol):
@@ -231,8 +239,10 @@ class Runner:
             if working and not late:
                 return None
             silent = sorted(working) if late else []
+            held = {q: text for q in silent if (text := self.ep.port.held(q))}
             if silent and r.silent_is_hung:
-                self.ep.port.hung(silent, f"no answer to {r.name} within {r.wait_s:g}s")
+                self.ep.port.hung(silent, f"no answer to {r.name} within {r.wait_s:g}s"
+                                  + "".join(f"; rank {q}: {text}" for q, text in held.items()))
                 return None  # (a new fault: the controller starts the recovery over)
             ok: dict[int, Any] = {}
             failed: dict[int, Any] = {}
@@ -247,7 +257,7 @@ class Runner:
                         failed[q] = data or "failed"
                 elif not r.partial:
                     failed[q] = "no answer"
-            step = r.decide(self.ep, Answers(ok, failed, now - self.t0))
+            step = r.decide(self.ep, Answers(ok, failed, now - self.t0, held))
         out = self._follow(step)
         if isinstance(out, int):
             return self._enter(out)

@@ -32,6 +32,10 @@ from ..wire.hosts import this_host
 from ..wire.link import ControllerLink, job_id_from_env
 
 log = get_logger("control.processor")
+# An order for the training thread not taken this long: the thread is held somewhere (on the device,
+# in a call that never returns). Where it is goes to the log, the event log and the controller, whose
+# "no answer" then says it.
+HELD_REPORT_S = 10.0
 # An order's handler: its arguments -> its answer (a msgpack tree, or a Later).
 Handler = Callable[[dict[str, Any]], object]
 
@@ -131,6 +135,10 @@ class Processor:
         # the session knows, through the interruptible collectives.
         self.in_collective: Callable[[], bool] = lambda: False
         self.waited_s: Callable[[], float] = lambda: 0.0   # seconds blocked in collectives so far (the same)
+        self._training_ident: int | None = None   # the training thread (its hooks are called there)
+        self._queued_at: float | None = None      # an order for it waits since (monotonic)
+        self.held = ""   # where it is held, while an order has waited HELD_REPORT_S (sent with heartbeats)
+        self._held_seen = 0.0
 
     # ---- life ---------------------------------------------------------------------------------
     def start(self) -> "Processor":
@@ -247,6 +255,7 @@ class Processor:
         exit_now(code)
 
     def step_start(self, iteration: int) -> None:
+        self._training_ident = threading.get_ident()
         self.iteration = int(iteration)
         self._step_t0, self._waited_t0 = time.perf_counter(), self.waited_s()
         self._mark("forward")
@@ -322,12 +331,39 @@ class Processor:
     def serve_order(self, timeout: float) -> str | None:
         """The training thread, parked after a fault: run the next order meant for it (see
         ``serve``) and send the result. Returns the action's name, None on timeout."""
+        from mindspeed_ha.comm.interruptible import awaiting_orders
+        self._training_ident = threading.get_ident()
         try:
-            action, aid, args = self._main.get(timeout=timeout)
+            with awaiting_orders():
+                action, aid, args = self._main.get(timeout=timeout)
         except queue.Empty:
             return None
+        queued, self._queued_at = self._queued_at, None if self._main.empty() else time.monotonic()
+        if self.held:
+            self.held = ""
+            log.warning("rank %d: the training thread took %s at last, %.0fs after it came", self.rank, action,
+                        time.monotonic() - (queued or time.monotonic()))
         self._run_handler(action, aid, args)
         return action
+
+    def _check_held(self, now: float) -> None:
+        """(processor thread) An order for the training thread waits: past HELD_REPORT_S, say where
+        that thread is (its Python stack's innermost frames) and where the stop stands."""
+        queued = self._queued_at
+        if queued is None or now - queued < HELD_REPORT_S:
+            return
+        first = not self.held
+        if not first and now - self._held_seen < 1.0:
+            return
+        from mindspeed_ha.comm.interruptible import stop_report
+        self._held_seen = now
+        self.held = (f"the training thread has not taken the controller's order for {now - queued:.0f}s; "
+                     f"it is in {thread_stack(self._training_ident)}; {stop_report()}")[:1500]
+        if first:
+            log.warning("rank %d: %s", self.rank, self.held)
+            if self.events:
+                self.events.emit("held", detail=self.held)
+            self._hb_now = True
 
     # ---- processor thread ---------------------------------------------------------------------
     def _hello(self) -> bytes:
@@ -354,6 +390,7 @@ class Processor:
                     self.link.send(data, rid=rid)
                     self._sent.set()
                 now = time.monotonic()
+                self._check_held(now)
                 if now >= next_hb or self._hb_now:
                     next_hb, self._hb_now = now + hb, False
                     busy, n = self._busy_sum, self._busy_n
@@ -362,6 +399,7 @@ class Processor:
                                                    health=self.health, phase=self.phase, progress=self._progress,
                                                    wait=self.in_collective(), pid=os.getpid(), steps=self.steps_done,
                                                    **({"busy": busy / n} if n else {}),
+                                                   **({"held": self.held} if self.held else {}),
                                                    **({"ckpt": self.checkpoint} if self.checkpoint >= 0 else {})))
                 for msg in self.link.receive(20):
                     if msg["t"] == "do":
@@ -402,6 +440,8 @@ class Processor:
         elif action in ("stop", "standby", "takeover", "reconnect"):
             self._run_handler(action, aid, args)
         elif action in self._main_actions:
+            if self._queued_at is None:
+                self._queued_at = time.monotonic()
             self._main.put((action, aid, args))
         else:
             self._work.put((action, aid, args))
@@ -488,3 +528,17 @@ class Processor:
         if flush_link and self.link is not None:
             self.link.close()  # linger: the result above leaves before we go
         exit_now(code)
+
+
+def thread_stack(ident: int | None, frames: int = 6) -> str:
+    """A thread's innermost Python frames, innermost first ("func (file:line) <- ..."); what it
+    runs below Python (a device sync, a collective's set-up) is inside the first one."""
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    if frame is None:
+        return "an unknown place (the thread is gone, or never ran a step)"
+    out: list[str] = []
+    while frame is not None and len(out) < frames:
+        code = frame.f_code
+        out.append(f"{code.co_name} ({os.path.basename(code.co_filename)}:{frame.f_lineno})")
+        frame = frame.f_back
+    return " <- ".join(out)

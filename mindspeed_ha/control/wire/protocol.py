@@ -103,7 +103,7 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
                  "agent_node": (_int, O)},
     "hb": {"rank": (_int, R), "it": (_int, R), "upd": (_bool, R), "health": (_str, R),
            "phase": (_str, O), "progress": (_float, O), "wait": (_bool, O), "pid": (_int, O), "steps": (_int, O),
-           "busy": (_float, O), "ckpt": (_int, O)},
+           "busy": (_float, O), "ckpt": (_int, O), "held": (_str, O)},
     # A report that a link re-sends to a new controller carries ``rid``, its sender's own id for it:
     # the controller that recovered it names it in ``settled``, and nobody acts on it again.
     "fault": {"rank": (_int, R), "kind": (_str, R), "iteration": (_int, R), "phase": (_str, R),
