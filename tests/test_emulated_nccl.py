@@ -445,8 +445,11 @@ def test_without_the_commit_point_the_same_stop_leaves_a_wrong_shard(tmp_path, r
 # Rank 2 ends step 5 and is held at its end (the held drill: a wait on a receive the engine never saw,
 # as a host held in a device sync behind a library's own collective); nothing it tracks is pending.
 # Rank 1 goes on to step 6 (no replica check after step 5: they run every 2nd step here, and each is a
-# world collective) and meets a memory error there.
-HELD_UNTRACKED = "held:rank=2:step=5:phase=step-end,uce:rank=1:step=6:phase=forward"
+# world collective) and meets a memory error there — seconds later (a slow step first): a rank 2 that
+# still waited for step 5's last collective to land when the stop came would have it aborted by the
+# stop's first rule (pending), not held.
+HELD_UNTRACKED = ("held:rank=2:step=5:phase=step-end,slow:rank=1:step=6:factor=30,uce:rank=1:step=6:phase=forward,"
+                  "slow:rank=1:step=7:factor=1")
 HELD_FLAGS = ("--ha-verify-replicas-interval", "2")
 
 
