@@ -342,7 +342,7 @@ class Processor:
         if self.held:
             self.held = ""
             log.warning("rank %d: the training thread took %s at last, %.0fs after it came", self.rank, action,
-                        time.monotonic() - (queued or time.monotonic()))
+                        time.monotonic() - queued if queued is not None else float("nan"))
         self._run_handler(action, aid, args)
         return action
 
