@@ -14,11 +14,14 @@ from the ranks' event logs and compared bit for bit (``float.hex``) with a fault
   fault-free run;
 - the same training and resume through Megatron-LM's own loop (``MEGATRON_LM_PATH``);
 - where two or more ranks can have a GPU (>= 2 GPUs, or one with NCCL >= 2.30 and
-  ``NCCL_MULTI_RANK_GPU_ENABLE=1``): DP=2 and DP=4 with the replica optimizer, a ``uce`` under retry,
-  a kill in the optimizer phase under recover (only that rank restarted, its shard from its twin; the
-  survivors stopped inside the grad-norm all-reduce), a kill inside the gradient reduce-scatter under
-  the dump then a ``--load`` of the survivors' checkpoint, a ``bitflip`` caught by the replica check
-  (exit 4); and more ranks than GPUs refused with exit 2. ``--only multi-rank`` runs these alone.
+  ``NCCL_MULTI_RANK_GPU_ENABLE=1``): first the stop's abort alone, without the engine
+  (``benchmarks/nccl_abort.py``: does ``ProcessGroup.abort()`` free survivors held behind a
+  collective rank 1 skipped, or died in, and can they rebuild?); then DP=2 and DP=4 with the replica
+  optimizer, a ``uce`` under retry, a kill in the optimizer phase under recover (only that rank
+  restarted, its shard from its twin; the survivors stopped inside the grad-norm all-reduce), a kill
+  inside the gradient reduce-scatter under the dump then a ``--load`` of the survivors' checkpoint, a
+  ``bitflip`` caught by the replica check (exit 4); and more ranks than GPUs refused with exit 2.
+  ``--only multi-rank`` runs these alone.
 
 A comparison passes when the losses are bit-identical, or, where the two fault-free runs already
 differ, within that measured spread (the JSON says which). Last line: one JSON object. Exit 0: every
@@ -323,7 +326,8 @@ def run_checks(r: Runner, env: dict, results: dict, skipped: dict, one_rank: boo
         else:
             skipped[name] = "not asked for (--only multi-rank)"
 
-    multi = ["replica_dp2", "replica_dp4", "retry_uce", "recover_kill", "dump_then_load", "bitflip_caught"]
+    multi = ["nccl_abort", "replica_dp2", "replica_dp4", "retry_uce", "recover_kill", "dump_then_load",
+             "bitflip_caught"]
     if n < 2:
         for name in multi:
             skipped[name] = why
@@ -333,6 +337,22 @@ def run_checks(r: Runner, env: dict, results: dict, skipped: dict, one_rank: boo
 
 
 def run_multi_rank(r: Runner, n: int, state: dict, check) -> None:
+    def abort_alone():
+        # (first: every recovery below starts with this abort; if it does not free a survivor here,
+        # the engine's checks cannot pass, and this says why in seconds)
+        sys.path.insert(0, HERE)
+        import nccl_abort
+        if r.deadline - time.monotonic() < 90:
+            raise Check.Skipped("the 5-minute budget is spent")
+        runs = {peer: nccl_abort.run(peer, n, r.cpu, held_after=15.0, keep=r.root) for peer in ("skip", "kill")}
+        if not all(s["ok"] for s in runs.values()):
+            held = [f"rank {rank} held, its stacks:\n{s['stacks'][-900:]}" for run in runs.values()
+                    for rank, s in run["survivors"].items() if s.get("stacks")]
+            raise Check.Failed("\n".join([nccl_abort.summary(s) for s in runs.values()] + held))
+        keep = ("way", "freed_after_abort_s", "freed_after_issue_s", "result", "wait_error", "rebuild_s")
+        return {peer: {rank: {k: s[k] for k in keep if s.get(k) is not None} | {"abort_s": s["abort"].get("took_s")}
+                       for rank, s in run["survivors"].items()} for peer, run in runs.items()}
+
     ha = ["--enable-high-availability", "--ha-verify-replicas-interval", "2", "--global-batch-size", "8"]
 
     def replica(dp: int):
@@ -387,6 +407,7 @@ def run_multi_rank(r: Runner, n: int, state: dict, check) -> None:
                                f"at iteration 4 (workers exit 4)\n{job.tail()}")
         return {"message": next(l for l in job.out.splitlines() if "replica mismatch" in l)[:300]}
 
+    check("nccl_abort", abort_alone)
     check("replica_dp2", replica(2))
     check("replica_dp4", replica(4))
     check("retry_uce", retry_uce)

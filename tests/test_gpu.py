@@ -35,3 +35,40 @@ def test_without_a_gpu_it_exits_77_naming_what_is_missing():
 def test_gpu_check_passes():
     proc, out = run()
     assert proc.returncode == 0 and out["ok"], json.dumps(out, indent=1)[-6000:]
+
+
+NCCL_ABORT = str(REPO / "benchmarks" / "nccl_abort.py")
+
+
+def probe(*args, timeout=120):
+    proc = subprocess.run([sys.executable, NCCL_ABORT, *args], env=clean_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    return proc, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_abort_probe_frees_every_survivor_and_they_rebuild_on_the_emulated_nccl():
+    """The probe the GPU check starts with, on the CPU backend with NCCL's semantics: survivors held
+    behind an all-reduce that rank 1 skipped are freed by ``ProcessGroup.abort()`` with only their own
+    contribution (what an abort leaves), and make and use a new communicator; rank 1 killed instead
+    fails their all-reduce with an error (the watchdog's CleanUpOnly mode keeps them alive)."""
+    proc, out = probe("--cpu", "--held-after", "5")
+    assert proc.returncode == 0 and out["ok"], proc.stdout[-3000:] + proc.stderr[-2000:]
+    skip, kill = out["scenarios"]["skip"]["survivors"], out["scenarios"]["kill"]["survivors"]
+    assert sorted(skip) == ["0", "2", "3"] and {s["way"] for s in skip.values()} == {"item", "stream", "device"}
+    for s in skip.values():
+        assert s["result"] == "own" and 0 <= s["freed_after_abort_s"] < 5 and "wait_error" not in s, s
+        assert s["rebuild_ok"] and s["rebuild_sum"] == 3.0, s
+    assert all(s["rebuild_ok"] for s in kill.values()), kill
+    assert any("wait_error" in s for s in kill.values()), kill
+
+
+def test_without_the_abort_the_probe_reports_each_survivor_held_with_its_stack():
+    """The control: the probe can fail. No abort, and every survivor is still waiting when its time
+    is up; it says so, with the frame it waits in."""
+    proc, out = probe("--cpu", "--peer", "skip", "--no-abort", "--held-after", "2")
+    assert proc.returncode == 1 and not out["ok"], proc.stdout[-3000:]
+    survivors = out["scenarios"]["skip"]["survivors"]
+    for s in survivors.values():
+        assert s["held"] == f"waiting ({s['way']})" and s["exit"] == 3, s
+        assert "in worker" in s["stacks"] and "emulated_nccl.py" in s["stacks"], s["stacks"]
+    assert "HELD in waiting (item)" in proc.stdout
