@@ -83,8 +83,8 @@ def worker(a) -> None:
     if a.cpu:
         device, backend = torch.device("cpu"), backends.EMULATED_NCCL
     else:
-        device, backend = torch.device("cuda", a.rank % torch.cuda.device_count()), "nccl"
-        torch.cuda.set_device(device)
+        from mindspeed_ha.device import Device
+        device, backend = Device("cuda").set_current(a.rank), "nccl"  # (round robin where ranks share)
 
     def synchronize(way: str) -> None:
         if device.type == "cuda":
@@ -246,7 +246,7 @@ def environment(cpu: bool, ranks: int) -> tuple[dict, str]:
     """What runs the ranks, and why they cannot run here ('' when they can)."""
     import torch
     from mindspeed_ha import compat
-    from mindspeed_ha.device import NCCL_SHARED_GPU
+    from mindspeed_ha.device import Device, DeviceError
     env: dict = {"torch": torch.__version__, "mode": "cpu (emulated NCCL)" if cpu else "cuda", "gpus": 0,
                  "nccl": None}
     if cpu:
@@ -255,12 +255,11 @@ def environment(cpu: bool, ranks: int) -> tuple[dict, str]:
     if not gpus:
         return env, "no NVIDIA GPU visible: run on a machine with one, or pass --cpu to check this script"
     env["gpu_names"] = sorted({torch.cuda.get_device_name(i) for i in range(gpus)})
-    nccl = compat.nccl_version() or ()
-    env["nccl"] = ".".join(map(str, nccl))
-    shared = tuple(nccl) >= NCCL_SHARED_GPU and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"
-    if gpus < ranks and not shared:
-        return env, (f"{ranks} ranks, {gpus} GPU(s): ranks share a GPU only with NCCL >= 2.30 and "
-                     f"NCCL_MULTI_RANK_GPU_ENABLE=1 (this NCCL is {env['nccl']}); pass --ranks {max(2, gpus)}")
+    env["nccl"] = ".".join(map(str, compat.nccl_version() or ()))
+    try:  # (the engine's own refusal: one GPU a rank, unless NCCL may share one)
+        Device("cuda").check_local_ranks(ranks)
+    except DeviceError as e:
+        return env, f"{e} (here: --ranks)"
     return env, ""
 
 
