@@ -2,6 +2,7 @@
 machine with an NVIDIA GPU (``pytest -m cuda``) every check that applies must pass."""
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -72,3 +73,27 @@ def test_without_the_abort_the_probe_reports_each_survivor_held_with_its_stack()
         assert s["held"] == f"waiting ({s['way']})" and s["exit"] == 3, s
         assert "in worker" in s["stacks"] and "emulated_nccl.py" in s["stacks"], s["stacks"]
     assert "HELD in waiting (item)" in proc.stdout
+
+
+def _device_kit(kit, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "benchmarks" / "device_kit.sh"), *args], capture_output=True,
+                          text=True, env=clean_env({"DEVICE_KIT": str(kit)}), timeout=60)
+
+
+def test_the_device_kit_refuses_a_kit_that_did_not_all_arrive(tmp_path):
+    """The GPU run's kit travels in parts over several calls to a machine that keeps them only while
+    warm: a kit not prepared, or a part lost between calls, is said before anything is installed."""
+    proc = _device_kit(tmp_path / "none", "run")
+    assert proc.returncode == 2 and "device_kit.sh prepare" in proc.stderr, proc.stderr
+    kit = tmp_path / "kit"
+    (kit / "nccl").mkdir(parents=True)
+    (kit / "whl").mkdir()
+    (kit / "whl" / "pyzmq-0-py3-none-any.whl").write_bytes(b"")
+    library = bytes(range(256)) * 3
+    (kit / "sha256").write_text(hashlib.sha256(library).hexdigest() + "\n")
+    (kit / "nccl" / "part00").write_bytes(library[:256])
+    (kit / "nccl" / "part02").write_bytes(library[512:])  # (part01 never came)
+    proc = _device_kit(kit, "run")
+    assert proc.returncode == 1, proc.stderr
+    assert "a part is missing or cut short" in proc.stderr and "part02 (256 B)" in proc.stderr, proc.stderr
+    assert _device_kit(kit).returncode == 2
