@@ -32,7 +32,9 @@ Each scenario runs ``--ranks`` processes; rank 1 is the faulted one.
    sum right?
 
 A survivor still held ``--held-after`` seconds after the abort (or into its rebuild) writes where it
-is: its stage, and every thread's stack (``faulthandler``). It then ends; the probe counts it as held.
+is: its stage, and every thread's stack (``faulthandler``). It stays as it is (its end would break
+the others' collectives and free them, or fail them, for a reason that is no part of the probe): the
+probe ends the held ones once every survivor is either through or held, and counts them as held.
 ``--no-abort`` skips step 4: the control, where every survivor must be held.
 
 Last line: one JSON object. Exit codes: 0 when every survivor was freed and its rebuild's sum was
@@ -132,7 +134,7 @@ def worker(a) -> None:
             faulthandler.dump_traceback(f, all_threads=True)
         with open(stacks) as f:
             write(held=record["stage"], stacks=f.read()[-3000:], abort=dict(abort))
-        os._exit(3)
+        # (and stays held: the probe ends it when every survivor is through or held)
 
     if not a.no_abort:
         threading.Thread(target=abort_group, name="aborter", daemon=True).start()
@@ -200,10 +202,22 @@ def run(peer: str, ranks: int, cpu: bool, held_after: float, no_abort: bool = Fa
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     t0 = time.monotonic()
     deadline = t0 + held_after + 90
+
+    def record(rank: int) -> dict:
+        path = os.path.join(out, f"rank_{rank}.json")
+        return json.load(open(path)) if os.path.exists(path) else {"rank": rank, "stage": "never started"}
+
+    survivor_ranks = [r for r in range(ranks) if r != FAULTED]
+    # (no survivor reads its pipe until the end: its output is small and only a summary is kept)
+    while time.monotonic() < deadline and not all(
+            procs[r].poll() is not None or "held" in record(r) for r in survivor_ranks):
+        time.sleep(0.1)
+    ended_held = {r for r in survivor_ranks if procs[r].poll() is None and "held" in record(r)}
+    for r in ended_held:
+        procs[r].kill()
+    store.set("done", "1")  # (the survivors are through or held: the faulted rank may go)
     outputs = {}
-    for rank, p in sorted(enumerate(procs), key=lambda rp: rp[0] == FAULTED):  # the survivors first
-        if rank == FAULTED:
-            store.set("done", "1")  # (the survivors are through: it may go)
+    for rank, p in enumerate(procs):
         try:
             outputs[rank] = p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
         except subprocess.TimeoutExpired:
@@ -211,9 +225,8 @@ def run(peer: str, ranks: int, cpu: bool, held_after: float, no_abort: bool = Fa
             outputs[rank] = (p.communicate()[0] or "") + "\n(killed: past the probe's deadline)"
     records = {}
     for rank in range(ranks):
-        path = os.path.join(out, f"rank_{rank}.json")
-        records[rank] = json.load(open(path)) if os.path.exists(path) else {"rank": rank, "stage": "never started"}
-        records[rank]["exit"] = procs[rank].returncode
+        records[rank] = record(rank)
+        records[rank]["exit"] = "held: ended by the probe" if rank in ended_held else procs[rank].returncode
         if records[rank].get("stage") != "done" and rank != FAULTED:
             records[rank]["output"] = outputs[rank][-1500:]
     if not keep:
