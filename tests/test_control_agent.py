@@ -215,30 +215,36 @@ def test_agent_reports_exits_and_obeys_restart(tmp_path):
                               "--nproc-per-node", "2", sleeper, "60"], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
 
-    def recv(t, timeout=20.0):
+    # (orders go where the agent last spoke from, as the controller sends them: a starved agent
+    # whose hello went unanswered for its answer wait reconnects, a new socket of a new identity)
+    agent_at = {}
+
+    def recv(t, timeout=20.0, when=lambda msg: True):
         end = time.time() + timeout
         while time.time() < end:
             if srv.poll(100):
-                ident, data = srv.recv_multipart()
+                agent_at["ident"], data = srv.recv_multipart()
                 msg = protocol.decode(data)
                 if msg["t"] in ("agent", "agent_hb"):
-                    srv.send_multipart([ident, protocol.encode("ack", epoch=1, state="normal")])
-                if msg["t"] == t:
-                    return ident, msg
+                    srv.send_multipart([agent_at["ident"], protocol.encode("ack", epoch=1, state="normal")])
+                if msg["t"] == t and when(msg):
+                    return msg
         raise AssertionError(f"no {t}")
+
+    def order(action, **args):
+        srv.send_multipart([agent_at["ident"], protocol.encode("do", action=action, id=0, args=args, epoch=1)])
     try:
-        ident, hello = recv("agent")
+        hello = recv("agent")
         assert hello["ranks"] == [0, 1] and len(hello["pids"]) == 2
         os.kill(hello["pids"][1], signal.SIGKILL)
         t0 = time.time()
-        _, ex = recv("exit")
+        ex = recv("exit")
         assert time.time() - t0 < 1.0
         assert (ex["rank"], ex["pid"], ex["signal"]) == (1, hello["pids"][1], signal.SIGKILL)
-        srv.send_multipart([ident, protocol.encode("do", action="restart", id=0, args={"ranks": [1]}, epoch=1)])
-        _, hello2 = recv("agent")
+        order("restart", ranks=[1])
+        hello2 = recv("agent", when=lambda msg: msg["pids"] != hello["pids"])  # (not a reconnect's hello)
         assert hello2["pids"][0] == hello["pids"][0] and hello2["pids"][1] != hello["pids"][1]
-        srv.send_multipart([ident, protocol.encode("do", action="exit", id=0, args={"code": 3, "diagnosis": "bye"},
-                                                   epoch=1)])
+        order("exit", code=3, diagnosis="bye")
         out, err = agent.communicate(timeout=20)
         assert agent.returncode == 3 and "bye" in err
         assert "restart 1" in out
