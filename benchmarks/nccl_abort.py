@@ -199,7 +199,10 @@ def run(peer: str, ranks: int, cpu: bool, held_after: float, no_abort: bool = Fa
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(rank), "--world", str(ranks),
                "--port", str(port), "--out", out, "--peer", peer, "--held-after", str(held_after),
                "--elements", str(elements)] + (["--cpu"] if cpu else []) + (["--no-abort"] if no_abort else [])
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        # (its output to a file, not a pipe read at the end: NCCL_DEBUG=INFO fills a pipe, and a rank
+        # blocked writing to it would pass for a held one)
+        with open(os.path.join(out, f"rank_{rank}.log"), "w") as log:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     t0 = time.monotonic()
     deadline = t0 + held_after + 90
 
@@ -208,7 +211,6 @@ def run(peer: str, ranks: int, cpu: bool, held_after: float, no_abort: bool = Fa
         return json.load(open(path)) if os.path.exists(path) else {"rank": rank, "stage": "never started"}
 
     survivor_ranks = [r for r in range(ranks) if r != FAULTED]
-    # (no survivor reads its pipe until the end: its output is small and only a summary is kept)
     while time.monotonic() < deadline and not all(
             procs[r].poll() is not None or "held" in record(r) for r in survivor_ranks):
         time.sleep(0.1)
@@ -216,19 +218,22 @@ def run(peer: str, ranks: int, cpu: bool, held_after: float, no_abort: bool = Fa
     for r in ended_held:
         procs[r].kill()
     store.set("done", "1")  # (the survivors are through or held: the faulted rank may go)
-    outputs = {}
+    past_deadline = set()
     for rank, p in enumerate(procs):
         try:
-            outputs[rank] = p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
-            outputs[rank] = (p.communicate()[0] or "") + "\n(killed: past the probe's deadline)"
+            p.wait()
+            past_deadline.add(rank)
     records = {}
     for rank in range(ranks):
         records[rank] = record(rank)
         records[rank]["exit"] = "held: ended by the probe" if rank in ended_held else procs[rank].returncode
         if records[rank].get("stage") != "done" and rank != FAULTED:
-            records[rank]["output"] = outputs[rank][-1500:]
+            with open(os.path.join(out, f"rank_{rank}.log"), errors="replace") as f:
+                records[rank]["output"] = f.read()[-1500:] + (
+                    "\n(killed: past the probe's deadline)" if rank in past_deadline else "")
     if not keep:
         shutil.rmtree(out, ignore_errors=True)
     survivors = [records[r] for r in range(ranks) if r != FAULTED]
