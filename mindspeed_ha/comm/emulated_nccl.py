@@ -11,25 +11,42 @@ job's results equal a gloo job's bits) and reproduces what matters to fault tole
   it completes.
 - Waiting for it (``work.wait()``, what torch's synchronous calls do) blocks until it has completed:
   the point where a GPU's compute stream would consume the result.
-- ``abort()`` makes every pending collective complete *without error*, its outputs partial: an
-  in-place reduction keeps the rank's own contribution, an out-of-place output what it held (what a
-  ring leaves in the chunks it never received); nothing lands later. Every collective issued after
-  it raises, as NCCL's aborted communicator does.
+- ``abort()`` makes every pending collective of that communicator complete *without error*, its
+  outputs partial: an in-place reduction keeps the rank's own contribution, an out-of-place output
+  what it held (what a ring leaves in the chunks it never received); nothing lands later. Every
+  collective issued after it raises, as NCCL's aborted communicator does.
+- ``abort()`` then returns only once no other communicator of the process that is not aborted has a
+  collective in flight (``Device.reclaim``): ``ncclCommAbort`` sets the communicator's abort flag,
+  then reclaims it, freeing its device memory, and a free waits for the whole device to go idle — so
+  it waits for a kernel stuck in another communicator until that one is aborted too. torch's
+  ``ProcessGroupNCCL::abort`` waits for it on a future whose destructor blocks until NCCL returns,
+  so the group's timeout does not bound the wait either: here it has no bound. Aborting the
+  communicators one after another then never gets past the first idle one while a later one holds a
+  collective (NVIDIA/nccl#1013, pytorch/pytorch#119797); aborting them all at once frees them all.
 - A communicator is initialised (``ncclCommInitRank``) in its first collective unless it was connected
   eagerly (``eager_connect_single_device``, what torch does for a group bound to a device): an
   initialisation in a collective is recorded (``lazy_inits``), so a drill can tell whether a rebuild
   left its communicators' set-up to the first step after it.
 - A collective that fails (a peer's connection closed, the timeout) fails its work, as NCCL's
-  watchdog does with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (CleanUpOnly). Under torch's default, 3
-  (SkipCleanUp), or 1 (TearDown), the watchdog ends the process instead, and so does this backend.
+  watchdog does with ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 0 (no handling) or 2 (CleanUpOnly). Under
+  torch's default, 3 (SkipCleanUp), or 1 (TearDown), the watchdog ends the process instead, and so
+  does this backend.
+
+A drill of an abort that never frees its host (``MINDSPEED_HA_EMULATE_NCCL_HOLD=R``): in the first
+process of job rank R (not a restarted one), an abort completes nothing (the kernels never see their
+flag), so a thread waiting for one of its collectives stays where it is, and every abort waits for
+good while such a collective is in flight (the device never drains) — what a GPU whose kernel never
+sees its abort flag, or an abort stuck in NCCL's host code, does to a survivor. With nothing in
+flight an abort returns, as NCCL's of an idle device does.
 
 What it cannot reproduce: device memory and a compute stream that runs ahead of the host (tensors are
 CPU tensors; a synchronous collective blocks the host where a GPU's would block the stream, so a
 result is never read early), NCCL's algorithms and their numerics, communicator splitting or
 shrinking, the cost of an initialisation (the gloo underneath connects when it is made: a lazy one is
 recorded, not slower) and the separate two-rank communicators NCCL makes for point-to-point
-messages, and a peer's abort failing this rank's collective (here, as NCCL's kernel, it waits until
-its own abort or the timeout).
+messages on a group not bound to a device, kernels of other processes sharing the device, and a
+peer's abort failing this rank's collective (here, as NCCL's kernel, it waits until its own abort or
+the timeout).
 
 A job runs on it with ``MINDSPEED_HA_EMULATE_NCCL=1`` (the device layer picks it instead of gloo for
 a CPU job, ``register()`` makes it torch's backend ``emulated_nccl``).
@@ -68,6 +85,8 @@ _WRITES: dict[str, tuple[int, bool] | None] = {
 # failed collective under 1 (TearDown) and 3 (SkipCleanUp, the default), keeps it under 0 and 2.
 ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 _ENDS_PROCESS = ("1", "3")
+# The drill of an abort that never frees its host: the job rank whose first process it holds.
+HOLD_ENV = "MINDSPEED_HA_EMULATE_NCCL_HOLD"
 _STOP = object()
 # The collectives in which a communicator of this process was initialised, not connected before
 # (what NCCL does without a bound device): (method, rank in the group, group size).
@@ -175,6 +194,45 @@ def _stream(jobs: "queue.SimpleQueue[Any]", rank: int) -> None:
             work.finish()
 
 
+class Device:
+    """The process's device as NCCL's reclaim sees it: idle when no communicator that is not aborted
+    has a collective in flight. (An aborted communicator's kernels exit at once: its flag is set.)"""
+
+    POLL_S = 0.005
+
+    def __init__(self) -> None:
+        self._communicators: "weakref.WeakSet[EmulatedNCCL]" = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def add(self, comm: "EmulatedNCCL") -> None:
+        with self._lock:
+            self._communicators.add(comm)
+
+    def busy(self, but: "EmulatedNCCL | None" = None, aborted: bool = False) -> list["EmulatedNCCL"]:
+        """Communicators other than ``but``, not aborted (``aborted``: aborted ones too), with a
+        collective in flight."""
+        with self._lock:
+            comms = list(self._communicators)
+        return [c for c in comms if c is not but and (aborted or not c.aborted) and c.in_flight()]
+
+    def reclaim(self, comm: "EmulatedNCCL", held: bool = False) -> None:
+        """``comm``'s abort frees its device memory: wait until the device is idle, however long.
+        ``held``: the drill of kernels that never see their abort flag (``HOLD_ENV``): an aborted
+        communicator's collectives stay in flight, so the device never drains while one does."""
+        while self.busy(but=None if held else comm, aborted=held):
+            time.sleep(self.POLL_S)
+
+
+DEVICE = Device()
+
+
+def _holds_here() -> bool:
+    """This process is the one the never-freeing abort drill holds (``HOLD_ENV``)."""
+    held = os.environ.get(HOLD_ENV, "").strip()
+    return (bool(held) and held == os.environ.get("RANK", "").strip()
+            and os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") in ("", "0"))
+
+
 class EmulatedNCCL(dist.ProcessGroup):
     """One communicator (see the module's text) over a gloo one made on the same store."""
 
@@ -187,6 +245,7 @@ class EmulatedNCCL(dist.ProcessGroup):
         self._lock = threading.Lock()
         self._aborted = False
         self.connected = False  # initialised (eagerly, or by its first collective)
+        DEVICE.add(self)
         self._thread = threading.Thread(target=_stream, args=(self._jobs, rank), daemon=True,
                                         name=f"emulated-nccl-stream-r{rank}")
         self._thread.start()
@@ -235,13 +294,24 @@ class EmulatedNCCL(dist.ProcessGroup):
         self._jobs.put((inner, work))
         return work
 
+    def in_flight(self) -> bool:
+        """A collective of this communicator is issued and not complete (its kernel runs)."""
+        return any(not w.is_completed() for w in list(self._pending))
+
     def abort(self) -> None:
-        """Every pending collective completes now, without error and with partial outputs."""
+        """Every pending collective completes now, without error and with partial outputs; then the
+        communicator is reclaimed, which waits until the device is idle (see the module's text). A
+        second abort returns at once, as torch's does."""
         with self._lock:
+            if self._aborted:
+                return
             self._aborted = True
             pending = list(self._pending)
-        for work in pending:
-            work.finish(aborted=True)
+        held = _holds_here()
+        if not held:  # (the drill: the kernels never see the flag, nothing completes)
+            for work in pending:
+                work.finish(aborted=True)
+        DEVICE.reclaim(self, held)
 
     def shutdown(self) -> None:
         self.abort()
