@@ -640,7 +640,22 @@ def test_dump_no_survivor_could_prepare():
     port = FakePort()
     runner, _ = play(playbooks.DUMP, S.DUMP, episode(port, "dump"))
     port.answer({r: RuntimeError("no --save directory") for r in range(4)})
-    assert runner.tick() == ("failed", "no survivor could prepare its state (no --save directory)")
+    assert runner.tick() == ("failed", "dying-gasp checkpoint refused, nothing written: no survivor could prepare "
+                                       "its state (no --save directory); no periodic checkpoint exists to fall back on")
+
+
+def test_dump_refused_when_no_survivor_holds_a_shard_names_the_checkpoint_to_resume_from():
+    """The others are silent (held), the one that answers holds nothing (a memory error poisoned its
+    shard): the refusal says why, and names the newest periodic checkpoint that rank knows of."""
+    port, clock = FakePort(), Clock()
+    runner, _ = play(playbooks.DUMP, S.DUMP, episode(port, "dump"), clock)
+    port.answer({1: {"holds": False, "why": "a memory error corrupted its optimizer shard",
+                     "fallback": [4, "/ck/iter_0000004"]}})
+    assert runner.tick() is None
+    clock.t += playbooks.DUMP_STATUS_WAIT_S + 1
+    assert runner.tick() == ("failed", "dying-gasp checkpoint refused, nothing written: no survivor could prepare "
+                                       "its state (rank 1: a memory error corrupted its optimizer shard); fall back "
+                                       "to the newest periodic checkpoint, iteration 4 in /ck/iter_0000004")
 
 
 def test_dump_refused_when_both_replicas_are_lost():

@@ -253,13 +253,16 @@ class RankRecovery:
         even have built its model), or its shard corrupted by a memory error."""
         from mindspeed_ha.recovery import dump
         from mindspeed_ha.trainer import checkpoint_dir
+        save = getattr(self.s.trainer, "save_dir", None)
+        # (said by a rank that holds nothing too: where the job resumes if no dump can be made)
+        newest = checkpoint_dir.newest_checkpoint(save) if save else None
+        empty = {"holds": False, "fallback": list(newest) if newest else None}
         if self.s.joining:
-            return {"holds": False, "why": "restarted, it holds no state yet"}
+            return {**empty, "why": "restarted, it holds no state yet"}
         if self.s.shard_poisoned:
-            return {"holds": False, "why": "a memory error corrupted its optimizer shard"}
+            return {**empty, "why": "a memory error corrupted its optimizer shard"}
         if self.unfinished is not None:
-            return {"holds": False, "why": "between two layouts (its elastic resize did not complete)"}
-        save = self.trainer.save_dir
+            return {**empty, "why": "between two layouts (its elastic resize did not complete)"}
         if not save:
             raise RuntimeError("no --save directory: the dying-gasp checkpoint has nowhere to go")
         opt = self.s.optimizer
@@ -272,8 +275,7 @@ class RankRecovery:
         self.prepared = dump.prepare(self.trainer, abandon_update=abandon)
         st = {k: self.prepared.status[k] for k in ("iteration", "updating", "touched", "replica_group",
                                                    "trainer_iteration")}
-        fallback = checkpoint_dir.newest_checkpoint(save)
-        st.update(save=os.path.abspath(save), fallback=list(fallback) if fallback else None, abandoned=abandon,
+        st.update(save=os.path.abspath(save), fallback=list(newest) if newest else None, abandoned=abandon,
                   bytes=self.prepared.bytes)
         return st
 

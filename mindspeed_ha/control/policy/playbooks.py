@@ -399,15 +399,19 @@ def _dump_statuses(ep: Episode, ans: Answers) -> Step:
     empty = {r: s.get("why", "") for r, s in ans.ok.items() if not s.get("holds", True)}
     if empty:
         log.info("dump: rank(s) %s hold nothing to save (%s)", sorted(empty), "; ".join(sorted(set(empty.values()))))
+    # (every answer names the newest periodic checkpoint, one that holds nothing too: where to resume)
+    fallbacks = [tuple(s["fallback"]) for s in ans.ok.values() if s.get("fallback")]
+    ep.fallback = max(fallbacks) if fallbacks else None
     ep.statuses = {r: s for r, s in ans.ok.items() if r not in empty}
     ep.state_bytes = sum(int(s.get("bytes", 0)) for s in ep.statuses.values())
     if not ep.statuses:
-        return Fail(f"no survivor could prepare its state ({next(iter(refused.values()), 'no live rank answered')})")
+        why = (next(iter(refused.values()), "") or "; ".join(f"rank {r}: {w}" for r, w in sorted(empty.items()))
+               or "no live rank answered")
+        ep.plan = planner.DumpPlan(False, reason=f"no survivor could prepare its state ({why})", fallback=ep.fallback)
+        return Fail(ep.plan.message())
     if refused:
         log.warning("dump: rank(s) %s could not prepare and are left out: %s", sorted(refused),
                     "; ".join(sorted(set(map(str, refused.values()))))[:300])
-    fallbacks = [tuple(s["fallback"]) for s in ep.statuses.values() if s.get("fallback")]
-    ep.fallback = max(fallbacks) if fallbacks else None
     return NEXT
 
 
