@@ -429,6 +429,7 @@ class RankSession:
         from mindspeed_ha.comm import interruptible
         processor.in_collective = interruptible.waiting
         processor.waited_s = interruptible.waited_s
+        interruptible.add_held_hook(processor.report_held)
         processor.serve({"inject": self._live_inject}, training_thread=False)
         processor.serve(RankRecovery(self.state).handlers(), training_thread=True)
         processor.start()
@@ -470,11 +471,13 @@ class RankSession:
     @contextlib.contextmanager
     def _serving(self):
         """This (training) thread serves a recovery's orders: a step it ends here is a roll-forward."""
+        from mindspeed_ha.comm.interruptible import left_recovery
         self.serving = True
         try:
             yield
         finally:
             self.serving = False
+            left_recovery()
 
     def report_fault(self, exc: BaseException, iteration: int) -> bool:
         """An exception left the step: classify and report it at once, then serve the controller's

@@ -489,6 +489,124 @@ def test_without_the_backstop_the_held_rank_never_answers_and_the_controller_say
     assert held and "hold_on_untracked" in held[0]["detail"], held
 
 
+# Rank 1 meets a memory error as the gradients are to be reduced, half a second late (a slow step
+# first): by then every survivor waits on the device in a grad-sync collective of a later group than
+# the world's — rank 0 in its optimizer instance's reduce-scatter (with rank 1), ranks 2 and 3 in
+# the all-reduce across instances — the world group, registered first, idle.
+HELD_IN_A_LATER_GROUP = ("slow:rank=1:step=4:phase=grad-sync:factor=6,uce:rank=1:step=4:phase=grad-sync,"
+                         "slow:rank=1:step=5:factor=1")
+RETRY_ONLY = ("--enable-hbmfault-repair", "--ha-verify-replicas-interval", "1")
+
+
+def _job(log_dir, inject, flags, env=None):
+    from helpers import NCCL_SEMANTICS, PRETRAIN, TINY, TINY_ITERS, clean_env
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", "--nproc-per-node", "4", PRETRAIN, *TINY,
+           "--train-iters", str(TINY_ITERS), "--ha-log-dir", str(log_dir), *flags]
+    return subprocess.run(cmd, env=clean_env({**NCCL_SEMANTICS, "MINDSPEED_HA_INJECT": inject, **(env or {})}),
+                          capture_output=True, text=True, timeout=300, cwd=str(log_dir))
+
+
+def _site(tmp_path, name, code):
+    """A sitecustomize on the workers' path: a control that switches one piece of the engine off."""
+    d = tmp_path / name
+    d.mkdir()
+    (d / "sitecustomize.py").write_text(code)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(d), os.environ.get("PYTHONPATH")]))}
+
+
+def test_every_communicator_is_aborted_at_once_so_survivors_held_in_a_later_group_are_freed(tmp_path, references):
+    """On the backend whose abort waits for the device to go idle, as NCCL's does: the stop aborts
+    every survivor's communicators at once, each on its own thread, so the idle world group's abort
+    returns once the grad-sync group's is done; every survivor leaves its collective, the retry
+    repairs rank 1 in place, and every loss is the fault-free run's bits. Each rank's stop line
+    times each communicator, and the recovery's phases carry the abort."""
+    from helpers import assert_ok, events, losses, twins_agree
+    proc = _job(tmp_path, HELD_IN_A_LATER_GROUP, RETRY_ONLY)
+    assert_ok(proc)
+    assert losses(tmp_path) == references.tiny("dp4")
+    rec = [e for e in events(tmp_path, "controller") if e["event"] == "recovered"]
+    assert [(e["strategy"], [f["ranks"] for f in e["faults"]]) for e in rec] == [("retry", [[1]])], rec
+    assert 0 < rec[0]["phases"]["abort"] < 2.0, rec[0]["phases"]
+    stops = [line for line in proc.stderr.splitlines() if "communicator(s) aborted at once in" in line]
+    assert sorted(line.split("[rank ")[1][0] for line in stops) == ["0", "2", "3"], stops
+    assert all("default_pg " in line and "DATA_PARALLEL_GROUP " in line for line in stops), stops
+    twins_agree(tmp_path, rec)
+
+
+# The abort the engine made until now: each group's after the last one's returned, in torch's order
+# (the world group first), bounded by the same deadline so that the drill ends.
+SERIAL_ABORTS = """import threading
+import mindspeed_ha.comm.abort as abort
+def one_after_another(communicators, deadline_s=abort.DEADLINE_S):
+    communicators = list(communicators)
+    def run():
+        for name, comm in communicators:
+            comm.abort()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(deadline_s)
+    return abort.AbortReport({name: None for name, _ in communicators}, {}, deadline_s, deadline_s)
+abort.abort_all = one_after_another
+"""
+
+
+def test_aborted_one_after_another_the_same_survivors_stay_held_and_report_it(tmp_path):
+    """The control: the same drill with the aborts made one after another (a sitecustomize). Each
+    survivor's world abort waits for the device, which its grad-sync collective keeps busy: no
+    survivor reaches the recovery, and each reports itself held at the deadline. Retry does not
+    replace ranks: the dump follows, and has no one to write rank 1's shard (its twin, rank 3, is
+    held): refused, and the job ends naming the checkpoint to resume from (none here)."""
+    from helpers import events
+    proc = _job(tmp_path / "job", HELD_IN_A_LATER_GROUP, RETRY_ONLY, _site(tmp_path, "serial", SERIAL_ABORTS))
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    faults = [e for e in events(tmp_path / "job", "controller") if e["event"] == "fault"]
+    held = sorted(f["ranks"][0] for f in faults if f["kind"] == "hang")
+    assert held == [0, 2, 3], faults
+    assert all("has not reached the recovery" in f["detail"] for f in faults if f["kind"] == "hang"), faults
+    refused = [e for e in events(tmp_path / "job", "controller") if e["event"] == "dump_refused"]
+    assert refused and "no periodic checkpoint exists to fall back on" in refused[0]["message"], refused
+
+
+# The drill of an abort that never frees its host: rank 2's aborts block for good (its first process).
+HOLD_RANK_2 = {"MINDSPEED_HA_EMULATE_NCCL_HOLD": "2"}
+
+
+def test_a_survivor_its_abort_never_frees_is_replaced_from_its_twin(tmp_path, references):
+    """Rank 2's aborts never return and free nothing: at the stop's deadline it reports itself held
+    (a hang), the recovery starts over with that fault, and recover restarts rank 2, which takes its
+    shard from its twin, while rank 1 is repaired in place: every loss is the fault-free run's bits,
+    within the deadline plus 10 s of the memory error."""
+    from helpers import all_rank_events, assert_ok, events, losses, twins_agree
+    from mindspeed_ha.comm.abort import DEADLINE_S
+    proc = _job(tmp_path, HELD_IN_A_LATER_GROUP, (*RETRY_ONLY, "--enable-worker-reboot"), HOLD_RANK_2)
+    assert_ok(proc)
+    assert losses(tmp_path) == references.tiny("dp4")
+    rec = [e for e in events(tmp_path, "controller") if e["event"] == "recovered"]
+    assert [(e["strategy"], [(f["kind"], f["ranks"]) for f in e["faults"]]) for e in rec] == [
+        ("recover", [("memory-error", [1]), ("hang", [2])])], rec
+    assert rec[0]["mttr_s"] < DEADLINE_S + 10, rec
+    starts = sorted(e["rank"] for e in all_rank_events(tmp_path) if e["event"] == "start")
+    assert starts == [0, 1, 2, 2, 3], starts  # (rank 2 restarted, no one else)
+    repaired = {e["rank"]: e["sources"] for e in all_rank_events(tmp_path) if e["event"] == "repaired"}
+    assert repaired.get(1) == [3] and repaired.get(2) == [0], repaired
+    assert "had not returned after the 10s deadline" in proc.stderr
+    twins_agree(tmp_path, rec)
+
+
+def test_without_recover_the_survivors_that_are_free_write_the_dump_and_the_held_rank_is_named(tmp_path):
+    """The same held rank under retry alone: it is left out as hung, the free survivors (rank 1's
+    shard is poisoned: rank 3 writes it, rank 0 writes rank 2's) write the dying-gasp checkpoint,
+    and the diagnosis names the held rank and the checkpoint to resume from."""
+    from helpers import events
+    proc = _job(tmp_path, HELD_IN_A_LATER_GROUP, (*RETRY_ONLY, "--save", str(tmp_path / "ck")), HOLD_RANK_2)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    written = [e for e in events(tmp_path, "controller") if e["event"] == "checkpoint"]
+    assert [(e["kind"], e["iteration"], e["ranks"]) for e in written] == [("dying_gasp", 3, [0, 3])], written
+    text = next(e["text"] for e in events(tmp_path, "controller") if e["event"] == "diagnosis")
+    assert "rank 2: hang at iteration 4" in text and f"--load {tmp_path / 'ck'}" in text, text
+
+
 def test_a_rebuild_connects_its_communicators_and_aborts_the_replaced_ones(tmp_path):
     """``groups.reconnect`` (a recovery's rebuild phase) on NCCL's semantics: every communicator of
     the new generation is initialised inside it, on the rank's device, so none is left to the first

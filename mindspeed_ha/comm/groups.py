@@ -27,7 +27,8 @@ import gc
 import hashlib
 import threading
 import time
-from typing import Sequence
+import weakref
+from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -122,8 +123,10 @@ class StableGroup(dist.ProcessGroup):
 
     # Ending a communicator never connects one first.
     def abort(self) -> None:
-        if self._inner is not None:
-            self._inner.abort()
+        inner = self._inner
+        if inner is not None:
+            _ended.add(inner)  # (first: a retire beside this abort does not abort it again)
+            inner.abort()
 
     def shutdown(self) -> None:
         if self._inner is not None:
@@ -181,19 +184,47 @@ def _key(desc: str, ranks: Sequence[int], n: int) -> str:
     return f"{desc[:40]}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
 
+# Communicators aborted already (a stop's abort, or ``_end_all``): a retire does not abort them again.
+_ended: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _abortable(backend: str) -> bool:
+    return backends.canonical(backend) in ("nccl", backends.EMULATED_NCCL)
+
+
 def _retire(pg, backend: str) -> None:
     """End a replaced communicator before anything allocates its successor: NCCL's (and the emulated
     NCCL's) is aborted here, on this thread — ``ncclCommAbort`` frees its device buffers at once,
     where a destructor left to the releasing thread would free them while the new communicators
     allocate theirs. Gloo's holds sockets only, and its abort cannot wake a wait on a live peer:
     released as it is. HCCL: its "abort" stops the device (``device.restart_after_stop``), not
-    one communicator: released as it is."""
-    if backends.canonical(backend) in ("nccl", backends.EMULATED_NCCL):
+    one communicator: released as it is. One aborted already (``_ended``) is released as it is."""
+    if _abortable(backend) and pg not in _ended:
+        _ended.add(pg)
         try:
             pg.abort()
         except Exception as e:  # (torn down already, e.g. a drill's broken link: nothing left to free)
             from mindspeed_ha.events import get_logger
             get_logger("comm.groups").debug("abort of a replaced %s communicator: %s", backend, e)
+
+
+def _end_all(groups: Iterable["StableGroup"]) -> None:
+    """Abort the communicators these groups are about to replace, all at once (``comm.abort``): one
+    after another, an idle one's abort would wait for the device to drain a collective still held in
+    another one that is not aborted yet. Bounded by the stop's deadline; one that does not return by
+    then is left to its thread and its group replaced anyway."""
+    from mindspeed_ha.comm import abort
+    live = [g for g in groups if g._inner is not None and _abortable(g.backend) and g._inner not in _ended]
+    if not live:
+        return
+    named = []
+    for g in live:
+        _ended.add(g._inner)
+        named.append((g.group_desc, g._inner))
+    report = abort.abort_all(named)
+    if report.unfinished or report.failed:
+        from mindspeed_ha.events import get_logger
+        get_logger("comm.groups").warning("replacing communicators: %s", report.line())
 
 
 def _connect(group: StableGroup, gen: _Generation) -> dist.ProcessGroup:
@@ -328,6 +359,7 @@ def reconnect(store_host: str, store_port: int, generation: int,
     with _lock:
         _gen.enter(generation, store)
         eager = _groups[:_sealed] if _sealed else list(_groups)
+        _end_all(_groups)  # (every old one at once, before any is replaced)
         for g in _groups:  # lazy ones drop theirs now: nothing may run on the old generation
             if g not in eager and g._inner is not None:
                 g._swap(None)
@@ -361,6 +393,7 @@ def break_communicators() -> int:
     Returns how many groups were broken."""
     with _lock:
         live = [g for g in _groups if g._inner is not None]
+        _end_all(live)
         for g in live:
             g._swap(_Broken())
     return len(live)
@@ -431,6 +464,7 @@ def new_epoch(kept: Sequence[int], rank: int, store_host: str, store_port: int, 
     with _lock:
         seen: dict[tuple, int] = {}
         _reusable.clear()
+        _end_all(_groups)  # (every old one at once, before any is replaced)
         for g in _groups:
             if g._inner is not None:
                 g._swap(None)

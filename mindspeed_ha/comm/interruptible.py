@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_ha import compat
+from mindspeed_ha.comm import abort as _abort
 from mindspeed_ha.comm import backends
 from mindspeed_ha.device.waits import EventWaits, HostWaits, for_device as waits_for
 
@@ -66,24 +67,35 @@ UNCOVERED_GRACE_S = 10.0
 # tracked is pending then, yet the thread can leave only if the communicators are aborted, so they
 # are. It costs nothing a recovery would not pay: every recovery after a stop replaces them.
 BACKSTOP_S = 5.0
+# A stop's abort is bounded (``comm.abort``): its communicators' aborts are waited for this long, and a
+# training thread that has not reached the recovery this long after they began is held for good (an
+# abort that never returned, a kernel that never saw its flag, a host stuck inside the backend): the
+# rank says so (the held hooks: the session reports itself hung), and the controller replaces it.
+STOP_DEADLINE_S = _abort.DEADLINE_S
 
 _stop = threading.Event()
 _thread = threading.local()  # .uncovered: this thread runs code no recovery covers
 _deferred: BaseException | None = None  # a collective's failure there, for the next hooked call
 _reason = ""
 _abort_hooks: list[Callable[[str], None]] = []
+_held_hooks: list[Callable[[str], None]] = []
 _stopped_at = 0.0
 # Stream-ordered communicators were aborted since the last clear_stop: a result read now may be partial.
 _aborted = False
 _uncovered = False  # the training thread runs code no recovery covers (what the aborter reads)
-_aborter: threading.Thread | None = None
+_aborter: tuple[threading.Thread, int] | None = None  # the stop's aborter, and the stop it serves (_cleared)
 # The training thread waits for the controller's next order (``awaiting_orders``): it left the step.
 _awaiting = threading.Event()
+# ... or serves the recovery's orders since it first waited for one (``left_recovery`` ends that):
+# not held in a step, however long an order takes (a dump's write, a large shard's repair).
+_reached = threading.Event()
 # Held by the abort of a stop, and by ``clear_stop``: a recovery that clears the stop (and then
 # makes new communicators) never runs beside an abort still deciding or aborting the old ones.
 _abort_lock = threading.Lock()
 # The last abort: (seconds after its stop it began, seconds it took or None while it runs, why).
 _abort_info: tuple[float, float | None, str] | None = None
+# What the last abort did to each communicator (comm.abort), until the next clear_stop.
+_abort_report: _abort.AbortReport | None = None
 
 
 class CollectiveStopped(RuntimeError):
@@ -100,50 +112,81 @@ def request_stop(reason: str = "") -> None:
     if not _stop.is_set():
         _stopped_at = time.monotonic()
         _stop.set()
-    if _streams.used and (_aborter is None or not _aborter.is_alive()):
-        _aborter = threading.Thread(target=_abort_when_due, name="mindspeed-ha-aborter", daemon=True)
-        _aborter.start()
+    if _streams.used and (_aborter is None or not _aborter[0].is_alive() or _aborter[1] != _cleared):
+        thread = threading.Thread(target=_abort_when_due, args=(_cleared,), name="mindspeed-ha-aborter",
+                                  daemon=True)
+        _aborter = (thread, _cleared)
+        thread.start()
 
 
-def _abort_when_due() -> None:
+def _abort_when_due(stop: int) -> None:
     """A stop's communicator abort, once its grace has passed (the uncovered one while the training
     thread is outside the covered calls), when a stream-ordered collective issued before it is still
     pending, or (``BACKSTOP_S`` later) when the training thread has still not reached the recovery.
     Otherwise no abort: the next collective raises at its entry, and every result read meanwhile was
-    whole."""
+    whole. After an abort, the training thread has ``STOP_DEADLINE_S`` from its start to reach the
+    recovery; else the rank is held (``_watch_held``). ``stop``: the stop this thread serves (the
+    number of stops cleared before it)."""
     logged = False
     while True:
         with _abort_lock:
-            if not _stop.is_set() or _aborted:
+            if not _stop.is_set() or _aborted or _cleared != stop:
                 return
             grace = UNCOVERED_GRACE_S if _uncovered else STOP_GRACE_S
             since = time.monotonic() - _stopped_at
             why = ""
             if since >= grace and _streams.pending():
                 why = "a stream-ordered collective was still pending"
-            elif since >= grace + BACKSTOP_S and not _awaiting.is_set():
+            elif since >= grace + BACKSTOP_S and not _reached.is_set():
                 why = "the training thread had not reached the recovery (held on the device?)"
             if why:
                 _log().warning("stop: %s %.2fs after the stop: aborting this rank's communicators (%s)",
                                why, since, _reason or "-")
+                began = time.monotonic()
                 abort_now(why=why)
-                return
+                break
         if since >= grace and not logged:
             _log().info("stop: no stream-ordered collective pending after the %.1fs grace: no abort, unless the "
                         "training thread has not reached the recovery %.0fs later", grace, BACKSTOP_S)
             logged = True
         time.sleep(WAIT_SLICE_S)
+    _watch_held(stop, began)
+
+
+def _watch_held(stop: int, began: float) -> None:
+    """After a stop's abort (begun at ``began``): a training thread that has not reached the recovery
+    within ``STOP_DEADLINE_S`` will not reach it. The held hooks are told why (once)."""
+    while time.monotonic() - began < STOP_DEADLINE_S:
+        if _reached.is_set() or not _stop.is_set() or _cleared != stop:
+            return
+        time.sleep(WAIT_SLICE_S)
+    if _reached.is_set() or not _stop.is_set() or _cleared != stop:
+        return
+    why = (f"held: its training thread has not reached the recovery {time.monotonic() - began:.1f}s after its "
+           f"communicators' abort began (deadline {STOP_DEADLINE_S:g}s)")
+    _log().error("stop: %s; %s", why, stop_report())
+    for hook in list(_held_hooks):
+        try:
+            hook(why)
+        except Exception:  # a failing report must not stop the others
+            _log().exception("a held hook failed")
 
 
 @contextlib.contextmanager
 def awaiting_orders():
     """The (training) thread waits for the controller's next order inside: it has left the step, so
-    a stop's backstop abort is not needed to free it."""
+    a stop's backstop abort is not needed to free it, and it is not held (until ``left_recovery``)."""
     _awaiting.set()
+    _reached.set()
     try:
         yield
     finally:
         _awaiting.clear()
+
+
+def left_recovery() -> None:
+    """The training thread trains again (the recovery it served is over, or it was never in one)."""
+    _reached.clear()
 
 
 def stop_report() -> str:
@@ -156,6 +199,8 @@ def stop_report() -> str:
         began, took, why = _abort_info
         text += (f"; communicators aborted {began:.2f}s after the stop, in {took:.2f}s ({why})" if took is not None
                  else f"; the communicators' abort began {began:.2f}s after the stop and has not returned ({why})")
+        if _abort_report is not None and _abort_report.unfinished:
+            text += f"; abort not returned: {', '.join(_abort_report.unfinished)}"
     elif _streams.used:
         text += "; no communicator aborted"
     pending = _streams.pending_count()
@@ -168,8 +213,8 @@ def _log():
 
 
 def abort_now(reason: str = "", why: str = "") -> None:
-    """Abort every stream-ordered communicator of this process now (the abort hooks). A commit point
-    refuses from here until ``clear_stop()``."""
+    """Abort every stream-ordered communicator of this process now (the abort hooks), at once and
+    within ``STOP_DEADLINE_S`` (``comm.abort``). A commit point refuses from here until ``clear_stop()``."""
     global _aborted, _abort_info
     _aborted = True  # (first: a commit point that sees the abort's effect sees this too)
     t0 = time.monotonic()
@@ -181,6 +226,14 @@ def abort_now(reason: str = "", why: str = "") -> None:
         except Exception:  # a failing abort must not stop the others
             pass
     _abort_info = (began, time.monotonic() - t0, why or "asked")
+
+
+def abort_summary() -> dict | None:
+    """What this stop's abort did (for the recovery's answers): its seconds, each communicator's, and
+    those that had not returned by the deadline; None when nothing was aborted since ``clear_stop``."""
+    with _abort_lock:  # (an abort under way is waited for, up to its deadline: the training thread is
+        # freed by the first communicator's abort, often before the others have returned)
+        return _abort_report.to_wire() if _abort_report is not None else None
 
 
 def aborted() -> bool:
@@ -228,7 +281,7 @@ def committed_since(mark: tuple[int, int]) -> bool:
 
 
 def clear_stop() -> None:
-    global _reason, _deferred, _aborted, _cleared, _abort_info
+    global _reason, _deferred, _aborted, _cleared, _abort_info, _abort_report
     with _abort_lock:  # (an abort under way ends first: it aborts the old communicators only)
         _reason = ""
         _cleared += 1
@@ -236,6 +289,7 @@ def clear_stop() -> None:
         _stop.clear()
         _aborted = False
         _abort_info = None
+        _abort_report = None
         _streams.forget()  # (the aborted communicators' works: they are being replaced)
     _cancel_park()
 
@@ -292,6 +346,18 @@ def add_abort_hook(fn: Callable[[str], None]) -> None:
 def remove_abort_hook(fn: Callable[[str], None]) -> None:
     if fn in _abort_hooks:
         _abort_hooks.remove(fn)
+
+
+def add_held_hook(fn: Callable[[str], None]) -> None:
+    """Register ``fn(why)`` to run when the training thread has not reached the recovery within
+    ``STOP_DEADLINE_S`` of a stop's abort (the session reports the rank hung, to be replaced)."""
+    if fn not in _held_hooks:
+        _held_hooks.append(fn)
+
+
+def remove_held_hook(fn: Callable[[str], None]) -> None:
+    if fn in _held_hooks:
+        _held_hooks.remove(fn)
 
 
 def set_uncovered(on: bool) -> None:
@@ -933,29 +999,48 @@ def _wait_all(cm, results: _Results, kind: str | None = None) -> None:
 # ---------------------------------------------------------------------------------------------
 # The abort of stream-ordered communicators (a stop's, once the grace has passed).
 
+def _backend_of(pg) -> str:
+    try:
+        return backends.canonical(str(dist.get_backend(pg)))
+    except Exception:  # not a group torch knows (any more)
+        return ""
+
+
+def _abortable(pg) -> bool:
+    """``pg``'s communicators are NCCL's (or the emulated NCCL's): a stop aborts them."""
+    name = _backend_of(pg)
+    return name == backends.EMULATED_NCCL or (name == "nccl" and torch.cuda.is_available())
+
+
 def _abort_stream_ordered(reason: str) -> None:
-    """NCCL (and the emulated NCCL): abort every communicator, so that kernels blocked on a dead or
-    hung peer exit with what they had. HCCL: stop the device (torch_npu's ``stop_device``; a recovery
-    restarts it before anything runs there again: ``device.restart_after_stop``)."""
+    """NCCL (and the emulated NCCL): abort every communicator of the process at once, each on a
+    thread of its own, so that kernels blocked on a dead or hung peer exit with what they had
+    (``comm.abort``: why at once, and the deadline). HCCL: stop the device (torch_npu's
+    ``stop_device``; a recovery restarts it before anything runs there again:
+    ``device.restart_after_stop``)."""
+    global _abort_report
     if not (dist.is_available() and dist.is_initialized()):
         return
-    stop_npu = False
-    aborted, failed = 0, []
-    t0 = time.monotonic()
-    for pg in compat.registered_groups():
-        try:
-            name = backends.canonical(str(dist.get_backend(pg)))
-            if name == backends.EMULATED_NCCL or (name == "nccl" and torch.cuda.is_available()):
-                pg.abort()
-                aborted += 1
-            stop_npu |= name == "hccl"
-        except Exception as e:  # one that cannot be aborted must not keep the others from it
-            failed.append(f"{type(e).__name__}: {e}"[:200])
-    _log().warning("stop: %d communicator(s) aborted in %.2fs%s", aborted, time.monotonic() - t0,
-                   f"; {len(failed)} could not be: {failed}" if failed else "")
-    if stop_npu:
+    registered = compat.registered_groups()
+    named = [(_group_label(pg), pg) for pg in registered if _abortable(pg)]
+    report = _abort.abort_all(named, STOP_DEADLINE_S)
+    _abort_report = report
+    (_log().error if report.unfinished or report.failed else _log().warning)("stop: %s", report.line())
+    if any(_backend_of(pg) == "hccl" for pg in registered):
         from mindspeed_ha import device
         device.stop_device()
+
+
+def _group_label(pg) -> str:
+    """A group's name in the stop's log: its description (megatron-core's), else torch's name."""
+    for attr in ("group_desc", "group_name"):
+        try:
+            value = str(getattr(pg, attr) or "")
+        except Exception:  # (torch's own groups answer both; a broken one neither)
+            value = ""
+        if value and value != "undefined":
+            return value
+    return f"group@{id(pg):x}"
 
 
 add_abort_hook(_abort_stream_ordered)

@@ -104,7 +104,9 @@ class RankRecovery:
             self.s.fire("recovery", self.trainer.iteration + 1)
         except Exception as e:  # a fault of this rank while it serves the recovery: the controller
             self.s.report_fault_in_recovery(e)  # starts over with it (this answer still stands)
-        return self._status()
+        from mindspeed_ha.comm.interruptible import abort_summary
+        aborted = abort_summary()  # (the stop's abort of this rank's communicators, for the recovery's phases)
+        return {**self._status(), **({"abort": aborted} if aborted else {})}
 
     def _status(self) -> dict[str, Any]:
         from mindspeed_ha.recovery import repair

@@ -104,6 +104,9 @@ def _ha_status(ep: Episode, ans: Answers) -> Step:
     # holds nothing yet.
     ep.joiners = sorted(set(ep.joiners) | {r for r, st in ans.ok.items() if st.get("joining")})
     ep.statuses = {r: st for r, st in ans.ok.items() if not st.get("joining")}
+    aborts = [float(st["abort"]["seconds"]) for st in ans.ok.values() if isinstance(st.get("abort"), dict)]
+    if aborts:  # (the stop's abort of the survivors' communicators: the slowest rank's, before this round)
+        ep.phases["abort"] = round(max(aborts), 4)
     return NEXT
 
 

@@ -346,6 +346,18 @@ class Processor:
         self._run_handler(action, aid, args)
         return action
 
+    def report_held(self, why: str) -> None:
+        """(any thread) The training thread will not reach the recovery (``why``: the stop's deadline
+        passed after its abort): this rank is reported hung, with where that thread is, so that the
+        controller replaces it (recover) or leaves it out (the dump)."""
+        from mindspeed_ha.comm.interruptible import stop_report
+        detail = f"{why}; it is in {thread_stack(self._training_ident)}; {stop_report()}"[:1500]
+        self.held = detail
+        log.error("rank %d: %s", self.rank, detail)
+        if self.events:
+            self.events.emit("held", detail=detail, deadline=True)
+        self.report_fault("hang", detail, self.iteration, self.phase)
+
     def _check_held(self, now: float) -> None:
         """(processor thread) An order for the training thread waits: past HELD_REPORT_S, say where
         that thread is (its Python stack's innermost frames) and where the stop stands."""
