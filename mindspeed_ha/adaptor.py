@@ -5,7 +5,7 @@ import importlib.util
 import os
 
 import mindspeed_ha.patches as registry
-from mindspeed_ha.comm.backends import EMULATED_NCCL, keep_survivors
+from mindspeed_ha.comm.backends import EMULATED_NCCL, nccl_environment
 from mindspeed_ha.device import Device, detect
 
 
@@ -45,7 +45,7 @@ def apply_patches(device: Device | None = None, megatron_lm: bool | None = None,
         registry.apply("drill_optimizer", {"master": drill == "fused-adam-master"})
     registry.apply("step_hooks")
     if ha:
-        keep_survivors()  # (the session's start event says which mode the job runs with)
+        nccl_environment()  # (the session's start event says what the job runs with)
         registry.apply("interruptible_collectives")
         registry.apply("stable_groups")
     if megatron_lm if megatron_lm is not None else megatron_lm_available():

@@ -389,8 +389,10 @@ class RankSession:
     def attach_trainer(self, trainer) -> None:
         self.state.trainer = trainer
         self.state.relaid_out()
-        from mindspeed_ha.comm.backends import NCCL_ERROR_HANDLING, stream_ordered
-        errors = {"error_handling": os.environ.get(NCCL_ERROR_HANDLING)} if stream_ordered(self.device.backend) else {}
+        from mindspeed_ha.comm.backends import NCCL_DEFAULTS, NCCL_ERROR_HANDLING, stream_ordered
+        errors = ({"error_handling": os.environ.get(NCCL_ERROR_HANDLING),
+                   "nccl_env": {name: os.environ.get(name) for name, _ in NCCL_DEFAULTS}}
+                  if stream_ordered(self.device.backend) else {})
         self.events.emit("start", world_size=self.world_size, device=self.device.kind,
                          backend=self.device.backend, strategies=sorted(self.options.strategies),
                          replica=self.options.use_replica_optimizer, **errors)

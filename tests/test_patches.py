@@ -92,6 +92,45 @@ def test_more_local_ranks_than_gpus_is_refused_naming_the_flag(monkeypatch, visi
         assert Device("cuda").torch_device(1) == torch.device("cuda", 0)
 
 
+def test_ranks_may_share_a_gpu_under_any_nccl_as_nccl_hosts_of_their_own(monkeypatch):
+    """MINDSPEED_HA_NCCL_HOST_PER_RANK=1 (a drill on a one-GPU machine): the refusal names it, and with
+    it the ranks share the GPU; each process then gets an NCCL_HOSTID of its own before its first NCCL
+    call, and NCCL's socket transport on the loopback unless the user chose another."""
+    from mindspeed_ha import compat
+    from mindspeed_ha.device import HOST_PER_RANK_ENV, own_nccl_host
+    monkeypatch.setattr(compat, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(compat, "nccl_version", lambda: (2, 28, 9))
+    with pytest.raises(DeviceError, match=f"{HOST_PER_RANK_ENV}=1: each rank an NCCL host of its own"):
+        Device("cuda").check_local_ranks(4, {})
+    Device("cuda").check_local_ranks(4, {HOST_PER_RANK_ENV: "1"})
+    env = {"NCCL_SOCKET_IFNAME": "eth0"}
+    own_nccl_host(3, env)
+    assert env["NCCL_HOSTID"].endswith("-rank3") and env["NCCL_NET"] == "Socket" and env["NCCL_IB_DISABLE"] == "1"
+    assert env["NCCL_SOCKET_IFNAME"] == "eth0"  # (the user's)
+    other = {}
+    own_nccl_host(2, other)
+    assert other["NCCL_HOSTID"] != env["NCCL_HOSTID"] and other["NCCL_SOCKET_IFNAME"] == "lo"
+
+
+def test_nccl_communicators_are_made_to_be_aborted_by_the_engine(caplog):
+    """With HA on, before any group: the watchdog only marks a failed collective's work (a user's 1 or
+    3, which end survivors, are replaced and said; a user's 2 is kept), communicators are non-blocking
+    and connected at set-up, NVLS off, the legacy ProcessGroupNCCL on torch 2.15; a user's own value
+    of any of those is kept."""
+    from mindspeed_ha.comm.backends import NCCL_DEFAULTS, nccl_environment
+    env = {}
+    got = nccl_environment(env)
+    assert got == dict(NCCL_DEFAULTS) == env
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and env["TORCH_NCCL_USE_COMM_NONBLOCKING"] == "1"
+    assert env["NCCL_RUNTIME_CONNECT"] == "0" and env["TORCH_DIST_USE_NCCL2"] == "0"
+    users = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_USE_COMM_NONBLOCKING": "0"}
+    with caplog.at_level("WARNING"):
+        got = nccl_environment(users)
+    assert got["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and got["TORCH_NCCL_USE_COMM_NONBLOCKING"] == "0"
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=3 would end a survivor" in caplog.text
+    assert nccl_environment({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"})["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+
+
 def test_cpu_never_refuses_local_ranks():
     Device("cpu").check_local_ranks(64, {})
 

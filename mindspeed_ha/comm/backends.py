@@ -59,10 +59,43 @@ def canonical(name: str) -> str:
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 KEEPS_PROCESS = ("0", "2")
 
+# How every NCCL communicator of a job with HA on is made, set before the first one exists (a user's
+# own value is kept, but for the error handling's 1 and 3, which end survivors). Decided by reading
+# NCCL's and torch's code (README, "GPUs"): no GPU run has shown them yet.
+NCCL_DEFAULTS = (
+    # The engine is the one that aborts, every communicator at once (comm.abort); the watchdog
+    # only marks a failed collective's work (under 2 it aborts that group's communicators alone,
+    # on its own thread: one group at a time is what waits on the device for the others).
+    (NCCL_ERROR_HANDLING, "0"),
+    # Non-blocking communicators: NCCL promises a safe abort only for them (its user guide, "fault
+    # tolerance"); torch then polls their set-up and end, for this many seconds at most.
+    ("TORCH_NCCL_USE_COMM_NONBLOCKING", "1"),
+    ("TORCH_NCCL_NONBLOCKING_TIMEOUT", "300"),
+    # Every algorithm's peers connected when the communicator is made, not inside the first
+    # collective that uses it, where a host thread can be held with no work to abort.
+    ("NCCL_RUNTIME_CONNECT", "0"),
+    # NVRx's rules for in-process restart: NVLS (multicast objects) off; the watchdog does not end
+    # the process on a CUDA error (the recovery's entry sync finds a sticky one and ends it itself).
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("TORCH_NCCL_RETHROW_CUDA_ERRORS", "0"),
+    # torch >= 2.15 makes "nccl" groups of ProcessGroupNCCL2 (torchcomms) by default: one
+    # implementation in the job, the one the engine rebuilds with and whose abort was read.
+    ("TORCH_DIST_USE_NCCL2", "0"),
+)
 
-def keep_survivors(env: MutableMapping[str, str] | None = None) -> None:
-    """With HA on: NCCL's watchdog aborts a failed collective's communicator and leaves the process
-    to the recovery (CleanUpOnly; 0, no handling, is kept too). Before any NCCL group exists."""
+
+def nccl_environment(env: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """With HA on, before any NCCL group exists: the settings above (``NCCL_DEFAULTS``). Returns
+    what the job runs with, for its start event; a user's error handling that ends survivors is
+    replaced, and said."""
     environ: MutableMapping[str, str] = os.environ if env is None else env
-    if environ.get(NCCL_ERROR_HANDLING, "").strip() not in KEEPS_PROCESS:
-        environ[NCCL_ERROR_HANDLING] = "2"
+    mode = environ.get(NCCL_ERROR_HANDLING, "").strip()
+    if mode and mode not in KEEPS_PROCESS:
+        from mindspeed_ha.events import get_logger
+        get_logger("comm").warning("%s=%s would end a survivor whose collective fails before the recovery reaches "
+                                   "it: mindspeed-ha sets 0 (no handling: it aborts the communicators itself)",
+                                   NCCL_ERROR_HANDLING, mode)
+        environ[NCCL_ERROR_HANDLING] = "0"
+    for name, value in NCCL_DEFAULTS:
+        environ.setdefault(name, value)
+    return {name: environ[name] for name, _ in NCCL_DEFAULTS}

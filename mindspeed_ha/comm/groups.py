@@ -272,7 +272,14 @@ def _backend_name(backend) -> str:
 # ---- creation (re-routed here from torch.distributed by patches/torch/distributed.py) ---------------
 def init_process_group(original, *args, **kwargs):
     """The job's default group as a StableGroup. Its first communicator is torch's own (the job's
-    rendezvous); the store it met over is generation 0's."""
+    rendezvous); the store it met over is generation 0's. On a GPU it is bound to the rank's device
+    (``device_id``, unless the caller named one: Megatron-LM does not): torch then connects it here,
+    not inside its first collective, and sends its point-to-point messages on it, as the engine's
+    own communicators do (``compat.make_communicator``)."""
+    from mindspeed_ha.device import current
+    backend = str(args[0] if args else kwargs.get("backend") or "")
+    if current().type == "cuda" and "nccl" in backend.lower() and kwargs.get("device_id") is None:
+        kwargs["device_id"] = current()
     original(*args, **kwargs)
     real = compat.default_group()
     ranks = list(range(real.size()))

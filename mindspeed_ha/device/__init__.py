@@ -29,6 +29,11 @@ CPU = torch.device("cpu")
 _here = CPU  # this rank's device (set_current)
 # NCCL serves two ranks on one GPU from this version, with NCCL_MULTI_RANK_GPU_ENABLE=1 (experimental).
 NCCL_SHARED_GPU = (2, 30, 0)
+# Ranks that share a GPU under any NCCL, each one an NCCL host of its own (a drill on a one-GPU
+# machine): NCCL_HOSTID differs per process, so NCCL's duplicate-GPU check (same host hash and bus
+# id) does not apply and they talk over its socket transport on the loopback, as ranks on separate
+# nodes would (slow, and a check of behaviour only: no P2P, SHM or NVLS path is exercised).
+HOST_PER_RANK_ENV = "MINDSPEED_HA_NCCL_HOST_PER_RANK"
 
 
 class DeviceError(RuntimeError):
@@ -73,6 +78,8 @@ class Device:
         global _here
         dev = self.torch_device(local_rank)
         if self.kind == "cuda":
+            if os.environ.get(HOST_PER_RANK_ENV) == "1":
+                own_nccl_host(local_rank)
             torch.cuda.set_device(dev)
         elif self.kind == "npu":
             torch.npu.set_device(dev)  # type: ignore[attr-defined]
@@ -91,17 +98,31 @@ class Device:
         if self.kind == "cuda" and visible >= 1 and env.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1" \
                 and (compat.nccl_version() or (0,)) >= NCCL_SHARED_GPU:
             return  # NCCL lets ranks share a GPU (round robin over the visible ones)
+        if self.kind == "cuda" and visible >= 1 and env.get(HOST_PER_RANK_ENV) == "1":
+            return  # each rank an NCCL host of its own (own_nccl_host)
         var = "CUDA_VISIBLE_DEVICES" if self.kind == "cuda" else "ASCEND_RT_VISIBLE_DEVICES"
         shown = env.get(var)
         shown = f"{var}={shown}" if shown is not None else f"{var} unset"
         share = (" or let ranks share a GPU (NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1, experimental; "
-                 f"this NCCL is {'.'.join(map(str, compat.nccl_version() or ())) or 'unknown'})"
+                 f"this NCCL is {'.'.join(map(str, compat.nccl_version() or ())) or 'unknown'}; or, for drills, "
+                 f"{HOST_PER_RANK_ENV}=1: each rank an NCCL host of its own, over sockets)"
                  if self.kind == "cuda" else "")
         raise DeviceError(
             f"--nproc-per-node {local_ranks} starts {local_ranks} ranks on this node, but {visible} "
             f"{self.kind.upper()} device(s) are visible ({shown}): one rank per device. Use "
             f"--nproc-per-node {max(1, visible)}, make more devices visible{share}, or train on the CPU "
             "with MINDSPEED_HA_DEVICE=cpu")
+
+
+def own_nccl_host(local_rank: int, env: "os._Environ[str] | dict[str, str] | None" = None) -> None:
+    """Before this process's first NCCL call (NCCL hashes its host once): make it an NCCL host of its
+    own (``HOST_PER_RANK_ENV``), reached over NCCL's socket transport on the loopback."""
+    import socket
+    environ = os.environ if env is None else env
+    environ["NCCL_HOSTID"] = f"{socket.gethostname()}-rank{local_rank}"
+    environ.setdefault("NCCL_NET", "Socket")
+    environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    environ.setdefault("NCCL_IB_DISABLE", "1")
 
 
 def local_ranks(env: Mapping[str, str] | None = None) -> int:
