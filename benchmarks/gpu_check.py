@@ -13,15 +13,17 @@ from the ranks' event logs and compared bit for bit (``float.hex``) with a fault
   kernel stores out of bounds) -> exit 75 -> the job relaunched with ``--load`` finishes equal to the
   fault-free run;
 - the same training and resume through Megatron-LM's own loop (``MEGATRON_LM_PATH``);
-- where two or more ranks can have a GPU (>= 2 GPUs, or one with NCCL >= 2.30 and
-  ``NCCL_MULTI_RANK_GPU_ENABLE=1``): first the stop's abort alone, without the engine
-  (``benchmarks/nccl_abort.py``: does ``ProcessGroup.abort()`` free survivors held behind a
-  collective rank 1 skipped, or died in, and can they rebuild?); then DP=2 and DP=4 with the replica
-  optimizer, a ``uce`` under retry, a kill in the optimizer phase under recover (only that rank
-  restarted, its shard from its twin; the survivors stopped inside the grad-norm all-reduce), a kill
-  inside the gradient reduce-scatter under the dump then a ``--load`` of the survivors' checkpoint, a
-  ``bitflip`` caught by the replica check (exit 4); and more ranks than GPUs refused with exit 2.
-  ``--only multi-rank`` runs these alone.
+- where two or more ranks can have a GPU (>= 2 GPUs, or one shared: NCCL >= 2.30 with
+  ``NCCL_MULTI_RANK_GPU_ENABLE=1``, or any NCCL with ``MINDSPEED_HA_NCCL_HOST_PER_RANK=1``): first the
+  stop's abort alone, without the engine (``benchmarks/nccl_abort.py``: does aborting every group at
+  once free survivors held behind a collective rank 1 skipped, or died in, and can they rebuild?;
+  ``--skip-probe`` where it ran already); then, in the order of what they tell, the replica optimizer
+  at the largest data-parallel size possible (the reference), a ``uce`` under retry, a kill in the
+  optimizer phase under recover (only that rank restarted, its shard from its twin; the survivors
+  stopped inside the grad-norm all-reduce), a kill inside the gradient reduce-scatter under the dump
+  then a ``--load`` of the survivors' checkpoint, a ``bitflip`` caught by the replica check (exit 4),
+  the replica optimizer at DP=2 where the reference was larger; and more ranks than GPUs refused with
+  exit 2. ``--only multi-rank`` runs these alone.
 
 A comparison passes when the losses are bit-identical, or, where the two fault-free runs already
 differ, within that measured spread (the JSON says which). Last line: one JSON object. Exit 0: every
@@ -86,12 +88,15 @@ def ranks_possible(env: dict, most: int = 4) -> tuple[int, str]:
     """How many ranks (up to ``most``) can have a GPU of their own (or share one where NCCL allows it)."""
     if env["mode"] == "cpu":
         return most, "CPU mode: gloo"
-    from mindspeed_ha.device import NCCL_SHARED_GPU
+    from mindspeed_ha.device import HOST_PER_RANK_ENV, NCCL_SHARED_GPU
     if env["gpus"] >= 2:
         return min(most, env["gpus"] - env["gpus"] % 2), f"{env['gpus']} GPUs"
     nccl = tuple(int(x) for x in (env["nccl"] or "0").split("."))
     if nccl >= NCCL_SHARED_GPU and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1":
         return most, f"one GPU shared by {most} ranks (NCCL {env['nccl']}, NCCL_MULTI_RANK_GPU_ENABLE=1, experimental)"
+    if os.environ.get(HOST_PER_RANK_ENV) == "1":
+        return most, (f"one GPU shared by {most} ranks, each an NCCL host of its own (NCCL {env['nccl']}, "
+                      f"{HOST_PER_RANK_ENV}=1: NCCL_HOSTID per rank, the socket transport)")
     why = (f"one GPU, and NCCL {env['nccl']} refuses two ranks on it" if nccl < NCCL_SHARED_GPU else
            "one GPU; set NCCL_MULTI_RANK_GPU_ENABLE=1 to let NCCL >= 2.30 share it (experimental)")
     return 1, why
@@ -216,7 +221,10 @@ def resume_dir(src: str, dst: str, iteration: int) -> str:
 
 
 # ---- the checks -------------------------------------------------------------------------------
-def run_checks(r: Runner, env: dict, results: dict, skipped: dict, one_rank: bool = True, most_ranks: int = 4) -> None:
+def run_checks(r: Runner, env: dict, results: dict, skipped: dict, one_rank: bool = True, most_ranks: int = 4,
+               probe: bool = True, journal: str | None = None) -> None:
+    """``probe``: run nccl_abort first among the multi-rank checks; ``journal``: a file each check's
+    result is appended to as it ends (JSON lines)."""
     state: dict = {}
 
     def check(name: str, fn) -> None:
@@ -233,6 +241,9 @@ def run_checks(r: Runner, env: dict, results: dict, skipped: dict, one_rank: boo
                              "error": f"{type(e).__name__}: {e}"}
         print(f"gpu_check: {name}: {results.get(name, {}).get('ok', 'skipped: ' + skipped.get(name, ''))}",
               flush=True)
+        if journal:
+            with open(journal, "a") as f:
+                f.write(json.dumps({"check": name, **results.get(name, {"skipped": skipped.get(name)})}) + "\n")
 
     ck = os.path.join(r.root, "ck")
 
@@ -310,7 +321,7 @@ def run_checks(r: Runner, env: dict, results: dict, skipped: dict, one_rank: boo
     if r.cpu:
         skipped["ranks_refused"] = "CPU mode: a CPU never refuses ranks"
     elif n >= 2 and env["gpus"] < n:
-        skipped["ranks_refused"] = "ranks share the GPU here (NCCL_MULTI_RANK_GPU_ENABLE=1)"
+        skipped["ranks_refused"] = f"ranks share the GPU here ({why})"
     else:
         def refused():
             job = r.run("ranks_refused", env["gpus"] + 1, MODEL + ALONE, timeout=90)
@@ -333,10 +344,12 @@ def run_checks(r: Runner, env: dict, results: dict, skipped: dict, one_rank: boo
             skipped[name] = why
     else:
         state["why_multi"] = why
-        run_multi_rank(r, n, state, check)
+        if not probe:
+            skipped["nccl_abort"] = "not asked for (--skip-probe: it ran before this check)"
+        run_multi_rank(r, n, state, check, probe)
 
 
-def run_multi_rank(r: Runner, n: int, state: dict, check) -> None:
+def run_multi_rank(r: Runner, n: int, state: dict, check, probe: bool = True) -> None:
     def abort_alone():
         # (first: every recovery below starts with this abort; if it does not free a survivor here,
         # the engine's checks cannot pass, and this says why in seconds)
@@ -407,13 +420,16 @@ def run_multi_rank(r: Runner, n: int, state: dict, check) -> None:
                                f"at iteration 4 (workers exit 4)\n{job.tail()}")
         return {"message": next(l for l in job.out.splitlines() if "replica mismatch" in l)[:300]}
 
-    check("nccl_abort", abort_alone)
-    check("replica_dp2", replica(2))
-    check("replica_dp4", replica(4))
+    if probe:
+        check("nccl_abort", abort_alone)
+    check(f"replica_dp{n}", replica(n))  # (the reference of the checks after it)
     check("retry_uce", retry_uce)
     check("recover_kill", recover_kill)
     check("dump_then_load", dump_then_load)
     check("bitflip_caught", bitflip)
+    for dp in (2, 4):
+        if dp != n:
+            check(f"replica_dp{dp}", replica(dp))
 
 
 def need(state: dict, *keys: str) -> None:
@@ -431,6 +447,9 @@ def main(argv=None) -> int:
                    help="multi-rank: only the checks of several ranks (default: all)")
     p.add_argument("--ranks", type=int, choices=(2, 4), default=4,
                    help="at most this many ranks in the multi-rank checks (default 4)")
+    p.add_argument("--skip-probe", action="store_true",
+                   help="leave out the multi-rank checks' first one, nccl_abort (it ran on its own before)")
+    p.add_argument("--journal", default=None, help="append each check's result to this file as it ends")
     a = p.parse_args(argv)
     t0 = time.monotonic()
     env = environment(a.cpu)
@@ -444,7 +463,8 @@ def main(argv=None) -> int:
     root = a.keep or tempfile.mkdtemp(prefix="gpu_check_")
     os.makedirs(root, exist_ok=True)
     r = Runner(root, a.cpu, t0 + a.budget)
-    run_checks(r, env, out["checks"], out["skipped"], one_rank=a.only == "all", most_ranks=a.ranks)
+    run_checks(r, env, out["checks"], out["skipped"], one_rank=a.only == "all", most_ranks=a.ranks,
+               probe=not a.skip_probe, journal=a.journal)
     out["ok"] = bool(out["checks"]) and all(c["ok"] for c in out["checks"].values())
     out["seconds"] = round(time.monotonic() - t0, 1)
     if not a.keep:

@@ -47,28 +47,47 @@ def probe(*args, timeout=120):
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_the_abort_probe_frees_every_survivor_and_they_rebuild_on_the_emulated_nccl():
-    """The probe the GPU check starts with, on the CPU backend with NCCL's semantics: survivors held
-    behind an all-reduce that rank 1 skipped are freed by ``ProcessGroup.abort()`` with only their own
-    contribution (what an abort leaves), and make and use a new communicator; rank 1 killed instead
-    fails their all-reduce with an error (the watchdog's CleanUpOnly mode keeps them alive)."""
-    proc, out = probe("--cpu", "--held-after", "5")
+def test_the_abort_probe_frees_every_survivor_of_a_concurrent_abort_and_holds_those_of_a_serial_one(tmp_path):
+    """The probe the GPU check starts with, on the CPU backend with NCCL's semantics (whose abort,
+    as NCCL's, waits for the device to go idle). Two groups, the idle one registered first, the
+    all-reduce that rank 1 skipped on the second: aborted all at once, every survivor is freed with
+    only its own contribution (what an abort leaves) and makes and uses a new communicator; aborted
+    one after another, each survivor is held in the idle group's abort, which never returns. Rank 1
+    killed instead fails their all-reduce with an error (no handling by the watchdog keeps them
+    alive), and the concurrent abort's survivors rebuild."""
+    journal = tmp_path / "journal.jsonl"
+    proc, out = probe("--cpu", "--ranks", "4", "--held-after", "3", "--journal", str(journal), timeout=180)
     assert proc.returncode == 0 and out["ok"], proc.stdout[-3000:] + proc.stderr[-2000:]
-    skip, kill = out["scenarios"]["skip"]["survivors"], out["scenarios"]["kill"]["survivors"]
-    assert sorted(skip) == ["0", "2", "3"] and {s["way"] for s in skip.values()} == {"item", "stream", "device"}
-    for s in skip.values():
-        assert s["result"] == "own" and 0 <= s["freed_after_abort_s"] < 5 and "wait_error" not in s, s
+    # (every record as it changed, in one file: what a run cut short leaves behind)
+    lines = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert {(r["scenario"], r["stage"]) for r in lines if r["rank"] == 0} >= {
+        ("4/skip/concurrent", "waiting (item)"), ("4/skip/concurrent", "done"), ("4/skip/serial", "waiting (item)")}
+    scenarios = out["scenarios"]
+    assert sorted(scenarios) == ["4/kill/concurrent", "4/kill/serial", "4/skip/concurrent", "4/skip/serial"]
+    freed, held = scenarios["4/skip/concurrent"]["survivors"], scenarios["4/skip/serial"]["survivors"]
+    assert sorted(freed) == sorted(held) == ["0", "2", "3"]
+    assert {s["way"] for s in freed.values()} == {"item", "stream", "device"}
+    for s in freed.values():
+        assert s["result"] == "own" and 0 <= s["freed_after_abort_s"] < 3 and "wait_error" not in s, s
         assert s["rebuild_ok"] and s["rebuild_sum"] == 3.0, s
-    assert all(s["rebuild_ok"] for s in kill.values()), kill
-    assert any("wait_error" in s for s in kill.values()), kill
+        assert set(s["abort"]["took"]) == {"idle", "stuck"} and None not in s["abort"]["took"].values(), s
+    for s in held.values():
+        assert s["held"].startswith("waiting (") and s["exit"] == "held: ended by the probe", s
+        assert s["abort"]["took"] == {"idle": None}, s  # (the idle group's abort began first, and never returned)
+        assert "reclaim" in s["stacks"] and "emulated_nccl.py" in s["stacks"], s["stacks"]
+    killed = scenarios["4/kill/concurrent"]["survivors"]
+    assert all(s["rebuild_ok"] for s in killed.values()), killed
+    assert any("wait_error" in s for s in killed.values()), killed
+    assert "nccl_abort 4/skip/serial: HELD" in proc.stdout and "nccl_abort 4/skip/concurrent: passed" in proc.stdout
 
 
 def test_without_the_abort_the_probe_reports_each_survivor_held_with_its_stack():
-    """The control: the probe can fail. No abort, and every survivor is still waiting when its time
-    is up; it says so, with the frame it waits in."""
-    proc, out = probe("--cpu", "--peer", "skip", "--no-abort", "--held-after", "2")
+    """The control: the probe can fail. No abort, and the survivor is still waiting when its time is
+    up (two ranks: one survivor); it says so, with the frame it waits in."""
+    proc, out = probe("--cpu", "--ranks", "2", "--peer", "skip", "--no-abort", "--held-after", "2")
     assert proc.returncode == 1 and not out["ok"], proc.stdout[-3000:]
-    survivors = out["scenarios"]["skip"]["survivors"]
+    survivors = out["scenarios"]["2/skip/none"]["survivors"]
+    assert sorted(survivors) == ["0"]
     for s in survivors.values():
         assert s["held"] == f"waiting ({s['way']})" and s["exit"] == "held: ended by the probe", s
         assert "in worker" in s["stacks"] and "emulated_nccl.py" in s["stacks"], s["stacks"]
