@@ -178,6 +178,23 @@ def check_device(faults: list[Fault], device_kind: str, backend: str) -> None:
                                   f"set {EMULATE_ENV}=1 (the emulated NCCL)")
 
 
+def check_layout(faults: list[Fault], args: object) -> None:
+    """A phase this job's layout never runs is refused before anything is built (a drill that never
+    fires tested nothing): ``args``, the trainer's parsed flags (Megatron-LM's names)."""
+    for f in faults:
+        why = ""
+        if f.phase == "param-sync" and getattr(args, "overlap_param_gather", False):
+            why = ("--overlap-param-gather: the parameter all-gather is not started after the update but bucket by "
+                   "bucket in the next step's forward; drill phase=optimizer, or phase=forward of the next step")
+        elif f.phase in ("pipeline-send", "pipeline-recv") and int(
+                getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1:
+            why = "a job without a pipeline (--pipeline-model-parallel-size 1) sends and receives no activations"
+        elif f.phase == "checkpoint" and not getattr(args, "save", None):
+            why = "no --save: this job writes no periodic checkpoint"
+        if why:
+            raise InjectSpecError(f"{ENV}: {f.spec()}: phase {f.phase} never comes in this layout, {why}")
+
+
 def job_id(env: Mapping[str, str] | None = None) -> str:
     """This job's name as its launcher gives it (the same for every rank and for a restarted one)."""
     env = os.environ if env is None else env

@@ -304,8 +304,11 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) ->
 
 def from_script_args(script_args: list[str], env: Mapping[str, str] | None = None) -> HAOptions | None:
     """The HA options of a training script's command line (what a launcher agent needs of them);
-    None when they are invalid (the workers report that, with the flag to change)."""
-    ns, _ = add_ha_args(argparse.ArgumentParser(add_help=False)).parse_known_args(script_args)
+    None when they are invalid (the workers report that, with the flag to change). No abbreviation
+    is read as one of them: a script's own flag that starts like one (Megatron's ``--optimizer``,
+    ``--optimizer-replica-num``'s prefix) is the script's, as in Megatron-LM's own parser."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    ns, _ = add_ha_args(parser).parse_known_args(script_args)
     try:
         return from_args(ns, env)
     except HAConfigError:

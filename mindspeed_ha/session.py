@@ -637,7 +637,7 @@ class RankSession:
             self.events.emit("drill_unfired", spec=f.spec(), kind=f.kind, step=f.step, phase=f.phase,
                              iteration=getattr(self.trainer, "iteration", None))
             log.error("fault drill %s never fired: rank %d ended without reaching %s (a phase this job does not "
-                      "run there, e.g. a checkpoint of a job that saves none, or a recovery that never came)",
+                      "run there, e.g. a checkpoint at a step no save falls on, or a recovery that never came)",
                       f.spec(), self.rank, at)
 
     def close(self) -> None:

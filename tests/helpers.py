@@ -14,9 +14,10 @@ from mindspeed_ha.events import read_events
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = str(REPO / "examples" / "pretrain_gpt.py")
+# (--optimizer adam: Megatron's own flag, which starts like one of ours: every drill passes it through)
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--use-distributed-optimizer", "--mock-data", "--lr-warmup-iters", "2",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--optimizer", "adam"]
 
 # Megatron-LM's own loop (examples/pretrain_gpt.py with MEGATRON_LM_PATH set): ordinary Megatron-LM
 # flags; the CPU ones (--transformer-impl local, fusions off, gloo, ...) are set by the adaptor.
@@ -30,7 +31,8 @@ MLM_TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
             "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
             "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
-            "--use-distributed-optimizer", "--enable-high-availability", "--ckpt-format", "torch_dist"]
+            "--use-distributed-optimizer", "--enable-high-availability", "--ckpt-format", "torch_dist",
+            "--optimizer", "adam"]
 MLM_ENV = {"MEGATRON_LM_PATH": MLM_PATH}
 
 

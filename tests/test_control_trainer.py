@@ -97,20 +97,31 @@ def test_status_and_live_inject(tmp_path):
     assert not leftover_workers(tmp_path)
 
 
+def test_megatrons_own_flags_reach_the_workers_and_their_refusal_reaches_the_user(tmp_path):
+    """``mindspeed-ha run`` reads the script's HA flags (for its agent and spare templates) without
+    taking a script's flag that starts like one of them for an abbreviation: every drill passes
+    ``--optimizer adam`` (helpers.TINY); ``--optimizer sgd`` is refused by the workers, naming it, exit 2."""
+    proc, _ = run_job(tmp_path, extra=("--optimizer", "sgd"), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "--optimizer sgd: the replica optimizer is megatron-core's distributed optimizer" in proc.stderr
+    assert "--optimizer-replica-num" not in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.drill_may_not_fire
 def test_a_drill_that_never_fires_is_an_error_in_the_log_the_events_and_the_report(tmp_path):
-    """Rank 1's drill is for the checkpoint of iteration 4 of a job that saves none: the job itself ends
-    well (exit 0), but the drill tested nothing — an error line in the log, a ``drill_unfired`` event, and ``report`` exits 1
-    naming it (the suite's own check fails every other test on such an event)."""
-    proc, _ = run_job(tmp_path, inject="exception:rank=1:step=4:phase=checkpoint,kill:rank=2:step=3:phase=forward",
+    """Rank 1's drill is for a recovery in step 4, and the job's one fault is in step 3 (a drill whose
+    phase the layout does run, so that it is not refused at start): the job itself ends well (exit 0),
+    but the drill tested nothing — an error line in the log, a ``drill_unfired`` event, and ``report``
+    exits 1 naming it (the suite's own check fails every other test on such an event)."""
+    proc, _ = run_job(tmp_path, inject="exception:rank=1:step=4:phase=recovery,kill:rank=2:step=3:phase=forward",
                       extra=("--enable-worker-reboot",))
     assert proc.returncode == 0, proc.stderr[-4000:]
     never = [e for e in all_rank_events(tmp_path) if e["event"] == "drill_unfired"]
-    assert [(e["rank"], e["spec"]) for e in never] == [(1, "exception:rank=1:step=4:phase=checkpoint")], never
+    assert [(e["rank"], e["spec"]) for e in never] == [(1, "exception:rank=1:step=4:phase=recovery")], never
     log = (tmp_path / "ttp_log.log").read_text()
-    assert "fault drill exception:rank=1:step=4:phase=checkpoint never fired" in log
+    assert "fault drill exception:rank=1:step=4:phase=recovery never fired" in log
     rep = subprocess.run(MINDSPEED_HA + ["report", str(tmp_path), "--no-picture"], env=clean_env(),
                          capture_output=True, text=True, timeout=60)
-    assert rep.returncode == 1 and "ERROR: fault drill exception:rank=1:step=4:phase=checkpoint never fired" \
+    assert rep.returncode == 1 and "ERROR: fault drill exception:rank=1:step=4:phase=recovery never fired" \
         in rep.stderr, rep.stdout + rep.stderr
     assert "rank 2 process-exit" in rep.stdout  # (the kill did fire, and was recovered)

@@ -105,6 +105,23 @@ def test_faults_must_name_a_rank_and_a_step_of_the_job():
     check_reachable(parse("kill:rank=3:step=10"), 4, 10)
 
 
+def test_a_phase_the_layout_never_runs_is_refused_at_start_naming_the_flag():
+    from argparse import Namespace
+
+    from mindspeed_ha.inject import check_layout
+    overlap = Namespace(overlap_param_gather=True, pipeline_model_parallel_size=1, save=None)
+    with pytest.raises(InjectSpecError, match=r"kill:rank=1:step=3:phase=param-sync: phase param-sync never comes in "
+                                              r"this layout, --overlap-param-gather: the parameter all-gather"):
+        check_layout(parse("kill:rank=1:step=3:phase=param-sync"), overlap)
+    with pytest.raises(InjectSpecError, match=r"--pipeline-model-parallel-size 1"):
+        check_layout(parse("uce:rank=0:step=2:phase=pipeline-send"), overlap)
+    with pytest.raises(InjectSpecError, match=r"no --save"):
+        check_layout(parse("exit:rank=0:step=2:phase=checkpoint"), overlap)
+    check_layout(parse("kill:rank=1:step=3:phase=param-sync,uce:rank=0:step=2:phase=pipeline-recv,"
+                       "exit:rank=0:step=2:phase=checkpoint"),
+                 Namespace(overlap_param_gather=False, pipeline_model_parallel_size=2, save="/ck"))
+
+
 def test_live_add_fires_at_next_matching_point(tmp_path):
     inj = Injector(1, str(tmp_path), EventLog.for_rank(str(tmp_path), 1))
     inj.add("exception", rank=0)  # another rank's: ignored here

@@ -96,6 +96,8 @@ def test_same_message_on_every_rank_no_traceback(tmp_path):
     ([], {"MINDSPEED_HA_INJECT": "cuda-illegal-address:rank=0:step=1"}, "needs a CUDA device, and this rank trains on cpu"),
     ([], {"MINDSPEED_HA_INJECT": "held:rank=0:step=1", "MINDSPEED_HA_EMULATE_NCCL": "0"},
      "needs a stream-ordered backend (NCCL, HCCL), and this rank's collectives run on gloo"),
+    (["--overlap-grad-reduce", "--overlap-param-gather"], {"MINDSPEED_HA_INJECT": "kill:rank=1:step=1:phase=param-sync"},
+     "phase param-sync never comes in this layout, --overlap-param-gather"),
 ])
 def test_bad_input_refused_on_every_rank_before_any_model(tmp_path, argv, env, needle):
     """Refused before anything is built (no rendezvous: each rank runs on its own here), with the flag

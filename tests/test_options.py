@@ -168,3 +168,14 @@ def test_the_hang_limit_must_come_before_the_collectives_timeout():
         timed("3", "--ha-hang-timeout", "100")
     assert "to at least 4 or lower --ha-hang-timeout below 90" in str(e.value), e.value
     assert timed("2", "--ha-hang-timeout", "20").hang_timeout_s == 20.0  # 2 x max(20, 30) = 60 < 120
+
+
+def test_a_script_flag_that_starts_like_an_ha_flag_is_the_scripts():
+    """What a launcher agent reads of a training script's command line: Megatron's ``--optimizer adam``
+    (a prefix of ``--optimizer-replica-num``) is the script's own flag, not an abbreviation of ours."""
+    from mindspeed_ha.options import from_script_args
+    o = from_script_args(["--optimizer", "adam", "--enable-high-availability", "--use-distributed-optimizer"], {})
+    assert o is not None and o.enabled and o.replica_num == 2
+    o = from_script_args(["--optimizer", "sgd", "--enable-hbmfault-repair"], {})
+    assert o is not None and o.strategies == {"retry", "dump"}
+    assert from_script_args(["--optimizer-replica-num", "3", "--enable-high-availability"], {}).replica_num == 3

@@ -87,6 +87,7 @@ def on_parse_args(original, extra_args_provider=None, ignore_unknown_args=False)
         faults = inject.parse(os.environ.get(inject.ENV, ""))
         inject.check_reachable(faults, ns.world_size, ns.train_iters)
         inject.check_device(faults, device.kind, device.backend)
+        inject.check_layout(faults, ns)
         if opts.use_replica_optimizer:
             got = ns.num_distributed_optimizer_instances
             if got not in (1, opts.replica_num):

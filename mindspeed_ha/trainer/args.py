@@ -9,7 +9,7 @@ from mindspeed_ha.options import add_ha_args
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="pretrain_gpt.py",
+        prog="pretrain_gpt.py", allow_abbrev=False,  # (Megatron-LM's own parser takes whole flags only)
         description="GPT pretraining on megatron-core with mindspeed-ha (Megatron-LM argument names)")
     m = p.add_argument_group("model")
     m.add_argument("--num-layers", type=int, default=2)

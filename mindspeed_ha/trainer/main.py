@@ -48,6 +48,7 @@ def run(argv: list[str] | None = None) -> int:
         faults = inject.parse(os.environ.get(inject.ENV, ""))
         inject.check_reachable(faults, world, args.train_iters)
         inject.check_device(faults, device.kind, device.backend)
+        inject.check_layout(faults, args)
         compat.check()  # last: it imports megatron-core (seconds), the checks above are instant
     except (HAConfigError, ArgError, DeviceError, compat.CompatError, inject.InjectSpecError) as e:
         _fail(str(e))
