@@ -161,6 +161,14 @@ class RankState:
         if not any(e["event"] == "step" and e.get("iteration") == iteration for e in read_events(self.events.path)):
             self.events.emit("step", iteration=iteration, loss=loss, loss_hex=float.hex(loss), late=True)
 
+    def log_step_at_dump(self, iteration: int, loss: float) -> None:
+        """The dump settled on step ``iteration``, which this rank computed the loss of (reduced over
+        data parallelism, whole) and which no rank logged: it goes out now, marked as written at
+        the dump, so that the loss curve has no hole before the checkpoint it resumes from."""
+        self.events.emit("step", iteration=int(iteration), loss=loss, loss_hex=float.hex(loss), late=True,
+                         written_at="dump")
+        log.info("iteration %d: lm loss %.6E (its step ended in the dump: logged there)", iteration, loss)
+
     def resumed(self, lost_steps: int = 0) -> None:
         """Training goes on after an in-place recovery: heartbeat as soon as the next step ends (the
         controller's MTTR ends there), and say then what the process holds."""

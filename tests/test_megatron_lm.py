@@ -162,6 +162,9 @@ def test_megatron_lm_dying_gasp_then_megatron_lm_resume(tmp_path, layout, rank, 
     assert_ok(job(tmp_path / "ref"))
     got, want = losses(tmp_path / "resume"), losses(tmp_path / "ref")
     assert sorted(got) == list(range(it + 1, 10)) and got == {i: want[i] for i in got}
+    # (no hole in the loss curve: the step the dump settled on, when still in flight, is logged there)
+    before = losses(tmp_path / "fault")
+    assert set(range(1, it + 1)) <= set(before) and before == {i: want[i] for i in before}, (it, before)
 
 
 def _mindspeed_ha_run(log_dir, *extra, inject=None, iters=10, nproc=4, backend="gloo", env=None):

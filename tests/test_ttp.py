@@ -49,6 +49,15 @@ def check_saved(proc, log_dir, ck) -> dict:
     return saved
 
 
+def check_curve(log_dir, iteration: int, want: dict) -> None:
+    """The faulted job's loss curve has no hole up to the dump's iteration: every step's loss is
+    logged with the fault-free run's bits, the step the dump settled on too when it was still in
+    flight (logged at the dump, ``written_at``)."""
+    got = losses(log_dir)
+    assert set(range(1, iteration + 1)) <= set(got), (iteration, sorted(got))
+    assert got == {i: want[i] for i in got}
+
+
 def check_resume(log_dir, ck, want: dict, nproc=4, extra=(), backend="gloo") -> dict:
     """--load the dying gasp: every later loss equals the fault-free run's, bit for bit (float.hex),
     and every shard equals its twin after each step.
@@ -76,7 +85,7 @@ def ref(references):
     on("forward", "gloo"), on("backward", "emulated_nccl"), on("grad-sync", "emulated_nccl"),
     pytest.param("optimizer", "gloo", marks=pytest.mark.compat), on("param-sync", "emulated_nccl"),
     extended("forward", "emulated_nccl"), extended("backward", "gloo"), extended("grad-sync", "gloo"),
-    extended("optimizer", "emulated_nccl"), extended("param-sync", "gloo")])
+    on("optimizer", "emulated_nccl"), extended("param-sync", "gloo")])
 def test_kill_each_phase_dp4(tmp_path, ref, phase, backend):
     ck = tmp_path / "ck"
     proc = job(tmp_path / "run", inject=f"kill:rank=1:step=6:phase={phase}", extra=("--save", str(ck)), backend=backend)
@@ -91,6 +100,7 @@ def test_kill_each_phase_dp4(tmp_path, ref, phase, backend):
         assert saved["iteration"] == 5 - bool(plan["ahead"])  # the fault came before any update of step 6
     if phase == "param-sync":
         assert saved["iteration"] == 6  # every update of step 6 had finished
+    check_curve(tmp_path / "run", saved["iteration"], ref["dp4"])
     check_resume(tmp_path / "resume", ck, ref["dp4"], backend=backend)
 
 
@@ -106,6 +116,7 @@ def test_kill_each_phase_tp2_dp4(tmp_path, ref, phase, rank):
                extra=("--save", str(ck), *TP2))
     saved = check_saved(proc, tmp_path / "run", ck)
     assert rank not in saved["ranks"] and len(saved["ranks"]) == 4
+    check_curve(tmp_path / "run", saved["iteration"], ref["tp2"])
     check_resume(tmp_path / "resume", ck, ref["tp2"], 8, TP2)
 
 

@@ -275,10 +275,10 @@ class MegatronLMTrainer(TrainerInterface):
             # The samples' sum stays on the device (read at the step's end, after its commit point):
             # a diagnostic, which nothing before the update needs.
             self.step.samples_hash, self.step.samples_mark = self._samples_hash(), commit_mark()
-            # Under recover, the DP totals a roll-forward hands a restarted rank: whether a stop cut
-            # them short is known later, when the update's commit point passes (or not), without a
-            # sync here (_losses_for_tail).
-            if self._joiners_possible():
+            # The DP totals a roll-forward hands a restarted rank (recover), and a dump that settles
+            # on this step prints (unlogged_loss): whether a stop cut them short is known later, when
+            # the update's commit point passes (or not), without a sync here (_losses_for_tail).
+            if self._totals_wanted():
                 self.step.reduced, self.step.reduced_mark = self._reduce_losses(self.step.fb_out), commit_mark()
             return self.step.fb_out
         return forward_backward
@@ -306,6 +306,24 @@ class MegatronLMTrainer(TrainerInterface):
         from mindspeed_ha import session
         s = session.current()
         return s is not None and "recover" in s.options.strategies
+
+    @staticmethod
+    def _totals_wanted() -> bool:
+        """HA is on: a restarted rank (recover) or a dump (always on with HA) may need this step's
+        DP totals. One small all-reduce a step, as the built-in trainer's loss before its update."""
+        from mindspeed_ha import session
+        s = session.current()
+        return s is not None and s.options.enabled
+
+    def unlogged_loss(self) -> tuple[int, float] | None:
+        it = self.loop.running
+        if not it or it <= self.ended or not self._reduced_whole():
+            return None
+        assert self.step.reduced is not None  # (whole: it holds them)
+        totals = self.step.reduced.get("lm loss")
+        if totals is None:
+            return None
+        return it, float(totals[0] / totals[1])  # (Megatron-LM's own arithmetic at train_step's end)
 
     @staticmethod
     def _reduce_losses(losses) -> dict | None:

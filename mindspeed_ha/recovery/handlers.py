@@ -60,6 +60,7 @@ class Session(Protocol):
     def relaid_out(self) -> None: ...
     def report_fault_in_recovery(self, exc: BaseException) -> None: ...
     def report_unlogged_step(self, iteration: int, loss: Any) -> None: ...
+    def log_step_at_dump(self, iteration: int, loss: float) -> None: ...
     def resumed(self, lost_steps: int = 0) -> None: ...
 
 
@@ -279,6 +280,9 @@ class RankRecovery:
                                                    "trainer_iteration")}
         st.update(save=os.path.abspath(save), fallback=list(newest) if newest else None, abandoned=abandon,
                   bytes=self.prepared.bytes)
+        unlogged = self.trainer.unlogged_loss()
+        if unlogged is not None:  # (a dump that settles on that step prints it: no one else will)
+            st["unlogged"] = {"iteration": int(unlogged[0]), "loss": float(unlogged[1]), "writer": self.s.writes_loss}
         return st
 
     def dump(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -298,5 +302,9 @@ class RankRecovery:
         assert save is not None  # (dump_status, which prepared the dump, refuses a rank without one)
         res = dump.write(self.prepared, plan, world, save, self.s.events, progress=self.s.progressed,
                          chunk_bytes=self.message_bytes)
+        if args.get("log_loss") == self.s.rank:
+            unlogged = self.trainer.unlogged_loss()
+            if unlogged is not None and unlogged[0] == res.iteration:
+                self.s.log_step_at_dump(*unlogged)
         return {"iteration": res.iteration, "path": res.path, "seconds": round(res.seconds, 4),
                 "bytes": res.bytes, "save": os.path.abspath(save)}

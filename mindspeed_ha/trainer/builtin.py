@@ -286,6 +286,7 @@ class BuiltinTrainer(TrainerInterface):
         # restarted worker can be handed it by its peer. (Same arithmetic as after the update.)
         # With it, the global batch's samples (whatever the data-parallel size): ``samples_hash``.
         self._step_loss = self._samples_hash = None
+        self._step_iteration = it
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             mean = torch.stack([x["lm loss"] for x in losses]).mean().reshape(1)
             dist.all_reduce(mean, group=ps.get_data_parallel_group())
@@ -323,6 +324,11 @@ class BuiltinTrainer(TrainerInterface):
         s.step_end(it, loss, grad_norm=grad_norm, lr=self.scheduler.get_lr(self.optimizer.param_groups[0]),
                    samples_hash=getattr(self, "_samples_hash", None))
         return loss
+
+    def unlogged_loss(self) -> tuple[int, float] | None:
+        it, loss = getattr(self, "_step_iteration", None), getattr(self, "_step_loss", None)
+        # (_step_loss is set only past its commit point: whole)
+        return (it, loss) if it is not None and loss is not None and it > self.ended else None
 
     def restart_from(self, iteration: int) -> None:
         """Rollback: the next step is ``iteration + 1`` again (the RNG was restored by the caller)."""

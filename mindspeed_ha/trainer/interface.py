@@ -158,6 +158,12 @@ class TrainerInterface(abc.ABC):
         self.consumed_samples = state["consumed_samples"]
         self.scheduler.load_state_dict(state["scheduler"])  # a fresh scheduler: its count is the peer's
 
+    def unlogged_loss(self) -> tuple[int, float] | None:
+        """(iteration, loss) of the step this rank is inside, when it has its loss reduced over data
+        parallelism, whole (a commit point passed after the reduction), and has not ended that step:
+        what a dump that settles on that step prints, since no rank will (None: none such here)."""
+        return None
+
     def log_recovery(self, iteration: int, seconds: float, lost_steps: int) -> None:
         """A recovery ended with step ``iteration``: ``seconds`` from this rank's stop to that step's
         end, ``lost_steps`` recomputed. A trainer with its own metric writers records them there."""

@@ -439,10 +439,19 @@ def _plan_dump(ep: Episode) -> Step:
     return NEXT
 
 
+def _loss_logger(ep: Episode) -> int | None:
+    """The survivor that prints the loss of the step the dump settles on, when no rank logged it (it
+    was in flight): the one that logs losses if it survived, else the first one that holds it."""
+    holders = sorted(r for r, s in ep.statuses.items()
+                     if (s.get("unlogged") or {}).get("iteration") == ep.plan.iteration)
+    writers = [r for r in holders if ep.statuses[r]["unlogged"].get("writer")]
+    return (writers or holders or [None])[0]
+
+
 def _write_args(ep: Episode) -> dict[str, Any]:
     host, port = ep.port.store()
     return {"survivors": sorted(ep.statuses), "store_host": host, "store_port": port,
-            "generation": ep.generation, "plan": ep.plan.to_wire()}
+            "generation": ep.generation, "plan": ep.plan.to_wire(), "log_loss": _loss_logger(ep)}
 
 
 def _written(ep: Episode, ans: Answers) -> Step:
