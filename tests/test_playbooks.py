@@ -746,3 +746,19 @@ def test_runner_rejects_an_unknown_decision():
         Runner([Round("x", act=lambda ep: 42)], episode(FakePort()), clock=Clock()).start()
     assert Runner([Round("x", act=lambda ep: Fail("no"))], episode(FakePort())).start() == ("failed", "no")
     assert Answers({}, {1: "lost", 0: "x" * 600}, 0).why(50).startswith("rank 0: xxx")
+
+
+@pytest.mark.parametrize("unlogged,logger", [
+    ({0: (6, True), 2: (6, False), 3: (6, False)}, 0),   # the rank that logs losses survived: it prints
+    ({2: (6, False), 3: (6, False)}, 2),                 # it was lost: the first survivor that holds the loss
+    ({0: (7, True)}, None),                              # a later step's loss: not the dump's
+    ({}, None),                                          # every step up to the dump's logged already
+])
+def test_dump_names_who_logs_the_loss_of_the_step_it_settles_on(unlogged, logger):
+    port = FakePort(live=(0, 2, 3), lost=(1,))
+    runner, _ = play(playbooks.DUMP, S.DUMP, episode(port, "dump"))
+    port.answer({r: {**dump_status(rank=r), **({"unlogged": {"iteration": unlogged[r][0], "loss": 5.25,
+                                                              "writer": unlogged[r][1]}} if r in unlogged else {})}
+                 for r in (0, 2, 3)})
+    assert runner.tick() is None and port.last()[1] == "dump"
+    assert port.last()[3]["log_loss"] == logger
