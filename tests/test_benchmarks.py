@@ -5,13 +5,15 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from helpers import REPO, clean_env, extended_test
 
 REQUIRED = ("ha_runtime_ratio", "step_time_ratio", "bytes_per_param_replica", "formula_replica",
             "bytes_per_param_distributed", "formula_distributed")
 
 
-@extended_test  # (the replica optimizer's steps: every drill; the benchmark's own code: README's figures)
+@extended_test  # (the replica optimizer's steps: every drill; the benchmark's own code: docs/figures.md)
 def test_replica_overhead_smoke(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "replica_overhead.py"), "--iters", "4", "--warmup", "2",
@@ -37,7 +39,7 @@ def test_replica_overhead_smoke(tmp_path):
 
 
 def test_chaos_schedule_covers_every_kind_at_every_phase():
-    """benchmarks/chaos.py's schedule (its jobs take minutes: run by hand, figures in README)."""
+    """benchmarks/chaos.py's schedule (its jobs take minutes: run by hand, figures in docs/figures.md)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import chaos
     for seed in (1, 2, 3):
@@ -80,7 +82,7 @@ def test_controller_scale_says_which_round_failed_and_why():
 def test_mttr_short_form_ends_0_with_its_ratios(tmp_path):
     """benchmarks/mttr.py in a short form (retry against the torchrun baseline, a short job): the
     baseline's two launches are one drill job, so the relaunch resumes instead of failing again, and
-    the benchmark ends 0 with the ratios README quotes."""
+    the benchmark ends 0 with the ratios docs/figures.md quotes."""
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "mttr.py"), "--no-torchft", "--ours", "retry",
                            "--layers", "1", "--hidden", "64", "--seq", "32", "--interval", "3", "--fault-step", "5",
                            "--iters", "6", "--keep", str(tmp_path)], env=clean_env(), capture_output=True, text=True,
@@ -90,3 +92,21 @@ def test_mttr_short_form_ends_0_with_its_ratios(tmp_path):
     assert result["retry_lost_steps"] == 0
     assert result["torchrun_lost_steps"] == 1 and result["torchrun_processes"] == 8
     assert result["torchrun_mttr_ratio"] > 0 and result["torchrun_regain_ratio"] > 0, result
+
+
+@pytest.mark.compat
+def test_torchs_own_reconfigure_and_the_handwritten_rebuild_give_the_same_sums():
+    """benchmarks/reconfigure.py: on torch >= 2.15 (the compat subset runs it there) both ways of
+    giving the DP=4 drills' 21 groups new communicators — the same processes (retry) and a new
+    process for rank 1 (recover) — leave every group's all-reduce right, and both are timed; before
+    2.15 it says what is missing (exit 77)."""
+    import torch.distributed as dist
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "reconfigure.py"), "--rounds", "1"],
+                          env=clean_env(), capture_output=True, text=True, timeout=300)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not hasattr(dist.ProcessGroupGloo, "get_reconfigure_handle"):
+        assert proc.returncode == 77 and "torch >= 2.15" in result["missing"], proc.stdout[-2000:]
+        return
+    assert proc.returncode == 0 and result["ok"], proc.stdout[-3000:] + proc.stderr[-3000:]
+    for drill in ("retry", "recover"):
+        assert result[drill]["wrong"] == [] and result[drill]["handwritten_s"] > 0 and result[drill]["reconfigure_s"] > 0

@@ -751,7 +751,7 @@ class _DoneWork:
 def _answer_alone(fn: Callable, args, kwargs):
     name = fn.__name__
     a = inspect.signature(fn).bind(*args, **kwargs).arguments
-    if name in ("all_gather_into_tensor", "_all_gather_base"):
+    if name in ("all_gather_into_tensor", "_all_gather_base", "all_gather_single"):  # (the last: torch >= 2.15)
         out, inp = a["output_tensor"], a["input_tensor"]  # (required parameters: always bound)
         out.view(-1).copy_(inp.reshape(-1).repeat(out.numel() // max(1, inp.numel())))
     elif name == "all_gather":
