@@ -25,7 +25,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 MLM_PATH = os.environ.get("MEGATRON_LM_PATH", "")
 MLM_READY = os.path.isdir(os.path.join(MLM_PATH, "megatron", "training"))
 MLM_MISSING = ("needs Megatron-LM's megatron.training: set MEGATRON_LM_PATH to a checkout of NVIDIA/Megatron-LM "
-               "at tag core_v0.16.1 (see README)")
+               "at tag core_v0.16.1 (see docs/megatron-lm.md)")
 MLM_TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
             "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
@@ -55,7 +55,7 @@ ALL = os.environ.get("MINDSPEED_HA_TEST_ALL", "") == "1"
 def extended(*values, **kw):
     """A ``pytest.param`` CI leaves out (skipped with the reason unless MINDSPEED_HA_TEST_ALL=1)."""
     import pytest
-    marks = [pytest.mark.skipif(not ALL, reason="extended drill: runs with MINDSPEED_HA_TEST_ALL=1 (README)")]
+    marks = [pytest.mark.skipif(not ALL, reason="extended drill: runs with MINDSPEED_HA_TEST_ALL=1 (docs/quickstart.md)")]
     if "emulated_nccl" in values:
         marks.append(pytest.mark.nccl)
     return pytest.param(*values, marks=marks, **kw)
@@ -65,7 +65,7 @@ def extended_test(fn):
     """A whole test CI leaves out, as ``extended`` does a parameter (its docstring or a comment says
     where CI drills the same path)."""
     import pytest
-    return pytest.mark.skipif(not ALL, reason="extended drill: runs with MINDSPEED_HA_TEST_ALL=1 (README)")(fn)
+    return pytest.mark.skipif(not ALL, reason="extended drill: runs with MINDSPEED_HA_TEST_ALL=1 (docs/quickstart.md)")(fn)
 
 
 def on(*values, **kw):

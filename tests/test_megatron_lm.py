@@ -1,5 +1,5 @@
 """examples/pretrain_gpt.py running Megatron-LM's *own* pretrain loop under mindspeed-ha (4 CPU ranks,
-gloo). Needs a Megatron-LM checkout at tag core_v0.16.1 in MEGATRON_LM_PATH (README shows how)."""
+gloo). Needs a Megatron-LM checkout at tag core_v0.16.1 in MEGATRON_LM_PATH (docs/megatron-lm.md shows how)."""
 from __future__ import annotations
 
 import shutil

@@ -61,7 +61,7 @@ KEEPS_PROCESS = ("0", "2")
 
 # How every NCCL communicator of a job with HA on is made, set before the first one exists (a user's
 # own value is kept, but for the error handling's 1 and 3, which end survivors). Decided by reading
-# NCCL's and torch's code (README, "GPUs"): no GPU run has shown them yet.
+# NCCL's and torch's code (docs/nccl.md): no GPU run has shown them yet.
 NCCL_DEFAULTS = (
     # The engine is the one that aborts, every communicator at once (comm.abort); the watchdog
     # only marks a failed collective's work (under 2 it aborts that group's communicators alone,

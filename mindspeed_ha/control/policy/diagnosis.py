@@ -39,5 +39,5 @@ def diagnosis(faults: list[Fault], live: int, note: str, dump: dict[str, Any] | 
     resume = (f"Resume with --load {dump['save']}: it continues from iteration {dump['iteration']}, "
               f"no completed step is lost." if dump else "Resume from the last checkpoint.")
     text += (f" Recovery: {note or 'none'}; so the job ends here: the {live} live rank(s) were told to exit "
-             f"(exit code {code}: {MEANING.get(code, 'see README')}). {resume} Events: {os.path.join(log_dir, 'events', 'controller.jsonl')}.")
+             f"(exit code {code}: {MEANING.get(code, 'see docs/clusters.md, exit codes')}). {resume} Events: {os.path.join(log_dir, 'events', 'controller.jsonl')}.")
     return text
