@@ -444,8 +444,8 @@ def _loss_logger(ep: Episode) -> int | None:
     was in flight): the one that logs losses if it survived, else the first one that holds it."""
     holders = sorted(r for r, s in ep.statuses.items()
                      if (s.get("unlogged") or {}).get("iteration") == ep.plan.iteration)
-    writers = [r for r in holders if ep.statuses[r]["unlogged"].get("writer")]
-    return (writers or holders or [None])[0]
+    chosen = [r for r in holders if ep.statuses[r]["unlogged"].get("writer")] or holders
+    return chosen[0] if chosen else None
 
 
 def _write_args(ep: Episode) -> dict[str, Any]:
