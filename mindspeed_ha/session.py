@@ -72,6 +72,12 @@ class RankState:
         self.after_setup: Callable[[TrainerInterface], object] | None = None
         self.stopped_at = 0.0                # when this rank last left training for a recovery
         self._recovered: tuple | None = None  # (stopped at, lost steps) until the first step after it
+        # A restarted worker's timeline (wall clock): the agent's assignment, this session, the rebuild
+        # order (``joined`` reports it)
+        self.join_marks: list[tuple[str, float]] = [("session", time.time())]
+        assigned = os.environ.get("MINDSPEED_HA_ASSIGNED_AT")
+        if assigned:
+            self.join_marks.insert(0, ("assigned", float(assigned)))
         self._releases_seen: set = set()     # communicator-release threads a resources report waited for
         self._settlers: list = []            # the threads that make those reports
         self._unsettled: set = set()         # those still waiting when the job ended (reported then)
@@ -160,6 +166,24 @@ class RankState:
             return
         if not any(e["event"] == "step" and e.get("iteration") == iteration for e in read_events(self.events.path)):
             self.events.emit("step", iteration=iteration, loss=loss, loss_hex=float.hex(loss), late=True)
+
+    def joined(self, setup_s: float, setup: dict, reconnect: dict) -> None:
+        """A restarted worker has set itself up and connected its groups (its rebuild): where the time
+        went since the agent gave it its rank — to its session (the script's start after a spare's
+        wake-up), to the rebuild order (the processor, the registration, the controller's rounds
+        before it), the set-up by part, the groups' connection — in the ``joined`` event."""
+        now = time.time()
+        marks = dict(self.join_marks)
+        assigned = marks.get("assigned")
+        fields = {"setup_s": round(setup_s, 4), "setup": setup, "reconnect_s": reconnect.get("seconds"),
+                  "groups": reconnect.get("groups")}
+        if assigned is not None:
+            fields["to_session_s"] = round(marks["session"] - assigned, 4)
+            fields["total_s"] = round(now - assigned, 4)
+        if "rebuild" in marks:
+            fields["to_rebuild_s"] = round(marks["rebuild"] - marks["session"], 4)
+        self.events.emit("joined", **fields)
+        log.info("rank %d joined: %s", self.rank, fields)
 
     def log_step_at_dump(self, iteration: int, loss: float) -> None:
         """The dump settled on step ``iteration``, which this rank computed the loss of (reduced over

@@ -49,10 +49,19 @@ def is_spare() -> bool:
     return os.environ.get(ENV) == "1"
 
 
+def warm_up() -> None:
+    """Load now what a worker's set-up would load lazily on a restarted worker's critical path (its
+    rebuild): torch's first optimizer imports ``torch._dynamo`` (1.3 s of a core on a 2-core host,
+    most of a joiner's set-up). In the template, its forks inherit it."""
+    import torch
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+
+
 def wait_for_assignment() -> None:
     """Block until the agent assigns a rank; its variables go into ``os.environ``. End quietly
     when the agent has no rank to give (the job is over, or the agent is gone). The template
     never returns here: only its forks do, each with its own assignment."""
+    warm_up()
     report = int(os.environ.pop(REPORT_FD, "-1"))
     fork_dir = os.environ.pop(FORK_DIR, None)
     if fork_dir is not None:
@@ -62,6 +71,7 @@ def wait_for_assignment() -> None:
         line = sys.stdin.readline()
     if not line.strip():
         sys.exit(0)
+    os.environ["MINDSPEED_HA_ASSIGNED_AT"] = repr(time.time())  # (a restarted worker's join is timed from here)
     os.environ.update({str(k): str(v) for k, v in json.loads(line).items()})
     os.environ.pop(ENV, None)
     from .logs import redirect_from_env

@@ -50,6 +50,7 @@ class Session(Protocol):
     shard_poisoned: bool
     last_step: tuple[int | None, float | None]
     after_setup: Callable[[TrainerInterface], object] | None
+    join_marks: list[tuple[str, float]]
 
     @property
     def writes_loss(self) -> bool: ...
@@ -61,6 +62,7 @@ class Session(Protocol):
     def report_fault_in_recovery(self, exc: BaseException) -> None: ...
     def report_unlogged_step(self, iteration: int, loss: Any) -> None: ...
     def log_step_at_dump(self, iteration: int, loss: float) -> None: ...
+    def joined(self, setup_s: float, setup: dict[str, float], reconnect: dict[str, Any]) -> None: ...
     def resumed(self, lost_steps: int = 0) -> None: ...
 
 
@@ -141,9 +143,12 @@ class RankRecovery:
         if self.s.joining and self.trainer.optimizer is None:
             # A restarted worker: its groups, model and optimizer are made without peers (the
             # survivors wait here), then its groups connect with the survivors' new generation.
+            self.s.join_marks.append(("rebuild", time.time()))
             with groups.joining(self.s.world_size, self.s.rank, self.s.device.backend, self.collective_timeout), alone():
                 self.trainer.setup(joining=True)
+            setup_s = time.perf_counter() - t0
             got = groups.reconnect(*store)
+            self.s.joined(setup_s, getattr(self.trainer, "setup_seconds", None) or {}, got)
             return f"joined and set up in {time.perf_counter() - t0:.3f}s ({got['groups']} groups)"
         clear_stop()
         self.s.device_ready(self.trainer.iteration + 1)

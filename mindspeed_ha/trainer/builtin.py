@@ -70,22 +70,34 @@ class BuiltinTrainer(TrainerInterface):
         from the replica peers next. ``dataset``: built already (a worker forked from a template)."""
         a, s = self.args, self.session
         replicas = s.options.replica_num if s.options.use_replica_optimizer else 1
+        took = self.setup_seconds = {}  # (where a set-up's time goes: a restarted worker's join reports it)
+        t = time.perf_counter()
+
+        def timed(name: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            took[name], t = round(now - t, 4), now
         self.init_parallel()
         init_num_microbatches_calculator(dist.get_rank(), None, a.global_batch_size, a.micro_batch_size,
                                          ps.get_data_parallel_world_size())
         set_seed(a.seed)
+        timed("parallel_state")
         vpp = a.virtual_pipeline_model_parallel_size
         self.model_chunks = [self._build_model(replicas, not joining, vp) for vp in ([None] if vpp is None else
                                                                                   range(vpp))]
+        timed("model")
         self.optimizer = self._build_optimizer()
+        timed("optimizer")
         self.scheduler = self._build_scheduler()
         if not joining:
             self.dataset = dataset or data.build_train_dataset(a, a.train_iters * a.global_batch_size)
         s.attach_trainer(self)
+        timed("attach")
         if joining:
             self.ended = self.iteration
             self._data_iter = None  # set with the bookkeeping received from a peer
             s.trainer_ready()
+            timed("ready")
             return
         if a.load and checkpoint.tracker(a.load) is not None:  # (a broken tracker raises CheckpointError)
             t0 = time.perf_counter()
