@@ -301,3 +301,29 @@ def test_a_rank_whose_training_thread_does_not_take_an_order_says_where_that_thr
     # The thread takes the order (here: this one, in its place): the report ends, the answer goes out.
     assert p.serve_order(timeout=1.0) == "ha-status"
     assert p.held == "" and p._queued_at is None
+
+
+def test_a_rank_whose_training_thread_runs_an_order_for_long_says_where_it_is(tmp_path):
+    """A restarted worker's set-up (its rebuild order) that takes past HELD_REPORT_S, or any order that
+    runs that long on the training thread: the processor says where that thread is, as for an order
+    not taken; the report ends with the order."""
+    import threading
+    from mindspeed_ha.control.rank import processor as P
+
+    p = P.Processor(1, 4, 1, "n0", HAOptions(strategies=frozenset({"recover"}), log_dir=str(tmp_path)), [[1, 3]])
+    p.events = EventLog.for_rank(str(tmp_path), 1)
+    reports: list[str] = []
+
+    def slow_set_up(args):
+        p._check_held(time.monotonic() + P.HELD_REPORT_S + 1)  # (the processor thread's look, later)
+        reports.append(p.held)
+        return "set up"
+    p.serve({"rebuild": slow_set_up}, training_thread=True)
+    p._dispatch({"action": "rebuild", "id": 3, "epoch": 1, "args": {}})
+    assert p.serve_order(timeout=1.0) == "rebuild"
+    assert reports[0].startswith(f"the training thread has run the controller's rebuild order for "
+                                 f"{P.HELD_REPORT_S + 1:.0f}s; it is in "), reports
+    assert "slow_set_up (test_controller.py:" in reports[0], reports
+    assert p.held == ""  # (the order ended: no report)
+    held = [e for e in read_events(str(tmp_path / "events" / "rank_1.jsonl")) if e["event"] == "held"]
+    assert [e["detail"] for e in held] == reports

@@ -32,9 +32,9 @@ from ..wire.hosts import this_host
 from ..wire.link import ControllerLink, job_id_from_env
 
 log = get_logger("control.processor")
-# An order for the training thread not taken this long: the thread is held somewhere (on the device,
-# in a call that never returns). Where it is goes to the log, the event log and the controller, whose
-# "no answer" then says it.
+# An order for the training thread not taken (or still running) this long: the thread is held somewhere
+# (on the device, in a call that never returns, a restarted worker's set-up). Where it is goes to the
+# log, the event log and the controller, whose "no answer" then says it.
 HELD_REPORT_S = 10.0
 # An order's handler: its arguments -> its answer (a msgpack tree, or a Later).
 Handler = Callable[[dict[str, Any]], object]
@@ -137,8 +137,9 @@ class Processor:
         self.waited_s: Callable[[], float] = lambda: 0.0   # seconds blocked in collectives so far (the same)
         self._training_ident: int | None = None   # the training thread (its hooks are called there)
         self._queued_at: float | None = None      # an order for it waits since (monotonic)
-        self.held = ""   # where it is held, while an order has waited HELD_REPORT_S (sent with heartbeats)
+        self.held = ""   # where it is held, while an order has waited (or run) HELD_REPORT_S (sent with heartbeats)
         self._held_seen = 0.0
+        self._running: tuple[str, float] | None = None  # the order the training thread runs now, since (monotonic)
 
     # ---- life ---------------------------------------------------------------------------------
     def start(self) -> "Processor":
@@ -343,7 +344,14 @@ class Processor:
             self.held = ""
             log.warning("rank %d: the training thread took %s at last, %.0fs after it came", self.rank, action,
                         time.monotonic() - queued if queued is not None else float("nan"))
-        self._run_handler(action, aid, args)
+        self._running = (action, time.monotonic())
+        try:
+            self._run_handler(action, aid, args)
+        finally:
+            self._running = None
+            if self.held:
+                self.held = ""
+                log.warning("rank %d: the training thread's %s ended at last", self.rank, action)
         return action
 
     def report_held(self, why: str) -> None:
@@ -359,18 +367,23 @@ class Processor:
         self.report_fault("hang", detail, self.iteration, self.phase)
 
     def _check_held(self, now: float) -> None:
-        """(processor thread) An order for the training thread waits: past HELD_REPORT_S, say where
-        that thread is (its Python stack's innermost frames) and where the stop stands."""
-        queued = self._queued_at
-        if queued is None or now - queued < HELD_REPORT_S:
+        """(processor thread) An order for the training thread waits, or one has run on it (a
+        restarted worker's set-up among them): past HELD_REPORT_S, say where that thread is (its
+        Python stack's innermost frames) and where the stop stands."""
+        queued, running = self._queued_at, self._running
+        if queued is not None and now - queued >= HELD_REPORT_S:
+            what = f"has not taken the controller's order for {now - queued:.0f}s"
+        elif running is not None and now - running[1] >= HELD_REPORT_S:
+            what = f"has run the controller's {running[0]} order for {now - running[1]:.0f}s"
+        else:
             return
         first = not self.held
         if not first and now - self._held_seen < 1.0:
             return
         from mindspeed_ha.comm.interruptible import stop_report
         self._held_seen = now
-        self.held = (f"the training thread has not taken the controller's order for {now - queued:.0f}s; "
-                     f"it is in {thread_stack(self._training_ident)}; {stop_report()}")[:1500]
+        self.held = (f"the training thread {what}; it is in {thread_stack(self._training_ident)}; "
+                     f"{stop_report()}")[:1500]
         if first:
             log.warning("rank %d: %s", self.rank, self.held)
             if self.events:
