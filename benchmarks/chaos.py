@@ -38,6 +38,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PRETRAIN = os.path.join(ROOT, "examples", "pretrain_gpt.py")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+import jobs  # noqa: E402  (how every benchmark starts a job)
 KINDS = ("uce", "comm", "exception", "kill", "exit", "hang")
 PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync")
 ENDS_PROCESS = {"kill", "exit", "hang"}
@@ -89,7 +91,8 @@ def run(log_dir: str, iters: int, a, inject: str | None, backend: str = "gloo") 
     if inject:
         env["MINDSPEED_HA_INJECT"] = inject
     with open(os.path.join(log_dir, "job.out"), "w") as out:
-        proc = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=1800, cwd=log_dir)
+        proc = jobs.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=1800, cwd=log_dir,
+                        log_dir=log_dir)
     if proc.returncode != 0:
         raise SystemExit(f"job in {log_dir} ended with {proc.returncode}; see {log_dir}/job.out")
     return proc

@@ -41,6 +41,9 @@ import time
 
 import zmq
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jobs  # noqa: E402  (how every benchmark starts a job)
+
 # What a round costs per rank on a loaded 2-core host, with margin: an order out and an answer in,
 # each CurveZMQ-sealed, through the controller's one thread and the simulators' (unloaded, a round
 # at 16,384 ranks takes about 1 s: 60 us a rank).
@@ -309,7 +312,7 @@ class Sim:
     block the benchmark past its limits)."""
 
     def __init__(self, cmd: list[str]):
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = jobs.popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 

@@ -31,6 +31,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PRETRAIN = os.path.join(ROOT, "examples", "pretrain_gpt.py")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+import jobs  # noqa: E402  (how every benchmark starts a job)
 
 
 def model_args(a) -> list[str]:
@@ -49,7 +51,7 @@ def run_job(a, work: str, name: str, inject: str, iters: int) -> dict:
     cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", "--nproc-per-node", "4", PRETRAIN,
            *model_args(a), "--train-iters", str(iters), "--save", ck, "--save-interval", str(a.interval),
            "--enable-high-availability", "--ha-log-dir", log_dir]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=log_dir)
+    proc = jobs.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=log_dir, log_dir=log_dir)
     ev_dir = os.path.join(log_dir, "events")
     ranks = [e for f in sorted(os.listdir(ev_dir)) if f.startswith("rank_")
              for e in read_events(os.path.join(ev_dir, f))]

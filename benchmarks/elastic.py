@@ -42,6 +42,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PRETRAIN = os.path.join(ROOT, "examples", "pretrain_gpt.py")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+import jobs  # noqa: E402  (how every benchmark starts a job)
 CLI = [sys.executable, "-m", "mindspeed_ha.cli"]
 
 
@@ -93,7 +95,7 @@ class Job:
                      *model(self.a), "--train-iters", str(self.a.iters), "--save", self.ck, "--save-interval",
                      str(self.a.save_interval), "--ha-log-dir", d]
         with open(os.path.join(d, "agent.out"), "w") as out:
-            self.agents[node] = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, cwd=d)
+            self.agents[node] = jobs.popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, cwd=d)
 
     def lose(self, node: int) -> None:
         """The node is gone: its agent and every process it started, at once."""
@@ -133,7 +135,7 @@ def baseline(a, ck: str, until: int, root: str) -> float:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", PRETRAIN,
            *model(a), "--train-iters", str(until), "--load", ck, "--log-interval", "1"]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root)
+    proc = jobs.popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root)
     mark, seen, tail = f"iteration {until:8d}/", None, []
     for line in proc.stdout:
         tail = (tail + [line])[-20:]

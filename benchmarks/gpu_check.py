@@ -46,6 +46,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PRETRAIN = os.path.join(ROOT, "examples", "pretrain_gpt.py")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+import jobs  # noqa: E402  (how every benchmark starts a job)
 NO_GPU = 77
 ITERS, RESUME_AT, INTERVAL = 12, 8, 4
 
@@ -170,7 +172,8 @@ class Runner:
                *agent, PRETRAIN, *args, "--ha-log-dir", os.path.join(d, "logs")]
         t0 = time.monotonic()
         try:
-            p = subprocess.run(cmd, env=env, cwd=d, capture_output=True, text=True, timeout=min(timeout, left))
+            p = jobs.run(cmd, env=env, cwd=d, capture_output=True, text=True, timeout=min(timeout, left),
+                         log_dir=os.path.join(d, "logs"))
             code, out = p.returncode, p.stdout + p.stderr
         except subprocess.TimeoutExpired as e:
             code = 124

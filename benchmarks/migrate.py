@@ -35,6 +35,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PRETRAIN = os.path.join(ROOT, "examples", "pretrain_gpt.py")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+import jobs  # noqa: E402  (how every benchmark starts a job)
 CLI = [sys.executable, "-m", "mindspeed_ha.cli"]
 
 
@@ -68,7 +70,7 @@ def steps(log_dir: str) -> dict[int, dict]:
 def job(a, log_dir: str, inject: str | None, request: bool) -> None:
     os.makedirs(log_dir, exist_ok=True)
     with open(os.path.join(log_dir, "job.out"), "w") as out:
-        proc = subprocess.Popen(command(a, log_dir), env=env(inject), stdout=out, stderr=subprocess.STDOUT,
+        proc = jobs.popen(command(a, log_dir), env=env(inject), stdout=out, stderr=subprocess.STDOUT,
                                 cwd=log_dir)
         asked = False
         while request and not asked and proc.poll() is None:

@@ -51,6 +51,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PRETRAIN = os.path.join(ROOT, "examples", "pretrain_gpt.py")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+import jobs  # noqa: E402  (how every benchmark starts a job)
 MTTF_S = 7.9 * 3600
 WORLD = 4
 
@@ -94,7 +96,7 @@ def run_ours(a, work: str, name: str) -> dict:
     e = env()
     e["MINDSPEED_HA_INJECT"] = f"{fault}:rank={rank}:step={a.fault_step}:phase=backward"
     t0 = time.time()
-    proc = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=1200, cwd=log)
+    proc = jobs.run(cmd, env=e, capture_output=True, text=True, timeout=1200, cwd=log, log_dir=log)
     wall = time.time() - t0
     rec = [x for x in read_events(os.path.join(log, "events", "controller.jsonl")) if x["event"] == "recovered"]
     if proc.returncode != 0 or not rec:
@@ -131,8 +133,8 @@ def run_torchrun(a, work: str) -> dict:
     codes = []
     for i in range(2):
         with open(os.path.join(log, f"job{i}.out"), "w") as out:
-            codes.append(subprocess.run(cmd, env=e, stdout=out, stderr=subprocess.STDOUT, timeout=1200,
-                                        cwd=log).returncode)
+            codes.append(jobs.run(cmd, env=e, stdout=out, stderr=subprocess.STDOUT, timeout=1200,
+                                  cwd=log, log_dir=log).returncode)
     wall = time.time() - t0
     if codes[0] == 0 or codes[1] != 0:
         raise SystemExit(f"torchrun jobs: exit codes {codes} (want fault, then success); see {log}/job*.out")
@@ -171,7 +173,7 @@ def run_torchft(a, work: str) -> dict | None:
     os.makedirs(log)
     events = os.path.join(log, "events.jsonl")
     lport = _free_port()
-    lh = subprocess.Popen([lighthouse, "--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "1000",
+    lh = jobs.popen([lighthouse, "--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "1000",
                            "--bind", f"127.0.0.1:{lport}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     args = [a2 for a2 in model_args(a) if a2 != "--use-distributed-optimizer"]
     script = os.path.join(HERE, "torchft_replica.py")
@@ -183,7 +185,7 @@ def run_torchft(a, work: str) -> dict | None:
                  FT_RESTARTED="1" if restarted else "0", TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{lport}",
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         out = open(os.path.join(log, f"replica{rid}{'b' if restarted else ''}.out"), "w")
-        return subprocess.Popen([sys.executable, script, *args], env=e, stdout=out, stderr=subprocess.STDOUT, cwd=log)
+        return jobs.popen([sys.executable, script, *args], env=e, stdout=out, stderr=subprocess.STDOUT, cwd=log)
     t0 = time.time()
     try:
         procs = {r: start(r, False) for r in range(WORLD)}

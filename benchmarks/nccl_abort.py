@@ -68,6 +68,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+import jobs  # noqa: E402  (how every benchmark starts a job)
 NO_GPU = 77
 FAULTED = 1
 WAYS = ("item", "stream", "device")  # how a survivor's host waits, by its place among the survivors
@@ -240,7 +242,7 @@ def run(peer: str, ranks: int, cpu: bool, held_after: float, abort: str = "concu
         # (its output to a file, not a pipe read at the end: NCCL_DEBUG=INFO fills a pipe, and a rank
         # blocked writing to it would pass for a held one)
         with open(os.path.join(out, f"rank_{rank}.log"), "w") as log:
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(jobs.popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     t0 = time.monotonic()
     deadline = t0 + held_after + 90
 

@@ -39,6 +39,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+import jobs  # noqa: E402  (how every benchmark starts a job)
 NO_RECONFIGURE = 77
 REPLACED = 1  # the rank the recover drill replaces
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -142,7 +144,7 @@ def run(drill: str, world: int, rounds: int, out: str) -> dict:
     def start(rank: int, joined: bool = False) -> subprocess.Popen:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(rank), "--world", str(world),
                "--port", str(store.port), "--out", out, "--drill", drill, "--rounds", str(rounds)]
-        return subprocess.Popen(cmd + (["--joined"] if joined else []), env=env)
+        return jobs.popen(cmd + (["--joined"] if joined else []), env=env)
 
     procs = [start(r) for r in range(world)]
     if drill == "recover":

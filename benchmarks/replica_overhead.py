@@ -48,6 +48,8 @@ ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "replica_overhead_worker.py")
 HA_FLAGS = ["--enable-high-availability", "--enable-hbmfault-repair"]
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+import jobs  # noqa: E402  (how every benchmark starts a job)
 
 
 SHAPES = {"tiny": dict(layers=2, hidden=64, heads=4, seq=32, mbs=2),
@@ -82,7 +84,8 @@ def run_once(a, replica: bool, log_dir: str) -> dict:
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), WORKER,
            *model_args(a), "--ha-log-dir", log_dir] + (HA_FLAGS if replica else [])
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, env=env, cwd=log_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    p = jobs.run(cmd, env=env, cwd=log_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                 log_dir=log_dir,
                        timeout=a.timeout)
     if p.returncode:
         sys.stderr.write(p.stdout[-6000:])

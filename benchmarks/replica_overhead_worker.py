@@ -27,6 +27,7 @@ import time
 # Runnable as a plain script from a checkout: make the repo root importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import mindspeed_ha.process  # noqa: E402,F401  (first: it notes this worker's launcher, before torch loads)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 

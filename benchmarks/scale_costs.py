@@ -48,6 +48,8 @@ PRETRAIN = os.path.join(ROOT, "examples", "pretrain_gpt.py")
 HOST_READS = os.path.join(HERE, "host_reads")
 PARTS = ("repair", "elastic", "dump", "megatron-lm")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+import jobs  # noqa: E402  (how every benchmark starts a job)
 
 
 def model_args(a) -> list[str]:
@@ -75,7 +77,8 @@ def run_job(a, work: str, name: str, flags: list[str], inject: str, iters: int, 
     cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", "--nproc-per-node", "4", PRETRAIN,
            *(model if model is not None else model_args(a)), "--train-iters", str(iters), "--ha-log-dir", log_dir,
            *flags, "--ha-recovery-message-mib", str(a.message_mib)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout, cwd=log_dir)
+    proc = jobs.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout, cwd=log_dir,
+                    log_dir=log_dir)
     ev = {os.path.basename(f)[:-len(".jsonl")]: read_events(f) for f in glob.glob(os.path.join(log_dir, "events", "*.jsonl"))}
     return {"proc": proc, "events": ev, "reads": [json.load(open(f)) for f in sorted(glob.glob(os.path.join(reads, "*.json")))]}
 

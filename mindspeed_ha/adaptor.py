@@ -4,7 +4,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
-import mindspeed_ha.patches as registry
+from mindspeed_ha import process  # noqa: F401  (first: it notes who started this process, before torch loads)
+import mindspeed_ha.patches as registry  # noqa: I001
 from mindspeed_ha.comm.backends import EMULATED_NCCL, nccl_environment
 from mindspeed_ha.device import Device, detect
 
@@ -24,6 +25,8 @@ def before_megatron(device: Device) -> None:
 
 def apply_patches(device: Device | None = None, megatron_lm: bool | None = None, ha: bool = True) -> Device:
     """``ha``: the run may need to stop ranks inside collectives (the processor's stop handler)."""
+    from mindspeed_ha.process import end_with_launcher
+    end_with_launcher()  # (a worker of plain torchrun does not outlive it)
     device = device or detect()
     if device.backend == EMULATED_NCCL:  # (a drill: the CPU job's collectives get NCCL's semantics)
         from mindspeed_ha import compat

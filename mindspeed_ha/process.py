@@ -11,6 +11,41 @@ import threading
 from typing import NoReturn
 
 
+# The process that started this one, as it was when this module was first imported (a worker imports
+# it before torch: its launcher may be gone by the time the worker is ready to say so).
+_STARTED_BY = os.getppid()
+
+
+def end_with_parent(sig: int | None = None, parent: int | None = None) -> bool:
+    """Have the kernel send this process ``sig`` (default SIGKILL) when its parent ends (Linux's
+    ``PR_SET_PDEATHSIG``); if the parent (``parent``: the one expected, default the current one)
+    ended already, end now. False where the OS has no such thing. (The signal follows the thread
+    that started the process: launchers start theirs from their main thread.)"""
+    import ctypes
+    import signal
+    parent = os.getppid() if parent is None else parent
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(sig or signal.SIGKILL), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # (it ended before the kernel was told)
+        os._exit(1)
+    return True
+
+
+def end_with_launcher(env=None) -> None:
+    """A worker of a plain launcher (torchrun: ``TORCHELASTIC_RUN_ID``) ends when its launcher does: a
+    worker whose launcher was killed would otherwise train on for good, holding cores, as nobody
+    is left to end it. Not a worker of ``mindspeed-ha run``'s agents, which outlives a lost agent
+    by design (a replacement agent or the controller ends it)."""
+    env = os.environ if env is None else env
+    if env.get("TORCHELASTIC_RUN_ID") and not env.get("MINDSPEED_HA_AGENT_NODE") \
+            and env.get("MINDSPEED_HA_SPARE") != "1":
+        end_with_parent(parent=_STARTED_BY)
+
+
 def exit_now(code: int) -> NoReturn:
     for child in multiprocessing.active_children():  # e.g. the checkpoint writer's manager
         child.terminate()

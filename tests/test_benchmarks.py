@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, clean_env, extended_test
+from helpers import REPO, clean_env, extended, extended_test
 
 REQUIRED = ("ha_runtime_ratio", "step_time_ratio", "bytes_per_param_replica", "formula_replica",
             "bytes_per_param_distributed", "formula_distributed")
@@ -110,3 +110,51 @@ def test_torchs_own_reconfigure_and_the_handwritten_rebuild_give_the_same_sums()
     assert proc.returncode == 0 and result["ok"], proc.stdout[-3000:] + proc.stderr[-3000:]
     for drill in ("retry", "recover"):
         assert result[drill]["wrong"] == [] and result[drill]["handwritten_s"] > 0 and result[drill]["reconfigure_s"] > 0
+
+
+def _job_workers(marker: str) -> list:
+    import psutil
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if marker in cmd and "replica_overhead_worker.py" in cmd and "torch.distributed.run" not in cmd \
+                and p.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(p)
+    return found
+
+
+# (CI: the benchmark killed, which ends its torchrun, which ends the workers: both links of the chain;
+# its torchrun alone with MINDSPEED_HA_TEST_ALL=1)
+@pytest.mark.parametrize("victim", [extended("torchrun"), "benchmark"])
+def test_a_benchmark_leaves_no_worker_behind_when_it_or_its_launcher_is_killed(tmp_path, victim):
+    """benchmarks/replica_overhead.py's torchrun job, its four workers training: SIGKILL its torchrun
+    (the workers end with their launcher), or the benchmark itself (the kernel ends its torchrun,
+    and with it the workers): after 10 s no worker is left."""
+    import signal
+    import time
+
+    import psutil
+    bench = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "replica_overhead.py"), "--iters", "100000",
+                              "--warmup", "1", "--repeats", "1", "--keep", str(tmp_path)],
+                             env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not list(tmp_path.rglob("events/rank_3.jsonl")):
+            time.sleep(0.5)  # (its workers are past their set-up: they train)
+        workers = _job_workers(str(tmp_path))
+        assert len(workers) == 4, f"{len(workers)} workers training (the benchmark: {bench.poll()})"
+        if victim == "torchrun":
+            (launcher,) = [c for c in psutil.Process(bench.pid).children() if "torch.distributed.run" in
+                           " ".join(c.cmdline())]
+            launcher.send_signal(signal.SIGKILL)
+        else:
+            bench.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _job_workers(str(tmp_path)):
+            time.sleep(0.2)
+        assert not _job_workers(str(tmp_path)), "workers left behind"
+    finally:
+        for p in _job_workers(str(tmp_path)):
+            p.kill()
+        bench.kill()
+        bench.wait()
