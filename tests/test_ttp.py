@@ -85,7 +85,7 @@ def ref(references):
     on("forward", "gloo"), on("backward", "emulated_nccl"), on("grad-sync", "emulated_nccl"),
     pytest.param("optimizer", "gloo", marks=pytest.mark.compat), on("param-sync", "emulated_nccl"),
     extended("forward", "emulated_nccl"), extended("backward", "gloo"), extended("grad-sync", "gloo"),
-    on("optimizer", "emulated_nccl"), extended("param-sync", "gloo")])
+    extended("optimizer", "emulated_nccl"), extended("param-sync", "gloo")])
 def test_kill_each_phase_dp4(tmp_path, ref, phase, backend):
     ck = tmp_path / "ck"
     proc = job(tmp_path / "run", inject=f"kill:rank=1:step=6:phase={phase}", extra=("--save", str(ck)), backend=backend)
