@@ -60,6 +60,7 @@ def run(name: str, forked: bool, root: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                MINDSPEED_HA_FORK_WORKERS="1" if forked else "0")
     env.pop("MINDSPEED_HA_INJECT", None)
+    env.pop("MEGATRON_LM_PATH", None)  # (it would send the example to Megatron-LM's loop, whose arguments differ)
     if inject:
         env["MINDSPEED_HA_INJECT"] = inject
     cmd = [sys.executable, "-m", "mindspeed_ha.cli", "run", "--standalone", "--nproc-per-node", str(nproc), PRETRAIN,

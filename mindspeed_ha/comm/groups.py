@@ -370,6 +370,9 @@ def reconnect(store_host: str, store_port: int, generation: int,
         for g in _groups:  # lazy ones drop theirs now: nothing may run on the old generation
             if g not in eager and g._inner is not None:
                 g._swap(None)
+        # One after another, in creation order. Gloo's groups connected from a thread each (a store
+        # client each) took 15 s for 21 groups of 4 ranks here, against 0.07 s one after another;
+        # NCCL's initialisation from several threads has not been run on a device.
         for g in eager:
             g.inner()
     return {"groups": len(eager), "lazy": len(_groups) - len(eager), "seconds": round(time.perf_counter() - t0, 4)}

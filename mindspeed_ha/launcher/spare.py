@@ -54,7 +54,7 @@ def warm_up() -> None:
     rebuild): torch's first optimizer imports ``torch._dynamo`` (1.3 s of a core on a 2-core host,
     most of a joiner's set-up). In the template, its forks inherit it."""
     import torch
-    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1, device="cpu"))])  # (a template holds no device)
 
 
 def wait_for_assignment() -> None:

@@ -70,7 +70,8 @@ class BuiltinTrainer(TrainerInterface):
         from the replica peers next. ``dataset``: built already (a worker forked from a template)."""
         a, s = self.args, self.session
         replicas = s.options.replica_num if s.options.use_replica_optimizer else 1
-        took = self.setup_seconds = {}  # (where a set-up's time goes: a restarted worker's join reports it)
+        took: dict[str, float] = {}
+        self.setup_seconds = took  # (where a set-up's time goes: a restarted worker's join reports it)
         t = time.perf_counter()
 
         def timed(name: str) -> None:
