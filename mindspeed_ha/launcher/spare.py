@@ -51,9 +51,15 @@ def is_spare() -> bool:
 
 def warm_up() -> None:
     """Load now what a worker's set-up would load lazily on a restarted worker's critical path (its
-    rebuild): torch's first optimizer imports ``torch._dynamo`` (1.3 s of a core on a 2-core host,
-    most of a joiner's set-up). In the template, its forks inherit it."""
+    join): torch's first optimizer imports ``torch._dynamo`` (1.3 s of a core on a 2-core host,
+    most of a joiner's set-up), and the session's control plane (the controller a rank may come to
+    host: 0.14 s of imports between a joiner's start and its registration). In the template, its
+    forks inherit them."""
     import torch
+
+    import mindspeed_ha.control.controller  # noqa: F401
+    import mindspeed_ha.control.rank.processor  # noqa: F401
+    import mindspeed_ha.recovery.handlers  # noqa: F401
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1, device="cpu"))])  # (a template holds no device)
 
 
