@@ -158,3 +158,48 @@ def test_a_benchmark_leaves_no_worker_behind_when_it_or_its_launcher_is_killed(t
             p.kill()
         bench.kill()
         bench.wait()
+
+
+def test_the_baseline_check_names_a_figure_that_moved_the_wrong_way_beyond_its_noise(tmp_path):
+    """benchmarks/check_baseline.py against a baseline of its own: within the noise is ok, beyond it
+    the wrong way is WORSE (exit 1), the right way better (exit 0); a flag that must hold fails on
+    any change; the committed baseline names a command for each benchmark and only figures its
+    benchmark prints (read from the benchmark's docstring)."""
+    base = {"host": "test", "benchmarks": {"b": {"command": "python benchmarks/b.py", "figures": {
+        "mttr_median_s": {"runs": [0.50, 0.56], "noise": 0.06, "better": "lower"},
+        "speedup": {"runs": [2.0, 2.2], "noise": 0.2, "better": "higher"},
+        "bit_identical": {"runs": [True, True], "noise": 0}}}}}
+    path = tmp_path / "baseline.json"
+    path.write_text(json.dumps(base))
+
+    def check(measured: dict, name: str = "b"):
+        out = "progress line\n" + json.dumps(measured) + "\n"
+        p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "check_baseline.py"), name, "--baseline",
+                            str(path)], input=out, capture_output=True, text=True, timeout=60)
+        return p.returncode, p.stdout, p.stderr
+
+    code, out, _ = check({"mttr_median_s": 0.58, "speedup": 2.05, "bit_identical": True})
+    assert code == 0 and json.loads(out.splitlines()[-1])["worse"] == [], out
+    code, out, _ = check({"mttr_median_s": 0.70, "speedup": 2.5, "bit_identical": True})
+    verdicts = {v["figure"]: v["verdict"] for v in json.loads(out.splitlines()[-1])["verdicts"]}
+    assert code == 1 and verdicts == {"mttr_median_s": "worse", "speedup": "better", "bit_identical": "ok"}, out
+    assert "WORSE" in out
+    code, out, _ = check({"mttr_median_s": 0.40, "speedup": 1.7, "bit_identical": False})
+    verdicts = {v["figure"]: v["verdict"] for v in json.loads(out.splitlines()[-1])["verdicts"]}
+    assert code == 1 and verdicts == {"mttr_median_s": "better", "speedup": "worse", "bit_identical": "worse"}, out
+    code, out, _ = check({"speedup": 2.1})
+    assert code == 0 and "mttr_median_s" in out and "missing" in out, out
+    code, _, err = check({}, name="nope")
+    assert code == 2 and "'nope'" in err and "known: b" in err
+
+    committed = json.loads((REPO / "benchmarks" / "baseline.json").read_text())
+    for name, entry in committed["benchmarks"].items():
+        script = entry["command"].split()[1]
+        assert (REPO / script).is_file(), (name, script)
+        text = (REPO / script).read_text()
+        for figure, spec in entry["figures"].items():
+            # (a figure its benchmark prints; a kind's or a strategy's keys are made in an f-string)
+            parts = figure.split("_")
+            pieces = [figure.split("_s_")[0]] + ["_".join(parts[i:]) for i in range(len(parts) - 1)]
+            assert any(piece in text for piece in pieces), (name, figure)
+            assert spec["noise"] >= 0 and spec["runs"], (name, figure)
