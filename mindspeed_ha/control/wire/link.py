@@ -17,9 +17,13 @@ if TYPE_CHECKING:
 
 log = get_logger("control.link")
 # A controller whose connection closed and did not come back within this long is gone: its process
-# ended (the kernel closes its sockets at once). A starved or partitioned one keeps its connections:
-# that takes the silence rule (``lost_after``).
+# ended (the kernel closes its sockets at once). Sooner when a reconnection is refused after the
+# close: nothing listens on its endpoint any more (a live controller's socket accepts for as long as
+# its process runs). A starved or partitioned one keeps its connections: that takes the silence
+# rule (``lost_after``).
 CLOSED_GRACE_S = 0.5
+# ZeroMQ's wait before reconnecting (plus up to as much again at random): how soon a refusal is seen.
+RECONNECT_IVL_MS = 50
 REPLAY_MAX = 64  # reports kept for a successor
 
 
@@ -51,6 +55,7 @@ class ControllerLink:
         self.sock: zmq.Socket[bytes] | None = None
         self.monitor: zmq.Socket[bytes] | None = None   # the socket's connection events
         self._closed_at = 0.0                           # when the controller's connection closed (0: it is open)
+        self._refused = False                           # a reconnection after that close was refused
         self.endpoint: str | None = None
         self.epoch = 0
         self.active = False          # answered by a controller that is not a standby
@@ -69,8 +74,11 @@ class ControllerLink:
         s.maxmsgsize = protocol.MAX_BYTES + 1024
         s.handshake_ivl = 300_000  # a controller busy with a thousand handshakes is slow, not dead
         security.secure_client(s, self.keys)
-        self.monitor = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        s.reconnect_ivl = RECONNECT_IVL_MS
+        self.monitor = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                                            | zmq.EVENT_CLOSED)
         self._closed_at = 0.0
+        self._refused = False
         s.connect(ep)
         self.sock, self.endpoint = s, ep
         self.answered = self.active = False
@@ -113,8 +121,8 @@ class ControllerLink:
         why = None
         if not self.answered and now - self._t_connect > self.cands.answer_wait:
             why = "no answer"
-        elif self.active and self._closed_at and now - self._closed_at > CLOSED_GRACE_S:
-            why = "its connection closed"
+        elif self.active and self._closed_at and (self._refused or now - self._closed_at > CLOSED_GRACE_S):
+            why = "its connection closed" + (" and a reconnection was refused" if self._refused else "")
         elif self.answered and not self.active and now - self._standby_since > self.cands.standby_wait:
             why = "standby without quorum"
         elif self.active and now - self._last_heard > self.lost_after:
@@ -134,8 +142,10 @@ class ControllerLink:
                 return
             if event == zmq.EVENT_DISCONNECTED:
                 self._closed_at = self._closed_at or now
+            elif event == zmq.EVENT_CLOSED and self._closed_at:  # (a reconnection attempt failed)
+                self._refused = True
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._closed_at = 0.0
+                self._closed_at, self._refused = 0.0, False
 
     @property
     def recovering(self) -> bool:
