@@ -250,6 +250,16 @@ class RankState:
                              **self.resources(extra_threads=len(self._unsettled), wait_s=0.0))
 
 
+def load_ahead() -> None:
+    """Load what a rank's session loads lazily once it starts: its control plane (the processor and
+    the controller a rank may come to host) and the recovery's handlers. A spare template calls it
+    ahead of a fault, so that a forked joiner does not pay it (0.14 s on a 2-core host) between its
+    start and its registration."""
+    import mindspeed_ha.control.controller  # noqa: F401
+    import mindspeed_ha.control.rank.processor  # noqa: F401
+    import mindspeed_ha.recovery.handlers  # noqa: F401
+
+
 class RankSession:
     """What a trainer calls: the rank's HA hooks (see the module's docstring)."""
 

@@ -57,9 +57,8 @@ def warm_up() -> None:
     forks inherit them."""
     import torch
 
-    import mindspeed_ha.control.controller  # noqa: F401
-    import mindspeed_ha.control.rank.processor  # noqa: F401
-    import mindspeed_ha.recovery.handlers  # noqa: F401
+    from mindspeed_ha.session import load_ahead
+    load_ahead()
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1, device="cpu"))])  # (a template holds no device)
 
 
