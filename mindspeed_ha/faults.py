@@ -79,7 +79,7 @@ def classify(exc: BaseException) -> str:
         return "memory"
     if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text:
         return "other"  # allocation failure, not corruption: nothing to repair from a replica
-    from mindspeed_ha.comm.interruptible import CollectiveStopped
+    from mindspeed_ha.comm.stop import CollectiveStopped
 
     comm_types = (CommFault, CollectiveStopped) + tuple(
         t for t in (getattr(torch.distributed, "DistError", None),) if t is not None)

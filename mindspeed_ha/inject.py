@@ -389,8 +389,8 @@ def hold_on_untracked() -> None:
         log.error("held drill not run: it needs a stream-ordered backend, and this rank's collectives run on %s, "
                   "whose abort frees no waiting thread", backend)
         return
-    from mindspeed_ha.comm.interruptible import aborted
-    if aborted():  # (a stop's abort came first: a device sync would return at once now)
+    from mindspeed_ha.comm.interruptible import PROCESS_STOP
+    if PROCESS_STOP.aborted():  # (a stop's abort came first: a device sync would return at once now)
         log.warning("held drill: this rank's communicators were aborted already: nothing holds it")
         return
     peer = (dist.get_rank() + 1) % dist.get_world_size()

@@ -29,6 +29,7 @@ from mindspeed_ha.events import EventLog, get_logger, setup_text_log
 from mindspeed_ha.options import HAOptions
 
 if TYPE_CHECKING:
+    from mindspeed_ha.comm.stop import Stop
     from mindspeed_ha.control.rank.processor import Processor
     from mindspeed_ha.inject import Injector
     from mindspeed_ha.replica.topology import ReplicaTopology
@@ -47,8 +48,9 @@ class RankState:
     """The rank's HA state, and what a recovery uses of it (recovery/handlers.Session)."""
 
     def __init__(self, options: HAOptions, device, rank: int, world_size: int, local_rank: int,
-                 events: EventLog, injector: Injector):
+                 events: EventLog, injector: Injector, stop: Stop):
         self.options, self.device = options, device
+        self.stop = stop  # the rank's stop (the process's: the installed collectives obey it)
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.events, self.injector = events, injector
         # (a Megatron-LM joiner's is a stand-in with setup() only until its loop builds the model)
@@ -274,9 +276,10 @@ class RankSession:
         from mindspeed_ha.inject import Injector
         injector = Injector.from_env(rank, options.log_dir, events)  # also takes live faults
         # what a recovery uses: handed to its handlers (start_processor)
-        self.state = RankState(options, device, rank, world_size, local_rank, events, injector)
+        from mindspeed_ha.comm import interruptible
+        self.state = RankState(options, device, rank, world_size, local_rank, events, injector,
+                               interruptible.PROCESS_STOP)
         if injector is not None:
-            from mindspeed_ha.comm import interruptible
             interruptible.add_p2p_hook(self.state.pipeline_point)
         self._replica_pg = None
         self._tracking = False
@@ -469,11 +472,8 @@ class RankSession:
         # (any rank may host a controller: rank 0 the first, the others when they are named standbys)
         self.state.processor = processor = Processor(self.rank, self.world_size, self.local_rank,
                                    os.environ.get("MINDSPEED_HA_NODE", ""), self.options, groups,
-                                   events=self.events, controller_factory=Controller)
-        from mindspeed_ha.comm import interruptible
-        processor.in_collective = interruptible.waiting
-        processor.waited_s = interruptible.waited_s
-        interruptible.add_held_hook(processor.report_held)
+                                   events=self.events, controller_factory=Controller, stop=self.state.stop)
+        self.state.stop.add_held_hook(processor.report_held)
         processor.serve({"inject": self._live_inject}, training_thread=False)
         processor.serve(RankRecovery(self.state).handlers(), training_thread=True)
         processor.start()
@@ -515,13 +515,12 @@ class RankSession:
     @contextlib.contextmanager
     def _serving(self):
         """This (training) thread serves a recovery's orders: a step it ends here is a roll-forward."""
-        from mindspeed_ha.comm.interruptible import left_recovery
         self.serving = True
         try:
             yield
         finally:
             self.serving = False
-            left_recovery()
+            self.state.stop.left_recovery()
 
     def report_fault(self, exc: BaseException, iteration: int) -> bool:
         """An exception left the step: classify and report it at once, then serve the controller's
@@ -532,7 +531,7 @@ class RankSession:
         if self.processor is None:
             return False
         self.state.stopped_at = time.monotonic()
-        from mindspeed_ha.comm.interruptible import CollectiveStopped
+        from mindspeed_ha.comm.stop import CollectiveStopped
         from mindspeed_ha.faults import fault_kind, process_fatal
         if process_fatal(exc):
             self.state.end_for_lost_device(exc, iteration)
@@ -574,7 +573,7 @@ class RankSession:
         runs again. ``iteration_of()``: the iteration in flight. What cannot be recovered in place
         (a replica mismatch, a controller gone silent) is raised."""
         import traceback
-        from mindspeed_ha.comm.interruptible import CollectiveStopped
+        from mindspeed_ha.comm.stop import CollectiveStopped
         from mindspeed_ha.replica.verify import ReplicaMismatchError
         while True:
             try:
@@ -609,8 +608,8 @@ class RankSession:
         self._t_step = time.perf_counter()
         self.state.pipeline_iteration = iteration
         if self.processor is not None:
-            from mindspeed_ha.comm.interruptible import CollectiveStopped, take_park
-            if take_park():  # a planned recovery: wait for it here, between two steps
+            from mindspeed_ha.comm.stop import CollectiveStopped
+            if self.state.stop.park.take():  # a planned recovery: wait for it here, between two steps
                 self.fire("recovery", iteration)
                 raise CollectiveStopped(f"parked before iteration {iteration} by the controller")
             self.processor.await_controller()

@@ -267,7 +267,6 @@ def test_a_rank_whose_training_thread_does_not_take_an_order_says_where_that_thr
     that thread is (its innermost frames) and where the stop stands, in what heartbeats carry; the
     report ends when the thread takes the order."""
     import threading
-    from mindspeed_ha.comm import interruptible as ic
     from mindspeed_ha.control.rank import processor as P
 
     gate = threading.Event()
@@ -286,7 +285,7 @@ def test_a_rank_whose_training_thread_does_not_take_an_order_says_where_that_thr
     assert queued is not None
     p._check_held(queued + P.HELD_REPORT_S - 1)
     assert p.held == ""  # (not yet)
-    ic.request_stop("test: a peer faulted")
+    p.stop.request("test: a peer faulted")
     try:
         p._check_held(queued + P.HELD_REPORT_S + 2)
         assert p.held.startswith(f"the training thread has not taken the controller's order for "
@@ -295,7 +294,7 @@ def test_a_rank_whose_training_thread_does_not_take_an_order_says_where_that_thr
         held = [e for e in read_events(str(tmp_path / "events" / "rank_1.jsonl")) if e["event"] == "held"]
         assert [e["detail"] for e in held] == [p.held]
     finally:
-        ic.clear_stop()
+        p.stop.clear()
         gate.set()
         t.join()
     # The thread takes the order (here: this one, in its place): the report ends, the answer goes out.

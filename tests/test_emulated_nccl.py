@@ -139,31 +139,31 @@ def worker_stop(rank, port, out):
     import torch
     import torch.distributed as dist
 
-    from mindspeed_ha.comm import interruptible as ic
+    from mindspeed_ha.comm import PROCESS_STOP as stop, CollectiveStopped
 
     _init(rank, port)
     _engine()
     result = {"rank": rank}
-    mark = ic.commit_mark()
+    mark = stop.commit_mark()
     t = torch.full((4,), float(rank + 1))
     dist.all_reduce(t)
     dist.barrier()
     # nothing pending when the stop comes: no abort, the commit passes, the next collective raises
-    ic.request_stop("test: a peer faulted")
+    stop.request("test: a peer faulted")
     time.sleep(0.3)
-    result["idle_stop"] = {"aborted": ic.aborted()}
+    result["idle_stop"] = {"aborted": stop.aborted()}
     try:
-        ic.commit_point("test")
+        stop.commit_point("test")
         result["idle_stop"]["commit"] = "passed"
-    except ic.CollectiveStopped:
+    except CollectiveStopped:
         result["idle_stop"]["commit"] = "refused"
-    result["idle_stop"]["whole"] = ic.committed_since(mark)  # (the all-reduce issued after the mark)
+    result["idle_stop"]["whole"] = stop.committed_since(mark)  # (the all-reduce issued after the mark)
     try:
         dist.barrier()
         result["idle_stop"]["next"] = "returned"
-    except ic.CollectiveStopped:
+    except CollectiveStopped:
         result["idle_stop"]["next"] = "raised"
-    ic.clear_stop()
+    stop.clear()
     dist.barrier()
     if rank == WORLD - 1:
         time.sleep(30)
@@ -172,30 +172,30 @@ def worker_stop(rank, port, out):
 
     def watch():
         time.sleep(0.6)
-        seen["waiting"] = ic.waiting()
-        ic.request_stop("test: rank 3 hung")
+        seen["waiting"] = stop.in_flight.waiting()
+        stop.request("test: rank 3 hung")
         seen["at"] = time.monotonic()
     threading.Thread(target=watch, daemon=True).start()
-    waited0 = ic.waited_s()
-    mark = ic.commit_mark()
+    waited0 = stop.in_flight.waited_s()
+    mark = stop.commit_mark()
     t = torch.full((4,), float(rank + 1))
     dist.all_reduce(t)
     result["blocked"] = {"waiting": seen["waiting"], "left_after_stop_s": time.monotonic() - seen["at"],
-                         "partial": t.tolist(), "aborted": ic.aborted(), "waited_s": ic.waited_s() - waited0}
+                         "partial": t.tolist(), "aborted": stop.aborted(), "waited_s": stop.in_flight.waited_s() - waited0}
     try:
-        ic.commit_point("test")
+        stop.commit_point("test")
         result["blocked"]["commit"] = "passed"
-    except ic.CollectiveStopped:
+    except CollectiveStopped:
         result["blocked"]["commit"] = "refused"
     try:
         dist.all_reduce(t)
         result["blocked"]["next"] = "returned"
-    except ic.CollectiveStopped:
+    except CollectiveStopped:
         result["blocked"]["next"] = "raised"
     # After the recovery clears the stop, a commit point passing says nothing of what came before it.
-    ic.clear_stop()
-    ic.commit_point("test")
-    result["blocked"]["whole"] = ic.committed_since(mark)
+    stop.clear()
+    stop.commit_point("test")
+    result["blocked"]["whole"] = stop.committed_since(mark)
     _write(out, "stop", rank, result)
     os._exit(0)
 
@@ -209,44 +209,44 @@ def worker_uncovered(rank, port, out):
     import torch
     import torch.distributed as dist
 
-    from mindspeed_ha.comm import interruptible as ic
+    from mindspeed_ha.comm import PROCESS_STOP as stop, CollectiveStopped
 
     _init(rank, port)
     _engine()
     dist.barrier()
     result = {"rank": rank}
-    ic.set_uncovered(True)
+    stop.set_uncovered(True)
     for what, before in (("stopped_before", True), ("stopped_during", False)):
         if rank == 0:
             time.sleep(1.0)
             dist.barrier()
             continue
         if before:
-            ic.request_stop("test: a peer faulted")
+            stop.request("test: a peer faulted")
         else:
-            threading.Timer(0.2, ic.request_stop, ("test: a peer faulted",)).start()
+            threading.Timer(0.2, stop.request, ("test: a peer faulted",)).start()
         t0 = time.monotonic()
         dist.barrier()
         time.sleep(0.3)  # (the timer has fired)
-        result[what] = [time.monotonic() - t0 - 0.3, ic.aborted()]
-        ic.clear_stop()
+        result[what] = [time.monotonic() - t0 - 0.3, stop.aborted()]
+        stop.clear()
     dist.barrier()
     if rank == WORLD - 1:
         time.sleep(30)
         os._exit(0)
-    ic.UNCOVERED_GRACE_S = 1.0
-    threading.Timer(0.3, ic.request_stop, ("test: rank 3 hung",)).start()
+    stop.uncovered_grace_s = 1.0
+    threading.Timer(0.3, stop.request, ("test: rank 3 hung",)).start()
     t0 = time.monotonic()
     dist.all_reduce(torch.ones(4))
-    result["hung_peer"] = [time.monotonic() - t0, ic.aborted()]
+    result["hung_peer"] = [time.monotonic() - t0, stop.aborted()]
     t = torch.full((2,), float(rank + 1))
     dist.all_reduce(t)  # answered alone
     result["alone"] = t.tolist()
-    ic.set_uncovered(False)
+    stop.set_uncovered(False)
     try:
         dist.all_reduce(t)
         result["covered"] = "returned"
-    except ic.CollectiveStopped:
+    except CollectiveStopped:
         result["covered"] = "raised"
     _write(out, "uncovered", rank, result)
     # No rank leaves before the others have been aborted too: a peer's exit closes its connections,
@@ -431,7 +431,7 @@ def test_without_the_commit_point_the_same_stop_leaves_a_wrong_shard(tmp_path, r
     off = tmp_path / "no_commit_point"
     off.mkdir()
     (off / "sitecustomize.py").write_text("import mindspeed_ha.comm.interruptible as ic\n"
-                                          "ic.commit_point = lambda what: None\n")
+                                          "ic.PROCESS_STOP.commit_point = lambda what: None\n")
     proc = _drill_job(tmp_path / "job", HUNG_IN_THE_NORM, ("--ha-hang-timeout", "3"),
                       {"PYTHONPATH": os.pathsep.join(filter(None, [str(off), os.environ.get("PYTHONPATH")]))})
     from helpers import all_rank_events, losses
@@ -477,7 +477,7 @@ def test_without_the_backstop_the_held_rank_never_answers_and_the_controller_say
     off = tmp_path / "no_backstop"
     off.mkdir()
     (off / "sitecustomize.py").write_text("import mindspeed_ha.comm.interruptible as ic\n"
-                                          "ic.BACKSTOP_S = 1e9\n")
+                                          "ic.PROCESS_STOP.backstop_s = 1e9\n")
     proc = _drill_job(tmp_path / "job", HELD_UNTRACKED, HELD_FLAGS, env={
         "PYTHONPATH": os.pathsep.join(filter(None, [str(off), os.environ.get("PYTHONPATH")]))})
     assert proc.returncode != 0, proc.stderr[-2000:]

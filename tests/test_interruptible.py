@@ -44,7 +44,7 @@ def worker_stop(rank, port, port2, out):
     import torch
     import torch.distributed as dist
 
-    from mindspeed_ha.comm import CollectiveStopped, clear_stop, request_stop, stop_requested
+    from mindspeed_ha.comm import PROCESS_STOP as stop, CollectiveStopped
 
     _init(rank, port)
     _apply_patches()
@@ -64,7 +64,7 @@ def worker_stop(rank, port, port2, out):
         def watcher():
             time.sleep(delay)
             stopped_at["t"] = time.monotonic()
-            request_stop("test: rank 3 hung")
+            stop.request("test: rank 3 hung")
 
         th = threading.Thread(target=watcher, daemon=True)
         th.start()
@@ -81,8 +81,8 @@ def worker_stop(rank, port, port2, out):
             result.setdefault("error", f"barrier after stop ({what}) returned")
         except CollectiveStopped:
             pass
-        assert stop_requested()
-        clear_stop()
+        assert stop.requested()
+        stop.clear()
 
     def coalesced():  # megatron's grad-sync shape: sync ops inside a coalescing block
         with c10d._coalescing_manager():
@@ -121,8 +121,7 @@ def worker_uncovered(rank, port, port2, out):
     code the same stop throws them out at once."""
     import torch.distributed as dist
 
-    from mindspeed_ha.comm import CollectiveStopped, clear_stop, request_stop
-    from mindspeed_ha.comm.interruptible import set_uncovered
+    from mindspeed_ha.comm import PROCESS_STOP as stop, CollectiveStopped
 
     _init(rank, port)
     _apply_patches()
@@ -135,9 +134,9 @@ def worker_uncovered(rank, port, port2, out):
             dist.barrier()
             return
         if stop_before:
-            request_stop("test: a peer faulted")
+            stop.request("test: a peer faulted")
         else:
-            threading.Timer(0.2, request_stop, ("test: a peer faulted",)).start()
+            threading.Timer(0.2, stop.request, ("test: a peer faulted",)).start()
         t0 = time.monotonic()
         try:
             dist.barrier()
@@ -145,12 +144,12 @@ def worker_uncovered(rank, port, port2, out):
         except CollectiveStopped:
             result[what] = ["stopped", time.monotonic() - t0]
         time.sleep(0.3)  # (the timer has fired)
-        clear_stop()
+        stop.clear()
 
-    set_uncovered(True)
+    stop.set_uncovered(True)
     late_barrier("uncovered_stopped_before", True)
     late_barrier("uncovered_stopped_during", False)
-    set_uncovered(False)
+    stop.set_uncovered(False)
     late_barrier("covered_stopped_during", False)
     time.sleep(1.5)  # the stopped barrier still runs in gloo: rank 0 comes to it before any peer exits
     with open(os.path.join(out, f"uncovered_{rank}.json"), "w") as f:
@@ -166,34 +165,33 @@ def worker_uncovered_lost(rank, port, port2, out):
     import torch
     import torch.distributed as dist
 
-    from mindspeed_ha.comm import clear_stop, request_stop
-    from mindspeed_ha.comm import interruptible
+    from mindspeed_ha.comm import PROCESS_STOP as stop
 
     _init(rank, port)
     _apply_patches()
     dist.barrier()
     if rank == WORLD - 1:
         os._exit(0)
-    interruptible.UNCOVERED_GRACE_S = 2.0
+    stop.uncovered_grace_s = 2.0
     result = {"rank": rank}
-    interruptible.set_uncovered(True)
-    threading.Timer(1.0, request_stop, ("test: rank 3 lost",)).start()
+    stop.set_uncovered(True)
+    threading.Timer(1.0, stop.request, ("test: rank 3 lost",)).start()
     t0 = time.monotonic()
     dist.barrier()
     result["barrier_s"] = time.monotonic() - t0
     t, t0 = torch.ones(4), time.monotonic()
     dist.all_reduce(t)
     result["all_reduce"] = [t[0].item(), time.monotonic() - t0]
-    interruptible.set_uncovered(False)
+    stop.set_uncovered(False)
     raised = []
     for _ in range(2):
         try:
-            interruptible.raise_deferred()
+            stop.raise_deferred()
         except Exception as e:
             raised.append(type(e).__name__)
     result["raised"] = raised
     time.sleep(max(0.0, 1.2 - (time.monotonic() - t0)))  # (the stop's timer has fired)
-    clear_stop()
+    stop.clear()
     with open(os.path.join(out, f"uncovered_lost_{rank}.json"), "w") as f:
         json.dump(result, f)
     os._exit(0)
@@ -210,7 +208,7 @@ def worker_late(rank, port, port2, out):
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    from mindspeed_ha.comm import CollectiveStopped, clear_stop, request_stop
+    from mindspeed_ha.comm import PROCESS_STOP as stop, CollectiveStopped
 
     _init(rank, port)
     _apply_patches()
@@ -240,14 +238,14 @@ def worker_late(rank, port, port2, out):
         signals.set("late_done", "1")
     else:
         for fn in (all_reduce, grad_sync, param_sync):
-            threading.Timer(0.3, request_stop, ("test: rank 3 frozen",)).start()
+            threading.Timer(0.3, stop.request, ("test: rank 3 frozen",)).start()
             try:
                 fn()
                 result.setdefault("error", f"{fn.__name__} returned")
             except CollectiveStopped:
                 pass
             time.sleep(0.1)
-            clear_stop()
+            stop.clear()
         for x in (t, grads, params):
             x.fill_(-1.0)  # what training keeps in them after the rollback
         signals.set(f"stopped_{rank}", "1")
@@ -460,13 +458,13 @@ def test_a_stopped_collective_completed_late_writes_nothing(tmp_path):
 
 
 def test_request_stop_api():
-    from mindspeed_ha.comm import clear_stop, request_stop, stop_requested
+    from mindspeed_ha.comm import PROCESS_STOP as stop
 
-    assert not stop_requested()
-    request_stop("x")
-    assert stop_requested()
-    clear_stop()
-    assert not stop_requested()
+    assert not stop.requested()
+    stop.request("x")
+    assert stop.requested()
+    stop.clear()
+    assert not stop.requested()
 
 
 if __name__ == "__main__":

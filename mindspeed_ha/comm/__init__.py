@@ -1,11 +1,4 @@
-"""Communication helpers: interruptible collectives (the rank side of *stop*)."""
-from mindspeed_ha.comm.interruptible import (  # noqa: F401
-    CollectiveStopped,
-    PollingWork,
-    add_abort_hook,
-    clear_stop,
-    remove_abort_hook,
-    request_stop,
-    stop_requested,
-    wait_work,
-)
+"""Communication helpers: the rank's stop (``comm.stop``) and the collectives that obey it
+(``comm.interruptible``, whose ``PROCESS_STOP`` is the process's one stop)."""
+from mindspeed_ha.comm.interruptible import PROCESS_STOP, PollingWork, wait_work  # noqa: F401
+from mindspeed_ha.comm.stop import CollectiveStopped, Stop  # noqa: F401

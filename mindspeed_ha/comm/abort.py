@@ -26,6 +26,12 @@ import threading
 import time
 from typing import Iterable
 
+import torch
+import torch.distributed as dist
+
+from mindspeed_ha import compat
+from mindspeed_ha.comm import backends
+
 # How long a stop waits for its communicators' aborts (and, measured from the same start, for the
 # training thread to reach the recovery: comm.interruptible).
 DEADLINE_S = 10.0
@@ -96,3 +102,46 @@ def abort_all(communicators: Iterable[tuple[str, object]], deadline_s: float = D
         t.join(max(0.0, deadline - time.monotonic()))
     with lock:
         return AbortReport(dict(took), dict(failed), time.monotonic() - t0, deadline_s)
+
+
+def abort_registered(deadline_s: float = DEADLINE_S) -> AbortReport | None:
+    """A stop's abort of this process's communicators (``comm.stop``). NCCL (and the emulated NCCL):
+    every communicator of every group torch knows, at once (``abort_all``). HCCL: stop the device
+    (torch_npu's ``stop_device``; a recovery restarts it before anything runs there again:
+    ``device.restart_after_stop``). None before the process group exists."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    registered = compat.registered_groups()
+    report = abort_all([(_group_label(pg), pg) for pg in registered if _abortable(pg)], deadline_s)
+    from mindspeed_ha.events import get_logger
+    (get_logger("comm").error if report.unfinished or report.failed else get_logger("comm").warning)(
+        "stop: %s", report.line())
+    if any(_backend_of(pg) == "hccl" for pg in registered):
+        from mindspeed_ha import device
+        device.stop_device()
+    return report
+
+
+def _backend_of(pg) -> str:
+    try:
+        return backends.canonical(str(dist.get_backend(pg)))
+    except Exception:  # not a group torch knows (any more)
+        return ""
+
+
+def _abortable(pg) -> bool:
+    """``pg``'s communicators are NCCL's (or the emulated NCCL's): a stop aborts them."""
+    name = _backend_of(pg)
+    return name == backends.EMULATED_NCCL or (name == "nccl" and torch.cuda.is_available())
+
+
+def _group_label(pg) -> str:
+    """A group's name in the stop's log: its description (megatron-core's), else torch's name."""
+    for attr in ("group_desc", "group_name"):
+        try:
+            value = str(getattr(pg, attr) or "")
+        except Exception:  # (torch's own groups answer both; a broken one neither)
+            value = ""
+        if value and value != "undefined":
+            return value
+    return f"group@{id(pg):x}"

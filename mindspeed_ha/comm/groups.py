@@ -248,13 +248,13 @@ def _await_members(store, rank: int, size: int, timeout: datetime.timedelta, gro
     Polled from 0.25 ms up to 5 ms between looks: members arrive within a millisecond of one another,
     and a rank ahead that slept 5 ms at every group spent half a rebuild asleep. (The store's own
     wait with a short timeout logs two warnings from C++ at every expiry.)"""
-    from mindspeed_ha.comm.interruptible import raise_if_stopped
+    from mindspeed_ha.comm.interruptible import PROCESS_STOP
     store.set(f"here/{rank}", b"1")
     keys = [f"here/{r}" for r in range(size)]
     deadline = time.monotonic() + timeout.total_seconds()
     pause = 0.00025
     while not store.check(keys):
-        raise_if_stopped()
+        PROCESS_STOP.raise_if_stopped()
         if time.monotonic() > deadline:
             missing = [r for r in range(size) if not store.check([f"here/{r}"])]
             raise TimeoutError(f"{group!r}: member(s) {missing} did not come within {timeout.total_seconds():.0f} s")

@@ -1,28 +1,30 @@
-"""Interruptible collectives: the rank-side half of the *stop* action.
+"""Interruptible collectives: the collectives that obey a rank's stop (``comm.stop``).
 
 Why: gloo's ``ProcessGroup.abort()`` does not wake a collective blocked on a live (hung) peer, so a
 rank blocked in a synchronous collective could only leave at the collective timeout (minutes).
 Instead every blocking collective is issued with ``async_op=True`` and its work is waited on in
-short slices, checking a process-wide stop flag between slices. ``request_stop()`` (called by the
-processor thread) makes the blocked thread raise :class:`CollectiveStopped` within one slice.
+short slices, checking the stop between slices. A stop requested (by the processor thread) makes the
+blocked thread raise :class:`CollectiveStopped` within one slice.
 
 Stream-ordered backends (NCCL, HCCL, the emulated NCCL of drills: ``comm.backends``) behave
 otherwise: a collective returns at once and a stop does not raise anywhere. Their works are tracked
-while in flight; a stop lets the ones already issued finish for a grace, as on gloo, then aborts the
-communicators (NCCL's abort, HCCL's device stop), which makes what is still pending return with
-partial results and no error. So nothing may consume a collective's result once an abort may have
-cut it short: ``commit_point()`` — a device sync, then "was anything aborted?" — stands before every
-use that outlives a step (the optimizer's update, a shard declared repaired, a checkpoint published).
-On gloo an abort never happens and the commit point costs nothing.
+while in flight (the stop's ``in_flight``); a stop lets the ones already issued finish for a grace, as
+on gloo, then aborts the communicators (NCCL's abort, HCCL's device stop), which makes what is still
+pending return with partial results and no error. So nothing may consume a collective's result once
+an abort may have cut it short: a commit point (``Stop.commit_point``) — a device sync, then "was
+anything aborted?" — stands before every use that outlives a step (the optimizer's update, a shard
+declared repaired, a checkpoint published). On gloo an abort never happens and it costs nothing.
 
-After a stop, recovery calls ``clear_stop()`` before the next collective (until then every new
-collective raises at once). The interrupted operation stays pending inside the old group and
-completes if its peers come back to it (a frozen node thawed): rebuild the groups and roll back.
-It never writes into the caller's tensors then: a polled collective receives its result in tensors
-of its own, copied to the caller's only when the wait sees it complete (``_Results``); a
-stream-ordered backend lands nothing after its abort.
+After a stop, recovery clears it before the next collective (until then every new collective raises
+at once). The interrupted operation stays pending inside the old group and completes if its peers
+come back to it (a frozen node thawed): rebuild the groups and roll back. It never writes into the
+caller's tensors then: a polled collective receives its result in tensors of its own, copied to the
+caller's only when the wait sees it complete (``_Results``); a stream-ordered backend lands nothing
+after its abort.
 
-This module only *builds* wrappers; ``mindspeed_ha.patches.torch.distributed`` installs them.
+This module only *builds* wrappers, each bound to a stop; ``patches/torch/distributed.py`` installs
+the ones bound to ``PROCESS_STOP``: megatron-core calls the patched collectives with no object in
+hand, so the process's one stop is reached here, and everything else is handed it.
 """
 from __future__ import annotations
 
@@ -39,441 +41,39 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_ha import compat
-from mindspeed_ha.comm import abort as _abort
-from mindspeed_ha.comm import backends
-from mindspeed_ha.device.waits import EventWaits, HostWaits, for_device as waits_for
+from mindspeed_ha.comm import abort, backends
+from mindspeed_ha.comm.stop import WAIT_SLICE_S, CollectiveStopped, Stop
 
-# One wait slice: the bound on stop latency. A slice ends at once when the work completes, so its
-# length costs nothing on the fast path.
-WAIT_SLICE_S = 0.02
+__all__ = ["PROCESS_STOP", "CollectiveStopped", "PollingWork", "Stop", "alone", "make_interruptible",
+           "make_interruptible_batch_p2p", "make_interruptible_coalescing_manager", "make_interruptible_p2p",
+           "wait_work"]
+
 _SLICE = datetime.timedelta(seconds=WAIT_SLICE_S)
-# A collective already in flight gets this long to finish after a stop: its peers may have completed
-# it (the stop reached this rank a moment later), and leaving it then would split them — e.g. TP
-# peers on either side of the grad-norm all-reduce, one updating its shard and one not.
-STOP_GRACE_S = 0.1
-# Between a trainer's hooked calls (Megatron-LM's own loop: its timers' barriers, its logging
-# reductions) no recovery is served: a rank thrown out of a collective there ends its process. A
-# stop comes when a peer faulted in a hooked call, so every collective before that call is one the
-# peer has passed: there a stop lets the collective finish (on a loaded host a peer's completion can
-# take far longer than STOP_GRACE_S to be seen), and the rank raises at its next hooked call. Only a
-# collective still unfinished after this long (a peer that faulted before it) fails. A collective that
-# fails there (a stop's grace passed, or a peer lost in it) must not end the process either: its error
-# is kept for the rank's next hooked call (``raise_deferred``), and until then the collectives of that
-# code, which only time and log the loop, are answered by this rank alone.
-UNCOVERED_GRACE_S = 10.0
-# A training thread that has not reached the recovery (waiting for its orders) this long after a
-# stop's grace is taken to be held on the device behind a collective this module never saw: one a
-# library issued through the backend itself, a communicator's set-up inside a collective. Nothing
-# tracked is pending then, yet the thread can leave only if the communicators are aborted, so they
-# are. It costs nothing a recovery would not pay: every recovery after a stop replaces them.
-BACKSTOP_S = 5.0
-# A stop's abort is bounded (``comm.abort``): its communicators' aborts are waited for this long, and a
-# training thread that has not reached the recovery this long after they began is held for good (an
-# abort that never returned, a kernel that never saw its flag, a host stuck inside the backend): the
-# rank says so (the held hooks: the session reports itself hung), and the controller replaces it.
-STOP_DEADLINE_S = _abort.DEADLINE_S
 
-_stop = threading.Event()
-_thread = threading.local()  # .uncovered: this thread runs code no recovery covers
-_deferred: BaseException | None = None  # a collective's failure there, for the next hooked call
-_reason = ""
-_abort_hooks: list[Callable[[str], None]] = []
-_held_hooks: list[Callable[[str], None]] = []
-_stopped_at = 0.0
-# Stream-ordered communicators were aborted since the last clear_stop: a result read now may be partial.
-_aborted = False
-_uncovered = False  # the training thread runs code no recovery covers (what the aborter reads)
-_aborter: tuple[threading.Thread, int] | None = None  # the stop's aborter, and the stop it serves (_cleared)
-# The training thread waits for the controller's next order (``awaiting_orders``): it left the step.
-_awaiting = threading.Event()
-# ... or serves the recovery's orders since it first waited for one (``left_recovery`` ends that):
-# not held in a step, however long an order takes (a dump's write, a large shard's repair).
-_reached = threading.Event()
-# Held by the abort of a stop, and by ``clear_stop``: a recovery that clears the stop (and then
-# makes new communicators) never runs beside an abort still deciding or aborting the old ones.
-_abort_lock = threading.Lock()
-# The last abort: (seconds after its stop it began, seconds it took or None while it runs, why).
-_abort_info: tuple[float, float | None, str] | None = None
-# What the last abort did to each communicator (comm.abort), until the next clear_stop.
-_abort_report: _abort.AbortReport | None = None
+# The process's stop: the one the installed wrappers obey, the processor requests and the recovery
+# clears (the session hands it to both).
+PROCESS_STOP = Stop(abort_communicators=abort.abort_registered)
+
+# This thread's state inside the wrappers: .issuing (an outer wrapper's call is under way), .blocks
+# (its open coalescing blocks).
+_thread = threading.local()
 
 
-class CollectiveStopped(RuntimeError):
-    """Raised in the thread blocked in (or entering) a collective after ``request_stop()``."""
-
-
-def request_stop(reason: str = "") -> None:
-    """Make every blocked or future collective raise ``CollectiveStopped`` until ``clear_stop()``.
-
-    Safe to call from any thread. Stream-ordered communicators are aborted (the abort hooks) once a
-    collective issued before the stop is still pending after the grace a gloo one gets."""
-    global _reason, _stopped_at, _aborter
-    _reason = reason
-    if not _stop.is_set():
-        _stopped_at = time.monotonic()
-        _stop.set()
-    if _streams.used and (_aborter is None or not _aborter[0].is_alive() or _aborter[1] != _cleared):
-        thread = threading.Thread(target=_abort_when_due, args=(_cleared,), name="mindspeed-ha-aborter",
-                                  daemon=True)
-        _aborter = (thread, _cleared)
-        thread.start()
-
-
-def _abort_when_due(stop: int) -> None:
-    """A stop's communicator abort, once its grace has passed (the uncovered one while the training
-    thread is outside the covered calls), when a stream-ordered collective issued before it is still
-    pending, or (``BACKSTOP_S`` later) when the training thread has still not reached the recovery.
-    Otherwise no abort: the next collective raises at its entry, and every result read meanwhile was
-    whole. After an abort, the training thread has ``STOP_DEADLINE_S`` from its start to reach the
-    recovery; else the rank is held (``_watch_held``). ``stop``: the stop this thread serves (the
-    number of stops cleared before it)."""
-    logged = False
-    while True:
-        with _abort_lock:
-            if not _stop.is_set() or _aborted or _cleared != stop:
-                return
-            grace = UNCOVERED_GRACE_S if _uncovered else STOP_GRACE_S
-            since = time.monotonic() - _stopped_at
-            why = ""
-            if since >= grace and _streams.pending():
-                why = "a stream-ordered collective was still pending"
-            elif since >= grace + BACKSTOP_S and not _reached.is_set():
-                why = "the training thread had not reached the recovery (held on the device?)"
-            if why:
-                _log().warning("stop: %s %.2fs after the stop: aborting this rank's communicators (%s)",
-                               why, since, _reason or "-")
-                began = time.monotonic()
-                abort_now(why=why)
-                break
-        if since >= grace and not logged:
-            _log().info("stop: no stream-ordered collective pending after the %.1fs grace: no abort, unless the "
-                        "training thread has not reached the recovery %.0fs later", grace, BACKSTOP_S)
-            logged = True
-        time.sleep(WAIT_SLICE_S)
-    _watch_held(stop, began)
-
-
-def _watch_held(stop: int, began: float) -> None:
-    """After a stop's abort (begun at ``began``): a training thread that has not reached the recovery
-    within ``STOP_DEADLINE_S`` will not reach it. The held hooks are told why (once)."""
-    while time.monotonic() - began < STOP_DEADLINE_S:
-        if _reached.is_set() or not _stop.is_set() or _cleared != stop:
-            return
-        time.sleep(WAIT_SLICE_S)
-    if _reached.is_set() or not _stop.is_set() or _cleared != stop:
-        return
-    why = (f"held: its training thread has not reached the recovery {time.monotonic() - began:.1f}s after its "
-           f"communicators' abort began (deadline {STOP_DEADLINE_S:g}s)")
-    _log().error("stop: %s; %s", why, stop_report())
-    for hook in list(_held_hooks):
-        try:
-            hook(why)
-        except Exception:  # a failing report must not stop the others
-            _log().exception("a held hook failed")
-
-
-@contextlib.contextmanager
-def awaiting_orders():
-    """The (training) thread waits for the controller's next order inside: it has left the step, so
-    a stop's backstop abort is not needed to free it, and it is not held (until ``left_recovery``)."""
-    _awaiting.set()
-    _reached.set()
+def wait_work(work, stop: Stop, p2p: bool = False) -> None:
+    """Wait for a c10d ``Work``, raising ``CollectiveStopped`` once ``stop`` is requested."""
+    if work.is_completed() or stop.requested():
+        return _wait_work(work, stop, p2p)
+    token = stop.in_flight.polled.begin()
     try:
-        yield
+        _wait_work(work, stop, p2p)
     finally:
-        _awaiting.clear()
+        stop.in_flight.polled.end(token)
 
 
-def left_recovery() -> None:
-    """The training thread trains again (the recovery it served is over, or it was never in one)."""
-    _reached.clear()
-
-
-def stop_report() -> str:
-    """Where this rank's stop stands, for a report of a training thread that does not serve the
-    recovery: how long ago, and what its abort did."""
-    if not _stop.is_set():
-        return "no stop in force"
-    text = f"stopped {time.monotonic() - _stopped_at:.1f}s ago ({_reason or '-'})"
-    if _abort_info is not None:
-        began, took, why = _abort_info
-        text += (f"; communicators aborted {began:.2f}s after the stop, in {took:.2f}s ({why})" if took is not None
-                 else f"; the communicators' abort began {began:.2f}s after the stop and has not returned ({why})")
-        if _abort_report is not None and _abort_report.unfinished:
-            text += f"; abort not returned: {', '.join(_abort_report.unfinished)}"
-    elif _streams.used:
-        text += "; no communicator aborted"
-    pending = _streams.pending_count()
-    return text + (f"; {pending} tracked collective(s) pending" if pending else "")
-
-
-def _log():
-    from mindspeed_ha.events import get_logger
-    return get_logger("comm")
-
-
-def abort_now(reason: str = "", why: str = "") -> None:
-    """Abort every stream-ordered communicator of this process now (the abort hooks), at once and
-    within ``STOP_DEADLINE_S`` (``comm.abort``). A commit point refuses from here until ``clear_stop()``."""
-    global _aborted, _abort_info
-    _aborted = True  # (first: a commit point that sees the abort's effect sees this too)
-    t0 = time.monotonic()
-    began = t0 - _stopped_at if _stop.is_set() else 0.0
-    _abort_info = (began, None, why or "asked")
-    for hook in list(_abort_hooks):
-        try:
-            hook(reason or _reason)
-        except Exception:  # a failing abort must not stop the others
-            pass
-    _abort_info = (began, time.monotonic() - t0, why or "asked")
-
-
-def abort_summary() -> dict | None:
-    """What this stop's abort did (for the recovery's answers): its seconds, each communicator's, and
-    those that had not returned by the deadline; None when nothing was aborted since ``clear_stop``."""
-    with _abort_lock:  # (an abort under way is waited for, up to its deadline: the training thread is
-        # freed by the first communicator's abort, often before the others have returned)
-        return _abort_report.to_wire() if _abort_report is not None else None
-
-
-def aborted() -> bool:
-    """Stream-ordered communicators were aborted since the last ``clear_stop()``."""
-    return _aborted
-
-
-def commit_point(what: str) -> None:
-    """``what`` is about to use the results of this rank's collectives beyond them (an update on
-    reduced gradients and their norm, a shard declared repaired, a checkpoint published): only if
-    each completed before any abort cut it short. The device is synchronized first (a GPU may still
-    run a collective the host has moved past); then a stop's abort since the last ``clear_stop()``
-    raises ``CollectiveStopped``, the results untouched by ``what``. On gloo nothing is ever aborted (a
-    stopped collective raises instead): no sync, no cost.
-
-    The sync is only needed while a collective is pending (its work queried, not waited for): where
-    the trainer has just synced (Megatron's grad-norm ``.item()`` before the update) every work is
-    complete, and a completed work with no abort flag raised was whole, since an abort raises the
-    flag before it aborts anything. There the commit point adds no host sync to the step."""
-    if not _aborted and _streams.pending():
-        from mindspeed_ha import device
-        device.synchronize()
-    if _aborted:
-        raise CollectiveStopped(f"{what} stopped: a stop aborted this rank's communicators, so results of its "
-                                f"collectives may be partial{': ' + _reason if _reason else ''}")
-    _passed[_cleared] = _passed.get(_cleared, 0) + 1
-
-
-# Commit points passed, by how many stops had been cleared then: a commit point that passed after a
-# result was issued, and before the next stop was cleared, proves that result whole.
-_cleared = 0
-_passed: dict[int, int] = {}
-
-
-def commit_mark() -> tuple[int, int]:
-    """Where this process stands now, for a later ``committed_since``."""
-    return _cleared, _passed.get(_cleared, 0)
-
-
-def committed_since(mark: tuple[int, int]) -> bool:
-    """A commit point passed after ``mark`` and before the next stop was cleared: every collective this
-    process issued before the mark completed whole (a result kept for later use, e.g. by a recovery
-    after that stop)."""
-    return _passed.get(mark[0], 0) > mark[1]
-
-
-def clear_stop() -> None:
-    global _reason, _deferred, _aborted, _cleared, _abort_info, _abort_report
-    with _abort_lock:  # (an abort under way ends first: it aborts the old communicators only)
-        _reason = ""
-        _cleared += 1
-        _deferred = None  # (a recovery ran: it covered that failure too)
-        _stop.clear()
-        _aborted = False
-        _abort_info = None
-        _abort_report = None
-        _streams.forget()  # (the aborted communicators' works: they are being replaced)
-    _cancel_park()
-
-
-# ---- a stop at the next step boundary -------------------------------------------------------------
-# A planned recovery (a migration) parks every rank between two steps, so no step is interrupted and
-# nothing is rolled back. A rank that had already begun the next step when the order came waits in its
-# first collective for peers that parked: after ``grace_s`` it is stopped there instead (its partial
-# step is cleaned up by the recovery, as after any stop).
-_park = threading.Event()
-_park_timer: threading.Timer | None = None
-
-
-def request_park(reason: str, grace_s: float) -> None:
-    """Have the training thread park at its next step start (``take_park``); a stop after ``grace_s``."""
-    global _park_timer
-    _cancel_park()
-    _park.set()
-
-    def stop_if_parked() -> None:
-        if _park.is_set():
-            request_stop(reason)
-    _park_timer = threading.Timer(grace_s, stop_if_parked)
-    _park_timer.daemon = True
-    _park_timer.start()
-
-
-def take_park() -> bool:
-    """At a step start: True (once) if a park was requested; the stop that would follow is called off."""
-    if not _park.is_set():
-        return False
-    _cancel_park()
-    return True
-
-
-def _cancel_park() -> None:
-    global _park_timer
-    _park.clear()
-    if _park_timer is not None:
-        _park_timer.cancel()
-        _park_timer = None
-
-
-def stop_requested() -> bool:
-    return _stop.is_set()
-
-
-def add_abort_hook(fn: Callable[[str], None]) -> None:
-    """Register ``fn(reason)`` to run on ``request_stop`` (e.g. a trainer's own communicator abort)."""
-    if fn not in _abort_hooks:
-        _abort_hooks.append(fn)
-
-
-def remove_abort_hook(fn: Callable[[str], None]) -> None:
-    if fn in _abort_hooks:
-        _abort_hooks.remove(fn)
-
-
-def add_held_hook(fn: Callable[[str], None]) -> None:
-    """Register ``fn(why)`` to run when the training thread has not reached the recovery within
-    ``STOP_DEADLINE_S`` of a stop's abort (the session reports the rank hung, to be replaced)."""
-    if fn not in _held_hooks:
-        _held_hooks.append(fn)
-
-
-def remove_held_hook(fn: Callable[[str], None]) -> None:
-    if fn in _held_hooks:
-        _held_hooks.remove(fn)
-
-
-def set_uncovered(on: bool) -> None:
-    """The calling (training) thread leaves (True) or enters (False) the code a recovery covers."""
-    global _uncovered
-    _thread.uncovered = _uncovered = on
-
-
-def raise_deferred() -> None:
-    """At a hooked call's start (its step or save begun), in the code a recovery covers: raise (once)
-    the failure of a collective of the uncovered code before it, to be recovered as a fault there."""
-    global _deferred
-    e, _deferred = _deferred, None
-    if e is not None:
-        raise e
-
-
-def _defer(e: BaseException, name: str) -> None:
-    global _deferred
-    from mindspeed_ha.events import get_logger
-    if _deferred is None:
-        _deferred = e
-        get_logger("comm").warning("%s failed between two hooked calls (%s): it and the loop's collectives up to "
-                                   "the next hooked call are answered by this rank alone; the failure is "
-                                   "reported there", name, str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
-
-
-def _grace_s() -> float:
-    return UNCOVERED_GRACE_S if getattr(_thread, "uncovered", False) else STOP_GRACE_S
-
-
-def _stop_now() -> bool:
-    """A collective entered now raises at once: stopped, and in code a recovery covers."""
-    return _stop.is_set() and not getattr(_thread, "uncovered", False)
-
-
-def _raise_stopped():
-    raise CollectiveStopped(f"collective stopped by request{': ' + _reason if _reason else ''}")
-
-
-def raise_if_stopped() -> None:
-    """For waits outside a collective (a communicator's rendezvous): leave them as a collective would."""
-    if _stop_now():
-        _raise_stopped()
-
-
-class _InFlight:
-    """What this process has in flight on stream-ordered backends: the works issued and not seen
-    complete (what a stop's abort is for), and the waits for them by device kind (the evidence)."""
-
-    def __init__(self) -> None:
-        self.used = False  # a stream-ordered collective was issued by this process
-        self._lock = threading.Lock()
-        self._works: list = []
-        self._waits: dict[str, HostWaits | EventWaits] = {}
-
-    def issued(self, work) -> None:
-        self.used = True
-        with self._lock:
-            self._works = [w for w in self._works if not w.is_completed()] + [work]
-
-    def waits(self, kind: str) -> HostWaits | EventWaits:
-        if kind not in self._waits:
-            with self._lock:
-                self._waits.setdefault(kind, waits_for(kind))
-        return self._waits[kind]
-
-    def pending(self) -> bool:
-        return bool(self.pending_count()) or any(w.pending() for w in list(self._waits.values()))
-
-    def pending_count(self) -> int:
-        """The works issued and not complete."""
-        with self._lock:
-            self._works = [w for w in self._works if not w.is_completed()]
-            return len(self._works)
-
-    def waiting(self) -> bool:
-        return any(w.waiting() for w in list(self._waits.values()))
-
-    def waited_s(self) -> float:
-        return sum(w.waited_s() for w in list(self._waits.values()))
-
-    def forget(self) -> None:
-        with self._lock:
-            self._works = []
-
-
-_polled = HostWaits()   # gloo's waits: this module polls them, on the host
-_streams = _InFlight()  # stream-ordered backends' works and waits
-
-
-def waited_s() -> float:
-    """Seconds this process spent waiting for collectives (a rank's own work is the rest)."""
-    return _polled.waited_s() + _streams.waited_s()
-
-
-def waiting() -> bool:
-    """This rank waits in a collective now: for a peer, not stuck itself."""
-    return _polled.waiting() or _streams.waiting()
-
-
-def wait_work(work, p2p: bool = False) -> None:
-    """Wait for a c10d ``Work``, raising ``CollectiveStopped`` once a stop is requested."""
-    if work.is_completed() or _stop.is_set():
-        return _wait_work(work, p2p)
-    token = _polled.begin()
-    try:
-        _wait_work(work, p2p)
-    finally:
-        _polled.end(token)
-
-
-def _wait_stream(work, kind: str) -> None:
+def _wait_stream(work, kind: str, stop: Stop) -> None:
     """Wait for a stream-ordered collective as its caller would (NCCL: the compute stream waits; the
     emulated backend: the host), bracketed for the evidence."""
-    waits = _streams.waits(kind)
+    waits = stop.in_flight.waits(kind)
     token = waits.begin()
     try:
         work.wait()
@@ -481,7 +81,7 @@ def _wait_stream(work, kind: str) -> None:
         waits.end(token)
 
 
-def _wait_work(work, p2p: bool = False) -> None:
+def _wait_work(work, stop: Stop, p2p: bool = False) -> None:
     """(``wait_work``'s body.)
 
     Collectives that complete asynchronously (those with a future): ``work.wait(slice)`` in a loop.
@@ -513,24 +113,24 @@ def _wait_work(work, p2p: bool = False) -> None:
                     if work.is_completed():  # it failed (or just finished): the real outcome
                         work.wait()
                         return
-                    if _stop.is_set():
+                    if stop.requested():
                         stopped_at = stopped_at or time.monotonic()
-                        if time.monotonic() - stopped_at >= _grace_s():
-                            _raise_stopped()
+                        if time.monotonic() - stopped_at >= stop.this_threads_grace_s():
+                            stop.raise_stopped()
     done = threading.Event()
     errors = _wait_on_helper(work, done)
-    _wait_event(done)
+    _wait_event(done, stop)
     if errors:
         raise errors[0]
 
 
-def _wait_event(done: threading.Event) -> None:
+def _wait_event(done: threading.Event, stop: Stop) -> None:
     stopped_at = None
     while not done.wait(WAIT_SLICE_S):
-        if _stop.is_set():
+        if stop.requested():
             stopped_at = stopped_at or time.monotonic()
-            if time.monotonic() - stopped_at >= _grace_s():
-                _raise_stopped()
+            if time.monotonic() - stopped_at >= stop.this_threads_grace_s():
+                stop.raise_stopped()
 
 
 def _wait_on_helper(work, done: threading.Event) -> list:
@@ -631,9 +231,11 @@ class PollingWork(dist.Work):
     """What an ``async_op=True`` caller gets back: ``wait()`` is interruptible (gloo), or bracketed for
     the evidence (``stream``: a stream-ordered backend of that device kind); the rest delegates."""
 
-    def __init__(self, work, p2p: bool = False, results: _Results = _NO_RESULTS, stream: str | None = None):
+    def __init__(self, work, stop: Stop, p2p: bool = False, results: _Results = _NO_RESULTS,
+                 stream: str | None = None):
         super().__init__()
         self._work = work
+        self._stop = stop
         self._p2p = p2p
         self._waited = False
         self._results = results
@@ -645,10 +247,10 @@ class PollingWork(dist.Work):
         if timeout:  # an explicit timeout keeps torch's meaning
             done = self._work.wait(timeout)
         elif self._stream is not None:
-            _wait_stream(self._work, self._stream)
+            _wait_stream(self._work, self._stream, self._stop)
             done = True
         else:
-            wait_work(self._work, self._p2p)
+            wait_work(self._work, self._stop, self._p2p)
             done = True
         self._results.land()
         self._waited = True
@@ -794,20 +396,21 @@ def _issue(fn: Callable, args: tuple, kwargs: dict):
         _thread.issuing = before
 
 
-def make_interruptible(fn: Callable) -> Callable:
-    """Wrap a c10d collective that takes ``async_op``: issue async, wait interruptibly."""
+def make_interruptible(fn: Callable, stop: Stop) -> Callable:
+    """Wrap a c10d collective that takes ``async_op``: issue async, wait interruptibly (``stop``)."""
     params = list(inspect.signature(fn).parameters)
     idx = params.index("async_op")
     gidx = params.index("group") if "group" in params else None
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if _stop_now():
-            _raise_stopped()
+        if stop.stops_now():
+            stop.raise_stopped()
         if _alone:
             return _answer_alone(fn, args, kwargs)
-        if _deferred is not None and getattr(_thread, "uncovered", False):
-            return _answer_deferred(fn, args, kwargs, _deferred)
+        deferred = stop.deferred
+        if deferred is not None and stop.uncovered_here():
+            return _answer_deferred(fn, args, kwargs, deferred)
         if idx < len(args):
             want_async = bool(args[idx])
             args = args[:idx] + (True,) + args[idx + 1:]
@@ -818,7 +421,7 @@ def make_interruptible(fn: Callable) -> Callable:
         callers = args, kwargs
         kind = _stream_kind(group, _first_tensor(args, kwargs))
         if kind is not None:
-            return _stream_collective(fn, args, kwargs, want_async, kind)
+            return _stream_collective(fn, args, kwargs, want_async, kind, stop)
         resolved = compat.resolve_group(group)
         args, kwargs, results = _with_own_results(fn, params, args, kwargs, resolved)
         work = _issue(fn, args, kwargs)
@@ -830,13 +433,13 @@ def make_interruptible(fn: Callable) -> Callable:
             return work if want_async else None
         work = _unwrap(work)
         if want_async:
-            return PollingWork(work, results=results)
+            return PollingWork(work, stop, results=results)
         try:
-            wait_work(work)
+            wait_work(work, stop)
         except Exception as e:
-            if not getattr(_thread, "uncovered", False):
+            if not stop.uncovered_here():
                 raise
-            _defer(e, fn.__name__)
+            stop.defer(e, fn.__name__)
             _answer_deferred(fn, *callers, e)
             return None
         results.land()
@@ -846,10 +449,10 @@ def make_interruptible(fn: Callable) -> Callable:
     return wrapper
 
 
-def _stream_collective(fn: Callable, args: tuple, kwargs: dict, want_async: bool, kind: str):
+def _stream_collective(fn: Callable, args: tuple, kwargs: dict, want_async: bool, kind: str, stop: Stop):
     """A collective of a stream-ordered backend (issued async, so that its work is tracked): the
     caller's async work, or waited for as the caller's synchronous call would have."""
-    if _aborted:  # (outside the covered calls: inside them the stop raised at the entry) no communicator
+    if stop.aborted():  # (outside the covered calls: inside them the stop raised at the entry) no communicator
         return _answer_deferred(fn, args, kwargs, CollectiveStopped(f"{fn.__name__} after a stop's abort"))
     work = _issue(fn, args, kwargs)
     if work is None:  # not a member of the group
@@ -857,15 +460,15 @@ def _stream_collective(fn: Callable, args: tuple, kwargs: dict, want_async: bool
     if compat.is_placeholder_work(work):  # inside a coalescing block: the block's work is tracked
         return work if want_async else None
     work = _unwrap(work)
-    _streams.issued(work)
+    stop.in_flight.issued(work)
     if want_async:
-        return PollingWork(work, stream=kind)
+        return PollingWork(work, stop, stream=kind)
     try:
-        _wait_stream(work, kind)
+        _wait_stream(work, kind, stop)
     except Exception as e:
-        if not getattr(_thread, "uncovered", False):
+        if not stop.uncovered_here():
             raise
-        _defer(e, fn.__name__)
+        stop.defer(e, fn.__name__)
         _answer_deferred(fn, args, kwargs, e)
     return None
 
@@ -900,7 +503,7 @@ def _p2p_issued(names) -> None:
         hook(kinds)
 
 
-def make_interruptible_p2p(fn: Callable) -> Callable:
+def make_interruptible_p2p(fn: Callable, stop: Stop) -> Callable:
     """Wrap ``isend``/``irecv`` (always async): hand back a PollingWork so ``send``/``recv`` and
     callers' ``.wait()`` are interruptible (gloo) or tracked (a stream-ordered backend)."""
     params = list(inspect.signature(fn).parameters)
@@ -908,44 +511,44 @@ def make_interruptible_p2p(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if _stop_now():
-            _raise_stopped()
+        if stop.stops_now():
+            stop.raise_stopped()
         _p2p_issued((fn.__name__,))
         work = fn(*args, **kwargs)
         if work is None or isinstance(work, PollingWork) or compat.is_placeholder_work(work):
             return work
         group = kwargs.get("group") if gidx is None or gidx >= len(args) else args[gidx]
-        return _p2p_work(work, compat.resolve_group(group), _first_tensor(args, kwargs))
+        return _p2p_work(work, compat.resolve_group(group), _first_tensor(args, kwargs), stop)
 
     setattr(wrapper, "__mindspeed_ha_original__", fn)
     return wrapper
 
 
-def _p2p_work(work, group, tensor) -> PollingWork:
+def _p2p_work(work, group, tensor, stop: Stop) -> PollingWork:
     kind = _stream_kind(group, tensor)
     if kind is None:
-        return PollingWork(work, p2p=True)
-    _streams.issued(work)
-    return PollingWork(work, stream=kind)
+        return PollingWork(work, stop, p2p=True)
+    stop.in_flight.issued(work)
+    return PollingWork(work, stop, stream=kind)
 
 
-def make_interruptible_batch_p2p(fn: Callable) -> Callable:
+def make_interruptible_batch_p2p(fn: Callable, stop: Stop) -> Callable:
     @functools.wraps(fn)
     def wrapper(p2p_op_list):
-        if _stop_now():
-            _raise_stopped()
+        if stop.stops_now():
+            stop.raise_stopped()
         _p2p_issued([getattr(op.op, "__name__", "") for op in p2p_op_list])
         works = fn(p2p_op_list)
         if not p2p_op_list:
             return works
         group, tensor = compat.resolve_group(p2p_op_list[0].group), p2p_op_list[0].tensor
-        return [w if w is None or isinstance(w, PollingWork) else _p2p_work(w, group, tensor) for w in works]
+        return [w if w is None or isinstance(w, PollingWork) else _p2p_work(w, group, tensor, stop) for w in works]
 
     setattr(wrapper, "__mindspeed_ha_original__", fn)
     return wrapper
 
 
-def make_interruptible_coalescing_manager(orig_cm: Callable) -> Callable:
+def make_interruptible_coalescing_manager(orig_cm: Callable, stop: Stop) -> Callable:
     """Wrap ``_coalescing_manager``: ops inside it only record themselves (returning ``_IllegalWork``);
     the real work is issued when the block exits. Force ``async_ops=True`` there and wait for the
     manager's works interruptibly (gloo) or tracked (a stream-ordered backend) — at exit for a sync
@@ -954,8 +557,8 @@ def make_interruptible_coalescing_manager(orig_cm: Callable) -> Callable:
     @contextlib.contextmanager
     @functools.wraps(orig_cm)
     def wrapper(group=None, device=None, async_ops=False):
-        if _stop_now():
-            _raise_stopped()
+        if stop.stops_now():
+            stop.raise_stopped()
         resolved = compat.resolve_group(group)
         kind = _stream_kind(resolved, device=device)
         results = _Results()
@@ -964,7 +567,7 @@ def make_interruptible_coalescing_manager(orig_cm: Callable) -> Callable:
         try:
             with orig_cm(group, device, async_ops=True) as cm:
                 # (an instance attribute: megatron calls cm.wait())
-                cm.wait = functools.partial(_wait_all, cm, results, kind)
+                cm.wait = functools.partial(_wait_all, cm, results, stop, kind)
                 yield cm
         except BaseException:
             # torch leaves the op list behind when the block raises, poisoning the next coalescing
@@ -975,9 +578,9 @@ def make_interruptible_coalescing_manager(orig_cm: Callable) -> Callable:
             _blocks().pop(resolved, None)
         if kind is not None:
             for w in _works_of(cm):
-                _streams.issued(w)
+                stop.in_flight.issued(w)
         if not async_ops:
-            _wait_all(cm, results, kind)
+            _wait_all(cm, results, stop, kind)
 
     setattr(wrapper, "__mindspeed_ha_original__", orig_cm)
     return wrapper
@@ -987,60 +590,12 @@ def _works_of(cm) -> list:
     return [_unwrap(w) for w in cm.works if w is not None and not compat.is_placeholder_work(w)]
 
 
-def _wait_all(cm, results: _Results, kind: str | None = None) -> None:
+def _wait_all(cm, results: _Results, stop: Stop, kind: str | None = None) -> None:
     for w in _works_of(cm):
         if kind is None:
-            wait_work(w)
+            wait_work(w, stop)
         else:
-            _wait_stream(w, kind)
+            _wait_stream(w, kind, stop)
     results.land()
 
 
-# ---------------------------------------------------------------------------------------------
-# The abort of stream-ordered communicators (a stop's, once the grace has passed).
-
-def _backend_of(pg) -> str:
-    try:
-        return backends.canonical(str(dist.get_backend(pg)))
-    except Exception:  # not a group torch knows (any more)
-        return ""
-
-
-def _abortable(pg) -> bool:
-    """``pg``'s communicators are NCCL's (or the emulated NCCL's): a stop aborts them."""
-    name = _backend_of(pg)
-    return name == backends.EMULATED_NCCL or (name == "nccl" and torch.cuda.is_available())
-
-
-def _abort_stream_ordered(reason: str) -> None:
-    """NCCL (and the emulated NCCL): abort every communicator of the process at once, each on a
-    thread of its own, so that kernels blocked on a dead or hung peer exit with what they had
-    (``comm.abort``: why at once, and the deadline). HCCL: stop the device (torch_npu's
-    ``stop_device``; a recovery restarts it before anything runs there again:
-    ``device.restart_after_stop``)."""
-    global _abort_report
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    registered = compat.registered_groups()
-    named = [(_group_label(pg), pg) for pg in registered if _abortable(pg)]
-    report = _abort.abort_all(named, STOP_DEADLINE_S)
-    _abort_report = report
-    (_log().error if report.unfinished or report.failed else _log().warning)("stop: %s", report.line())
-    if any(_backend_of(pg) == "hccl" for pg in registered):
-        from mindspeed_ha import device
-        device.stop_device()
-
-
-def _group_label(pg) -> str:
-    """A group's name in the stop's log: its description (megatron-core's), else torch's name."""
-    for attr in ("group_desc", "group_name"):
-        try:
-            value = str(getattr(pg, attr) or "")
-        except Exception:  # (torch's own groups answer both; a broken one neither)
-            value = ""
-        if value and value != "undefined":
-            return value
-    return f"group@{id(pg):x}"
-
-
-add_abort_hook(_abort_stream_ordered)

@@ -38,12 +38,12 @@ def _alone_off() -> None:
 def _recovery_covers():
     """A hooked call a recovery covers; Megatron-LM's loop around it (timers, logging) is not, so
     a stop there lets a collective its peers passed finish (comm.interruptible.set_uncovered)."""
-    from mindspeed_ha.comm.interruptible import set_uncovered
-    set_uncovered(False)
+    from mindspeed_ha.comm.interruptible import PROCESS_STOP
+    PROCESS_STOP.set_uncovered(False)
     try:
         yield
     finally:
-        set_uncovered(True)
+        PROCESS_STOP.set_uncovered(True)
 
 
 def _with_ha_args(provider):
@@ -240,7 +240,7 @@ def on_update_num_microbatches(original, consumed_samples, consistency_check=Tru
 def on_save_checkpoint(original, iteration, *args, **kwargs):
     from megatron.training import get_args
     from mindspeed_ha import session
-    from mindspeed_ha.comm.interruptible import raise_deferred
+    from mindspeed_ha.comm.interruptible import PROCESS_STOP
     s = session.current()
     if len(args) > 1:  # Megatron-LM's save_checkpoint(iteration, model, optimizer, ...)
         args = (args[0], unwrap_optimizer(args[1]), *args[2:])
@@ -249,7 +249,7 @@ def on_save_checkpoint(original, iteration, *args, **kwargs):
         return original(iteration, *args, **kwargs)
 
     def save():
-        raise_deferred()  # a collective of the loop before the save failed: a fault as the save starts
+        PROCESS_STOP.raise_deferred()  # a collective of the loop before the save failed: a fault as the save starts
         s.fire("checkpoint", iteration)
         if not get_args().async_save:
             checkpoint.writer_in_process()

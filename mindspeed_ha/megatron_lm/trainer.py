@@ -191,7 +191,7 @@ class MegatronLMTrainer(TrainerInterface):
 
     def _run_step(self, iteration: int | None):
         from mindspeed_ha import session
-        from mindspeed_ha.comm.interruptible import commit_point, raise_deferred
+        from mindspeed_ha.comm.interruptible import PROCESS_STOP
         assert self.fns is not None  # (bind_step came first: the loop's, or train_step checked)
         original, forward_step_func, config, forward_backward_func = self.fns
         if iteration is not None and self.iteration < iteration:
@@ -205,12 +205,12 @@ class MegatronLMTrainer(TrainerInterface):
         self._phase_points(config)
         self._mark_step_start()
         s.step_start(it)
-        raise_deferred()  # a collective of the loop since the last step failed: a fault as this step starts
+        PROCESS_STOP.raise_deferred()  # a collective of the loop since the last step failed: a fault as it starts
         data = self._data_iter if iteration is not None or self.loop.catch_up is None else self._reloaded_data()
         out = original(self._forward_with_phases(forward_step_func, s, it), data,
                        self.model_chunks, self.optimizer, self.scheduler, config,
                        self._recording(forward_backward_func), iteration=it - 1)
-        commit_point("the step's result")  # (its loss, reduced over DP after the update)
+        PROCESS_STOP.commit_point("the step's result")  # (its loss, reduced over DP after the update)
         return self._step_done(it, out)
 
     def _run_catch_up(self, loop_iteration: int) -> None:
@@ -221,7 +221,7 @@ class MegatronLMTrainer(TrainerInterface):
         from megatron.core.num_microbatches_calculator import update_num_microbatches
         from megatron.training import get_args
         from mindspeed_ha import session
-        from mindspeed_ha.comm.interruptible import commit_point
+        from mindspeed_ha.comm.interruptible import PROCESS_STOP
         assert self.fns is not None  # (called from run_step)
         original, forward_step_func, config, forward_backward_func = self.fns
         if self.loop.catch_up is None:
@@ -239,7 +239,7 @@ class MegatronLMTrainer(TrainerInterface):
                 s.step_start(it)
                 out = original(self._forward_with_phases(forward_step_func, s, it), data, self.model_chunks,
                                self.optimizer, self.scheduler, config, forward_backward_func, iteration=it - 1)
-                commit_point("the step's result")
+                PROCESS_STOP.commit_point("the step's result")
                 self._step_done(it, out)
         finally:
             update_num_microbatches(get_args().consumed_train_samples, consistency_check=False)
@@ -270,16 +270,17 @@ class MegatronLMTrainer(TrainerInterface):
 
     def _recording(self, forward_backward_func):
         def forward_backward(*args, **kwargs):
-            from mindspeed_ha.comm.interruptible import commit_mark
+            from mindspeed_ha.comm.interruptible import PROCESS_STOP
             self.step.fb_out = forward_backward_func(*args, **kwargs)
             # The samples' sum stays on the device (read at the step's end, after its commit point):
             # a diagnostic, which nothing before the update needs.
-            self.step.samples_hash, self.step.samples_mark = self._samples_hash(), commit_mark()
+            self.step.samples_hash, self.step.samples_mark = self._samples_hash(), PROCESS_STOP.commit_mark()
             # The DP totals a roll-forward hands a restarted rank (recover), and a dump that settles
             # on this step prints (unlogged_loss): whether a stop cut them short is known later, when
             # the update's commit point passes (or not), without a sync here (_losses_for_tail).
             if self._totals_wanted():
-                self.step.reduced, self.step.reduced_mark = self._reduce_losses(self.step.fb_out), commit_mark()
+                self.step.reduced = self._reduce_losses(self.step.fb_out)
+                self.step.reduced_mark = PROCESS_STOP.commit_mark()
             return self.step.fb_out
         return forward_backward
 
@@ -348,9 +349,9 @@ class MegatronLMTrainer(TrainerInterface):
     def _reduced_whole(self) -> bool:
         """This rank holds the step's DP totals, and no stop cut them short: a commit point passed
         after they were issued (a twin hands only such totals: their mark is None then)."""
-        from mindspeed_ha.comm.interruptible import committed_since
+        from mindspeed_ha.comm.interruptible import PROCESS_STOP
         mark = self.step.reduced_mark
-        return self.step.reduced is not None and (mark is None or committed_since(mark))
+        return self.step.reduced is not None and (mark is None or PROCESS_STOP.committed_since(mark))
 
     def _losses_for_tail(self):
         """What the roll-forward's train_step tail gets as its forward-backward output. With DP
@@ -428,7 +429,7 @@ class MegatronLMTrainer(TrainerInterface):
         twins). The rest of Megatron-LM's own train_step — scheduler, the loss's DP all-reduce, its
         result — runs by calling it with the step's recorded forward-backward output and update
         result in place of redoing them; the failing train_step call returns that result."""
-        from mindspeed_ha.comm.interruptible import commit_point, committed_since
+        from mindspeed_ha.comm.interruptible import PROCESS_STOP
         if self.iteration >= it:
             return
         self._undo_partial_step()
@@ -438,10 +439,11 @@ class MegatronLMTrainer(TrainerInterface):
         self.loop.finished_from = (self.iteration, self.consumed_samples)
         out = original(None, None, self.model_chunks, _UpdateDone(self.optimizer, (True, norm, zeros)),
                        self.scheduler, config, lambda **kwargs: losses, iteration=it - 1)
-        commit_point("the rolled-forward step's result")
+        PROCESS_STOP.commit_point("the rolled-forward step's result")
         # The samples' sum is whole if a commit point (this rank's update's) passed after it was
         # issued, before the stop; else the stop may have cut it short, and it is not reported.
-        self.loop.finished = self._step_done(it, out, samples_whole=committed_since(self.step.samples_mark))
+        whole = PROCESS_STOP.committed_since(self.step.samples_mark)
+        self.loop.finished = self._step_done(it, out, samples_whole=whole)
 
     def _train_step_and_config(self):
         """Megatron-LM's own train_step and the model config (a restarted rank rolling forward has

@@ -255,7 +255,7 @@ def write(prep: Prepared, plan: DumpPlan, world: World, save_dir: str, events: E
     (called after ``prepare``). ``plan`` must be the same on every survivor. ``progress()`` is called
     after each part (the controller extends the dump's time limit while writers make progress)."""
     from megatron.core import dist_checkpointing
-    from mindspeed_ha.comm.interruptible import commit_point
+    from mindspeed_ha.comm.interruptible import PROCESS_STOP
     from mindspeed_ha.trainer import checkpoint, checkpoint_dir
     t0 = time.perf_counter()
     if not plan.ok:
@@ -288,7 +288,7 @@ def write(prep: Prepared, plan: DumpPlan, world: World, save_dir: str, events: E
         if session is not None:
             session.fire("checkpoint", plan.iteration)  # fault drills: a rank lost mid-dump
         dist.barrier()
-        commit_point("the dying gasp's save")  # (the weights re-gathered, the election: none cut short)
+        PROCESS_STOP.commit_point("the dying gasp's save")  # (the weights re-gathered, the election: none cut short)
         t_save = time.perf_counter()
         dist_checkpointing.save(sd, tmp, validate_access_integrity=True, content_metadata=checkpoint.SHARDING)
         t_saved = time.perf_counter()
@@ -308,7 +308,7 @@ def write(prep: Prepared, plan: DumpPlan, world: World, save_dir: str, events: E
         progress()
         _verify(tmp, world, manifest)
         progress()
-        commit_point("the dying gasp's publication")  # (nothing it holds came from a collective cut short)
+        PROCESS_STOP.commit_point("the dying gasp's publication")  # (nothing it holds came from a collective cut short)
         if me0:
             checkpoint_dir.publish(save_dir, tmp, plan.iteration)
         dist.barrier()

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from mindspeed_ha.comm.groups import DEFAULT_TIMEOUT
-from mindspeed_ha.comm.interruptible import commit_point
+from mindspeed_ha.comm.interruptible import PROCESS_STOP
 from mindspeed_ha.events import get_logger
 from mindspeed_ha.replica.optimizer import set_step_counts, step_count
 from mindspeed_ha.replica.reshard import CHUNK_BYTES, described, exchange, schedule, state_io
@@ -120,7 +120,7 @@ def move_state(trainer: TrainerInterface, plan: ElasticPlan, rank: int, entered:
     new.ha_iteration = plan.iteration
     transfer_bookkeeping(trainer, plan.sources, rank)
     trainer.resync_weights()
-    commit_point("the resize")  # (state, counters and weights all moved by collectives none cut short)
+    PROCESS_STOP.commit_point("the resize")  # (state, counters and weights all moved by collectives none cut short)
     t["moved"] = time.perf_counter()
     entered["mem"].stop()
     out = {"dp": plan.dp, "new_rank": entered["world"].new_rank, "received": got, "newcomer": newcomer,

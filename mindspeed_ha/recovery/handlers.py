@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 from mindspeed_ha.events import EventLog, get_logger
 
 if TYPE_CHECKING:
+    from mindspeed_ha.comm.stop import Stop
     from mindspeed_ha.control.rank.processor import Later, Processor
     from mindspeed_ha.options import HAOptions
     from mindspeed_ha.recovery.dump import Prepared
@@ -46,6 +47,7 @@ class Session(Protocol):
     optimizer: Any
     topology: ReplicaTopology | None
     processor: Processor | None
+    stop: Stop
     joining: bool
     shard_poisoned: bool
     last_step: tuple[int | None, float | None]
@@ -107,8 +109,7 @@ class RankRecovery:
             self.s.fire("recovery", self.trainer.iteration + 1)
         except Exception as e:  # a fault of this rank while it serves the recovery: the controller
             self.s.report_fault_in_recovery(e)  # starts over with it (this answer still stands)
-        from mindspeed_ha.comm.interruptible import abort_summary
-        aborted = abort_summary()  # (the stop's abort of this rank's communicators, for the recovery's phases)
+        aborted = self.s.stop.abort_summary()  # (the stop's abort of this rank's communicators: the phases')
         return {**self._status(), **({"abort": aborted} if aborted else {})}
 
     def _status(self) -> dict[str, Any]:
@@ -137,7 +138,7 @@ class RankRecovery:
 
     def rebuild(self, args: dict[str, Any]) -> str:
         from mindspeed_ha.comm import groups
-        from mindspeed_ha.comm.interruptible import alone, clear_stop
+        from mindspeed_ha.comm.interruptible import alone
         t0 = time.perf_counter()
         store = (args["store_host"], int(args["store_port"]), int(args["generation"]))
         if self.s.joining and self.trainer.optimizer is None:
@@ -150,7 +151,7 @@ class RankRecovery:
             got = groups.reconnect(*store)
             self.s.joined(setup_s, getattr(self.trainer, "setup_seconds", None) or {}, got)
             return f"joined and set up in {time.perf_counter() - t0:.3f}s ({got['groups']} groups)"
-        clear_stop()
+        self.s.stop.clear()
         self.s.device_ready(self.trainer.iteration + 1)
         self.s.fire("rebuild", self.trainer.iteration + 1)
         self.trainer.clean_partial_step()
@@ -158,7 +159,6 @@ class RankRecovery:
         return f"{got['groups']} groups reconnected in {got['seconds']:.3f}s"
 
     def repair(self, args: dict[str, Any]) -> dict[str, Any]:
-        from mindspeed_ha.comm.interruptible import commit_point
         from mindspeed_ha.device.memory import PeakExtra
         from mindspeed_ha.recovery import repair
         flat = list(args.get("pairs", []))
@@ -174,7 +174,7 @@ class RankRecovery:
         joiners = dict(zip(flat[0::2], flat[1::2]))
         received = repair.transfer_bookkeeping(self.trainer, joiners, self.s.rank) if joiners else None
         self.trainer.resync_weights()
-        commit_point("the repair")  # (a shard, counters or weights cut short by a stop are not whole)
+        self.s.stop.commit_point("the repair")  # (a shard, counters or weights cut short are not whole)
         if received is not None:
             self.s.report_unlogged_step(self.trainer.ended, received["trainer"].get("step_loss"))
         if receives:
@@ -189,8 +189,7 @@ class RankRecovery:
         t0 = time.perf_counter()
         assert self.trainer.save_dir is not None  # (a reload plan needs every rank's checkpoint, in --save)
         it = self.trainer.load_checkpoint(self.trainer.save_dir)
-        from mindspeed_ha.comm.interruptible import commit_point
-        commit_point("the reload")  # (the load's own collectives: none cut short)
+        self.s.stop.commit_point("the reload")  # (the load's own collectives: none cut short)
         self.s.shard_poisoned = False
         self.trainer.after_reload(int(args.get("ended", it)))
         self.s.loaded(it, self.trainer.save_dir, time.perf_counter() - t0)
@@ -208,11 +207,10 @@ class RankRecovery:
         (a peer lost, a stop) leaves ``unfinished`` set — the rank answers the next status with what it
         held before, the controller plans again with every loss known, and the next resize moves
         that state. Only a completed resize clears it."""
-        from mindspeed_ha.comm.interruptible import clear_stop
         from mindspeed_ha.control.rank.processor import Later
         from mindspeed_ha.plan import ElasticPlan
         from mindspeed_ha.recovery import elastic
-        clear_stop()
+        self.s.stop.clear()
         # (a newcomer of Megatron-LM's loop has its groups only, no trainer's counters yet)
         self.s.device_ready(getattr(self.s.trainer, "iteration", -1) + 1)
         if self.unfinished is None:
@@ -292,12 +290,11 @@ class RankRecovery:
 
     def dump(self, args: dict[str, Any]) -> dict[str, Any]:
         from mindspeed_ha.comm import groups
-        from mindspeed_ha.comm.interruptible import clear_stop
         from mindspeed_ha.plan import DumpPlan
         from mindspeed_ha.recovery import dump
         if self.prepared is None:
             raise RuntimeError("dump before dump-status")
-        clear_stop()  # the stop that parked us (or a retry's) must not fail the survivors' collectives
+        self.s.stop.clear()  # the stop that parked us (or a retry's) must not fail the survivors' ones
         self.s.device_ready(self.trainer.iteration + 1)
         plan = DumpPlan.from_wire(args["plan"])
         world = groups.survivor_world(list(args["survivors"]), self.s.rank, args["store_host"],

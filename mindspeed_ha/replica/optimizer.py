@@ -152,9 +152,9 @@ class ReplicaMixin:
         # only if their collectives completed before any stop's abort (a stream-ordered backend's
         # aborted collectives return partial results, and no error). Refused, the shard stays at
         # ha_iteration, untouched, and the grad statistics computed from those results are dropped.
-        from mindspeed_ha.comm.interruptible import commit_point
+        from mindspeed_ha.comm.interruptible import PROCESS_STOP
         try:
-            commit_point("the optimizer update")
+            PROCESS_STOP.commit_point("the optimizer update")
         except Exception:
             self.ha_grad_stats = [None, None]
             raise

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
-from mindspeed_ha.comm.interruptible import commit_point
+from mindspeed_ha.comm.interruptible import PROCESS_STOP
 from mindspeed_ha.device import current
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ def check_replicas(optimizer: ReplicaMixin, iteration: int, replica_group_pg: di
             flag += (theirs != mine).any()
     dist.all_reduce(flag)  # every rank learns whether anyone found a mismatch
     # (a digest cut short by a stop's abort is no evidence of corruption: that stop is recovered)
-    commit_point("the replica check")
+    PROCESS_STOP.commit_point("the replica check")
     if int(flag.item()):
         problem: dict[str, Any] | None = None
         for peer, theirs in zip(topo.replica_group, gathered):

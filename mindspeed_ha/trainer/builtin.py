@@ -27,7 +27,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
-from mindspeed_ha.comm.interruptible import commit_point
+from mindspeed_ha.comm.interruptible import PROCESS_STOP
 from mindspeed_ha.device import current
 from mindspeed_ha.events import get_logger
 from mindspeed_ha.trainer import checkpoint, data
@@ -306,7 +306,7 @@ class BuiltinTrainer(TrainerInterface):
             seen = torch.tensor([self._data_iter.fingerprint], dtype=torch.int64, device=current())
             dist.all_reduce(seen, group=ps.get_data_parallel_group())
             loss, samples = float(mean.item() / ps.get_data_parallel_world_size()), f"{int(seen.item()):016x}"
-            commit_point("the step's loss")  # (kept for a roll-forward: never a partial sum; .item() synced)
+            PROCESS_STOP.commit_point("the step's loss")  # (kept for a roll-forward: never a partial sum)
             self._step_loss, self._samples_hash = loss, samples
         self._data_iter.fingerprint = 0
         if s.optimizer is None:

@@ -1,5 +1,7 @@
 """Patch group ``interruptible_collectives``: route blocking c10d collectives through
-``mindspeed_ha.comm.interruptible`` so the stop action can pull a rank out of them.
+``mindspeed_ha.comm.interruptible`` so the stop action can pull a rank out of them. The wrappers
+obey the process's stop (``interruptible.PROCESS_STOP``): megatron-core calls them with no object in
+hand.
 
 Replaced in ``torch.distributed`` *and* ``torch.distributed.distributed_c10d`` (so torch's own
 helpers that call them by module global - ``send``/``recv``, ``all_gather_object``,
@@ -44,13 +46,13 @@ def _wrappers() -> dict[int, tuple[str, object]]:
         if orig is None or hasattr(orig, "__mindspeed_ha_original__"):
             continue
         if name in P2P:
-            new = ic.make_interruptible_p2p(orig)
+            new = ic.make_interruptible_p2p(orig, ic.PROCESS_STOP)
         elif name == "batch_isend_irecv":
-            new = ic.make_interruptible_batch_p2p(orig)
+            new = ic.make_interruptible_batch_p2p(orig, ic.PROCESS_STOP)
         elif name == "_coalescing_manager":
-            new = ic.make_interruptible_coalescing_manager(orig)
+            new = ic.make_interruptible_coalescing_manager(orig, ic.PROCESS_STOP)
         else:
-            new = ic.make_interruptible(orig)
+            new = ic.make_interruptible(orig, ic.PROCESS_STOP)
         out[id(orig)] = (name, new)
     return out
 

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from types import FrameType
-from typing import Any, Callable, Iterable, Mapping, Protocol, SupportsFloat
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, SupportsFloat
 
 from ... import exitcodes
 from ...events import EventLog, get_logger, setup_text_log
@@ -30,6 +30,9 @@ from ..wire.board import ProgressBoard, board_path
 from ..wire.discovery import JobStore, controller_is_external
 from ..wire.hosts import this_host
 from ..wire.link import ControllerLink, job_id_from_env
+
+if TYPE_CHECKING:
+    from mindspeed_ha.comm.stop import Stop
 
 log = get_logger("control.processor")
 # An order for the training thread not taken (or still running) this long: the thread is held somewhere
@@ -87,9 +90,15 @@ class Later:
 class Processor:
     def __init__(self, rank: int, world_size: int, local_rank: int, node: str, options: HAOptions,
                  replica_groups: list[list[int]], events: EventLog | None = None,
-                 controller_factory: ControllerFactory | None = None):
+                 controller_factory: ControllerFactory | None = None, stop: Stop | None = None):
         """``controller_factory``: makes the controller this rank hosts (rank 0's, or a standby when
-        the controller names this rank); None: this rank hosts none."""
+        the controller names this rank); None: this rank hosts none. ``stop``: the rank's stop, which
+        the controller's stop orders request and whose evidence heartbeats carry (None: the process's,
+        ``comm.interruptible.PROCESS_STOP``)."""
+        if stop is None:
+            from mindspeed_ha.comm.interruptible import PROCESS_STOP
+            stop = PROCESS_STOP
+        self.stop = stop
         self.rank, self.world, self.local_rank, self.node = rank, world_size, local_rank, node or _socket.gethostname()
         self.options = options
         self.groups = [list(map(int, g)) for g in (replica_groups or []) if rank in g]
@@ -123,7 +132,7 @@ class Processor:
         self._main_actions: set[str] = set()
         self._hb_on_step = self._hb_now = False
         self._done_ids: collections.deque[tuple[int, int]] = collections.deque(maxlen=256)
-        self._stop = threading.Event()
+        self._closing = threading.Event()
         self._sent = threading.Event()
         self._thread: threading.Thread | None = None
         self._worker: threading.Thread | None = None
@@ -132,9 +141,9 @@ class Processor:
         self.events: EventLog | None = events  # the rank's event log, when the caller has one open
         self.board: ProgressBoard | None = None
         # Whether the training thread is blocked in a collective (waiting for a peer, not stuck itself):
-        # the session knows, through the interruptible collectives.
-        self.in_collective: Callable[[], bool] = lambda: False
-        self.waited_s: Callable[[], float] = lambda: 0.0   # seconds blocked in collectives so far (the same)
+        # the stop's evidence, kept by the collectives that obey it.
+        self.in_collective: Callable[[], bool] = stop.in_flight.waiting
+        self.waited_s: Callable[[], float] = stop.in_flight.waited_s  # seconds blocked in collectives so far
         self._training_ident: int | None = None   # the training thread (its hooks are called there)
         self._queued_at: float | None = None      # an order for it waits since (monotonic)
         self.held = ""   # where it is held, while an order has waited (or run) HELD_REPORT_S (sent with heartbeats)
@@ -205,7 +214,7 @@ class Processor:
         self._sent.wait(1.0)
         if self.controller is not None and not self.controller.standby:
             self.controller.done.wait(timeout)
-        self._stop.set()
+        self._closing.set()
         self._work.put(None)
         self._thread.join(2.0)
         if self.controller is not None:
@@ -332,10 +341,9 @@ class Processor:
     def serve_order(self, timeout: float) -> str | None:
         """The training thread, parked after a fault: run the next order meant for it (see
         ``serve``) and send the result. Returns the action's name, None on timeout."""
-        from mindspeed_ha.comm.interruptible import awaiting_orders
         self._training_ident = threading.get_ident()
         try:
-            with awaiting_orders():
+            with self.stop.awaiting_orders():
                 action, aid, args = self._main.get(timeout=timeout)
         except queue.Empty:
             return None
@@ -358,8 +366,7 @@ class Processor:
         """(any thread) The training thread will not reach the recovery (``why``: the stop's deadline
         passed after its abort): this rank is reported hung, with where that thread is, so that the
         controller replaces it (recover) or leaves it out (the dump)."""
-        from mindspeed_ha.comm.interruptible import stop_report
-        detail = f"{why}; it is in {thread_stack(self._training_ident)}; {stop_report()}"[:1500]
+        detail = f"{why}; it is in {thread_stack(self._training_ident)}; {self.stop.report()}"[:1500]
         self.held = detail
         log.error("rank %d: %s", self.rank, detail)
         if self.events:
@@ -380,10 +387,9 @@ class Processor:
         first = not self.held
         if not first and now - self._held_seen < 1.0:
             return
-        from mindspeed_ha.comm.interruptible import stop_report
         self._held_seen = now
         self.held = (f"the training thread {what}; it is in {thread_stack(self._training_ident)}; "
-                     f"{stop_report()}")[:1500]
+                     f"{self.stop.report()}")[:1500]
         if first:
             log.warning("rank %d: %s", self.rank, self.held)
             if self.events:
@@ -403,7 +409,7 @@ class Processor:
         hb = self.options.heartbeat_s
         next_hb = 0.0
         was_active = False
-        while not self._stop.is_set():
+        while not self._closing.is_set():
             try:
                 self.link.maintain()
                 while True:
@@ -510,12 +516,11 @@ class Processor:
 
     # ---- the processor's own orders -----------------------------------------------------------
     def _stop_collectives(self, args: dict[str, Any]) -> str:
-        from mindspeed_ha.comm.interruptible import request_park, request_stop
         reason = str(args.get("reason", "controller"))
         if args.get("boundary"):  # planned: between two steps; stopped mid-step only if held up there
-            request_park(reason, grace_s=max(1.0, 3 * self.step_s))
+            self.stop.park.request(reason, grace_s=max(1.0, 3 * self.step_s))
             return "park requested"
-        request_stop(reason)
+        self.stop.request(reason)
         return "stop requested"
 
     def _stand_by(self, args: dict[str, Any]) -> str:

@@ -1,0 +1,412 @@
+"""A rank's stop, as one object: the stop itself, its park, its abort, its commit marks and the
+failures it defers. ``comm.interruptible`` builds the collectives that obey one; the processor
+requests and parks it, the recovery clears it, the trainers' commit points ask it whether a result
+is whole.
+
+What a stop does: every collective blocked in (or entering) the code a recovery covers raises
+:class:`CollectiveStopped` within one wait slice, after a grace for one already in flight (its peers
+may have completed it). On a stream-ordered backend (NCCL, HCCL, the emulated NCCL) nothing raises:
+once a collective issued before the stop is still pending after the grace, every communicator of the
+process is aborted at once under a deadline (``comm.abort``), and from then on a commit point refuses
+until the stop is cleared. A training thread that has not reached the recovery by that deadline is
+held for good: the held hooks say so (the session reports the rank hung, to be replaced).
+
+The process has one stop (``comm.interruptible.PROCESS_STOP``: megatron-core calls the patched
+collectives with no object in hand); this module keeps no state of its own, so two stops can live in
+one process (the tests make two).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Callable
+
+from mindspeed_ha.comm import abort as _abort
+from mindspeed_ha.device.waits import EventWaits, HostWaits, for_device as waits_for
+
+# One wait slice: the bound on stop latency. A slice ends at once when the work completes, so its
+# length costs nothing on the fast path.
+WAIT_SLICE_S = 0.02
+# A collective already in flight gets this long to finish after a stop: its peers may have completed
+# it (the stop reached this rank a moment later), and leaving it then would split them — e.g. TP
+# peers on either side of the grad-norm all-reduce, one updating its shard and one not.
+STOP_GRACE_S = 0.1
+# Between a trainer's hooked calls (Megatron-LM's own loop: its timers' barriers, its logging
+# reductions) no recovery is served: a rank thrown out of a collective there ends its process. A
+# stop comes when a peer faulted in a hooked call, so every collective before that call is one the
+# peer has passed: there a stop lets the collective finish (on a loaded host a peer's completion can
+# take far longer than STOP_GRACE_S to be seen), and the rank raises at its next hooked call. Only a
+# collective still unfinished after this long (a peer that faulted before it) fails. A collective that
+# fails there (a stop's grace passed, or a peer lost in it) must not end the process either: its error
+# is kept for the rank's next hooked call (``raise_deferred``), and until then the collectives of that
+# code, which only time and log the loop, are answered by this rank alone.
+UNCOVERED_GRACE_S = 10.0
+# A training thread that has not reached the recovery (waiting for its orders) this long after a
+# stop's grace is taken to be held on the device behind a collective no wrapper saw: one a library
+# issued through the backend itself, a communicator's set-up inside a collective. Nothing tracked is
+# pending then, yet the thread can leave only if the communicators are aborted, so they are. It costs
+# nothing a recovery would not pay: every recovery after a stop replaces them.
+BACKSTOP_S = 5.0
+# A stop's abort is bounded (``comm.abort``): its communicators' aborts are waited for this long, and a
+# training thread that has not reached the recovery this long after they began is held for good.
+STOP_DEADLINE_S = _abort.DEADLINE_S
+
+
+class CollectiveStopped(RuntimeError):
+    """Raised in the thread blocked in (or entering) a collective after a stop was requested."""
+
+
+def _log():
+    from mindspeed_ha.events import get_logger
+    return get_logger("comm")
+
+
+class InFlight:
+    """What a process waits for in collectives: gloo's waits (polled on the host), and on
+    stream-ordered backends the works issued and not seen complete (what a stop's abort is for) with
+    the waits for them by device kind. The waits are the evidence hang diagnosis and straggler
+    detection read."""
+
+    def __init__(self) -> None:
+        self.used = False  # a stream-ordered collective was issued by this process
+        self.polled = HostWaits()
+        self._lock = threading.Lock()
+        self._works: list = []
+        self._waits: dict[str, HostWaits | EventWaits] = {}
+
+    def issued(self, work) -> None:
+        self.used = True
+        with self._lock:
+            self._works = [w for w in self._works if not w.is_completed()] + [work]
+
+    def waits(self, kind: str) -> HostWaits | EventWaits:
+        if kind not in self._waits:
+            with self._lock:
+                self._waits.setdefault(kind, waits_for(kind))
+        return self._waits[kind]
+
+    def pending(self) -> bool:
+        return bool(self.pending_count()) or any(w.pending() for w in list(self._waits.values()))
+
+    def pending_count(self) -> int:
+        """The stream-ordered works issued and not complete."""
+        with self._lock:
+            self._works = [w for w in self._works if not w.is_completed()]
+            return len(self._works)
+
+    def waiting(self) -> bool:
+        """This rank waits in a collective now: for a peer, not stuck itself."""
+        return self.polled.waiting() or any(w.waiting() for w in list(self._waits.values()))
+
+    def waited_s(self) -> float:
+        """Seconds this process spent waiting for collectives (a rank's own work is the rest)."""
+        return self.polled.waited_s() + sum(w.waited_s() for w in list(self._waits.values()))
+
+    def forget(self) -> None:
+        with self._lock:
+            self._works = []
+
+
+class Park:
+    """A stop at the next step boundary. A planned recovery (a migration) parks every rank between
+    two steps, so no step is interrupted and nothing is rolled back. A rank that had already begun the
+    next step when the order came waits in its first collective for peers that parked: after the
+    grace it is stopped there instead (its partial step is cleaned up by the recovery, as after any
+    stop)."""
+
+    def __init__(self, stop: Callable[[str], None]) -> None:
+        self._stop = stop
+        self._asked = threading.Event()
+        self._timer: threading.Timer | None = None
+
+    def request(self, reason: str, grace_s: float) -> None:
+        """Have the training thread park at its next step start (``take``); a stop after ``grace_s``."""
+        self.cancel()
+        self._asked.set()
+
+        def stop_if_parked() -> None:
+            if self._asked.is_set():
+                self._stop(reason)
+        self._timer = threading.Timer(grace_s, stop_if_parked)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def take(self) -> bool:
+        """At a step start: True (once) if a park was requested; the stop that would follow is called off."""
+        if not self._asked.is_set():
+            return False
+        self.cancel()
+        return True
+
+    def cancel(self) -> None:
+        self._asked.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+class Stop:
+    """One rank's stop. ``abort_communicators(deadline_s)`` aborts the process's stream-ordered
+    communicators and says what it did (``comm.abort.abort_registered``); the grace periods are the
+    module's constants, kept per stop so a drill can shorten its own."""
+
+    def __init__(self, abort_communicators: Callable[[float], _abort.AbortReport | None] | None = None):
+        self.in_flight = InFlight()
+        self.park = Park(self.request)
+        self.grace_s, self.uncovered_grace_s = STOP_GRACE_S, UNCOVERED_GRACE_S
+        self.backstop_s, self.deadline_s = BACKSTOP_S, STOP_DEADLINE_S
+        self._abort_communicators = abort_communicators
+        self._abort_hooks: list[Callable[[str], None]] = []
+        self._held_hooks: list[Callable[[str], None]] = []
+        self._set = threading.Event()
+        self._reason = ""
+        self._stopped_at = 0.0
+        self._thread = threading.local()  # .uncovered: this thread runs code no recovery covers
+        self._uncovered = False  # the training thread does (what the aborter reads)
+        self._deferred: BaseException | None = None  # a collective's failure there, for the next hooked call
+        # Stream-ordered communicators were aborted since the last clear: a result read now may be partial.
+        self._aborted = False
+        self._aborter: tuple[threading.Thread, int] | None = None  # the aborter, and the stop it serves
+        # The training thread has waited for the controller's orders (``awaiting_orders``) since the stop:
+        # it left the step, and serves the recovery until ``left_recovery``: not held in a step, however
+        # long an order takes (a dump's write, a large shard's repair).
+        self._reached = threading.Event()
+        # Held by an abort and by ``clear``: a recovery that clears the stop (and then makes new
+        # communicators) never runs beside an abort still deciding or aborting the old ones.
+        self._abort_lock = threading.Lock()
+        # The last abort: (seconds after its stop it began, seconds it took or None while it runs, why).
+        self._abort_info: tuple[float, float | None, str] | None = None
+        self._abort_report: _abort.AbortReport | None = None
+        # Commit points passed, by how many stops had been cleared then: a commit point that passed
+        # after a result was issued, and before the next stop was cleared, proves that result whole.
+        self._cleared = 0
+        self._passed: dict[int, int] = {}
+
+    # ---- requesting and clearing -------------------------------------------------------------
+    def request(self, reason: str = "") -> None:
+        """Make every blocked or future collective raise ``CollectiveStopped`` until ``clear()``. Safe
+        from any thread. Stream-ordered communicators are aborted once a collective issued before the
+        stop is still pending after the grace a gloo one gets."""
+        self._reason = reason
+        if not self._set.is_set():
+            self._stopped_at = time.monotonic()
+            self._set.set()
+        if self.in_flight.used and (self._aborter is None or not self._aborter[0].is_alive()
+                                    or self._aborter[1] != self._cleared):
+            thread = threading.Thread(target=self._abort_when_due, args=(self._cleared,),
+                                      name="mindspeed-ha-aborter", daemon=True)
+            self._aborter = (thread, self._cleared)
+            thread.start()
+
+    def requested(self) -> bool:
+        return self._set.is_set()
+
+    def clear(self) -> None:
+        """The recovery is done with the stop: collectives run again (on the communicators it made)."""
+        with self._abort_lock:  # (an abort under way ends first: it aborts the old communicators only)
+            self._reason = ""
+            self._cleared += 1
+            self._deferred = None  # (a recovery ran: it covered that failure too)
+            self._set.clear()
+            self._aborted = False
+            self._abort_info = None
+            self._abort_report = None
+            self.in_flight.forget()  # (the aborted communicators' works: they are being replaced)
+        self.park.cancel()
+
+    # ---- the abort -----------------------------------------------------------------------------
+    def _abort_when_due(self, stop: int) -> None:
+        """A stop's communicator abort, once its grace has passed, when a stream-ordered collective
+        issued before it is still pending, or (``backstop_s`` later) when the training thread has still
+        not reached the recovery. Otherwise no abort: the next collective raises at its entry, and every
+        result read meanwhile was whole. ``stop``: the stop this thread serves (stops cleared before it)."""
+        logged = False
+        while True:
+            with self._abort_lock:
+                if not self._set.is_set() or self._aborted or self._cleared != stop:
+                    return
+                grace = self.uncovered_grace_s if self._uncovered else self.grace_s
+                since = time.monotonic() - self._stopped_at
+                why = ""
+                if since >= grace and self.in_flight.pending():
+                    why = "a stream-ordered collective was still pending"
+                elif since >= grace + self.backstop_s and not self._reached.is_set():
+                    why = "the training thread had not reached the recovery (held on the device?)"
+                if why:
+                    _log().warning("stop: %s %.2fs after the stop: aborting this rank's communicators (%s)",
+                                   why, since, self._reason or "-")
+                    began = time.monotonic()
+                    self.abort_now(why=why)
+                    break
+            if since >= grace and not logged:
+                _log().info("stop: no stream-ordered collective pending after the %.1fs grace: no abort, unless "
+                            "the training thread has not reached the recovery %.0fs later", grace, self.backstop_s)
+                logged = True
+            time.sleep(WAIT_SLICE_S)
+        self._watch_held(stop, began)
+
+    def _watch_held(self, stop: int, began: float) -> None:
+        """After a stop's abort (begun at ``began``): a training thread that has not reached the recovery
+        within the deadline will not reach it. The held hooks are told why (once)."""
+        def over() -> bool:
+            return self._reached.is_set() or not self._set.is_set() or self._cleared != stop
+        while time.monotonic() - began < self.deadline_s:
+            if over():
+                return
+            time.sleep(WAIT_SLICE_S)
+        if over():
+            return
+        why = (f"held: its training thread has not reached the recovery {time.monotonic() - began:.1f}s after "
+               f"its communicators' abort began (deadline {self.deadline_s:g}s)")
+        _log().error("stop: %s; %s", why, self.report())
+        for hook in list(self._held_hooks):
+            try:
+                hook(why)
+            except Exception:  # a failing report must not stop the others
+                _log().exception("a held hook failed")
+
+    def abort_now(self, reason: str = "", why: str = "") -> None:
+        """Abort every stream-ordered communicator of this process now, at once and within the deadline
+        (``comm.abort``), then run the abort hooks. A commit point refuses from here until ``clear()``."""
+        self._aborted = True  # (first: a commit point that sees the abort's effect sees this too)
+        t0 = time.monotonic()
+        began = t0 - self._stopped_at if self._set.is_set() else 0.0
+        self._abort_info = (began, None, why or "asked")
+        if self._abort_communicators is not None:
+            report = self._abort_communicators(self.deadline_s)
+            if report is not None:
+                self._abort_report = report
+        for hook in list(self._abort_hooks):
+            try:
+                hook(reason or self._reason)
+            except Exception:  # a failing abort must not stop the others
+                pass
+        self._abort_info = (began, time.monotonic() - t0, why or "asked")
+
+    def aborted(self) -> bool:
+        """Stream-ordered communicators were aborted since the last ``clear()``."""
+        return self._aborted
+
+    def abort_summary(self) -> dict | None:
+        """What this stop's abort did (for the recovery's answers): its seconds, each communicator's, and
+        those that had not returned by the deadline; None when nothing was aborted since ``clear()``."""
+        with self._abort_lock:  # (an abort under way is waited for, up to its deadline: the training thread
+            # is freed by the first communicator's abort, often before the others have returned)
+            return self._abort_report.to_wire() if self._abort_report is not None else None
+
+    def report(self) -> str:
+        """Where the stop stands, for a report of a training thread that does not serve the recovery:
+        how long ago, and what its abort did."""
+        if not self._set.is_set():
+            return "no stop in force"
+        text = f"stopped {time.monotonic() - self._stopped_at:.1f}s ago ({self._reason or '-'})"
+        if self._abort_info is not None:
+            began, took, why = self._abort_info
+            text += (f"; communicators aborted {began:.2f}s after the stop, in {took:.2f}s ({why})"
+                     if took is not None else
+                     f"; the communicators' abort began {began:.2f}s after the stop and has not returned ({why})")
+            if self._abort_report is not None and self._abort_report.unfinished:
+                text += f"; abort not returned: {', '.join(self._abort_report.unfinished)}"
+        elif self.in_flight.used:
+            text += "; no communicator aborted"
+        pending = self.in_flight.pending_count()
+        return text + (f"; {pending} tracked collective(s) pending" if pending else "")
+
+    # ---- commit points -----------------------------------------------------------------------------
+    def commit_point(self, what: str) -> None:
+        """``what`` is about to use the results of this rank's collectives beyond them (an update on
+        reduced gradients, a shard declared repaired, a checkpoint published): only if each completed
+        before any abort cut it short. The device is synchronized first while a collective is pending
+        (a GPU may still run one the host has moved past; where the trainer has just synced, a
+        completed work with no abort flag raised was whole: no host sync is added); then an abort since
+        the last ``clear()`` raises ``CollectiveStopped``. On gloo nothing is ever aborted: no cost."""
+        if not self._aborted and self.in_flight.pending():
+            from mindspeed_ha import device
+            device.synchronize()
+        if self._aborted:
+            raise CollectiveStopped(f"{what} stopped: a stop aborted this rank's communicators, so results of its "
+                                    f"collectives may be partial{': ' + self._reason if self._reason else ''}")
+        self._passed[self._cleared] = self._passed.get(self._cleared, 0) + 1
+
+    def commit_mark(self) -> tuple[int, int]:
+        """Where this process stands now, for a later ``committed_since``."""
+        return self._cleared, self._passed.get(self._cleared, 0)
+
+    def committed_since(self, mark: tuple[int, int]) -> bool:
+        """A commit point passed after ``mark`` and before the next stop was cleared: every collective
+        issued before the mark completed whole (a result kept for later use, e.g. by a recovery)."""
+        return self._passed.get(mark[0], 0) > mark[1]
+
+    # ---- where the training thread is ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def awaiting_orders(self):
+        """The (training) thread waits for the controller's next order inside: it has left the step, so
+        a backstop abort is not needed to free it, and it is not held (until ``left_recovery``)."""
+        self._reached.set()
+        yield
+
+    def left_recovery(self) -> None:
+        """The training thread trains again (the recovery it served is over, or it was never in one)."""
+        self._reached.clear()
+
+    def set_uncovered(self, on: bool) -> None:
+        """The calling (training) thread leaves (True) or enters (False) the code a recovery covers."""
+        self._thread.uncovered = self._uncovered = on
+
+    def uncovered_here(self) -> bool:
+        return getattr(self._thread, "uncovered", False)
+
+    def this_threads_grace_s(self) -> float:
+        return self.uncovered_grace_s if self.uncovered_here() else self.grace_s
+
+    def stops_now(self) -> bool:
+        """A collective entered now raises at once: stopped, and in code a recovery covers."""
+        return self._set.is_set() and not self.uncovered_here()
+
+    def raise_stopped(self):
+        raise CollectiveStopped(f"collective stopped by request{': ' + self._reason if self._reason else ''}")
+
+    def raise_if_stopped(self) -> None:
+        """For waits outside a collective (a communicator's rendezvous): leave them as a collective would."""
+        if self.stops_now():
+            self.raise_stopped()
+
+    # ---- failures of uncovered code -------------------------------------------------------------------
+    @property
+    def deferred(self) -> BaseException | None:
+        return self._deferred
+
+    def defer(self, e: BaseException, name: str) -> None:
+        if self._deferred is None:
+            self._deferred = e
+            _log().warning("%s failed between two hooked calls (%s): it and the loop's collectives up to the next "
+                           "hooked call are answered by this rank alone; the failure is reported there", name,
+                           str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+
+    def raise_deferred(self) -> None:
+        """At a hooked call's start (its step or save begun), in the code a recovery covers: raise (once)
+        the failure of a collective of the uncovered code before it, to be recovered as a fault there."""
+        e, self._deferred = self._deferred, None
+        if e is not None:
+            raise e
+
+    # ---- hooks ----------------------------------------------------------------------------------------
+    def add_abort_hook(self, fn: Callable[[str], None]) -> None:
+        """``fn(reason)`` runs after the communicators' abort (e.g. a trainer's own communicators)."""
+        if fn not in self._abort_hooks:
+            self._abort_hooks.append(fn)
+
+    def remove_abort_hook(self, fn: Callable[[str], None]) -> None:
+        if fn in self._abort_hooks:
+            self._abort_hooks.remove(fn)
+
+    def add_held_hook(self, fn: Callable[[str], None]) -> None:
+        """``fn(why)`` runs when the training thread has not reached the recovery within the deadline
+        of a stop's abort (the session reports the rank hung, to be replaced)."""
+        if fn not in self._held_hooks:
+            self._held_hooks.append(fn)
+
+    def remove_held_hook(self, fn: Callable[[str], None]) -> None:
+        if fn in self._held_hooks:
+            self._held_hooks.remove(fn)
