@@ -23,6 +23,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from mindspeed_ha.events import EventLog, get_logger
+from mindspeed_ha.recovery.tools import LiveTools, RecoveryTools
 
 if TYPE_CHECKING:
     from mindspeed_ha.comm.stop import Stop
@@ -72,8 +73,9 @@ class RankRecovery:
     """The rank side of every recovery. ``session``: the rank's session (options, events, the
     trainer and its hooks); nothing here keeps state across orders except the dump's prepared part."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, tools: RecoveryTools | None = None) -> None:
         self.s = session
+        self.tools: RecoveryTools = tools if tools is not None else LiveTools()
         self.prepared: Prepared | None = None
         # a resize that did not complete: what the rank held before it (its state)
         self.unfinished: dict[str, dict[str, Any]] | None = None
@@ -113,66 +115,60 @@ class RankRecovery:
         return {**self._status(), **({"abort": aborted} if aborted else {})}
 
     def _status(self) -> dict[str, Any]:
-        from mindspeed_ha.recovery import repair
-        from mindspeed_ha.trainer import checkpoint_dir
         # The newest periodic checkpoint, for when no twin can serve (no replicas, or both lost).
-        newest = checkpoint_dir.newest_checkpoint(self.trainer.save_dir)
+        newest = self.tools.newest_checkpoint(self.trainer.save_dir)
         found = {"ended": self.trainer.ended, "checkpoint": list(newest) if newest else None}
         if self.s.optimizer is None:  # --distributed-optimizer-no-replica
             return {"replica": False, **found}
         elastic = {"layout": self.layout()} if "elastic-training" in self.s.options.strategies else {}
-        return {"replica": True, **repair.status(self.trainer), **found, **elastic, "poisoned": self.s.shard_poisoned}
+        return {"replica": True, **self.tools.shard_status(self.trainer), **found, **elastic,
+                "poisoned": self.s.shard_poisoned}
 
     def layout(self) -> dict[str, Any]:
         """What an elastic plan needs of the job's layout: this rank's data-parallel
         group (job ranks, in order), the batch sizes, the optimizer instance count, the number of
         pipeline stages and the expert-parallel size (MoE: that many replicas share the experts)."""
-        from megatron.core import parallel_state as ps
-        from mindspeed_ha.comm.groups import job_rank
         topo = self.s.topology
         assert topo is not None  # (made with the replica optimizer, which _status checked)
-        return {"dp_ranks": [job_rank(r) for r in topo.dp_ranks], "global_batch": int(self.trainer.global_batch_size),
-                "micro_batch": int(self.trainer.micro_batch_size), "replica_num": int(topo.replica_num),
-                "stages": int(ps.get_pipeline_model_parallel_world_size()),
-                "experts": int(ps.get_expert_model_parallel_world_size())}
+        stages, experts = self.tools.parallel_sizes()
+        return {"dp_ranks": [self.tools.job_rank(r) for r in topo.dp_ranks],
+                "global_batch": int(self.trainer.global_batch_size), "micro_batch": int(self.trainer.micro_batch_size),
+                "replica_num": int(topo.replica_num), "stages": stages, "experts": experts}
 
     def rebuild(self, args: dict[str, Any]) -> str:
-        from mindspeed_ha.comm import groups
-        from mindspeed_ha.comm.interruptible import alone
         t0 = time.perf_counter()
         store = (args["store_host"], int(args["store_port"]), int(args["generation"]))
         if self.s.joining and self.trainer.optimizer is None:
             # A restarted worker: its groups, model and optimizer are made without peers (the
             # survivors wait here), then its groups connect with the survivors' new generation.
             self.s.join_marks.append(("rebuild", time.time()))
-            with groups.joining(self.s.world_size, self.s.rank, self.s.device.backend, self.collective_timeout), alone():
+            with self.tools.joining(self.s.world_size, self.s.rank, self.s.device.backend, self.collective_timeout), \
+                    self.tools.alone():
                 self.trainer.setup(joining=True)
             setup_s = time.perf_counter() - t0
-            got = groups.reconnect(*store)
+            got = self.tools.reconnect(*store)
             self.s.joined(setup_s, getattr(self.trainer, "setup_seconds", None) or {}, got)
             return f"joined and set up in {time.perf_counter() - t0:.3f}s ({got['groups']} groups)"
         self.s.stop.clear()
         self.s.device_ready(self.trainer.iteration + 1)
         self.s.fire("rebuild", self.trainer.iteration + 1)
         self.trainer.clean_partial_step()
-        got = groups.reconnect(*store)
+        got = self.tools.reconnect(*store)
         return f"{got['groups']} groups reconnected in {got['seconds']:.3f}s"
 
     def repair(self, args: dict[str, Any]) -> dict[str, Any]:
-        from mindspeed_ha.device.memory import PeakExtra
-        from mindspeed_ha.recovery import repair
         flat = list(args.get("pairs", []))
         pairs = list(zip(flat[0::2], flat[1::2]))
         receives = any(dst == self.s.rank for _, dst in pairs)
 
         def overwriting() -> None:  # (the shard is whole again only once the commit point below passed)
             self.s.shard_poisoned = True
-        with PeakExtra() as mem:
-            got = repair.transfer_shards(self.s.optimizer, pairs, self.s.rank, int(args["iteration"]), overwriting,
-                                         chunk_bytes=self.message_bytes)
+        with self.tools.peak_memory() as mem:
+            got = self.tools.transfer_shards(self.s.optimizer, pairs, self.s.rank, int(args["iteration"]), overwriting,
+                                             self.message_bytes)
         flat = list(args.get("joiners", []))  # restarted rank, its twin, ...
         joiners = dict(zip(flat[0::2], flat[1::2]))
-        received = repair.transfer_bookkeeping(self.trainer, joiners, self.s.rank) if joiners else None
+        received = self.tools.transfer_bookkeeping(self.trainer, joiners, self.s.rank) if joiners else None
         self.trainer.resync_weights()
         self.s.stop.commit_point("the repair")  # (a shard, counters or weights cut short are not whole)
         if received is not None:
@@ -182,7 +178,7 @@ class RankRecovery:
         if got:
             self.s.events.emit("repaired", iteration=int(args["iteration"]), bytes=got,
                                sources=[s for s, d in pairs if d == self.s.rank],
-                               shard_bytes=repair.shard_bytes(self.s.optimizer), extra_mem_bytes=mem.bytes)
+                               shard_bytes=self.tools.shard_bytes(self.s.optimizer), extra_mem_bytes=mem.bytes)
         return {"received": got}
 
     def reload(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -196,8 +192,7 @@ class RankRecovery:
         return {"iteration": it}
 
     def rollback(self, args: dict[str, Any]) -> str:
-        from mindspeed_ha.recovery import repair
-        how = repair.resume_at(self.trainer, int(args["iteration"]))
+        how = self.tools.resume_at(self.trainer, int(args["iteration"]))
         if args.get("fresh_data"):  # a new layout: the data position at the new data-parallel rank and size
             self.trainer.restart_from(self.trainer.iteration)
         return how
@@ -209,7 +204,6 @@ class RankRecovery:
         that state. Only a completed resize clears it."""
         from mindspeed_ha.control.rank.processor import Later
         from mindspeed_ha.plan import ElasticPlan
-        from mindspeed_ha.recovery import elastic
         self.s.stop.clear()
         # (a newcomer of Megatron-LM's loop has its groups only, no trainer's counters yet)
         self.s.device_ready(getattr(self.s.trainer, "iteration", -1) + 1)
@@ -217,17 +211,16 @@ class RankRecovery:
             if self.trainer.optimizer is not None:
                 self.trainer.clean_partial_step()
             status = {"replica": True, "joining": True} if self.s.joining else self._status()
-            self.unfinished = {"held": elastic.holdings(self.trainer), "status": {**status, "unfinished": True}}
+            self.unfinished = {"held": self.tools.holdings(self.trainer), "status": {**status, "unfinished": True}}
         plan = ElasticPlan.from_wire(args["plan"])
-        entered = elastic.enter_layout(self.trainer, plan, self.s.rank, args["store_host"], int(args["store_port"]),
-                                       int(args["generation"]), backend=self.s.device.backend,
-                                       held=self.unfinished["held"], timeout=self.collective_timeout)
+        entered = self.tools.enter_layout(self.trainer, plan, self.s.rank, args["store_host"], int(args["store_port"]),
+                                          int(args["generation"]), self.s.device.backend, self.unfinished["held"],
+                                          self.collective_timeout)
 
         def rest(trainer: TrainerInterface | None = None) -> dict[str, Any]:
             assert plan.iteration is not None  # (an ok plan names its iteration)
             self.s.fire("resize", plan.iteration + 1)
-            out = elastic.move_state(trainer or self.trainer, plan, self.s.rank, entered,
-                                     chunk_bytes=self.message_bytes)
+            out = self.tools.move_state(trainer or self.trainer, plan, self.s.rank, entered, self.message_bytes)
             self.s.events.emit("resized", iteration=plan.iteration, **out)
             self.unfinished = None
             wrote = self.s.writes_loss
@@ -257,11 +250,9 @@ class RankRecovery:
         report the shard's state for the controller's plan. A rank with nothing to save says so (the
         others save the job without it): restarted and still joining (Megatron-LM's loop may not
         even have built its model), or its shard corrupted by a memory error."""
-        from mindspeed_ha.recovery import dump
-        from mindspeed_ha.trainer import checkpoint_dir
         save = getattr(self.s.trainer, "save_dir", None)
         # (said by a rank that holds nothing too: where the job resumes if no dump can be made)
-        newest = checkpoint_dir.newest_checkpoint(save) if save else None
+        newest = self.tools.newest_checkpoint(save) if save else None
         empty = {"holds": False, "fallback": list(newest) if newest else None}
         if self.s.joining:
             return {**empty, "why": "restarted, it holds no state yet"}
@@ -278,7 +269,7 @@ class RankRecovery:
         # Stopped in its update window before touching the shard (a collective ahead of the Adam
         # arithmetic was interrupted): the shard is still at ha_iteration.
         abandon = bool(opt.ha_updating and not opt.ha_touched)
-        self.prepared = dump.prepare(self.trainer, abandon_update=abandon)
+        self.prepared = self.tools.prepare_dump(self.trainer, abandon)
         st = {k: self.prepared.status[k] for k in ("iteration", "updating", "touched", "replica_group",
                                                    "trainer_iteration")}
         st.update(save=os.path.abspath(save), fallback=list(newest) if newest else None, abandoned=abandon,
@@ -289,21 +280,19 @@ class RankRecovery:
         return st
 
     def dump(self, args: dict[str, Any]) -> dict[str, Any]:
-        from mindspeed_ha.comm import groups
         from mindspeed_ha.plan import DumpPlan
-        from mindspeed_ha.recovery import dump
         if self.prepared is None:
             raise RuntimeError("dump before dump-status")
         self.s.stop.clear()  # the stop that parked us (or a retry's) must not fail the survivors' ones
         self.s.device_ready(self.trainer.iteration + 1)
         plan = DumpPlan.from_wire(args["plan"])
-        world = groups.survivor_world(list(args["survivors"]), self.s.rank, args["store_host"],
-                                      int(args["store_port"]), int(args["generation"]),
-                                      timeout=self.collective_timeout, backend=self.s.device.backend)
+        world = self.tools.survivor_world(list(args["survivors"]), self.s.rank, args["store_host"],
+                                          int(args["store_port"]), int(args["generation"]), self.collective_timeout,
+                                          self.s.device.backend)
         save = self.trainer.save_dir
         assert save is not None  # (dump_status, which prepared the dump, refuses a rank without one)
-        res = dump.write(self.prepared, plan, world, save, self.s.events, progress=self.s.progressed,
-                         chunk_bytes=self.message_bytes)
+        res = self.tools.write_dump(self.prepared, plan, world, save, self.s.events, self.s.progressed,
+                                    self.message_bytes)
         if args.get("log_loss") == self.s.rank:
             unlogged = self.trainer.unlogged_loss()
             if unlogged is not None and unlogged[0] == res.iteration:
