@@ -15,7 +15,7 @@ two groups over all ranks, ``idle`` registered first, ``stuck`` second, and the 
 ``stuck``: a probe with one group could pass while the engine fails.
 
 Each scenario runs ``ranks`` processes; rank 1 is the faulted one.
-1. Every rank makes both groups, as the engine makes its groups (``compat.make_communicator``,
+1. Every rank makes both groups, as the engine makes its groups (``comm.groups.make_communicator``,
    connected on the rank's device, the engine's NCCL settings: ``backends.nccl_environment``), and
    all-reduces a tensor of the test's size on each (the warm-up: every algorithm the test uses is
    connected before it, whatever ``NCCL_RUNTIME_CONNECT`` says).
@@ -82,9 +82,9 @@ ABORTS = ("concurrent", "serial")  # in the order each pair of scenarios runs
 def worker(a) -> None:
     import torch
     import torch.distributed as dist
-    from mindspeed_ha import compat
     from mindspeed_ha.comm import abort as engine_abort
-    from mindspeed_ha.comm import backends
+    from mindspeed_ha.comm import groups as engine_groups
+    from mindspeed_ha.device import backends
 
     settings = backends.nccl_environment()  # the engine's NCCL settings (a caller's own kept), before any communicator
     record: dict = {"rank": a.rank, "scenario": a.scenario, "stage": "set-up",
@@ -112,7 +112,7 @@ def worker(a) -> None:
 
     timeout = datetime.timedelta(seconds=a.held_after + 60)
     store = dist.TCPStore("127.0.0.1", a.port, is_master=False, timeout=datetime.timedelta(seconds=60))
-    groups = {name: compat.make_communicator(dist.PrefixStore(name, store), a.rank, a.world, backend, timeout,
+    groups = {name: engine_groups.make_communicator(dist.PrefixStore(name, store), a.rank, a.world, backend, timeout,
                                              device=device) for name in ("idle", "stuck")}  # (idle first)
     for name, group in groups.items():
         warm = torch.ones(a.elements, device=device)
@@ -198,7 +198,7 @@ def worker(a) -> None:
     write(stage="rebuilding")
     t0 = time.monotonic()
     try:
-        rebuilt = compat.make_communicator(dist.PrefixStore("rebuilt", store), survivors.index(a.rank),
+        rebuilt = engine_groups.make_communicator(dist.PrefixStore("rebuilt", store), survivors.index(a.rank),
                                            len(survivors), backend, timeout, device=device)
         check = torch.ones(8, device=device)
         rebuilt.allreduce([check]).wait()

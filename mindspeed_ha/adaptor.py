@@ -6,7 +6,7 @@ import os
 
 from mindspeed_ha import process  # noqa: F401  (first: it notes who started this process, before torch loads)
 import mindspeed_ha.patches as registry  # noqa: I001
-from mindspeed_ha.comm.backends import EMULATED_NCCL, nccl_environment
+from mindspeed_ha.device.backends import EMULATED_NCCL, nccl_environment
 from mindspeed_ha.device import Device, detect
 
 

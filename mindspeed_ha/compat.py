@@ -122,18 +122,12 @@ def resolve_group(group):
 def make_communicator(store, rank: int, size: int, backend: str, timeout: datetime.timedelta,
                       options: Any = None, device: torch.device | None = None):
     """A ProcessGroup of one backend over ``store`` (what new_group builds inside, without registering
-    anything): gloo for CPU tensors, NCCL for CUDA ones, HCCL for NPU ones; the emulated NCCL of drills
-    over a gloo one. ``options``: the backend's options the group was made with (Megatron's
-    ``pg_options``; NCCL's and HCCL's are kept, with ``timeout`` set in them); ``device``: the rank's
-    device, to which an NCCL communicator is connected here and now (as torch's own groups are when
-    ``init_process_group`` is given a ``device_id``) rather than in its first collective. Gloo
-    connects every member at construction anyway."""
-    if backend == "emulated_nccl":
-        from mindspeed_ha.comm.emulated_nccl import EmulatedNCCL
-        emulated = EmulatedNCCL(make_communicator(store, rank, size, "gloo", timeout), rank, size)
-        if device is not None:
-            emulated.eager_connect_single_device(device)
-        return emulated
+    anything): gloo for CPU tensors, NCCL for CUDA ones, HCCL for NPU ones (the emulated NCCL of drills
+    is made over a gloo one by ``comm.groups.make_communicator``). ``options``: the backend's options
+    the group was made with (Megatron's ``pg_options``; NCCL's and HCCL's are kept, with ``timeout``
+    set in them); ``device``: the rank's device, to which an NCCL communicator is connected here and
+    now (as torch's own groups are when ``init_process_group`` is given a ``device_id``) rather than in
+    its first collective. Gloo connects every member at construction anyway."""
     pg = dist.ProcessGroup(store, rank, size)
     inner: Any
     if backend == "nccl":
@@ -153,8 +147,7 @@ def make_communicator(store, rank: int, size: int, backend: str, timeout: dateti
         inner = ProcessGroupHCCL(store, rank, size, hccl_opts)
         kind, device_type = dist.ProcessGroup.BackendType.CUSTOM, "npu"
     else:
-        raise RuntimeError(f"mindspeed-ha cannot rebuild {backend!r} process groups (gloo, nccl, hccl and the "
-                           "emulated nccl only)")
+        raise RuntimeError(f"mindspeed-ha cannot rebuild {backend!r} process groups (gloo, nccl and hccl only)")
     pg._set_default_backend(kind)
     pg._register_backend(torch.device(device_type), kind, inner)
     if backend == "nccl" and device is not None and device.type == "cuda":

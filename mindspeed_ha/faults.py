@@ -23,6 +23,11 @@ class CommFault(RuntimeError):
     """A communication failure raised by mindspeed-ha itself (e.g. an injected ``comm`` fault)."""
 
 
+class CollectiveStopped(RuntimeError):
+    """Raised in the thread blocked in (or entering) a collective after a stop was requested
+    (``comm.stop``)."""
+
+
 # Substrings, matched case-insensitively on the message of the exception and of its causes.
 MEMORY_MARKERS = (
     "uce error",                  # torch_npu: uncorrectable error in HBM
@@ -79,7 +84,6 @@ def classify(exc: BaseException) -> str:
         return "memory"
     if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text:
         return "other"  # allocation failure, not corruption: nothing to repair from a replica
-    from mindspeed_ha.comm.stop import CollectiveStopped
 
     comm_types = (CommFault, CollectiveStopped) + tuple(
         t for t in (getattr(torch.distributed, "DistError", None),) if t is not None)

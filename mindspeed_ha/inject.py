@@ -166,7 +166,7 @@ def check_reachable(faults: list[Fault], world_size: int, train_iters: int) -> N
 def check_device(faults: list[Fault], device_kind: str, backend: str) -> None:
     """A drill that needs a real GPU is refused on any other device, and one that needs a
     stream-ordered backend on gloo, before anything is built."""
-    from mindspeed_ha.comm.backends import EMULATE_ENV, stream_ordered
+    from mindspeed_ha.device.backends import EMULATE_ENV, stream_ordered
     for f in faults:
         need = DEVICE_KINDS.get(f.kind)
         if need and need != device_kind:
@@ -383,7 +383,7 @@ def hold_on_untracked() -> None:
     import torch
     import torch.distributed as dist
     from mindspeed_ha import compat, device
-    from mindspeed_ha.comm import backends
+    from mindspeed_ha.device import backends
     backend = backends.canonical(str(dist.get_backend()))
     if not backends.stream_ordered(backend):  # (a live injection: the environment's are refused at start)
         log.error("held drill not run: it needs a stream-ordered backend, and this rank's collectives run on %s, "

@@ -434,7 +434,7 @@ class RankSession:
     def attach_trainer(self, trainer) -> None:
         self.state.trainer = trainer
         self.state.relaid_out()
-        from mindspeed_ha.comm.backends import NCCL_DEFAULTS, NCCL_ERROR_HANDLING, stream_ordered
+        from mindspeed_ha.device.backends import NCCL_DEFAULTS, NCCL_ERROR_HANDLING, stream_ordered
         errors = ({"error_handling": os.environ.get(NCCL_ERROR_HANDLING),
                    "nccl_env": {name: os.environ.get(name) for name, _ in NCCL_DEFAULTS}}
                   if stream_ordered(self.device.backend) else {})

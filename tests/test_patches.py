@@ -117,7 +117,7 @@ def test_nccl_communicators_are_made_to_be_aborted_by_the_engine(caplog):
     3, which end survivors, are replaced and said; a user's 2 is kept), communicators are non-blocking
     and connected at set-up, NVLS off, the legacy ProcessGroupNCCL on torch 2.15; a user's own value
     of any of those is kept."""
-    from mindspeed_ha.comm.backends import NCCL_DEFAULTS, nccl_environment
+    from mindspeed_ha.device.backends import NCCL_DEFAULTS, nccl_environment
     env = {}
     got = nccl_environment(env)
     assert got == dict(NCCL_DEFAULTS) == env

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_ha import compat
-from mindspeed_ha.comm import backends
+from mindspeed_ha.device import backends
 
 # How long a stop waits for its communicators' aborts (and, measured from the same start, for the
 # training thread to reach the recovery: comm.interruptible).

@@ -65,7 +65,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from mindspeed_ha.comm.backends import EMULATED_NCCL
+from mindspeed_ha.device.backends import EMULATED_NCCL
 
 # ProcessGroup method -> (index of the argument it writes its result into, whether that argument's
 # value is an input too), as torch's Python API calls them (their names move between versions: every

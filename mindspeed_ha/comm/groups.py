@@ -28,14 +28,14 @@ import hashlib
 import threading
 import time
 import weakref
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from mindspeed_ha import compat
-from mindspeed_ha.comm import backends
+from mindspeed_ha.device import backends
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # torch's own default for a group
 # How long a rank waits to reach a recovery's store. Not a collective's timeout: every group keeps the
@@ -237,8 +237,20 @@ def _connect(group: StableGroup, gen: _Generation) -> dist.ProcessGroup:
     store = dist.PrefixStore(f"mindspeed_ha/gen{gen.number}/{group.key}/", gen.store)
     rank, size, timeout = group.group_rank, len(group.ranks), group.timeout
     _await_members(store, rank, size, timeout, group)
-    return compat.make_communicator(store, rank, size, group.backend, timeout, options=group.options,
-                                    device=current() if backends.stream_ordered(group.backend) else None)
+    return make_communicator(store, rank, size, group.backend, timeout, options=group.options,
+                             device=current() if backends.stream_ordered(group.backend) else None)
+
+
+def make_communicator(store, rank: int, size: int, backend: str, timeout: datetime.timedelta,
+                      options: Any = None, device: torch.device | None = None) -> dist.ProcessGroup:
+    """``compat.make_communicator``, and the emulated NCCL of drills over a gloo communicator."""
+    if backend == backends.EMULATED_NCCL:
+        from mindspeed_ha.comm.emulated_nccl import EmulatedNCCL
+        emulated = EmulatedNCCL(compat.make_communicator(store, rank, size, "gloo", timeout), rank, size)
+        if device is not None:
+            emulated.eager_connect_single_device(device)
+        return emulated
+    return compat.make_communicator(store, rank, size, backend, timeout, options=options, device=device)
 
 
 def _await_members(store, rank: int, size: int, timeout: datetime.timedelta, group: StableGroup) -> None:
@@ -280,7 +292,7 @@ def init_process_group(original, *args, **kwargs):
     rendezvous); the store it met over is generation 0's. On a GPU it is bound to the rank's device
     (``device_id``, unless the caller named one: Megatron-LM does not): torch then connects it here,
     not inside its first collective, and sends its point-to-point messages on it, as the engine's
-    own communicators do (``compat.make_communicator``)."""
+    own communicators do (``make_communicator``)."""
     from mindspeed_ha.device import current
     backend = str(args[0] if args else kwargs.get("backend") or "")
     if current().type == "cuda" and "nccl" in backend.lower() and kwargs.get("device_id") is None:

@@ -6,7 +6,7 @@ Instead every blocking collective is issued with ``async_op=True`` and its work 
 short slices, checking the stop between slices. A stop requested (by the processor thread) makes the
 blocked thread raise :class:`CollectiveStopped` within one slice.
 
-Stream-ordered backends (NCCL, HCCL, the emulated NCCL of drills: ``comm.backends``) behave
+Stream-ordered backends (NCCL, HCCL, the emulated NCCL of drills: ``device.backends``) behave
 otherwise: a collective returns at once and a stop does not raise anywhere. Their works are tracked
 while in flight (the stop's ``in_flight``); a stop lets the ones already issued finish for a grace, as
 on gloo, then aborts the communicators (NCCL's abort, HCCL's device stop), which makes what is still
@@ -41,8 +41,9 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_ha import compat
-from mindspeed_ha.comm import abort, backends
+from mindspeed_ha.comm import abort
 from mindspeed_ha.comm.stop import WAIT_SLICE_S, CollectiveStopped, Stop
+from mindspeed_ha.device import backends
 
 __all__ = ["PROCESS_STOP", "CollectiveStopped", "PollingWork", "Stop", "alone", "make_interruptible",
            "make_interruptible_batch_p2p", "make_interruptible_coalescing_manager", "make_interruptible_p2p",

@@ -24,6 +24,9 @@ from typing import Callable
 
 from mindspeed_ha.comm import abort as _abort
 from mindspeed_ha.device.waits import EventWaits, HostWaits, for_device as waits_for
+from mindspeed_ha.faults import CollectiveStopped
+
+__all__ = ["CollectiveStopped", "InFlight", "Park", "Stop"]
 
 # One wait slice: the bound on stop latency. A slice ends at once when the work completes, so its
 # length costs nothing on the fast path.
@@ -51,10 +54,6 @@ BACKSTOP_S = 5.0
 # A stop's abort is bounded (``comm.abort``): its communicators' aborts are waited for this long, and a
 # training thread that has not reached the recovery this long after they began is held for good.
 STOP_DEADLINE_S = _abort.DEADLINE_S
-
-
-class CollectiveStopped(RuntimeError):
-    """Raised in the thread blocked in (or entering) a collective after a stop was requested."""
 
 
 def _log():

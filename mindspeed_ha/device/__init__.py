@@ -51,7 +51,7 @@ class Device:
 
     @property
     def backend(self) -> str:
-        from mindspeed_ha.comm.backends import EMULATED_NCCL, emulating_nccl
+        from mindspeed_ha.device.backends import EMULATED_NCCL, emulating_nccl
         if self.kind == "cpu" and emulating_nccl():
             return EMULATED_NCCL
         return BACKENDS[self.kind]

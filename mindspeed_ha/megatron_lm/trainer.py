@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 
-from mindspeed_ha.comm.backends import EMULATED_NCCL
+from mindspeed_ha.device.backends import EMULATED_NCCL
 from mindspeed_ha.events import get_logger
 from mindspeed_ha.trainer.interface import TrainerInterface
 from mindspeed_ha.trainer.replay import Replayable

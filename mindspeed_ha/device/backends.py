@@ -5,7 +5,7 @@ A stream-ordered backend returns at once and completes later; a stop does not ra
 its communicators makes the collectives in flight return with whatever they had. The engine treats
 such backends alike (``comm.interruptible``): it waits for their work where the caller would, tracks
 what is in flight, aborts what is still pending after a stop's grace, and consumes no result past a
-commit point (``interruptible.commit_point``) once an abort may have cut one short.
+commit point (``Stop.commit_point``) once an abort may have cut one short.
 
 ``EMULATED_NCCL`` is a CPU backend with NCCL's semantics for drills (``comm.emulated_nccl``): a job
 runs on it with ``MINDSPEED_HA_EMULATE_NCCL=1``.
