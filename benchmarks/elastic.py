@@ -150,7 +150,7 @@ def baseline(a, ck: str, until: int, root: str) -> float:
 
 def at_fault(ck: str, iteration: int, dest: str) -> str:
     """The periodic checkpoint the job had when the node went (the job saves on meanwhile)."""
-    from mindspeed_ha.trainer.checkpoint_dir import TRACKER, iter_dir
+    from mindspeed_ha.trainer_state.checkpoint_dir import TRACKER, iter_dir
     shutil.copytree(iter_dir(ck, iteration), iter_dir(dest, iteration))
     with open(os.path.join(dest, TRACKER), "w") as f:
         f.write(str(iteration))

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from mindspeed_ha.control.rank.processor import Processor
     from mindspeed_ha.inject import Injector
     from mindspeed_ha.replica.topology import ReplicaTopology
-    from mindspeed_ha.trainer.interface import TrainerInterface
+    from mindspeed_ha.trainer_state.interface import TrainerInterface
 
 log = get_logger("session")
 _current: "RankSession | None" = None
@@ -454,7 +454,7 @@ class RankSession:
         self.trainer.rng.record(self.trainer.iteration)  # after setup/--load, before any forward: the current RNG
         self._track_rng(self.optimizer)
         if self.processor is not None and self.trainer.save_dir:
-            from mindspeed_ha.trainer import checkpoint
+            from mindspeed_ha.trainer_state import checkpoint
             checkpoint.prewarm_writer(asynchronous=self.trainer.async_saves)
 
     def _track_rng(self, optimizer) -> None:
@@ -685,7 +685,7 @@ class RankSession:
         global _current
         if self.processor is not None:
             self.processor.close()
-            from mindspeed_ha.trainer import checkpoint
+            from mindspeed_ha.trainer_state import checkpoint
             checkpoint.release_writer()
         deadline = time.monotonic() + 5.0
         self.state.finish_settling(deadline)

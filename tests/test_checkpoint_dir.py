@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from mindspeed_ha.trainer import checkpoint_dir
+from mindspeed_ha.trainer_state import checkpoint_dir
 
 
 def fake_checkpoint(path, payload=b"weights"):
@@ -97,7 +97,7 @@ def _described(trainer, iteration: int) -> dict:
     from types import SimpleNamespace
 
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from mindspeed_ha.trainer import checkpoint
+    from mindspeed_ha.trainer_state import checkpoint
     sd = {"args": SimpleNamespace(), "rng_state": ShardedObject("rng_state", [None], (1, 1), (0, 0))}
     checkpoint.at_iteration(sd, trainer, iteration, {"rng": iteration})
     return {"iteration": sd["iteration"], "consumed": sd["consumed_samples"], "args": sd["args"].consumed_train_samples,
@@ -113,6 +113,6 @@ def test_a_survivor_describes_the_iteration_before_its_own_as_its_twins_do(train
 
 
 def test_a_survivor_two_steps_away_cannot_describe_the_iteration():
-    from mindspeed_ha.trainer import checkpoint
+    from mindspeed_ha.trainer_state import checkpoint
     with pytest.raises(ValueError, match="trainer at iteration 7 cannot describe iteration 5"):
         checkpoint.at_iteration({}, _trainer_at(7), 5, None)

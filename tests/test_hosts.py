@@ -14,7 +14,7 @@ import pytest
 from helpers import (PRETRAIN, TINY, TINY_ITERS, all_rank_events, clean_env, events, extended, extended_test, free_port,
                      losses)
 from hosts import Hosts
-from mindspeed_ha.trainer.checkpoint_dir import iter_dir, mismatches, read_manifest, tracker
+from mindspeed_ha.trainer_state.checkpoint_dir import iter_dir, mismatches, read_manifest, tracker
 
 pytestmark = pytest.mark.timeout(300)
 MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]

@@ -244,7 +244,7 @@ def on_save_checkpoint(original, iteration, *args, **kwargs):
     s = session.current()
     if len(args) > 1:  # Megatron-LM's save_checkpoint(iteration, model, optimizer, ...)
         args = (args[0], unwrap_optimizer(args[1]), *args[2:])
-    from mindspeed_ha.trainer import checkpoint
+    from mindspeed_ha.trainer_state import checkpoint
     if s is None:
         return original(iteration, *args, **kwargs)
 
@@ -272,8 +272,8 @@ def on_load_checkpoint(original, ddp_model, optimizer, *args, **kwargs):
     from megatron.training import get_args
     from megatron.training.checkpointing import checkpoint_exists
     from mindspeed_ha import compat, session
-    from mindspeed_ha.trainer import checkpoint
-    from mindspeed_ha.trainer.checkpoint import _fix_adam_steps
+    from mindspeed_ha.trainer_state import checkpoint
+    from mindspeed_ha.trainer_state.checkpoint import _fix_adam_steps
     a = get_args()
     load_dir = getattr(a, kwargs.get("load_arg", "load"))
     if load_dir and not a.finetune:  # before any tensor is read: tracker, model settings, files

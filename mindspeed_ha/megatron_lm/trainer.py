@@ -13,7 +13,7 @@ import time
 
 from mindspeed_ha.device.backends import EMULATED_NCCL
 from mindspeed_ha.events import get_logger
-from mindspeed_ha.trainer.interface import TrainerInterface
+from mindspeed_ha.trainer_state.interface import TrainerInterface
 from mindspeed_ha.trainer.replay import Replayable
 
 from .loop import LoopFunctions, LoopPosition, StepRecord

@@ -6,10 +6,10 @@ re-synchronises the model weights from the writers' fp32 main params, elects one
 (key, offset) among the survivors by rewriting ``replica_id``, and saves with megatron-core's
 dist_checkpointing into ``iter_XXXXXXX_tmp``; the files are checksummed into a manifest, re-read and
 compared, the metadata's coverage checked, and only then is the directory put in place and
-``latest_checkpointed_iteration.txt`` replaced (``trainer.checkpoint_dir.publish``).
+``latest_checkpointed_iteration.txt`` replaced (``trainer_state.checkpoint_dir.publish``).
 
 The plan it writes (which iteration, which writer per shard) is ``mindspeed_ha.plan.plan_dump``'s.
-The result is the layout of ``mindspeed_ha.trainer.checkpoint.save`` (dp_reshardable optimizer), so a
+The result is the layout of ``mindspeed_ha.trainer_state.checkpoint.save`` (dp_reshardable optimizer), so a
 plain ``--load`` resumes from it, with any DP size.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from mindspeed_ha.replica.reshard import CHUNK_BYTES
 
 if TYPE_CHECKING:
     from mindspeed_ha.comm.groups import World
-    from mindspeed_ha.trainer.interface import TrainerInterface
+    from mindspeed_ha.trainer_state.interface import TrainerInterface
 
 Ident = tuple[str, tuple[int, ...], tuple[int, int] | None]  # a checkpoint item: key, offset, flattened range
 
@@ -74,7 +74,7 @@ def prepare(trainer: TrainerInterface, abandon_update: bool = False) -> Prepared
     (a collective before the Adam arithmetic — the grad-norm all-reduce — was interrupted; the
     arithmetic itself has no collective and the window closes before the parameter all-gather).
     Its shard is still at ``ha_iteration``; the window is closed without counting an update."""
-    from mindspeed_ha.trainer import checkpoint
+    from mindspeed_ha.trainer_state import checkpoint
     t0 = time.perf_counter()
     opt = trainer.optimizer
     if not hasattr(opt, "ha_export_shard"):
@@ -140,7 +140,7 @@ def _move_weights(views: list[torch.Tensor], sending: bool, peer: int, chunk: in
 def _normalize(prep: Prepared, plan: DumpPlan) -> bool:
     """Bring the common part of the state dict to ``plan.iteration``; True if this rank's RNG state
     as of that iteration is known."""
-    from mindspeed_ha.trainer import checkpoint
+    from mindspeed_ha.trainer_state import checkpoint
     trainer = prep.trainer
     assert plan.iteration is not None  # an ok plan (write() refuses any other) names its iteration
     state = trainer.rng.at(plan.iteration)
@@ -227,7 +227,7 @@ def _elect(sd: dict[str, Any], plan: DumpPlan, world: World, eligible: dict[str,
 def _verify(tmp: str, world: World, manifest: dict[str, Any]) -> None:
     """Re-read another rank's files and compare with the manifest; rank 0 checks that the torch
     DCP metadata only points into manifest files, inside their sizes."""
-    from mindspeed_ha.trainer.checkpoint_dir import mismatches
+    from mindspeed_ha.trainer_state.checkpoint_dir import mismatches
     size = len(world.ranks)
     other = (world.new_rank + 1) % size
     errors = mismatches(tmp, manifest, [n for n, e in manifest["files"].items() if e["rank"] == other])
@@ -256,7 +256,7 @@ def write(prep: Prepared, plan: DumpPlan, world: World, save_dir: str, events: E
     after each part (the controller extends the dump's time limit while writers make progress)."""
     from megatron.core import dist_checkpointing
     from mindspeed_ha.comm.interruptible import PROCESS_STOP
-    from mindspeed_ha.trainer import checkpoint, checkpoint_dir
+    from mindspeed_ha.trainer_state import checkpoint, checkpoint_dir
     t0 = time.perf_counter()
     if not plan.ok:
         raise DumpError(plan.message())

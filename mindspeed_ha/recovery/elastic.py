@@ -39,7 +39,7 @@ from mindspeed_ha.replica.reshard import CHUNK_BYTES, described, exchange, sched
 
 if TYPE_CHECKING:
     from mindspeed_ha.plan import ElasticPlan
-    from mindspeed_ha.trainer.interface import TrainerInterface
+    from mindspeed_ha.trainer_state.interface import TrainerInterface
 
 log = get_logger("recovery.elastic")
 

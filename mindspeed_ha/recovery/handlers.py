@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from mindspeed_ha.options import HAOptions
     from mindspeed_ha.recovery.dump import Prepared
     from mindspeed_ha.replica.topology import ReplicaTopology
-    from mindspeed_ha.trainer.interface import TrainerInterface
+    from mindspeed_ha.trainer_state.interface import TrainerInterface
 
 log = get_logger("recovery.handlers")
 

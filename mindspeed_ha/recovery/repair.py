@@ -23,11 +23,11 @@ import torch.distributed as dist
 from mindspeed_ha.device import current
 from mindspeed_ha.events import get_logger
 from mindspeed_ha.replica.reshard import CHUNK_BYTES
-from mindspeed_ha.trainer import rng
+from mindspeed_ha.trainer_state import rng
 
 if TYPE_CHECKING:
     from mindspeed_ha.replica.optimizer import ReplicaMixin
-    from mindspeed_ha.trainer.interface import TrainerInterface
+    from mindspeed_ha.trainer_state.interface import TrainerInterface
 
 log = get_logger("repair")
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from mindspeed_ha.plan import DumpPlan, ElasticPlan
     from mindspeed_ha.recovery.dump import DumpResult, Prepared
     from mindspeed_ha.replica.optimizer import ReplicaMixin
-    from mindspeed_ha.trainer.interface import TrainerInterface
+    from mindspeed_ha.trainer_state.interface import TrainerInterface
 
 
 class PeakMeasure(Protocol):
@@ -133,7 +133,7 @@ class LiveTools:
         return elastic.move_state(trainer, plan, rank, entered, chunk_bytes=chunk_bytes)
 
     def newest_checkpoint(self, save_dir: str | None) -> tuple[int, str] | None:
-        from mindspeed_ha.trainer import checkpoint_dir
+        from mindspeed_ha.trainer_state import checkpoint_dir
         return checkpoint_dir.newest_checkpoint(save_dir)
 
     def prepare_dump(self, trainer: TrainerInterface, abandon_update: bool) -> Prepared:

@@ -30,8 +30,9 @@ from megatron.core.transformer.module import Float16Module
 from mindspeed_ha.comm.interruptible import PROCESS_STOP
 from mindspeed_ha.device import current
 from mindspeed_ha.events import get_logger
-from mindspeed_ha.trainer import checkpoint, data
-from mindspeed_ha.trainer.interface import TrainerInterface
+from mindspeed_ha.trainer import data
+from mindspeed_ha.trainer_state import checkpoint
+from mindspeed_ha.trainer_state.interface import TrainerInterface
 
 log = get_logger("trainer")
 

@@ -59,7 +59,7 @@ def run(argv: list[str] | None = None) -> int:
     from mindspeed_ha.launcher import spare
     from mindspeed_ha.replica.state import UnknownOptimizer
     from mindspeed_ha.replica.verify import ReplicaMismatchError
-    from mindspeed_ha.trainer.checkpoint_dir import CheckpointError
+    from mindspeed_ha.trainer_state.checkpoint_dir import CheckpointError
     from mindspeed_ha.session import RankSession
     from mindspeed_ha.trainer import data
     from mindspeed_ha.trainer.builtin import BuiltinTrainer, init_distributed

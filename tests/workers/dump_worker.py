@@ -65,7 +65,7 @@ def write_dump(trainer, rank, world):
     bench, reps = {}, int(os.environ.get("DUMP_BENCH", "0"))
     if reps:
         # Same state, same warm writer: periodic saves by all ranks, then the survivors' dumps.
-        from mindspeed_ha.trainer import checkpoint
+        from mindspeed_ha.trainer_state import checkpoint
         checkpoint.writer_ready()
         bench["periodic_s"] = [checkpoint.save(trainer, f"{trainer.args.save}_periodic{i}")[1] for i in range(reps)]
     if rank in kill:
@@ -128,7 +128,7 @@ def reconnect(trainer, rank, world):
 def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     trainer = build(sys.argv[1:])
-    from mindspeed_ha.trainer import checkpoint
+    from mindspeed_ha.trainer_state import checkpoint
     if not os.environ.get("DUMP_NO_PREWARM"):
         checkpoint.prewarm_writer()
     train_to(trainer, int(os.environ["DUMP_STEPS"]))

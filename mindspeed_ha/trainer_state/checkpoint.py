@@ -23,8 +23,8 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from mindspeed_ha import compat
 from mindspeed_ha.events import get_logger
-from mindspeed_ha.trainer import rng
-from mindspeed_ha.trainer.checkpoint_dir import (MANIFEST, TRACKER, CheckpointError, checksums, iter_dir,  # noqa: F401
+from mindspeed_ha.trainer_state import rng
+from mindspeed_ha.trainer_state.checkpoint_dir import (MANIFEST, TRACKER, CheckpointError, checksums, iter_dir,  # noqa: F401
                                                  mismatches, publish, read_manifest, remove_leftovers, tracker,
                                                  write_manifest)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 from typing import Any, Iterable, Iterator
 
-from mindspeed_ha.trainer import rng
+from mindspeed_ha.trainer_state import rng
 
 
 class TrainerInterface(abc.ABC):
