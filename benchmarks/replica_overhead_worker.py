@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     apply_patches(device, megatron_lm=False, ha=opts.enabled)  # HA off: none of our wrappers either
     device.set_current(local_rank)
 
-    from mindspeed_ha.session import RankSession
+    from mindspeed_ha.rank.session import RankSession
     from mindspeed_ha.trainer import builtin
 
     counter = CommCounter()

@@ -1,4 +1,4 @@
-"""Each recovery order a rank serves (recovery/handlers.py), on fakes: a session with the fields the
+"""Each recovery order a rank serves (rank/recovery/handlers.py), on fakes: a session with the fields the
 orders read, a trainer that records what it is asked, and recovery tools that record each call in
 place of the groups, the shard transfers, the layouts and the checkpoints. No process, no socket:
 the orders' own logic — what each answers, in what order it acts, what it leaves behind when a
@@ -15,7 +15,7 @@ import pytest
 from mindspeed_ha.comm.stop import CollectiveStopped, Stop
 from mindspeed_ha.options import HAOptions
 from mindspeed_ha.plan import DumpPlan, ElasticPlan
-from mindspeed_ha.recovery.handlers import RankRecovery
+from mindspeed_ha.rank.recovery.handlers import RankRecovery
 
 
 class Events:

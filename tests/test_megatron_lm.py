@@ -84,7 +84,8 @@ def test_megatron_lm_bad_layout_is_refused_before_any_model(tmp_path):
 # iteration 3, train on to 6, load iteration 3 in-process and replay 4..6 through train_step().
 DRIVER = '''
 import json, os, sys
-from mindspeed_ha import megatron_lm, session
+from mindspeed_ha import megatron_lm
+from mindspeed_ha.rank import session
 
 def hook(original, *a, **kw):
     out = on_train_step(original, *a, **kw)

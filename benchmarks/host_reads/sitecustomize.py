@@ -29,7 +29,7 @@ OUT = os.environ.get("MINDSPEED_HA_HOST_READS")
 PKG = os.sep + "mindspeed_ha" + os.sep
 READS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")
 # module -> (class, method, the phase from its call on) ; None: the step's phase ends when it returns
-MARKS = {"mindspeed_ha.session": [("RankSession", "step_start", "mid_step", "after"),
+MARKS = {"mindspeed_ha.rank.session": [("RankSession", "step_start", "mid_step", "after"),
                                   ("RankSession", "step_end", None, "after")],
          "mindspeed_ha.megatron_lm.trainer": [("MegatronLMTrainer", "_step_done", "step_end", "before")],
          "mindspeed_ha.trainer.builtin": [("BuiltinTrainer", "finish_step", "step_end", "before")],

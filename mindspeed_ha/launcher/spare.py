@@ -57,7 +57,7 @@ def warm_up() -> None:
     forks inherit them."""
     import torch
 
-    from mindspeed_ha.session import load_ahead
+    from mindspeed_ha.rank.session import load_ahead
     load_ahead()
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1, device="cpu"))])  # (a template holds no device)
 

@@ -114,7 +114,7 @@ def _detect():
 
 
 def close_session() -> None:
-    from mindspeed_ha import session
+    from mindspeed_ha.rank import session
     s = session.current()
     if s is not None:
         s.close()

@@ -66,7 +66,7 @@ def on_parse_args(original, extra_args_provider=None, ignore_unknown_args=False)
     from mindspeed_ha import compat, inject, layout, options as ha_options
     from mindspeed_ha.device import DeviceError, local_ranks
     from mindspeed_ha.options import HAConfigError
-    from mindspeed_ha.session import RankSession
+    from mindspeed_ha.rank.session import RankSession
 
     ns = original(_with_ha_args(extra_args_provider), ignore_unknown_args)
     device = entry._device or _detect()
@@ -114,7 +114,7 @@ def _joining(s) -> bool:
 def on_initialize_distributed(original, get_embedding_ranks, get_position_embedding_ranks, store):
     """Remembers how Megatron-LM built its groups: a recovery's rebuild runs the same again (the
     default group exists then, so only megatron-core's groups are made)."""
-    from mindspeed_ha import session
+    from mindspeed_ha.rank import session
     from mindspeed_ha.comm import groups
     SETUP["init_parallel"] = functools.partial(_groups_of, original, get_embedding_ranks, get_position_embedding_ranks)
     s = session.current()
@@ -143,7 +143,7 @@ def on_setup_model_and_optimizer(original, *args, **kwargs):
     twin's counters, scheduler and RNG come over the rebuilt groups; then Megatron-LM goes on with
     the job's iteration and data position (its loop reads them from ``args``)."""
     from megatron.training import get_args
-    from mindspeed_ha import session
+    from mindspeed_ha.rank import session
     out = original(*args, **kwargs)
     s = session.current()
     if s is not None and "elastic-training" in s.options.strategies:
@@ -190,7 +190,7 @@ class _GroupsOnly:
 
 def on_train_step(original, forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
                   config, forward_backward_func, iteration=None):
-    from mindspeed_ha import session
+    from mindspeed_ha.rank import session
     s = session.current()
     if s is None:
         return original(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
@@ -230,7 +230,7 @@ def on_update_num_microbatches(original, consumed_samples, consistency_check=Tru
     two calls: a count that changed since its last step is taken for a batch-size rampup, which may
     only grow (a checkpoint is saved then). An elastic resize changes it either way at the same
     global batch: after one, the check is passed over once (``MegatronLMTrainer.loop_check``)."""
-    from mindspeed_ha import session
+    from mindspeed_ha.rank import session
     original(consumed_samples, consistency_check=consistency_check, verbose=verbose)
     s = session.current()
     if s is not None and isinstance(s.trainer, MegatronLMTrainer):
@@ -239,7 +239,7 @@ def on_update_num_microbatches(original, consumed_samples, consistency_check=Tru
 
 def on_save_checkpoint(original, iteration, *args, **kwargs):
     from megatron.training import get_args
-    from mindspeed_ha import session
+    from mindspeed_ha.rank import session
     from mindspeed_ha.comm.interruptible import PROCESS_STOP
     s = session.current()
     if len(args) > 1:  # Megatron-LM's save_checkpoint(iteration, model, optimizer, ...)
@@ -271,7 +271,8 @@ def on_load_checkpoint(original, ddp_model, optimizer, *args, **kwargs):
     from megatron.core.optimizer import distrib_optimizer
     from megatron.training import get_args
     from megatron.training.checkpointing import checkpoint_exists
-    from mindspeed_ha import compat, session
+    from mindspeed_ha import compat
+    from mindspeed_ha.rank import session
     from mindspeed_ha.trainer_state import checkpoint
     from mindspeed_ha.trainer_state.checkpoint import _fix_adam_steps
     a = get_args()

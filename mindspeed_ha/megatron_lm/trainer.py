@@ -190,7 +190,7 @@ class MegatronLMTrainer(TrainerInterface):
             raise
 
     def _run_step(self, iteration: int | None):
-        from mindspeed_ha import session
+        from mindspeed_ha.rank import session
         from mindspeed_ha.comm.interruptible import PROCESS_STOP
         assert self.fns is not None  # (bind_step came first: the loop's, or train_step checked)
         original, forward_step_func, config, forward_backward_func = self.fns
@@ -220,7 +220,7 @@ class MegatronLMTrainer(TrainerInterface):
         the first time; their losses are reported again, with the same bits."""
         from megatron.core.num_microbatches_calculator import update_num_microbatches
         from megatron.training import get_args
-        from mindspeed_ha import session
+        from mindspeed_ha.rank import session
         from mindspeed_ha.comm.interruptible import PROCESS_STOP
         assert self.fns is not None  # (called from run_step)
         original, forward_step_func, config, forward_backward_func = self.fns
@@ -250,7 +250,7 @@ class MegatronLMTrainer(TrainerInterface):
         from megatron.core import parallel_state as ps
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         from megatron.training import get_args
-        from mindspeed_ha import session
+        from mindspeed_ha.rank import session
         self.step.done, self.step.out = True, out
         self.iteration = self.ended = it
         # What Megatron-LM's loop adds after train_step returns.
@@ -304,7 +304,7 @@ class MegatronLMTrainer(TrainerInterface):
 
     @staticmethod
     def _joiners_possible() -> bool:
-        from mindspeed_ha import session
+        from mindspeed_ha.rank import session
         s = session.current()
         return s is not None and "recover" in s.options.strategies
 
@@ -312,7 +312,7 @@ class MegatronLMTrainer(TrainerInterface):
     def _totals_wanted() -> bool:
         """HA is on: a restarted rank (recover) or a dump (always on with HA) may need this step's
         DP totals. One small all-reduce a step, as the built-in trainer's loss before its update."""
-        from mindspeed_ha import session
+        from mindspeed_ha.rank import session
         s = session.current()
         return s is not None and s.options.enabled
 
@@ -498,7 +498,7 @@ class MegatronLMTrainer(TrainerInterface):
         f = getattr(config, "finalize_model_grads_func", None)
         if f is None or getattr(f, "ha_phase_point", False):
             return
-        from mindspeed_ha import session
+        from mindspeed_ha.rank import session
 
         def finalize_model_grads(*args, **kwargs):
             session.current().fire("grad-sync", self.loop.running)

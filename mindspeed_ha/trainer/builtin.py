@@ -57,7 +57,7 @@ class BuiltinTrainer(TrainerInterface):
     def __init__(self, args: argparse.Namespace, session):
         super().__init__()
         self.args = args
-        self.session = session  # mindspeed_ha.session.RankSession: HA hooks, events, device
+        self.session = session  # mindspeed_ha.rank.session.RankSession: HA hooks, events, device
         self._saved = -1        # the iteration whose periodic save last completed
         # When this process began the step in flight; None where it ran none since its bookkeeping
         # came from a peer (a restarted rank rolling forward a step its predecessor ran).

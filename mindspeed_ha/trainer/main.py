@@ -60,7 +60,7 @@ def run(argv: list[str] | None = None) -> int:
     from mindspeed_ha.replica.state import UnknownOptimizer
     from mindspeed_ha.replica.verify import ReplicaMismatchError
     from mindspeed_ha.trainer_state.checkpoint_dir import CheckpointError
-    from mindspeed_ha.session import RankSession
+    from mindspeed_ha.rank.session import RankSession
     from mindspeed_ha.trainer import data
     from mindspeed_ha.trainer.builtin import BuiltinTrainer, init_distributed
 

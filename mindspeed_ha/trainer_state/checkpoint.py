@@ -1,7 +1,7 @@
 """Checkpoints in Megatron-LM's layout through megatron-core dist_checkpointing (torch_dist).
 
 ``DIR/iter_0000010/`` plus ``DIR/latest_checkpointed_iteration.txt`` (checkpoint_dir.py: the tracker,
-publishing, the manifest). Every writer (periodic saves here, the dump in recovery/dump.py) writes
+publishing, the manifest). Every writer (periodic saves here, the dump in rank/recovery/dump.py) writes
 into ``iter_XXXXXXX_tmp``, adds the manifest of checksums and publishes it. Before ``--load`` reads a
 tensor it checks the tracker, the model settings the checkpoint was written with and (unless
 ``--no-verify-checkpoint``) every file against the manifest. Loading handles three traps of

@@ -1,7 +1,7 @@
 """The one seam between the fault-tolerance engine and a training loop.
 
 The built-in megatron-core trainer and the Megatron-LM adaptor both implement it; recovery code
-drives training only through it (recovery/handlers.py, recovery/repair.py, recovery/dump.py) and
+drives training only through it (rank/recovery/handlers.py, rank/recovery/repair.py, rank/recovery/dump.py) and
 never reaches into either trainer or into Megatron's objects. Both drive megatron-core's DDP and
 distributed optimizer, so what only those need (cleaning a partial step, re-syncing the weights,
 the counters a restarted rank takes from its twin) has its implementation here.

@@ -26,7 +26,7 @@ def build(argv):
     from mindspeed_ha import layout, options as ha_options
     from mindspeed_ha.adaptor import apply_patches
     from mindspeed_ha.device import detect
-    from mindspeed_ha.session import RankSession
+    from mindspeed_ha.rank.session import RankSession
     from mindspeed_ha.trainer.args import build_parser, finalize
     from mindspeed_ha.trainer.builtin import BuiltinTrainer, init_distributed
     from mindspeed_ha.trainer.main import _quiet_known_warnings
@@ -58,7 +58,7 @@ def write_dump(trainer, rank, world):
     import torch.distributed as dist
     from mindspeed_ha import plan as planner
     from mindspeed_ha.comm import groups
-    from mindspeed_ha.recovery import dump
+    from mindspeed_ha.rank.recovery import dump
     from mindspeed_ha.replica.topology import ReplicaTopology
 
     kill = {int(r) for r in os.environ.get("DUMP_KILL", "").split(",") if r}

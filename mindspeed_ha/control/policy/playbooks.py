@@ -6,7 +6,7 @@
     elastic  DOWNGRADE: status -> plan -> scale-in    ROLLBACK: rollback -> resume (the kept ranks)
     scale-out UPGRADE: status -> plan -> scale-out    ROLLBACK: rollback -> resume (the new layout)
 
-What each round asks of a rank is in ``mindspeed_ha.recovery.handlers`` (same names). After
+What each round asks of a rank is in ``mindspeed_ha.rank.recovery.handlers`` (same names). After
 ROLLBACK the job trains again; ``FirstStep`` closes the recovery (the ``recovered`` event, MTTR)
 when every rank has completed the step after the one the recovery resumed at.
 

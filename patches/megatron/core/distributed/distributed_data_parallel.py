@@ -1,6 +1,6 @@
 """DistributedDataParallel.start_param_sync -> tell the HA session first: the shard update of this
 iteration is complete, the parameter all-gather is about to start (the "param-sync" phase)."""
-from mindspeed_ha import session
+from mindspeed_ha.rank import session
 
 TARGET = "megatron.core.distributed.distributed_data_parallel"
 

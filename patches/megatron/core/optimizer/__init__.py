@@ -1,6 +1,6 @@
 """megatron.core.optimizer.get_megatron_optimizer -> the built optimizer goes through the HA session,
 which turns a DistributedOptimizer into a ReplicaOptimizer when replicas are on."""
-from mindspeed_ha import session
+from mindspeed_ha.rank import session
 
 TARGET = "megatron.core.optimizer"
 

@@ -1,6 +1,6 @@
 """In-place repair of a live job (retry, recover, reload): every process keeps running.
 
-The rank handlers (recovery/handlers.py) call these on the training thread for the controller's
+The rank handlers (rank/recovery/handlers.py) call these on the training thread for the controller's
 rounds, after every rank has left its collective and the groups have new communicators: the broken
 or lagging shards come from their twins (``transfer_shards``), a restarted rank also gets its twin's
 counters, scheduler and RNG (``transfer_bookkeeping``), and every rank goes back to the start of the

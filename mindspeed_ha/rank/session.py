@@ -10,7 +10,7 @@ optimizer and replica topology, its processor, whether it joins or holds a poiso
 hooks a recovery reports through (phase points, progress, a fault while serving, the resume).
 
 The session owns the state and the processor; after a fault the training thread parks in
-``RankSession.report_fault`` and serves the controller's recovery orders (recovery/handlers.py) on
+``RankSession.report_fault`` and serves the controller's recovery orders (rank/recovery/handlers.py) on
 the state until the job trains on or ends. The rank's one session is installed by its constructor
 and reached through ``current()`` (Megatron-LM's hooks and the patches, which megatron calls
 without it).
@@ -259,7 +259,7 @@ def load_ahead() -> None:
     start and its registration."""
     import mindspeed_ha.control.controller  # noqa: F401
     import mindspeed_ha.control.rank.processor  # noqa: F401
-    import mindspeed_ha.recovery.handlers  # noqa: F401
+    import mindspeed_ha.rank.recovery.handlers  # noqa: F401
 
 
 class RankSession:
@@ -468,7 +468,7 @@ class RankSession:
         from mindspeed_ha.control.controller import Controller
         from mindspeed_ha.control.rank.processor import Processor
         groups = [self.state.topology.replica_group] if self.state.topology else []
-        from mindspeed_ha.recovery.handlers import RankRecovery
+        from mindspeed_ha.rank.recovery.handlers import RankRecovery
         # (any rank may host a controller: rank 0 the first, the others when they are named standbys)
         self.state.processor = processor = Processor(self.rank, self.world_size, self.local_rank,
                                    os.environ.get("MINDSPEED_HA_NODE", ""), self.options, groups,

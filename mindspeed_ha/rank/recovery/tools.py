@@ -1,5 +1,5 @@
 """What a recovery's orders do below the rank's session: its groups, its optimizer shard, its layout
-and its checkpoints. ``RankRecovery`` (recovery/handlers.py) is handed a ``RecoveryTools``: the
+and its checkpoints. ``RankRecovery`` (rank/recovery/handlers.py) is handed a ``RecoveryTools``: the
 engine's own modules (``LiveTools``), or in its unit tests a fake that records each call
 (tests/test_handlers.py), so that every order is tested without a process or a socket.
 """
@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from mindspeed_ha.comm.groups import World
     from mindspeed_ha.events import EventLog
     from mindspeed_ha.plan import DumpPlan, ElasticPlan
-    from mindspeed_ha.recovery.dump import DumpResult, Prepared
+    from mindspeed_ha.rank.recovery.dump import DumpResult, Prepared
     from mindspeed_ha.replica.optimizer import ReplicaMixin
     from mindspeed_ha.trainer_state.interface import TrainerInterface
 
@@ -91,21 +91,21 @@ class LiveTools:
         return int(ps.get_pipeline_model_parallel_world_size()), int(ps.get_expert_model_parallel_world_size())
 
     def shard_status(self, trainer: TrainerInterface) -> dict[str, Any]:
-        from mindspeed_ha.recovery import repair
+        from mindspeed_ha.rank.recovery import repair
         return repair.status(trainer)
 
     def transfer_shards(self, optimizer: ReplicaMixin, pairs: list[tuple[int, int]], rank: int, iteration: int,
                         overwriting: Callable[[], None], chunk_bytes: int) -> int:
-        from mindspeed_ha.recovery import repair
+        from mindspeed_ha.rank.recovery import repair
         return repair.transfer_shards(optimizer, pairs, rank, iteration, overwriting, chunk_bytes=chunk_bytes)
 
     def transfer_bookkeeping(self, trainer: TrainerInterface, joiners: dict[int, int],
                              rank: int) -> dict[str, Any] | None:
-        from mindspeed_ha.recovery import repair
+        from mindspeed_ha.rank.recovery import repair
         return repair.transfer_bookkeeping(trainer, joiners, rank)
 
     def shard_bytes(self, optimizer: ReplicaMixin) -> int:
-        from mindspeed_ha.recovery import repair
+        from mindspeed_ha.rank.recovery import repair
         return repair.shard_bytes(optimizer)
 
     def peak_memory(self) -> ContextManager[PeakMeasure]:
@@ -113,23 +113,23 @@ class LiveTools:
         return PeakExtra()
 
     def resume_at(self, trainer: TrainerInterface, iteration: int) -> str:
-        from mindspeed_ha.recovery import repair
+        from mindspeed_ha.rank.recovery import repair
         return repair.resume_at(trainer, iteration)
 
     def holdings(self, trainer: TrainerInterface) -> dict[str, Any]:
-        from mindspeed_ha.recovery import elastic
+        from mindspeed_ha.rank.recovery import elastic
         return elastic.holdings(trainer)
 
     def enter_layout(self, trainer: TrainerInterface, plan: ElasticPlan, rank: int, store_host: str,
                      store_port: int, generation: int, backend: str, held: dict[str, Any],
                      timeout: datetime.timedelta) -> dict[str, Any]:
-        from mindspeed_ha.recovery import elastic
+        from mindspeed_ha.rank.recovery import elastic
         return elastic.enter_layout(trainer, plan, rank, store_host, store_port, generation, backend=backend,
                                     held=held, timeout=timeout)
 
     def move_state(self, trainer: TrainerInterface, plan: ElasticPlan, rank: int, entered: dict[str, Any],
                    chunk_bytes: int) -> dict[str, Any]:
-        from mindspeed_ha.recovery import elastic
+        from mindspeed_ha.rank.recovery import elastic
         return elastic.move_state(trainer, plan, rank, entered, chunk_bytes=chunk_bytes)
 
     def newest_checkpoint(self, save_dir: str | None) -> tuple[int, str] | None:
@@ -137,10 +137,10 @@ class LiveTools:
         return checkpoint_dir.newest_checkpoint(save_dir)
 
     def prepare_dump(self, trainer: TrainerInterface, abandon_update: bool) -> Prepared:
-        from mindspeed_ha.recovery import dump
+        from mindspeed_ha.rank.recovery import dump
         return dump.prepare(trainer, abandon_update=abandon_update)
 
     def write_dump(self, prepared: Prepared, plan: DumpPlan, world: World, save_dir: str, events: EventLog,
                    progress: Callable[[], None], chunk_bytes: int) -> DumpResult:
-        from mindspeed_ha.recovery import dump
+        from mindspeed_ha.rank.recovery import dump
         return dump.write(prepared, plan, world, save_dir, events, progress=progress, chunk_bytes=chunk_bytes)

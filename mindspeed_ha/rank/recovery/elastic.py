@@ -92,7 +92,7 @@ def enter_layout(trainer: TrainerInterface, plan: ElasticPlan, rank: int, store_
 def move_state(trainer: TrainerInterface, plan: ElasticPlan, rank: int, entered: dict[str, Any],
                chunk_bytes: int = CHUNK_BYTES) -> dict[str, Any]:
     """Step 4, with every rank of the new layout, in messages of at most ``chunk_bytes``."""
-    from mindspeed_ha.recovery.repair import transfer_bookkeeping
+    from mindspeed_ha.rank.recovery.repair import transfer_bookkeeping
     t, old_ranges, newcomer = entered["t"], entered["old_ranges"], entered["newcomer"]
     t["built"] = time.perf_counter()  # (a newcomer of Megatron-LM's loop: its model built meanwhile)
     writer = rank in plan.writers.values()

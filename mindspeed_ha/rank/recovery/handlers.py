@@ -23,13 +23,13 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from mindspeed_ha.events import EventLog, get_logger
-from mindspeed_ha.recovery.tools import LiveTools, RecoveryTools
+from mindspeed_ha.rank.recovery.tools import LiveTools, RecoveryTools
 
 if TYPE_CHECKING:
     from mindspeed_ha.comm.stop import Stop
     from mindspeed_ha.control.rank.processor import Later, Processor
     from mindspeed_ha.options import HAOptions
-    from mindspeed_ha.recovery.dump import Prepared
+    from mindspeed_ha.rank.recovery.dump import Prepared
     from mindspeed_ha.replica.topology import ReplicaTopology
     from mindspeed_ha.trainer_state.interface import TrainerInterface
 

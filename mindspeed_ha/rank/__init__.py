@@ -1,0 +1,11 @@
+"""The rank runtime: what one rank of the job does for fault tolerance, in rooms with one direction.
+
+    session  ->  fault_loop  ->  recovery  ->  state
+
+``session``: the trainers' entry (their hooks: attach, step marks, ``survive``, close) and the wiring
+of the replica optimizer. ``fault_loop``: a fault's way through the rank, top to bottom: raised,
+reported, the controller's orders waited for and served, training resumed. ``recovery``: what the rank
+does for each order (``recovery.handlers``), behind a narrow port (``recovery.tools``). ``state``: the
+rank's HA state, what a recovery uses of it. The stop the fault loop and the recovery work with is
+``comm.stop``'s, below this package, handed in. tests/test_layout.py checks the direction.
+"""
