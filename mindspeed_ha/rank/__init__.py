@@ -7,5 +7,5 @@ of the replica optimizer. ``fault_loop``: a fault's way through the rank, top to
 reported, the controller's orders waited for and served, training resumed. ``recovery``: what the rank
 does for each order (``recovery.handlers``), behind a narrow port (``recovery.tools``). ``state``: the
 rank's HA state, what a recovery uses of it. The stop the fault loop and the recovery work with is
-``comm.stop``'s, below this package, handed in. tests/test_layout.py checks the direction.
+``comm.stop``'s, below this package, handed in. tests/test_package_direction.py checks the direction.
 """
