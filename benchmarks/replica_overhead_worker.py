@@ -115,7 +115,7 @@ class CommCounter:
 
 def memory_report(trainer) -> dict:
     """Bytes this rank holds for training state, by kind, over distinct storages."""
-    from mindspeed_ha.replica.optimizer import _inner_optimizers
+    from mindspeed_ha.replica.optimizer import inner_optimizers
 
     seen: set[int] = set()
     kinds = collections.Counter()
@@ -143,7 +143,7 @@ def memory_report(trainer) -> dict:
                             "dp_size": buf.data_parallel_world_size})
         for p in chunk.parameters():  # params outside any DDP buffer, if any
             add("model_params", p.data)
-    for inner in _inner_optimizers(trainer.optimizer):
+    for inner in inner_optimizers(trainer.optimizer):
         for group in inner.optimizer.param_groups:
             for main in group["params"]:
                 add("main_params", main)

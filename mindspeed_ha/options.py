@@ -63,6 +63,7 @@ class HAOptions:
     insecure: bool = False
     heartbeat_s: float = 0.5
     hang_timeout_s: float = 60.0
+    order_timeout_s: float | None = None  # None: from the hang timeout (``orders_wait_s``)
     collective_timeout_s: float = 600.0  # --distributed-timeout-minutes: every group's, rebuilt ones too
     dump_timeout_s: float | None = None  # None: from the state's size
     recovery_message_mib: int = 64  # a repair's, a reshard's and the dump resync's largest message
@@ -86,6 +87,14 @@ class HAOptions:
     @property
     def use_replica_optimizer(self) -> bool:
         return self.enabled and self.replica
+
+    def orders_wait_s(self, joining: bool = False) -> float:
+        """How long a rank out of training (after a fault; ``joining``: a restarted worker) waits for the
+        controller's next order while no recovery is under way: --ha-order-timeout, else three hang
+        timeouts, at least 30 s (a restarted worker: 120 s, its set-up included)."""
+        if self.order_timeout_s is not None:
+            return self.order_timeout_s
+        return max(120.0 if joining else 30.0, 3 * self.hang_timeout_s)
 
     def ordered_strategies(self) -> list[str]:
         return [s for s in PREFERENCE if s in self.strategies]
@@ -117,6 +126,10 @@ def add_ha_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "the memory each holds beside the state it moves (default 64)")
     g.add_argument("--ha-hang-timeout", type=float, default=60.0,
                    help="Seconds without progress before a live rank is declared hung")
+    g.add_argument("--ha-order-timeout", type=float, default=None,
+                   help="Seconds a rank that left training for a recovery waits for the controller's next "
+                        "order while no recovery is under way, before it gives up (default: 3 x "
+                        "--ha-hang-timeout, at least 30; a restarted worker waits at least 120)")
     g.add_argument("--ha-spares", type=int, default=1,
                    help="recover: pre-started workers each launcher agent keeps ready to take a lost rank "
                         "(default 1; 0 starts a fresh process per restart)")
@@ -291,7 +304,8 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) ->
         verify_replicas_interval=interval,
         log_dir=getattr(args, "ha_log_dir", None) or env.get("MINDSPEED_HA_LOG_DIR") or "./logs",
         key_dir=getattr(args, "ha_key_dir", None), insecure=bool(getattr(args, "ha_insecure", False)),
-        heartbeat_s=_seconds(args, "ha_heartbeat_interval", 0.5), hang_timeout_s=hang, collective_timeout_s=collective,
+        heartbeat_s=_seconds(args, "ha_heartbeat_interval", 0.5), hang_timeout_s=hang,
+        order_timeout_s=_seconds(args, "ha_order_timeout", None), collective_timeout_s=collective,
         dump_timeout_s=_seconds(args, "ha_dump_timeout", None), recovery_message_mib=message_mib,
         spares=spares, source=source,
         straggler_ratio=float(ratio), straggler_steps=steps, migrate_stragglers=migrate,

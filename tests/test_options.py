@@ -179,3 +179,16 @@ def test_a_script_flag_that_starts_like_an_ha_flag_is_the_scripts():
     o = from_script_args(["--optimizer", "sgd", "--enable-hbmfault-repair"], {})
     assert o is not None and o.strategies == {"retry", "dump"}
     assert from_script_args(["--optimizer-replica-num", "3", "--enable-high-availability"], {}).replica_num == 3
+
+
+def test_the_wait_for_orders_has_a_flag_of_its_own_and_follows_the_hang_timeout_without_it():
+    """--ha-hang-timeout names a silent rank hung; how long a rank out of training waits for the
+    controller's orders is --ha-order-timeout, derived from the hang timeout when not given."""
+    plain = opts(["--enable-high-availability"])
+    assert plain.orders_wait_s() == 180.0 and plain.orders_wait_s(joining=True) == 180.0
+    short = opts(["--enable-high-availability", "--ha-hang-timeout", "3"])
+    assert short.orders_wait_s() == 30.0 and short.orders_wait_s(joining=True) == 120.0
+    own = opts(["--enable-high-availability", "--ha-hang-timeout", "3", "--ha-order-timeout", "45"])
+    assert own.orders_wait_s() == 45.0 and own.orders_wait_s(joining=True) == 45.0 and own.hang_timeout_s == 3.0
+    with pytest.raises(HAConfigError, match="--ha-order-timeout 0.0: give a finite number of seconds above 0"):
+        opts(["--enable-high-availability", "--ha-order-timeout", "0"])

@@ -33,7 +33,8 @@ CPU_ARGS = {
 _device = None  # set by pretrain_gpt_main / prepare
 
 
-def _fail(msg: str, code: int = 2) -> NoReturn:
+def fail(msg: str, code: int = 2) -> NoReturn:
+    """Bad input: say so on one line (naming this rank) and exit with ``code``, no traceback."""
     sys.stderr.write(f"mindspeed-ha: error (rank {os.environ.get('RANK', '0')}): {msg}\n")
     sys.stderr.flush()
     sys.exit(code)
@@ -47,7 +48,7 @@ def prepare():
     try:
         _device = detect()
     except DeviceError as e:
-        _fail(str(e))
+        fail(str(e))
     if _device.needs_cpu_shim:
         # torch.compile (megatron.core.jit.jit_fuser) reads this when Megatron's modules are imported.
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -67,7 +68,7 @@ def _megatron_pretrain_gpt():
         (p for p in sys.path if p and os.path.isfile(os.path.join(p, "pretrain_gpt.py"))
          and os.path.isdir(os.path.join(p, "megatron", "training"))), None)
     if root is None:
-        _fail("Megatron-LM's pretrain_gpt.py not found: set MEGATRON_LM_PATH to a Megatron-LM checkout")
+        fail("Megatron-LM's pretrain_gpt.py not found: set MEGATRON_LM_PATH to a Megatron-LM checkout")
     name = "megatron_lm_pretrain_gpt"  # not "pretrain_gpt": examples/pretrain_gpt.py has that name
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, os.path.join(root, "pretrain_gpt.py"))
@@ -108,7 +109,10 @@ def pretrain_gpt_main() -> int:
     return end_of_job()
 
 
-def _detect():
+def device_in_use():
+    """The device this process trains on: the one ``prepare`` chose, else what is detected now."""
+    if _device is not None:
+        return _device
     from mindspeed_ha.device import detect
     return detect()
 

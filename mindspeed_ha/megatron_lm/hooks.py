@@ -14,8 +14,7 @@ import time
 
 from mindspeed_ha.events import get_logger
 
-from .entry import CPU_ARGS, _detect, _fail, close_session
-from . import entry
+from .entry import CPU_ARGS, close_session, device_in_use, fail
 from .trainer import SETUP, LoopOptimizer, MegatronLMTrainer, unwrap_optimizer
 
 log = get_logger("megatron_lm")
@@ -69,7 +68,7 @@ def on_parse_args(original, extra_args_provider=None, ignore_unknown_args=False)
     from mindspeed_ha.rank.session import RankSession
 
     ns = original(_with_ha_args(extra_args_provider), ignore_unknown_args)
-    device = entry._device or _detect()
+    device = device_in_use()
     if device.needs_cpu_shim:
         cpu_args = {**CPU_ARGS, "distributed_backend": device.backend}  # (gloo, or a drill's emulated NCCL)
         changed = {k: v for k, v in cpu_args.items() if getattr(ns, k, None) != v}
@@ -97,7 +96,7 @@ def on_parse_args(original, extra_args_provider=None, ignore_unknown_args=False)
             # Megatron-LM passes it to initialize_model_parallel and to the DDP config.
             ns.num_distributed_optimizer_instances = opts.replica_num
     except (HAConfigError, DeviceError, compat.CompatError, inject.InjectSpecError) as e:
-        _fail(str(e))
+        fail(str(e))
     device.set_current(ns.local_rank)  # (Megatron-LM sets the same device again as it initialises)
     s = RankSession(opts, device, ns.rank, ns.world_size, ns.local_rank)
     if _joining(s):
@@ -222,7 +221,7 @@ def on_get_megatron_optimizer(original, config, model_chunks, *args, **kwargs):
     try:
         return original(config, model_chunks, *args, **kwargs)
     except UnknownOptimizer as e:  # refused as it is built, before any step
-        _fail(str(e))
+        fail(str(e))
 
 
 def on_update_num_microbatches(original, consumed_samples, consistency_check=True, verbose=False):
@@ -274,14 +273,14 @@ def on_load_checkpoint(original, ddp_model, optimizer, *args, **kwargs):
     from mindspeed_ha import compat
     from mindspeed_ha.rank import session
     from mindspeed_ha.trainer_state import checkpoint
-    from mindspeed_ha.trainer_state.checkpoint import _fix_adam_steps
+    from mindspeed_ha.trainer_state.checkpoint import fix_adam_steps
     a = get_args()
     load_dir = getattr(a, kwargs.get("load_arg", "load"))
     if load_dir and not a.finetune:  # before any tensor is read: tracker, model settings, files
         try:
             checkpoint.before_load(load_dir, a, verify_files=not a.no_verify_checkpoint)
         except checkpoint.CheckpointError as e:
-            _fail(str(e))
+            fail(str(e))
     inners = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     torch_adam = optimizer is not None and not distrib_optimizer.HAVE_APEX_OR_TE
     if torch_adam and not a.no_load_optim and not a.finetune and checkpoint_exists(load_dir):
@@ -296,7 +295,7 @@ def on_load_checkpoint(original, ddp_model, optimizer, *args, **kwargs):
     if torch_adam and iteration and not a.no_load_optim and not a.finetune:
         # Traps 2 and 3: Megatron-LM restores one shared ``step`` tensor for every parameter, which torch's
         # Adam would bump once per parameter per step: one tensor each.
-        _fix_adam_steps(optimizer)
+        fix_adam_steps(optimizer)
     if iteration and hasattr(optimizer, "ha_iteration"):
         optimizer.ha_iteration = iteration  # the replica shard's iteration follows the checkpoint
     s = session.current()
@@ -315,7 +314,7 @@ def on_build_data_iterators(original, provider, *args, **kwargs):
     from mindspeed_ha.comm.groups import before_fork
     SETUP["train_valid_test"] = provider
     before_fork()
-    if not (entry._device or _detect()).needs_cpu_shim:
+    if not device_in_use().needs_cpu_shim:
         return original(provider, *args, **kwargs)
     state = torch.get_rng_state()
     try:

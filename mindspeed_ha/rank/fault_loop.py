@@ -64,7 +64,7 @@ class FaultLoop:
             return False
         st.stopped_at = time.monotonic()
         self._report(exc, iteration)
-        wait = max(30.0, 3 * st.options.hang_timeout_s)
+        wait = st.options.orders_wait_s()
         if self._serve_until_resumed(wait):
             return True
         log.error("rank %d: no order from the controller for %.0f s after the fault", st.rank, wait)
@@ -113,7 +113,7 @@ class FaultLoop:
         the trainer, ``repair`` brings the state from the peers, ``rollback``/``resume`` as everywhere)."""
         st = self.state
         assert st.processor is not None
-        wait = max(120.0, 3 * st.options.hang_timeout_s)
+        wait = st.options.orders_wait_s(joining=True)
         with self._serving():
             while True:
                 action = st.processor.serve_order(timeout=wait)

@@ -30,11 +30,11 @@ class ReplicaWiring:
         if not st.options.use_replica_optimizer:
             return optimizer
         from megatron.core import parallel_state as ps
-        from mindspeed_ha.replica.optimizer import _inner_optimizers, make_replica
+        from mindspeed_ha.replica.optimizer import inner_optimizers, make_replica
         from mindspeed_ha.replica.topology import from_parallel_state
 
         R = st.options.replica_num
-        for inner in _inner_optimizers(optimizer):
+        for inner in inner_optimizers(optimizer):
             got = getattr(getattr(inner, "ddp_config", None), "num_distributed_optimizer_instances", None)
             if got != R:
                 raise RuntimeError(
@@ -67,7 +67,7 @@ class ReplicaWiring:
         from mindspeed_ha.comm.groups import job_rank
         group = [job_rank(r) for r in topology.replica_group]
         if st.processor is not None:
-            st.processor.groups = [group]
+            st.processor.replica_group(group)
         log.info("rank:%d, report group list: %s", st.rank, group)
         st.events.emit("replica_groups", replica_group=group,
                        instance=topology.instance, shard_index=topology.shard_index,
@@ -79,8 +79,8 @@ class ReplicaWiring:
 
     @staticmethod
     def trainer_config(optimizer: Any) -> Any:
-        from mindspeed_ha.replica.optimizer import _inner_optimizers
-        for inner in _inner_optimizers(optimizer):
+        from mindspeed_ha.replica.optimizer import inner_optimizers
+        for inner in inner_optimizers(optimizer):
             for chunk in getattr(inner, "model_chunks", None) or []:
                 return getattr(chunk, "config", None)
         return None

@@ -241,7 +241,7 @@ class RankSession:
     def saved(self, iteration: int, path: str, seconds: float) -> None:
         st = self.state
         if st.processor is not None:
-            st.processor.checkpoint = int(iteration)
+            st.processor.saved(iteration)
         st.events.emit("checkpoint", kind="periodic", iteration=iteration, path=os.path.abspath(path), seconds=seconds)
         log.info("saved iteration %d to %s in %.2f s", iteration, path, seconds)
 

@@ -180,8 +180,7 @@ class RankState:
         self.phase = "step"
         self._recovered = (self.stopped_at, lost_steps)
         if self.processor is not None:
-            self.processor.health = "ok"
-            self.processor.report_next_step()
+            self.processor.resumed()
         from mindspeed_ha.comm import groups
         # This recovery's releases only: one an earlier recovery left for good must not hold up the report.
         mine = [t for t in groups.releasing() if t not in self._releases_seen]

@@ -28,7 +28,7 @@ from mindspeed_ha.replica.topology import ReplicaTopology
 if TYPE_CHECKING:
     from mindspeed_ha.replica.reshard import Range
 
-def _inner_optimizers(opt: Any) -> list[Any]:
+def inner_optimizers(opt: Any) -> list[Any]:
     """The DistributedOptimizers inside a (possibly chained) megatron optimizer."""
     return list(getattr(opt, "chained_optimizers", None) or [opt])
 
@@ -46,13 +46,13 @@ def _gathers_in_step(chained: Any, inners: list[Any]) -> bool:
 def set_step_counts(optimizer: Any, step: float | None = None) -> None:
     """Every inner optimizer's step count := ``step`` (None: the one its param groups hold, as a
     checkpoint load leaves it), where that optimizer keeps one (``replica.state.set_step_count``)."""
-    for inner in _inner_optimizers(optimizer):
+    for inner in inner_optimizers(optimizer):
         state.set_step_count(inner.optimizer, state.layout_of(inner.optimizer), step)
 
 
 def step_count(optimizer: Any) -> float | None:
     """The step count every inner optimizer shares (None: an optimizer without one, SGD)."""
-    for inner in _inner_optimizers(optimizer):
+    for inner in inner_optimizers(optimizer):
         return state.step_count(inner.optimizer, state.layout_of(inner.optimizer))
     return None
 
@@ -80,7 +80,7 @@ class ReplicaMixin:
         self.ha_grad_stats: list[float | None] = [None, None]
         self._ha_listeners: list[Callable[[str, int], None]] = []
         # each inner optimizer's state layout (refused here, before training, if unknown)
-        self._ha_layouts = [state.layout_of(inner.optimizer) for inner in _inner_optimizers(self)]
+        self._ha_layouts = [state.layout_of(inner.optimizer) for inner in inner_optimizers(self)]
         self._ha_scalers_at_start: list[dict[str, Any]] = []
 
     def ha_add_listener(self, fn: Callable[[str, int], None]) -> None:
@@ -101,10 +101,10 @@ class ReplicaMixin:
     def ha_scaler_states(self) -> list[dict[str, Any]]:
         """Each inner optimizer's loss scaler, as plain numbers (what a resize carries over)."""
         return [{k: (v.item() if torch.is_tensor(v) else v) for k, v in _scaler_state(i).items()}
-                for i in _inner_optimizers(self)]
+                for i in inner_optimizers(self)]
 
     def ha_install_scaler_states(self, states: list[dict[str, Any]] | None) -> None:
-        for inner, saved in zip(_inner_optimizers(self), states or []):
+        for inner, saved in zip(inner_optimizers(self), states or []):
             mine = _scaler_state(inner)
             if saved and mine:
                 inner.grad_scaler.load_state_dict(
@@ -114,7 +114,7 @@ class ReplicaMixin:
         """Close an update window stopped before its arithmetic began: the shard is still at
         ``ha_iteration``, and so is the loss scaler again (megatron-core had updated it already)."""
         if self.ha_updating and not self.ha_touched:
-            for inner, saved in zip(_inner_optimizers(self), self._ha_scalers_at_start):
+            for inner, saved in zip(inner_optimizers(self), self._ha_scalers_at_start):
                 if saved:
                     inner.grad_scaler.load_state_dict(saved)
         self.ha_updating = False
@@ -124,7 +124,7 @@ class ReplicaMixin:
         self.ha_updating, self.ha_touched = True, False
         self.ha_grad_stats = [None, None]  # (grad norm, zeros in grad) of this update, once computed
         self._ha_scalers_at_start = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in _scaler_state(i).items()}
-                                     for i in _inner_optimizers(self)]
+                                     for i in inner_optimizers(self)]
         self._ha_notify("update_start", target)
         result = self._ha_base.step(self)
         self.ha_mark_update_end()  # no-op if the param-sync hook already marked it
@@ -162,7 +162,7 @@ class ReplicaMixin:
         # interrupt, so a rank stopped in its window either never touched its shard (still at
         # ha_iteration) or will finish the update (the dump relies on this).
         self.ha_touched = True
-        inners = _inner_optimizers(self)
+        inners = inner_optimizers(self)
         if len(inners) == 1 or not _gathers_in_step(self, inners):
             ready: bool = self._ha_base.step_with_ready_grads(self)
             return ready
@@ -183,7 +183,7 @@ class ReplicaMixin:
     # -- shard state -----------------------------------------------------------------------------
     def _ha_entries(self) -> Iterator[tuple[str, torch.Tensor, torch.nn.Parameter, Any]]:
         """(name, main_param, model_param, inner_optimizer) in a stable order."""
-        for o, inner in enumerate(_inner_optimizers(self)):
+        for o, inner in enumerate(inner_optimizers(self)):
             model_groups = [a + b for a, b in zip(inner.model_float16_groups, inner.model_fp32_groups)]
             for g, group in enumerate(inner.optimizer.param_groups):
                 for i, main in enumerate(group["params"]):
@@ -206,7 +206,7 @@ class ReplicaMixin:
         expert = ("expert", ps.get_expert_tensor_parallel_rank(), ps.get_expert_model_parallel_rank(),
                   ps.get_pipeline_model_parallel_rank())
         return {name: (p, dense if getattr(p, "allreduce", True) else expert)
-                for inner in _inner_optimizers(self) for p, name in compat.param_names(inner).items()}
+                for inner in inner_optimizers(self) for p, name in compat.param_names(inner).items()}
 
     def ha_state_ranges(self) -> dict[Range, tuple[torch.Tensor, ...]]:
         """This shard in parameter coordinates, what a reshard moves: ((position, parameter name),
@@ -216,7 +216,7 @@ class ReplicaMixin:
         back once the new values are in. The step count is not here: every entry shares its value."""
         self.ha_ensure_state()
         where = {name: position for name, (_, position) in self.ha_param_positions().items()}
-        layouts = dict(zip(map(id, _inner_optimizers(self)), self._ha_layouts))
+        layouts = dict(zip(map(id, inner_optimizers(self)), self._ha_layouts))
         out: dict[Range, tuple[torch.Tensor, ...]] = {}
         for _, main, model_param, inner in self._ha_entries():
             name = compat.param_name(inner, model_param)
@@ -228,14 +228,14 @@ class ReplicaMixin:
     def ha_install_state_ranges(self, ranges: dict[Range, tuple[torch.Tensor, ...]]) -> None:
         """After a reshard wrote into ``ranges`` (this optimizer's ``ha_state_ranges``): the copies
         among them back into the optimizer's own state."""
-        layouts = dict(zip(map(id, _inner_optimizers(self)), self._ha_layouts))
+        layouts = dict(zip(map(id, inner_optimizers(self)), self._ha_layouts))
         for (_, main, _, inner), values in zip(self._ha_entries(), ranges.values()):
             state.reshard_install(inner.optimizer, layouts[id(inner)], main, values)
 
     def ha_ensure_state(self) -> None:
         """Allocate the optimizer's state (a newcomer's optimizer has none until its first step):
         Adam's moments (and torch's per-parameter step), SGD's momentum where it has momentum."""
-        for inner, layout in zip(_inner_optimizers(self), self._ha_layouts):
+        for inner, layout in zip(inner_optimizers(self), self._ha_layouts):
             if not inner.optimizer.state and layout is not state.SGD:
                 compat.init_optimizer_state(inner)
             if layout is state.SGD:
@@ -254,11 +254,11 @@ class ReplicaMixin:
         parameter its main values and optimizer state (with scales), per inner optimizer its
         per-group step counts (fused Adam) and its loss scaler."""
         out: "collections.OrderedDict[str, torch.Tensor]" = collections.OrderedDict()
-        layouts = dict(zip(map(id, _inner_optimizers(self)), self._ha_layouts))
+        layouts = dict(zip(map(id, inner_optimizers(self)), self._ha_layouts))
         for name, main, _, inner in self._ha_entries():
             out[f"{name}.param"] = main.detach()
             state.export_param(inner.optimizer, layouts[id(inner)], main, name, out)
-        for o, inner in enumerate(_inner_optimizers(self)):
+        for o, inner in enumerate(inner_optimizers(self)):
             state.export_groups(inner.optimizer, layouts[id(inner)], f"o{o}", out, current())
             for k, v in sorted(_scaler_state(inner).items()):
                 out[f"o{o}.grad_scaler.{k}"] = (v.detach() if torch.is_tensor(v)
@@ -268,13 +268,13 @@ class ReplicaMixin:
     def ha_import_shard(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Overwrite this rank's shard with ``tensors`` (from ``ha_export_shard`` of a replica)."""
         self.ha_ensure_state()
-        layouts = dict(zip(map(id, _inner_optimizers(self)), self._ha_layouts))
+        layouts = dict(zip(map(id, inner_optimizers(self)), self._ha_layouts))
         with torch.no_grad():
             for name, main, _, inner in self._ha_entries():
                 if not _same(main, tensors[f"{name}.param"]):  # (a repair wrote into the live shard itself)
                     main.copy_(tensors[f"{name}.param"])
                 state.import_param(inner.optimizer, layouts[id(inner)], main, name, tensors)
-            for o, inner in enumerate(_inner_optimizers(self)):
+            for o, inner in enumerate(inner_optimizers(self)):
                 state.import_groups(inner.optimizer, layouts[id(inner)], f"o{o}", tensors)
                 mine = _scaler_state(inner)
                 if mine:

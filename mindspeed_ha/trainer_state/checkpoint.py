@@ -262,7 +262,7 @@ def writer_ready() -> None:
         _prewarm_thread.join()
 
 
-def _fix_adam_steps(optimizer) -> None:
+def fix_adam_steps(optimizer) -> None:
     """Traps 2 and 3 of a distributed-optimizer load on torch's Adam: after a load the per-parameter
     Adam ``step`` is not the checkpoint's (the right value is in the param group), and it is one
     tensor shared by every parameter, which torch's Adam would bump once per parameter per step.
@@ -299,7 +299,7 @@ def load(trainer, root: str, load_optim: bool = True, load_rng: bool = True, ver
     if load_optim:
         with torch.no_grad():  # fp32 shards are views of leaf parameters
             trainer.optimizer.load_state_dict(loaded["optimizer"])
-        _fix_adam_steps(trainer.optimizer)
+        fix_adam_steps(trainer.optimizer)
     trainer.scheduler.num_steps = 0  # load_state_dict *adds* the saved count (it expects a fresh scheduler)
     trainer.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if load_rng and "rng_state" in loaded:

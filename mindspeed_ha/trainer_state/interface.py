@@ -95,9 +95,9 @@ class TrainerInterface(abc.ABC):
         all-gather the rest, as the end of an optimizer step does. Same bits on healthy ranks."""
         import torch
         from mindspeed_ha import compat
-        from mindspeed_ha.replica.optimizer import _inner_optimizers
+        from mindspeed_ha.replica.optimizer import inner_optimizers
         with torch.no_grad():
-            for inner in _inner_optimizers(self.optimizer):
+            for inner in inner_optimizers(self.optimizer):
                 compat.copy_main_to_model_params(inner)
         for m in self.model_chunks:
             m.start_param_sync(force_sync=True)

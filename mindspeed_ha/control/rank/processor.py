@@ -270,13 +270,23 @@ class Processor:
         self._step_t0, self._waited_t0 = time.perf_counter(), self.waited_s()
         self._mark("forward")
 
-    def report_next_step(self) -> None:
-        """After an in-place recovery: heartbeat as soon as the next step ends (the controller's
-        MTTR ends there), not at the next heartbeat tick. The steps right after are a warm-up again
-        (new communicators, a recomputed step, peers catching up): their own work is not counted."""
+    def resumed(self) -> None:
+        """After an in-place recovery: the rank is healthy again, and heartbeats as soon as the next
+        step ends (the controller's MTTR ends there), not at the next heartbeat tick. The steps right
+        after are a warm-up again (new communicators, a recomputed step, peers catching up): their own
+        work is not counted."""
+        self.health = "ok"
         self._hb_on_step = True
         self._busy_sum, self._busy_n, self._busy_avg = 0.0, 0, 0.0
         self._judge_from = self.steps_done + WARM_UP_STEPS + 1
+
+    def saved(self, iteration: int) -> None:
+        """This rank saved ``iteration`` (heartbeats carry the newest)."""
+        self.checkpoint = int(iteration)
+
+    def replica_group(self, group: list[int]) -> None:
+        """This rank's replica group (job ranks) is ``group`` now (a new optimizer, a new layout)."""
+        self.groups = [list(group)]
 
     def step_end(self, iteration: int, loss: SupportsFloat | None = None) -> None:
         self.iteration = int(iteration)

@@ -132,9 +132,9 @@ def _resync_model_weights(prep: Prepared, plan: DumpPlan, world: World, chunk_by
 
 def _move_weights(views: list[torch.Tensor], sending: bool, peer: int, chunk: int) -> int:
     """Send these tensors' bytes to ``peer`` or receive them into them (as a repair moves a shard)."""
-    from mindspeed_ha.rank.recovery.repair import _move_bytes
+    from mindspeed_ha.rank.recovery.repair import move_bytes
     with torch.no_grad():
-        return _move_bytes(views, sending, peer, chunk)
+        return move_bytes(views, sending, peer, chunk)
 
 
 def _normalize(prep: Prepared, plan: DumpPlan) -> bool:

@@ -81,7 +81,7 @@ def transfer_shards(optimizer: ReplicaMixin, pairs: list[tuple[int, int]], rank:
         shard = optimizer.ha_export_shard()  # (live views: written in place on the receiver)
         if rank == dst:
             overwriting()
-        got += _move_bytes(list(shard.values()), sending=rank == src, peer=dist_rank(dst if rank == src else src),
+        got += move_bytes(list(shard.values()), sending=rank == src, peer=dist_rank(dst if rank == src else src),
                            chunk_bytes=chunk_bytes)
         if rank == dst:
             optimizer.ha_import_shard(shard)  # (what is not a live view: step counts, the loss scaler)
@@ -105,7 +105,7 @@ def _byte_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _move_bytes(tensors: list[torch.Tensor], sending: bool, peer: int, chunk_bytes: int) -> int:
+def move_bytes(tensors: list[torch.Tensor], sending: bool, peer: int, chunk_bytes: int) -> int:
     """Send ``tensors``' bytes to ``peer``, or receive the peer's into them, in messages of at most
     ``chunk_bytes`` (one buffer of that size on the rank's device; a tensor larger than a message
     spans several). Both ends walk the same sizes in the same order. Returns the bytes received."""
