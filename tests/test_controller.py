@@ -279,9 +279,9 @@ def test_a_rank_whose_training_thread_does_not_take_an_order_says_where_that_thr
     p = P.Processor(1, 4, 1, "n0", HAOptions(strategies=frozenset({"retry"}), log_dir=str(tmp_path)), [[1, 3]])
     p.events = EventLog.for_rank(str(tmp_path), 1)
     p.serve({"ha-status": lambda args: "here"}, training_thread=True)
-    p._training_ident = t.ident
+    p.watch.training_ident = t.ident
     p._dispatch({"action": "ha-status", "id": 7, "epoch": 1, "args": {}})
-    queued = p._queued_at
+    queued = p.watch.queued_at
     assert queued is not None
     p._check_held(queued + P.HELD_REPORT_S - 1)
     assert p.held == ""  # (not yet)
@@ -299,7 +299,7 @@ def test_a_rank_whose_training_thread_does_not_take_an_order_says_where_that_thr
         t.join()
     # The thread takes the order (here: this one, in its place): the report ends, the answer goes out.
     assert p.serve_order(timeout=1.0) == "ha-status"
-    assert p.held == "" and p._queued_at is None
+    assert p.held == "" and p.watch.queued_at is None
 
 
 def test_a_rank_whose_training_thread_runs_an_order_for_long_says_where_it_is(tmp_path):

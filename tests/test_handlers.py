@@ -328,7 +328,7 @@ def test_a_newcomer_whose_loop_builds_its_model_answers_the_scale_out_later():
     r, s, tools = _recovery(Session(trainer, strategies=("elastic-training",)))
     s.joining = True
     later = r.handlers()["scale-out"]({"plan": _elastic_plan("out"), **STORE})
-    from mindspeed_ha.control.rank.processor import Later
+    from mindspeed_ha.control.rank.orders import Later
     assert isinstance(later, Later) and "move_state" not in tools.names()
     sent: list[tuple] = []
     later._send = lambda ok, data=None, error="": sent.append((ok, data, error))

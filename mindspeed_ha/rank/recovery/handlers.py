@@ -27,7 +27,8 @@ from mindspeed_ha.rank.recovery.tools import LiveTools, RecoveryTools
 
 if TYPE_CHECKING:
     from mindspeed_ha.comm.stop import Stop
-    from mindspeed_ha.control.rank.processor import Later, Processor
+    from mindspeed_ha.control.rank.orders import Later
+    from mindspeed_ha.control.rank.processor import Processor
     from mindspeed_ha.options import HAOptions
     from mindspeed_ha.rank.recovery.dump import Prepared
     from mindspeed_ha.replica.topology import ReplicaTopology
@@ -202,7 +203,7 @@ class RankRecovery:
         (a peer lost, a stop) leaves ``unfinished`` set — the rank answers the next status with what it
         held before, the controller plans again with every loss known, and the next resize moves
         that state. Only a completed resize clears it."""
-        from mindspeed_ha.control.rank.processor import Later
+        from mindspeed_ha.control.rank.orders import Later
         from mindspeed_ha.plan import ElasticPlan
         self.s.stop.clear()
         # (a newcomer of Megatron-LM's loop has its groups only, no trainer's counters yet)

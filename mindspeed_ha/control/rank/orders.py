@@ -1,0 +1,141 @@
+"""A rank's orders: each taken once, run where it must, answered.
+
+``stop``, ``standby``, ``takeover`` and ``reconnect`` run on the processor thread at once (they must
+work while the training thread is blocked in a collective); the recovery's orders wait for the
+training thread, parked after a fault (``serve_order``); the rest run on a handler thread, so
+heartbeats go on meanwhile. A handler returns its answer (any msgpack tree, or a ``Later``) or
+raises: the exception is the failed answer.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import queue
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from ...events import get_logger
+from ..wire import protocol
+from .held import HeldWatch
+
+if TYPE_CHECKING:
+    from mindspeed_ha.comm.stop import Stop
+
+log = get_logger("control.processor")
+# An order's handler: its arguments -> its answer (a msgpack tree, or a Later).
+Handler = Callable[[dict[str, Any]], object]
+
+
+class Later:
+    """A handler's answer that is sent after the handler returns: the training loop has to run on
+    first (a newcomer of Megatron-LM's loop builds its model before it can finish a scale-out).
+    ``finish(fn)`` runs the rest and answers with its result (or its exception)."""
+
+    def __init__(self) -> None:
+        self._send: Callable[..., None] | None = None
+
+    def finish(self, fn: Callable[[], object]) -> bool:
+        assert self._send is not None  # (set when the handler that made it returned)
+        try:
+            data = fn()
+        except Exception as e:
+            log.exception("the rest of a handler failed")
+            self._send(False, error=f"{type(e).__name__}: {e}")
+            return False
+        self._send(True, data=data)
+        return True
+
+
+class Orders:
+    """The handlers, the two queues and the answers. ``inline``: the processor's own orders (run on its
+    thread); ``send(frame)``: an answer to the controller, from any thread."""
+
+    def __init__(self, rank: int, inline: Mapping[str, Handler], send: Callable[[bytes], None],
+                 watch: HeldWatch, stop: Stop) -> None:
+        self.rank, self._inline, self._send, self.watch, self.stop = rank, dict(inline), send, watch, stop
+        self.handlers: dict[str, Handler] = {}
+        self._main: queue.SimpleQueue[tuple[str, int, dict[str, Any]]] = queue.SimpleQueue()  # the training thread's
+        self._main_actions: set[str] = set()
+        self._work: queue.SimpleQueue[tuple[str, int, dict[str, Any]] | None] = queue.SimpleQueue()
+        self._done_ids: collections.deque[tuple[int, int]] = collections.deque(maxlen=256)
+
+    def serve(self, handlers: Mapping[str, Handler], training_thread: bool) -> None:
+        """Take orders: ``handlers`` maps an action to ``fn(args) -> answer``.
+        ``training_thread``: they need the training thread (collectives, the model): they wait in a
+        queue until that thread, parked after a fault, runs ``serve_order``."""
+        for action, fn in handlers.items():
+            self.handlers[action] = fn
+            (self._main_actions.add if training_thread else self._main_actions.discard)(action)
+
+    def first_time(self, epoch: int, aid: int) -> bool:
+        """An order not taken before (one is re-sent after a reconnection)."""
+        key = (epoch, aid)
+        if aid and key in self._done_ids:
+            return False
+        self._done_ids.append(key)
+        return True
+
+    def route(self, action: str, aid: int, args: dict[str, Any]) -> None:
+        """(processor thread) Run it now, or queue it for the thread that runs it."""
+        if action in self._inline:
+            self.run(action, aid, args)
+        elif action in self._main_actions:
+            self.watch.queued()
+            self._main.put((action, aid, args))
+        else:
+            self._work.put((action, aid, args))
+
+    def run(self, action: str, aid: int, args: dict[str, Any]) -> None:
+        fn = self.handlers.get(action) or self._inline.get(action)
+        if fn is None:
+            self.answer(action, aid, False, error=f"no handler for {action!r} on rank {self.rank}")
+            return
+        try:
+            answer = fn(args)
+        except Exception as e:
+            log.exception("handler %s failed", action)
+            self.answer(action, aid, False, error=f"{type(e).__name__}: {e}")
+            return
+        if isinstance(answer, Later):
+            answer._send = lambda ok, data=None, error="": self.answer(action, aid, ok, data=data, error=error)
+            return
+        self.answer(action, aid, True, data=answer)
+
+    def answer(self, action: str, aid: int, ok: bool, data: object = None, error: str = "") -> None:
+        fields = {"data": data} if ok and data is not None else {"error": error} if not ok else {}
+        try:
+            msg = protocol.encode("result", rank=self.rank, action=action, id=aid, ok=ok, pid=os.getpid(), **fields)
+        except protocol.ProtocolError as e:  # a handler's answer that is not a msgpack tree
+            msg = protocol.encode("result", rank=self.rank, action=action, id=aid, ok=False,
+                                  error=f"rank {self.rank} could not send its answer to {action}: {e}")
+        self._send(msg)
+
+    def serve_order(self, timeout: float) -> str | None:
+        """The training thread, parked after a fault: run the next order meant for it and send the
+        result. Returns the action's name, None on timeout."""
+        self.watch.on_training_thread()
+        try:
+            with self.stop.awaiting_orders():
+                action, aid, args = self._main.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        line = self.watch.taken(action, more_waiting=not self._main.empty())
+        if line:
+            log.warning("rank %d: %s", self.rank, line)
+        try:
+            self.run(action, aid, args)
+        finally:
+            line = self.watch.ended()
+            if line:
+                log.warning("rank %d: %s", self.rank, line)
+        return action
+
+    def work_loop(self) -> None:
+        """The handler thread: the orders that need neither the processor's thread nor the training one."""
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            self.run(*item)
+
+    def close(self) -> None:
+        self._work.put(None)

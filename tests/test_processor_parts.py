@@ -1,0 +1,98 @@
+"""The processor's parts on their own (control/rank/): a step's own work as the heartbeats carry it,
+and the controller a rank hosts, made by the factory it is handed. No thread, no socket."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from mindspeed_ha.control.rank.hosting import ControllerHost
+from mindspeed_ha.control.rank.own_work import OwnWork
+from mindspeed_ha.options import WARM_UP_STEPS
+
+
+class Clock:
+    """The step's time and the process's waits in collectives, as the test says they went."""
+
+    def __init__(self) -> None:
+        self.now = self.waited = 100.0
+
+    def step(self, work: OwnWork, own: float, waited: float) -> bool:
+        work.step_start()
+        self.now += own + waited
+        self.waited += waited
+        return work.step_end()
+
+
+def _steps(work: OwnWork, clock: Clock, own: list[float], waited: list[float]) -> list[bool]:
+    return [clock.step(work, o, w) for o, w in zip(own, waited)]
+
+
+def test_own_work_skips_the_warm_up_sends_its_first_figure_at_once_and_a_slow_step_alone():
+    clock = Clock()
+    work = OwnWork(1.3, lambda: clock.waited, lambda: clock.now)
+    now = _steps(work, clock, [1.0] * WARM_UP_STEPS, [5.0] * WARM_UP_STEPS)
+    assert now == [False] * WARM_UP_STEPS and work.take() is None  # (a warm-up: nothing counted)
+    assert _steps(work, clock, [1.0], [5.0]) == [True]        # the first figure goes out at once
+    assert work.take() == pytest.approx(1.0)  # (the waits are not the rank's own work)
+    assert _steps(work, clock, [1.0, 1.0], [0.0, 0.0]) == [False, False]
+    assert _steps(work, clock, [3.0], [0.0]) == [True]        # slower than itself lately: at once, alone
+    assert work.take() == pytest.approx(3.0) and work.take() is None
+    work.warm_up_again()                                # (after a recovery)
+    assert _steps(work, clock, [9.0] * WARM_UP_STEPS, [0.0] * WARM_UP_STEPS) == [False] * WARM_UP_STEPS
+    assert work.take() is None and work.steps_done == 2 * WARM_UP_STEPS + 4
+
+
+class Made:
+    """What the factory made: its arguments, and a controller's surface."""
+
+    def __init__(self, *given, **how) -> None:
+        self.given, self.how = given, how
+        self.standby = bool(how.get("standby"))
+        self.endpoint = f"tcp://host:{how['rank']}"
+        self.done = threading.Event()
+        self.settled: list[str] = []
+        self.epochs: list[int] = []
+        self.takeovers: list[dict] = []
+
+    def start(self) -> "Made":
+        return self
+
+    def close(self, timeout: float = 2.0) -> None:
+        pass
+
+    def saw_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+    def settle(self, rids) -> None:
+        self.settled.extend(rids)
+
+    def order_takeover(self, args: dict) -> None:
+        self.takeovers.append(args)
+
+
+def test_a_standby_is_made_once_with_what_every_controller_here_is_given_and_learns_what_was_settled():
+    host = ControllerHost(Made, rank=2)
+    host.configure("logs", 4, "options", "keys", job_id="j", job_store=None, local_exit=print)
+    host.settle(["1.fault.1"])
+    assert host.stand_by({"epoch": 3, "controller": 0}) == "tcp://host:2"
+    made = host.controller
+    assert isinstance(made, Made) and made.given == ("logs", 4, "options", "keys")
+    assert made.how == {"job_id": "j", "job_store": None, "local_exit": print, "rank": 2, "standby": True,
+                        "epoch": 3, "previous": 0, "settled": {"1.fault.1"}}
+    assert host.stand_by({"epoch": 4}) == "tcp://host:2" and host.controller is made  # (once)
+    host.settle(["3.fault.1"])
+    host.saw_epoch(5)
+    assert made.settled == ["3.fault.1"] and made.epochs == [5]
+    assert host.take_over({"reason": "migrate"}) == "tcp://host:2" and made.takeovers == [{"reason": "migrate"}]
+
+
+def test_a_rank_given_no_factory_refuses_to_stand_by_and_rank_0_starts_the_first_controller():
+    with pytest.raises(RuntimeError, match="rank 2 was given no controller to host"):
+        ControllerHost(None, rank=2).stand_by({})
+    with pytest.raises(RuntimeError, match="rank 1 runs no standby controller"):
+        ControllerHost(Made, rank=1).take_over({})
+    host = ControllerHost(Made, rank=0)
+    host.configure("logs", 4, "options", "keys", job_id="j")
+    host.start_first()
+    assert isinstance(host.controller, Made) and host.controller.how == {"job_id": "j", "rank": 0}
