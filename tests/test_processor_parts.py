@@ -96,3 +96,17 @@ def test_a_rank_given_no_factory_refuses_to_stand_by_and_rank_0_starts_the_first
     host.configure("logs", 4, "options", "keys", job_id="j")
     host.start_first()
     assert isinstance(host.controller, Made) and host.controller.how == {"job_id": "j", "rank": 0}
+
+
+def test_a_processor_handed_no_stop_imports_no_torch_until_its_stop_is_used(tmp_path):
+    """The control plane imports no torch: a processor made without a stop (a tool's, a test's) reaches
+    the process's stop only when an order uses it. Made in a fresh interpreter."""
+    import subprocess
+    import sys
+    code = (f"import sys\nfrom mindspeed_ha.control.rank.processor import Processor\n"
+            f"from mindspeed_ha.options import HAOptions\n"
+            f"p = Processor(1, 4, 1, 'n0', HAOptions(log_dir={str(tmp_path)!r}), [[1, 3]])\n"
+            f"assert not p.in_collective() and 'torch' not in sys.modules, 'torch imported'\n"
+            f"assert p.stop.report() == 'no stop in force' and 'torch' in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -11,14 +11,11 @@ from __future__ import annotations
 import collections
 import os
 import queue
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, ContextManager, Mapping
 
 from ...events import get_logger
 from ..wire import protocol
 from .held import HeldWatch
-
-if TYPE_CHECKING:
-    from mindspeed_ha.comm.stop import Stop
 
 log = get_logger("control.processor")
 # An order's handler: its arguments -> its answer (a msgpack tree, or a Later).
@@ -47,11 +44,13 @@ class Later:
 
 class Orders:
     """The handlers, the two queues and the answers. ``inline``: the processor's own orders (run on its
-    thread); ``send(frame)``: an answer to the controller, from any thread."""
+    thread); ``send(frame)``: an answer to the controller, from any thread; ``awaiting()``: the rank's
+    stop's ``awaiting_orders`` (the training thread waits for its orders inside)."""
 
     def __init__(self, rank: int, inline: Mapping[str, Handler], send: Callable[[bytes], None],
-                 watch: HeldWatch, stop: Stop) -> None:
-        self.rank, self._inline, self._send, self.watch, self.stop = rank, dict(inline), send, watch, stop
+                 watch: HeldWatch, awaiting: Callable[[], ContextManager[None]]) -> None:
+        self.rank, self._inline, self._send, self.watch = rank, dict(inline), send, watch
+        self._awaiting = awaiting
         self.handlers: dict[str, Handler] = {}
         self._main: queue.SimpleQueue[tuple[str, int, dict[str, Any]]] = queue.SimpleQueue()  # the training thread's
         self._main_actions: set[str] = set()
@@ -114,7 +113,7 @@ class Orders:
         result. Returns the action's name, None on timeout."""
         self.watch.on_training_thread()
         try:
-            with self.stop.awaiting_orders():
+            with self._awaiting():
                 action, aid, args = self._main.get(timeout=timeout)
         except queue.Empty:
             return None

@@ -48,11 +48,9 @@ class Processor:
                  controller_factory: ControllerFactory | None = None, stop: Stop | None = None):
         """``controller_factory``: makes the controller this rank may host (``hosting``; None: it hosts
         none). ``stop``: the rank's stop, which the controller's stop orders request and whose evidence
-        heartbeats carry (None: the process's, ``comm.interruptible.PROCESS_STOP``)."""
-        if stop is None:
-            from mindspeed_ha.comm.interruptible import PROCESS_STOP
-            stop = PROCESS_STOP
-        self.stop = stop
+        heartbeats carry (None: the process's, ``comm.interruptible.PROCESS_STOP``, reached when first
+        used: the control plane imports no torch)."""
+        self._stop = stop
         self.rank, self.world, self.local_rank, self.node = rank, world_size, local_rank, node or _socket.gethostname()
         self.options = options
         self.groups = [list(map(int, g)) for g in (replica_groups or []) if rank in g]
@@ -78,12 +76,20 @@ class Processor:
         self.events: EventLog | None = events  # the rank's event log, when the caller has one open
         self.board: ProgressBoard | None = None
         # Whether the training thread waits in a collective (for a peer, not stuck itself): the stop's evidence.
-        self.in_collective: Callable[[], bool] = stop.in_flight.waiting
-        self.work = OwnWork(options.straggler_ratio, stop.in_flight.waited_s)
-        self.watch = HeldWatch(stop.report)
+        # (none handed: a process of the control plane's tests and tools, with no collectives to wait in)
+        self.in_collective: Callable[[], bool] = stop.in_flight.waiting if stop else (lambda: False)
+        self.work = OwnWork(options.straggler_ratio, stop.in_flight.waited_s if stop else (lambda: 0.0))
+        self.watch = HeldWatch(lambda: self.stop.report())
         self.orders = Orders(rank, {"stop": self._stop_collectives, "standby": self.host.stand_by,
                                     "takeover": self.host.take_over, "reconnect": self._reconnect},
-                             self._send_answer, self.watch, stop)
+                             self._send_answer, self.watch, lambda: self.stop.awaiting_orders())
+
+    @property
+    def stop(self) -> Stop:
+        if self._stop is None:
+            from mindspeed_ha.comm.interruptible import PROCESS_STOP
+            self._stop = PROCESS_STOP
+        return self._stop
 
     # ---- life ---------------------------------------------------------------------------------
     def start(self) -> "Processor":
