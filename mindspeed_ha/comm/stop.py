@@ -156,7 +156,6 @@ class Stop:
         self.grace_s, self.uncovered_grace_s = STOP_GRACE_S, UNCOVERED_GRACE_S
         self.backstop_s, self.deadline_s = BACKSTOP_S, STOP_DEADLINE_S
         self._abort_communicators = abort_communicators
-        self._abort_hooks: list[Callable[[str], None]] = []
         self._held_hooks: list[Callable[[str], None]] = []
         self._set = threading.Event()
         self._reason = ""
@@ -265,9 +264,9 @@ class Stop:
             except Exception:  # a failing report must not stop the others
                 _log().exception("a held hook failed")
 
-    def abort_now(self, reason: str = "", why: str = "") -> None:
+    def abort_now(self, why: str = "") -> None:
         """Abort every stream-ordered communicator of this process now, at once and within the deadline
-        (``comm.abort``), then run the abort hooks. A commit point refuses from here until ``clear()``."""
+        (``comm.abort``). A commit point refuses from here until ``clear()``."""
         self._aborted = True  # (first: a commit point that sees the abort's effect sees this too)
         t0 = time.monotonic()
         began = t0 - self._stopped_at if self._set.is_set() else 0.0
@@ -276,11 +275,6 @@ class Stop:
             report = self._abort_communicators(self.deadline_s)
             if report is not None:
                 self._abort_report = report
-        for hook in list(self._abort_hooks):
-            try:
-                hook(reason or self._reason)
-            except Exception:  # a failing abort must not stop the others
-                pass
         self._abort_info = (began, time.monotonic() - t0, why or "asked")
 
     def aborted(self) -> bool:
@@ -391,15 +385,6 @@ class Stop:
             raise e
 
     # ---- hooks ----------------------------------------------------------------------------------------
-    def add_abort_hook(self, fn: Callable[[str], None]) -> None:
-        """``fn(reason)`` runs after the communicators' abort (e.g. a trainer's own communicators)."""
-        if fn not in self._abort_hooks:
-            self._abort_hooks.append(fn)
-
-    def remove_abort_hook(self, fn: Callable[[str], None]) -> None:
-        if fn in self._abort_hooks:
-            self._abort_hooks.remove(fn)
-
     def add_held_hook(self, fn: Callable[[str], None]) -> None:
         """``fn(why)`` runs when the training thread has not reached the recovery within the deadline
         of a stop's abort (the session reports the rank hung, to be replaced)."""
