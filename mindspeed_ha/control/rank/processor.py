@@ -35,11 +35,18 @@ if TYPE_CHECKING:
     from mindspeed_ha.comm.stop import Stop
 
 log = get_logger("control.processor")
-def _agent_node() -> dict[str, int]:
-    """The node rank of the ``mindspeed-ha run`` agent that started this process (none: another
-    launcher, which cannot restart it)."""
-    node = os.environ.get("MINDSPEED_HA_AGENT_NODE", "")
-    return {"agent_node": int(node)} if node.isdigit() else {}
+
+
+def register_frame(rank: int, world: int, node: str, local_rank: int, groups: list[list[int]],
+                   iteration: int) -> bytes:
+    """What a rank says to each controller it connects to: who it is, where, its replica groups,
+    how far it trained, how often it was restarted and the node rank of the ``mindspeed-ha run``
+    agent that started it (none: another launcher, which cannot restart it)."""
+    agent = os.environ.get("MINDSPEED_HA_AGENT_NODE", "")
+    return protocol.encode("register", rank=rank, world=world, node=node, pid=os.getpid(),
+                           local_rank=local_rank, groups=groups, host=this_host(), iteration=iteration,
+                           restarts=int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0),
+                           **({"agent_node": int(agent)} if agent.isdigit() else {}))
 
 
 class Processor:
@@ -111,8 +118,9 @@ class Processor:
                             local_exit=self._exit_now, job_store=self.job_store)
         if self.rank == 0 and in_rank0 and not restarted:
             self.host.start_first()
-        self.link = ControllerLink(self.keys, self.log_dir, self.job_id, self._hello, self.options.heartbeat_s,
-                                   name=f"rank {self.rank}", store=self.job_store)
+        self.link = ControllerLink(self.keys, self.log_dir, self.job_id, lambda: register_frame(
+                                       self.rank, self.world, self.node, self.local_rank, self.groups, self.iteration),
+                                   self.options.heartbeat_s, name=f"rank {self.rank}", store=self.job_store)
         self._thread = threading.Thread(target=self._run, name="mindspeed-ha-processor", daemon=True)
         self._worker = threading.Thread(target=self.orders.work_loop, name="mindspeed-ha-handlers", daemon=True)
         self._t_start = time.monotonic()
@@ -251,13 +259,6 @@ class Processor:
             self._hb_now = True
 
     # ---- processor thread ---------------------------------------------------------------------
-    def _hello(self) -> bytes:
-        return protocol.encode("register", rank=self.rank, world=self.world, node=self.node, pid=os.getpid(),
-                               local_rank=self.local_rank, groups=self.groups, host=this_host(),
-                               iteration=self.iteration,
-                               restarts=int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0),
-                               **_agent_node())
-
     def _run(self) -> None:
         assert self.link is not None and self.events is not None  # (start() made them before this thread)
         hb = self.options.heartbeat_s
