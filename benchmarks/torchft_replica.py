@@ -37,12 +37,12 @@ def main() -> None:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
-    from mindspeed_ha.trainer import builtin, data
+    from mindspeed_ha.trainer import configs, data
 
     dist.init_process_group("gloo")  # world of 1: megatron-core's groups, and the Manager's TCPStore
     ps.initialize_model_parallel(1, 1)
-    builtin.set_seed(args.seed)
-    config = builtin.BuiltinTrainer(args, None)._transformer_config()
+    configs.set_seed(args.seed)
+    config = configs.transformer_config(args)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
                      vocab_size=data.padded_vocab_size(args.vocab_size, 1),
                      max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,

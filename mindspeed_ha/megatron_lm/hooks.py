@@ -15,7 +15,9 @@ import time
 from mindspeed_ha.events import get_logger
 
 from .entry import CPU_ARGS, close_session, device_in_use, fail
-from .trainer import SETUP, LoopOptimizer, MegatronLMTrainer, unwrap_optimizer
+from .objects import SETUP
+from .relayout import LoopOptimizer, unwrap_optimizer
+from .trainer import MegatronLMTrainer
 
 log = get_logger("megatron_lm")
 # A restarted worker's set-up (Megatron-LM's initialize, model, optimizer, data loaders) runs while the

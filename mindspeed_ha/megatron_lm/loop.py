@@ -1,9 +1,12 @@
-"""Where Megatron-LM's own training loop is, and what the step in flight has done: the state the
-adaptor keeps so that a recovery can bring the loop and the trainer back into step."""
+"""Where Megatron-LM's own training loop is and what it reads: the state the adaptor keeps so that a
+recovery can bring the loop and the trainer back into step (the step in flight: ``step.StepRecord``)."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable, NamedTuple
+
+from mindspeed_ha.device.backends import EMULATED_NCCL
+from mindspeed_ha.trainer.replay import Replayable
 
 
 class LoopFunctions(NamedTuple):
@@ -28,15 +31,62 @@ class LoopPosition:
     enter_at: int | None = None               # a joiner after a reload: the survivors' iteration
 
 
-@dataclasses.dataclass
-class StepRecord:
-    """What the step in flight has done so far: a roll-forward reuses its forward-backward output,
-    a restarted twin takes its DP-reduced losses, and a rollback undoes what its tail advanced."""
-    done: bool = False                        # it returned: the loop is between steps (e.g. saving)
-    out: tuple | None = None                  # what it returned (for the loop's call, if a fault came after)
-    fb_out: list | None = None                # its forward-backward output
-    reduced: dict | None = None               # its [loss sum, tokens] reduced over DP (under recover)
-    reduced_mark: tuple | None = (-1, 0)      # interruptible.commit_mark() as they were issued (None: a twin's, whole)
-    samples_hash: Any = None                  # its global batch's samples (tokens_fingerprint), on the device
-    samples_mark: tuple = (-1, 0)             # interruptible.commit_mark() when that sum was issued
-    at_start: dict = dataclasses.field(default_factory=dict)  # scheduler, rerun state, timers at its start
+
+class LoopData:
+    """The loop's data iterator, read through Replayable so that a rollback can hand the failed step
+    its microbatches again (Megatron-LM's loop keeps its iterator object, a list of them for an
+    interleaved pipeline). Megatron's RerunDataIterator stays the outer object: its rerun state
+    machine checks the type."""
+
+    def __init__(self) -> None:
+        self.iterator: Any = None          # what the loop's steps read: the loop's own, wrapped
+        self.replays: list[Replayable] = []
+        self._loop_iter: Any = None
+
+    def bind(self, data_iterator) -> None:
+        """The loop's iterator (it hands the same object every step: wrapped once)."""
+        if data_iterator is self._loop_iter:
+            return
+        from megatron.core.rerun_state_machine import RerunDataIterator
+        self._loop_iter, self.replays = data_iterator, []
+
+        def wrap(d):
+            if d is None:  # ranks that receive their batch from TP rank 0
+                return None
+            if isinstance(d, RerunDataIterator):
+                if not isinstance(d.iterable, Replayable):
+                    d.iterable = Replayable(d.iterable)
+                self.replays.append(d.iterable)
+                return d
+            self.replays.append(Replayable(d))
+            return self.replays[-1]
+        self.iterator = [wrap(d) for d in data_iterator] if isinstance(data_iterator, list) else wrap(data_iterator)
+
+    def rewind(self) -> None:
+        """The step starts over: what it drew comes again."""
+        for r in self.replays:
+            r.rewind()
+
+    def restart(self, fresh) -> None:
+        """Reads come from ``fresh`` (a new layout's iterator; inside Megatron's RerunDataIterator)."""
+        for r in self.replays:
+            r.restart(getattr(fresh, "iterable", fresh))
+
+
+def keep_pipeline_outputs(config) -> None:
+    """Megatron-LM frees a stage's output once its send is posted (the storage swapped out under the
+    tensor). A gloo send (the emulated NCCL's too) still running in the background (an interleaved
+    pipeline overlaps its transfers) then reads freed memory: NaN losses. Off on those backends."""
+    import torch.distributed as dist
+    if config.deallocate_pipeline_outputs and dist.get_backend() in ("gloo", EMULATED_NCCL):
+        config.deallocate_pipeline_outputs = False
+
+
+def own_train_step(fns: LoopFunctions | None, model_chunks) -> tuple[Callable, Any]:
+    """Megatron-LM's own train_step and the model config (a restarted rank rolling forward has not
+    been called by the loop yet: the unpatched function and its model's config)."""
+    if fns is not None:
+        return fns.train_step, fns.config
+    import megatron.training.training as training
+    from megatron.core.utils import get_model_config
+    return getattr(training.train_step, "__wrapped__", training.train_step), get_model_config(model_chunks[0])

@@ -7,50 +7,29 @@ MockGPTDataset or indexed datasets, dist_checkpointing. Megatron-LM's argument n
 from __future__ import annotations
 
 import argparse
-import random
 import time
 from datetime import timedelta
 from functools import partial
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps, tensor_parallel
+from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.num_microbatches_calculator import get_num_microbatches, init_num_microbatches_calculator
 from megatron.core import optimizer as megatron_optimizer
-from megatron.core.optimizer import OptimizerConfig
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 from mindspeed_ha.comm.interruptible import PROCESS_STOP
 from mindspeed_ha.device import current
 from mindspeed_ha.events import get_logger
-from mindspeed_ha.trainer import data
+from mindspeed_ha.trainer import configs, data
 from mindspeed_ha.trainer_state import checkpoint
 from mindspeed_ha.trainer_state.interface import TrainerInterface
 
 log = get_logger("trainer")
-
-
-def set_seed(seed: int) -> None:
-    # Same seed on every rank, like Megatron-LM; PP stages offset it so their layers differ.
-    seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def _dtype(a) -> torch.dtype:
-    return torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
 
 
 class BuiltinTrainer(TrainerInterface):
@@ -82,7 +61,7 @@ class BuiltinTrainer(TrainerInterface):
         self.init_parallel()
         init_num_microbatches_calculator(dist.get_rank(), None, a.global_batch_size, a.micro_batch_size,
                                          ps.get_data_parallel_world_size())
-        set_seed(a.seed)
+        configs.set_seed(a.seed)
         timed("parallel_state")
         vpp = a.virtual_pipeline_model_parallel_size
         self.model_chunks = [self._build_model(replicas, not joining, vp) for vp in ([None] if vpp is None else
@@ -90,7 +69,7 @@ class BuiltinTrainer(TrainerInterface):
         timed("model")
         self.optimizer = self._build_optimizer()
         timed("optimizer")
-        self.scheduler = self._build_scheduler()
+        self.scheduler = configs.scheduler(self.optimizer, a)
         if not joining:
             self.dataset = dataset or data.build_train_dataset(a, a.train_iters * a.global_batch_size)
         s.attach_trainer(self)
@@ -140,29 +119,6 @@ class BuiltinTrainer(TrainerInterface):
             distributed_timeout_minutes=a.distributed_timeout_minutes)
         groups.seal()
 
-    def _transformer_config(self) -> TransformerConfig:
-        a = self.args
-        return TransformerConfig(
-            num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
-            ffn_hidden_size=a.ffn_hidden_size, hidden_dropout=a.hidden_dropout,
-            attention_dropout=a.attention_dropout, use_cpu_initialization=True,
-            tensor_model_parallel_size=a.tensor_model_parallel_size,
-            pipeline_model_parallel_size=a.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=a.virtual_pipeline_model_parallel_size,
-            context_parallel_size=a.context_parallel_size, sequence_parallel=a.sequence_parallel,
-            num_moe_experts=a.num_experts, moe_router_topk=a.moe_router_topk,
-            expert_model_parallel_size=a.expert_model_parallel_size,
-            bf16=a.bf16, fp16=a.fp16, params_dtype=_dtype(a), pipeline_dtype=_dtype(a),
-            bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-            bias_dropout_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
-            moe_token_dispatcher_type="allgather",
-            # Each point-to-point op on its own, in an order that pairs every send with its receive,
-            # and waited for. Batched, an interleaved PP=2 stage posts a gradient and an activation
-            # to the same peer in the order the peer posts their receives the other way round: gloo
-            # matches them by order, and the two tensors swap (same shape, no error).
-            batch_p2p_comm=False, overlap_p2p_comm=False,
-            finalize_model_grads_func=self._finalize_grads)
-
     def prepare_join(self, dataset=None) -> None:
         """Before a restarted worker has any group: build the dataset now (unless a spare built it
         already), because its builder ends with a barrier over the default group."""
@@ -173,7 +129,7 @@ class BuiltinTrainer(TrainerInterface):
         """The model chunk of this pipeline stage (``vp_stage``: which of an interleaved one's)."""
         a = self.args
         if vp_stage is None or vp_stage == 0:
-            self.config = self._transformer_config()
+            self.config = configs.transformer_config(a, self._finalize_grads)
         config = self.config
         model = GPTModel(
             config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=a.num_experts),
@@ -205,28 +161,6 @@ class BuiltinTrainer(TrainerInterface):
             ddp.broadcast_params()
         return ddp
 
-    def _optimizer_config(self) -> OptimizerConfig:
-        a = self.args
-        return OptimizerConfig(
-            optimizer=a.optimizer, lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay,
-            adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, sgd_momentum=a.sgd_momentum,
-            clip_grad=a.clip_grad, bf16=a.bf16, fp16=a.fp16, params_dtype=_dtype(a), loss_scale=a.loss_scale,
-            initial_loss_scale=a.initial_loss_scale, min_loss_scale=a.min_loss_scale,
-            loss_scale_window=a.loss_scale_window, hysteresis=a.hysteresis,
-            optimizer_cpu_offload=a.optimizer_cpu_offload, use_distributed_optimizer=a.use_distributed_optimizer,
-            use_precision_aware_optimizer=a.use_precision_aware_optimizer,
-            main_params_dtype=_DTYPES[a.main_params_dtype], exp_avg_dtype=_DTYPES[a.exp_avg_dtype],
-            exp_avg_sq_dtype=_DTYPES[a.exp_avg_sq_dtype])
-
-    def _build_scheduler(self) -> OptimizerParamScheduler:
-        a = self.args
-        gbs = a.global_batch_size
-        return OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0, max_lr=a.lr, min_lr=a.min_lr,
-            lr_warmup_steps=a.lr_warmup_iters * gbs, lr_decay_steps=a.lr_decay_iters * gbs,
-            lr_decay_style=a.lr_decay_style, start_wd=a.weight_decay, end_wd=a.weight_decay,
-            wd_incr_steps=a.train_iters * gbs, wd_incr_style="constant")
-
     def checkpoint_args(self) -> argparse.Namespace:
         a = self.args
         keep = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
@@ -243,7 +177,7 @@ class BuiltinTrainer(TrainerInterface):
         return self._wrap(ddp.module, replicas, broadcast=False)
 
     def _build_optimizer(self):
-        optimizer = megatron_optimizer.get_megatron_optimizer(self._optimizer_config(), self.model_chunks)
+        optimizer = megatron_optimizer.get_megatron_optimizer(configs.optimizer_config(self.args), self.model_chunks)
         self.config.grad_scale_func = optimizer.scale_loss  # (as Megatron-LM: the loss scaler's scale, fp16)
         return optimizer
 
