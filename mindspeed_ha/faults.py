@@ -25,7 +25,13 @@ class CommFault(RuntimeError):
 
 class CollectiveStopped(RuntimeError):
     """Raised in the thread blocked in (or entering) a collective after a stop was requested
-    (``comm.stop``)."""
+    (``comm.stop``). ``never_entered``: the faulted ranks (of the default group) that never entered
+    the collective it left, which is why it left before its grace (empty: left at its grace, or at
+    its entry)."""
+
+    def __init__(self, *args: object, never_entered: list[int] | None = None) -> None:
+        super().__init__(*args)
+        self.never_entered = list(never_entered or [])
 
 
 # Substrings, matched case-insensitively on the message of the exception and of its causes.

@@ -45,6 +45,7 @@ class FakePort:
         self.pending_first_step = False
         self.fed: list[Outcome] = []
         self.faults: list[tuple] = []
+        self.entered: list = []  # what each fault's report said of the collectives its rank issued
         self.calls: list[tuple] = []
         self.migration_answer: str | None = None
         self.hand_over_answer: str | None = None
@@ -61,8 +62,10 @@ class FakePort:
     def feed(self, outcome):
         self.fed.append(outcome)
 
-    def fault(self, ranks, kind, iteration, phase, detect_s=0.0, detail="", key=None, rid=None, feed=True):
+    def fault(self, ranks, kind, iteration, phase, detect_s=0.0, detail="", key=None, rid=None, feed=True,
+              entered=None):
         self.faults.append((list(ranks), kind, iteration, phase, detail, key, rid))
+        self.entered.append(entered)
         return True
 
     def become_active(self, epoch, now):
@@ -486,9 +489,11 @@ def test_the_inbox_turns_reports_into_faults():
     job = Job()
     handlers = job.inbox().handlers()
     handlers["fault"](b"\x01", protocol.decode(protocol.encode(
-        "fault", rank=1, kind="memory-error", iteration=6, phase="backward", detail="UCE", rid="101.fault.1")))
+        "fault", rank=1, kind="memory-error", iteration=6, phase="backward", detail="UCE", rid="101.fault.1",
+        entered={"member": 1, "counts": {"k-dp": 7}})))
     assert job.port.faults[-1] == ([1], "memory-error", 6, "backward", "UCE", ("fault", 1, "memory-error", None),
                                    "101.fault.1")
+    assert job.port.entered[-1] == {"member": 1, "counts": {"k-dp": 7}}
     assert job.table.ranks[1].health == "faulty" and job.table.ranks[1].it == 6
     handlers["exit"](b"a", {"t": "exit", "rank": 2, "pid": 999, "code": 1})  # an older incarnation
     handlers["exit"](b"a", {"t": "exit", "rank": 2, "pid": 102, "code": 0})  # ended its work

@@ -29,7 +29,7 @@ class Processor:
         self.served.append(action)
         return action
 
-    def report_fault(self, kind: str, detail: str, iteration: int, phase: str) -> None:
+    def report_fault(self, kind: str, detail: str, iteration: int, phase: str, entered=None) -> None:
         self.faults.append((kind, iteration, phase))
 
 

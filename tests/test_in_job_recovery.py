@@ -77,6 +77,10 @@ def test_uce_each_phase_dp4(tmp_path, ref, name, backend):
     repaired = [(e["rank"], e["sources"]) for e in all_rank_events(tmp_path) if e["event"] == "repaired"]
     for r, _, _ in faults:
         assert (r, [TWIN[r]]) in repaired, repaired
+    # A survivor waiting in a collective the faulted rank never entered (its report's counts say so)
+    # left it without waiting out the stop's grace; the losses above are the fault-free run's all the same.
+    left = [e for e in all_rank_events(tmp_path) if e["event"] == "left_collective"]
+    assert any(r in e.get("never_entered", []) for r, _, _ in faults for e in left), left
 
 
 @extended_test  # (TP=2 x DP=4 in CI: test_ttp's dumps; retry and recover at DP=4 and in pipelines)

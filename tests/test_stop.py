@@ -127,6 +127,78 @@ def test_a_stop_with_nothing_pending_aborts_nothing_and_every_result_is_whole():
     stop.clear()
 
 
+def _groups(group):
+    """Stand-in for the wrappers' group identity: group "dp" has ranks 0-3, "tp" ranks 0 and 4."""
+    return {"dp": ("k-dp", frozenset({0, 1, 2, 3})), "tp": ("k-tp", frozenset({0, 4}))}[group]
+
+
+def test_a_collective_a_faulted_rank_never_entered_is_left_at_once_and_one_it_entered_waits_its_grace():
+    stop = Stop(identify_group=_groups)
+    stop.grace_s = 30.0  # (far longer than the test: only never_entered can end a wait)
+    issued = [stop.issued.issue("dp", "all_reduce") for _ in range(3)]
+    broadcast = stop.issued.issue("dp", "broadcast")   # counted, but a broadcast completes without every member
+    tp = stop.issued.issue("tp", "all_gather_into_tensor")
+    assert [t[1] for t in issued] == [1, 2, 3] and broadcast is None and tp == ("k-tp", 1, frozenset({0, 4}))
+    # Rank 2 faulted having issued two collectives of dp, none of tp (it is not a member).
+    stop.request("memory-error on rank(s) [2]", entered={"2": {"member": 2, "counts": {"k-dp": 2}}})
+    now = time.monotonic()
+    assert [stop.grace_over(now, t) for t in issued] == [False, False, True]
+    assert not stop.grace_over(now, tp) and not stop.grace_over(now, None)
+    # A second faulted rank's counts join the first's while the stop is in force.
+    stop.request("comm-failure on rank(s) [4]", entered={"4": {"member": 4, "counts": {}}})
+    assert stop.grace_over(now, tp) and stop.never_entered(tp) == [4]
+    with pytest.raises(CollectiveStopped, match=r"never entered by rank\(s\) \[2\]") as left:
+        stop.raise_stopped(issued[2])
+    assert left.value.never_entered == [2]
+    stop.clear()
+    assert not stop.never_entered(issued[2])
+
+
+def test_counts_align_only_from_a_resume_to_the_next_stop_or_fault():
+    """A stop leaves collectives counted here and never issued elsewhere: counts sent after it are
+    not sent at all, and a stop that comes while this rank's counts are not aligned compares nothing;
+    a resume starts them again, from one."""
+    stop = Stop(identify_group=_groups)
+    stop.grace_s = 30.0
+    stop.issued.issue("dp", "all_reduce")
+    assert stop.issued.freeze() == {"k-dp": 1}  # (this rank's own fault report: aligned once)
+    assert stop.issued.freeze() is None
+    late = stop.issued.issue("dp", "all_reduce")
+    stop.request("a peer faulted", entered={"2": {"member": 2, "counts": {"k-dp": 0}}})
+    assert not stop.never_entered(late)  # (this rank's counts were not aligned when the stop came)
+    stop.clear()
+    stop.issued.restart()
+    assert stop.issued.issue("dp", "all_reduce")[1] == 1
+    stop.request("a peer faulted", entered={"2": {"member": 2, "counts": {"k-dp": 0}}})
+    assert stop.never_entered(("k-dp", 1, frozenset({0, 1, 2, 3})))
+    assert stop.issued.freeze() is None  # (a stop ends the alignment too)
+    stop.clear()
+    assert Stop().issued.issue("dp", "all_reduce") is None  # (no identity: nothing counted)
+
+
+def test_a_stream_ordered_stop_aborts_at_once_when_no_pending_collective_can_complete():
+    comms = _Communicators()
+    stop = Stop(abort_communicators=comms, identify_group=_groups)
+    stop.grace_s, stop.backstop_s = 30.0, 60.0
+    stop.in_flight.issued(_Work(), stop.issued.issue("dp", "all_reduce"))
+    stop.request("memory-error on rank(s) [1]", entered={"1": {"member": 1, "counts": {}}})
+    assert _until(stop.aborted, timeout=2.0)
+    assert comms.calls == [stop.deadline_s]
+    with pytest.raises(CollectiveStopped) as refused:
+        stop.commit_point("the update")
+    assert refused.value.never_entered == [1]
+    stop.clear()
+    # One pending collective the faulted rank entered: the grace is waited for it.
+    other = Stop(abort_communicators=comms, identify_group=_groups)
+    other.grace_s, other.backstop_s = 30.0, 60.0
+    other.in_flight.issued(_Work(), other.issued.issue("dp", "all_reduce"))
+    other.in_flight.issued(_Work(), other.issued.issue("dp", "all_reduce"))
+    other.request("memory-error on rank(s) [1]", entered={"1": {"member": 1, "counts": {"k-dp": 1}}})
+    time.sleep(0.3)
+    assert not other.aborted()
+    other.clear()
+
+
 def test_a_training_thread_that_never_reaches_the_recovery_is_reported_held_once():
     """After the abort, the deadline passes with the thread still in its step: the held hooks are
     told why, once. A thread that reached the recovery (awaiting its orders) is not held."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import hashlib
 import inspect
 import queue
 import threading
@@ -42,7 +43,7 @@ import torch.distributed as dist
 
 from mindspeed_ha import compat
 from mindspeed_ha.comm import abort
-from mindspeed_ha.comm.stop import WAIT_SLICE_S, CollectiveStopped, Stop
+from mindspeed_ha.comm.stop import WAIT_SLICE_S, CollectiveStopped, Stop, Tag
 from mindspeed_ha.device import backends
 
 __all__ = ["PROCESS_STOP", "CollectiveStopped", "PollingWork", "Stop", "alone", "make_interruptible",
@@ -51,22 +52,33 @@ __all__ = ["PROCESS_STOP", "CollectiveStopped", "PollingWork", "Stop", "alone", 
 
 _SLICE = datetime.timedelta(seconds=WAIT_SLICE_S)
 
+
+def _group_identity(group) -> tuple[str, frozenset]:
+    """A group's key and members, as ranks of the default group: the same on every member."""
+    try:
+        members = dist.get_process_group_ranks(compat.resolve_group(group))
+    except Exception:  # (a group c10d does not know: counted apart, and never left before its grace)
+        return f"unknown-{id(group)}", frozenset()
+    return hashlib.blake2b(",".join(map(str, members)).encode(), digest_size=8).hexdigest(), frozenset(members)
+
+
 # The process's stop: the one the installed wrappers obey, the processor requests and the recovery
 # clears (the session hands it to both).
-PROCESS_STOP = Stop(abort_communicators=abort.abort_registered)
+PROCESS_STOP = Stop(abort_communicators=abort.abort_registered, identify_group=_group_identity)
 
 # This thread's state inside the wrappers: .issuing (an outer wrapper's call is under way), .blocks
 # (its open coalescing blocks).
 _thread = threading.local()
 
 
-def wait_work(work, stop: Stop, p2p: bool = False) -> None:
-    """Wait for a c10d ``Work``, raising ``CollectiveStopped`` once ``stop`` is requested."""
+def wait_work(work, stop: Stop, p2p: bool = False, tag: Tag | None = None) -> None:
+    """Wait for a c10d ``Work``, raising ``CollectiveStopped`` once ``stop`` is requested (``tag``: the
+    collective's, as ``Stop.issued`` counted it)."""
     if work.is_completed() or stop.requested():
-        return _wait_work(work, stop, p2p)
+        return _wait_work(work, stop, p2p, tag)
     token = stop.in_flight.polled.begin()
     try:
-        _wait_work(work, stop, p2p)
+        _wait_work(work, stop, p2p, tag)
     finally:
         stop.in_flight.polled.end(token)
 
@@ -82,7 +94,7 @@ def _wait_stream(work, kind: str, stop: Stop) -> None:
         waits.end(token)
 
 
-def _wait_work(work, stop: Stop, p2p: bool = False) -> None:
+def _wait_work(work, stop: Stop, p2p: bool = False, tag: Tag | None = None) -> None:
     """(``wait_work``'s body.)
 
     Collectives that complete asynchronously (those with a future): ``work.wait(slice)`` in a loop.
@@ -95,7 +107,8 @@ def _wait_work(work, stop: Stop, p2p: bool = False) -> None:
 
     A stop that came between the issue and this wait gets the same grace as one that comes during
     it: the peers may have completed the collective already (a barrier the faulted rank left
-    before it faulted), and raising then would throw this rank out of code no recovery covers."""
+    before it faulted), and raising then would throw this rank out of code no recovery covers —
+    unless a faulted rank never entered it (``Stop.never_entered``): then no member can complete it."""
     if not p2p:
         if work.is_completed():
             work.wait()  # returns at once, or raises the backend's error
@@ -116,22 +129,22 @@ def _wait_work(work, stop: Stop, p2p: bool = False) -> None:
                         return
                     if stop.requested():
                         stopped_at = stopped_at or time.monotonic()
-                        if time.monotonic() - stopped_at >= stop.this_threads_grace_s():
-                            stop.raise_stopped()
+                        if stop.grace_over(stopped_at, tag):
+                            stop.raise_stopped(tag)
     done = threading.Event()
     errors = _wait_on_helper(work, done)
-    _wait_event(done, stop)
+    _wait_event(done, stop, tag)
     if errors:
         raise errors[0]
 
 
-def _wait_event(done: threading.Event, stop: Stop) -> None:
+def _wait_event(done: threading.Event, stop: Stop, tag: Tag | None = None) -> None:
     stopped_at = None
     while not done.wait(WAIT_SLICE_S):
         if stop.requested():
             stopped_at = stopped_at or time.monotonic()
-            if time.monotonic() - stopped_at >= stop.this_threads_grace_s():
-                stop.raise_stopped()
+            if stop.grace_over(stopped_at, tag):
+                stop.raise_stopped(tag)
 
 
 def _wait_on_helper(work, done: threading.Event) -> list:
@@ -233,8 +246,9 @@ class PollingWork(dist.Work):
     the evidence (``stream``: a stream-ordered backend of that device kind); the rest delegates."""
 
     def __init__(self, work, stop: Stop, p2p: bool = False, results: _Results = _NO_RESULTS,
-                 stream: str | None = None):
+                 stream: str | None = None, tag: Tag | None = None):
         super().__init__()
+        self._tag = tag
         self._work = work
         self._stop = stop
         self._p2p = p2p
@@ -251,7 +265,7 @@ class PollingWork(dist.Work):
             _wait_stream(self._work, self._stream, self._stop)
             done = True
         else:
-            wait_work(self._work, self._stop, self._p2p)
+            wait_work(self._work, self._stop, self._p2p, self._tag)
             done = True
         self._results.land()
         self._waited = True
@@ -371,7 +385,7 @@ def _with_own_results(fn: Callable, params: list[str], args: tuple, kwargs: dict
     name, keep = _RESULT_PARAM.get(fn.__name__, (None, False))
     results = _Results()
     if (name is None or name not in params or getattr(_thread, "issuing", False)
-            or (compat.coalescing(group) and group not in _blocks())):
+            or (compat.coalescing(group) and getattr(_blocks().get(group), "kind", "") is not None)):
         return args, kwargs, results  # nothing written, an outer wrapper's call, or a block not ours
     i = params.index(name)
     if i < len(args):
@@ -381,8 +395,23 @@ def _with_own_results(fn: Callable, params: list[str], args: tuple, kwargs: dict
     return args, kwargs, results
 
 
+class _Block:
+    """An open coalescing block: the results its recorded collectives land (polled ones: ``kind``
+    None; a stream-ordered backend's land nothing of ours), and their tags."""
+
+    def __init__(self, kind: str | None) -> None:
+        self.kind = kind
+        self.results = _Results()
+        self.tags: list[Tag | None] = []
+
+    def tag(self) -> Tag | None:
+        """The block's: its first collective's, when each of them needs every member (on the wire the
+        block is issued at its exit, so a rank that never counted its first one never issued it)."""
+        return self.tags[0] if self.tags and all(t is not None for t in self.tags) else None
+
+
 def _blocks() -> dict:
-    """This thread's open coalescing blocks: group -> the results its recorded collectives land."""
+    """This thread's open coalescing blocks: group -> the block (``_Block``)."""
     if not hasattr(_thread, "blocks"):
         _thread.blocks = {}
     return _thread.blocks
@@ -422,21 +451,25 @@ def make_interruptible(fn: Callable, stop: Stop) -> Callable:
         callers = args, kwargs
         kind = _stream_kind(group, _first_tensor(args, kwargs))
         if kind is not None:
-            return _stream_collective(fn, args, kwargs, want_async, kind, stop)
+            return _stream_collective(fn, args, kwargs, want_async, kind, stop, group)
         resolved = compat.resolve_group(group)
         args, kwargs, results = _with_own_results(fn, params, args, kwargs, resolved)
         work = _issue(fn, args, kwargs)
         if work is None:  # not a member of the group: nothing was received
             return None
+        tag = stop.issued.issue(group, fn.__name__)
+        block = _blocks().get(resolved)
+        if block is not None:  # (recorded for the block's exit, or issued inside it: waited for with it)
+            block.tags.append(tag)
         if compat.is_placeholder_work(work):  # inside a coalescing block: its results land with the block's
-            if resolved in _blocks():
-                _blocks()[resolved].add(results)
+            if block is not None:
+                block.results.add(results)
             return work if want_async else None
         work = _unwrap(work)
         if want_async:
-            return PollingWork(work, stop, results=results)
+            return PollingWork(work, stop, results=results, tag=tag)
         try:
-            wait_work(work, stop)
+            wait_work(work, stop, tag=tag)
         except Exception as e:
             if not stop.uncovered_here():
                 raise
@@ -450,7 +483,8 @@ def make_interruptible(fn: Callable, stop: Stop) -> Callable:
     return wrapper
 
 
-def _stream_collective(fn: Callable, args: tuple, kwargs: dict, want_async: bool, kind: str, stop: Stop):
+def _stream_collective(fn: Callable, args: tuple, kwargs: dict, want_async: bool, kind: str, stop: Stop,
+                       group=None):
     """A collective of a stream-ordered backend (issued async, so that its work is tracked): the
     caller's async work, or waited for as the caller's synchronous call would have."""
     if stop.aborted():  # (outside the covered calls: inside them the stop raised at the entry) no communicator
@@ -458,10 +492,14 @@ def _stream_collective(fn: Callable, args: tuple, kwargs: dict, want_async: bool
     work = _issue(fn, args, kwargs)
     if work is None:  # not a member of the group
         return None
+    tag = stop.issued.issue(group, fn.__name__)
+    block = _blocks().get(compat.resolve_group(group))
+    if block is not None:
+        block.tags.append(tag)
     if compat.is_placeholder_work(work):  # inside a coalescing block: the block's work is tracked
         return work if want_async else None
     work = _unwrap(work)
-    stop.in_flight.issued(work)
+    stop.in_flight.issued(work, tag)
     if want_async:
         return PollingWork(work, stop, stream=kind)
     try:
@@ -562,13 +600,11 @@ def make_interruptible_coalescing_manager(orig_cm: Callable, stop: Stop) -> Call
             stop.raise_stopped()
         resolved = compat.resolve_group(group)
         kind = _stream_kind(resolved, device=device)
-        results = _Results()
-        if kind is None:
-            _blocks()[resolved] = results
+        block = _blocks()[resolved] = _Block(kind)
         try:
             with orig_cm(group, device, async_ops=True) as cm:
                 # (an instance attribute: megatron calls cm.wait())
-                cm.wait = functools.partial(_wait_all, cm, results, stop, kind)
+                cm.wait = functools.partial(_wait_all, cm, block, stop, kind)
                 yield cm
         except BaseException:
             # torch leaves the op list behind when the block raises, poisoning the next coalescing
@@ -579,9 +615,9 @@ def make_interruptible_coalescing_manager(orig_cm: Callable, stop: Stop) -> Call
             _blocks().pop(resolved, None)
         if kind is not None:
             for w in _works_of(cm):
-                stop.in_flight.issued(w)
+                stop.in_flight.issued(w, block.tag())
         if not async_ops:
-            _wait_all(cm, results, stop, kind)
+            _wait_all(cm, block, stop, kind)
 
     setattr(wrapper, "__mindspeed_ha_original__", orig_cm)
     return wrapper
@@ -591,12 +627,12 @@ def _works_of(cm) -> list:
     return [_unwrap(w) for w in cm.works if w is not None and not compat.is_placeholder_work(w)]
 
 
-def _wait_all(cm, results: _Results, stop: Stop, kind: str | None = None) -> None:
+def _wait_all(cm, block: _Block, stop: Stop, kind: str | None = None) -> None:
     for w in _works_of(cm):
         if kind is None:
-            wait_work(w, stop)
+            wait_work(w, stop, tag=block.tag())
         else:
             _wait_stream(w, kind, stop)
-    results.land()
+    block.results.land()
 
 

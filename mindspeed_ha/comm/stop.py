@@ -20,13 +20,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Callable
+import weakref
+from typing import Callable, NamedTuple
 
 from mindspeed_ha.comm import abort as _abort
 from mindspeed_ha.device.waits import EventWaits, HostWaits, for_device as waits_for
 from mindspeed_ha.faults import CollectiveStopped
 
-__all__ = ["CollectiveStopped", "InFlight", "Park", "Stop"]
+__all__ = ["CollectiveStopped", "InFlight", "Issued", "Park", "Stop"]
 
 # One wait slice: the bound on stop latency. A slice ends at once when the work completes, so its
 # length costs nothing on the fast path.
@@ -51,6 +52,13 @@ UNCOVERED_GRACE_S = 10.0
 # pending then, yet the thread can leave only if the communicators are aborted, so they are. It costs
 # nothing a recovery would not pay: every recovery after a stop replaces them.
 BACKSTOP_S = 5.0
+# The collectives none of whose members can complete while one member has not entered them (a
+# broadcast's receivers, say, can complete without a third member): a faulted rank's counts say which
+# of them it never entered (``Issued``).
+NEEDS_EVERY_MEMBER = frozenset({"all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base",
+                                "all_gather_single", "reduce_scatter", "reduce_scatter_tensor",
+                                "_reduce_scatter_base", "reduce_scatter_single", "barrier", "all_to_all",
+                                "all_to_all_single"})
 # A stop's abort is bounded (``comm.abort``): its communicators' aborts are waited for this long, and a
 # training thread that has not reached the recovery this long after they began is held for good.
 STOP_DEADLINE_S = _abort.DEADLINE_S
@@ -59,6 +67,79 @@ STOP_DEADLINE_S = _abort.DEADLINE_S
 def _log():
     from mindspeed_ha.events import get_logger
     return get_logger("comm")
+
+
+class Tag(NamedTuple):
+    """A collective that needs every member, as its issuer counted it (``Issued``)."""
+    key: str            # its group's
+    n: int              # its number among the group's collectives
+    members: frozenset  # the group's members, ranks of the default group
+
+
+class Issued:
+    """How many collectives this process issued on each group (a group is known by its members, ranks
+    of the default group) since its counts began: at the process's start, and again at each
+    recovery's resume, before any collective of the step it resumes. Every member issues a group's
+    collectives in the same order (the backends match them by order), so a collective is the n-th of
+    its group on every member: a faulted rank's counts, sent with its report, say which collectives it
+    never entered — and a survivor waiting in one of those that needs every member knows no member can
+    complete it. (Two groups with the same members share a count: each rank issues on them in the
+    same program order, so the shared count is aligned too.)
+
+    The counts are aligned with the job's only from a resume to the next stop or fault of the rank: a
+    stop leaves collectives counted on one rank and never issued on another, and a recovery's own
+    collectives (a restarted rank's set-up among them) are not every member's. ``identify(group)``:
+    the group's key and members (None: nothing is counted)."""
+
+    def __init__(self, identify: Callable[[object], tuple[str, frozenset]] | None = None) -> None:
+        self._identify = identify
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+        # Each group object's key and members, by id, with a weak reference that proves the id is still
+        # that group's (a strong one would hold up a replaced communicator's release).
+        self._groups: dict[int, tuple[Callable[[], object] | None, str, frozenset]] = {}
+        self._aligned = True
+
+    def issue(self, group, name: str) -> Tag | None:
+        """One collective ``name`` issued on ``group`` (None: the default group): its tag, when it needs
+        every member."""
+        if self._identify is None:
+            return None
+        with self._lock:
+            known = self._groups.get(id(group))
+            if known is None or (known[0]() if known[0] is not None else None) is not group:
+                key, members = self._identify(group)
+                self._groups[id(group)] = (_weak(group), key, members)
+            else:
+                _, key, members = known
+            n = self._counts[key] = self._counts.get(key, 0) + 1
+        return Tag(key, n, members) if name in NEEDS_EVERY_MEMBER else None
+
+    def freeze(self) -> dict[str, int] | None:
+        """The counts as they stand (None: not aligned with the job's); not aligned from now on (a
+        stop or a fault of this rank)."""
+        with self._lock:
+            counts = dict(self._counts) if self._aligned and self._identify is not None else None
+            self._aligned = False
+            return counts
+
+    def restart(self) -> None:
+        """A recovery's resume, before any collective of the step it resumes: counting starts again."""
+        with self._lock:
+            self._counts.clear()
+            self._groups.clear()
+            self._aligned = True
+
+
+def _weak(group) -> Callable[[], object] | None:
+    """A weak reference to ``group`` (for ``None``, the default group, one that always gives None; None
+    where ``group`` takes no weak reference: it is identified again at each collective)."""
+    if group is None:
+        return lambda: None
+    try:
+        return weakref.ref(group)
+    except TypeError:
+        return None
 
 
 class InFlight:
@@ -72,12 +153,22 @@ class InFlight:
         self.polled = HostWaits()
         self._lock = threading.Lock()
         self._works: list = []
+        self._tags: dict[int, Tag] = {}
         self._waits: dict[str, HostWaits | EventWaits] = {}
 
-    def issued(self, work) -> None:
+    def issued(self, work, tag: Tag | None = None) -> None:
         self.used = True
         with self._lock:
             self._works = [w for w in self._works if not w.is_completed()] + [work]
+            self._tags = {id(w): self._tags[id(w)] for w in self._works if id(w) in self._tags}
+            if tag is not None:
+                self._tags[id(work)] = tag
+
+    def pending_tags(self) -> list[Tag | None]:
+        """The tags of the stream-ordered works issued and not complete (None where not tagged)."""
+        with self._lock:
+            self._works = [w for w in self._works if not w.is_completed()]
+            return [self._tags.get(id(w)) for w in self._works]
 
     def waits(self, kind: str) -> HostWaits | EventWaits:
         if kind not in self._waits:
@@ -105,6 +196,7 @@ class InFlight:
     def forget(self) -> None:
         with self._lock:
             self._works = []
+            self._tags = {}
 
 
 class Park:
@@ -150,8 +242,17 @@ class Stop:
     communicators and says what it did (``comm.abort.abort_registered``); the grace periods are the
     module's constants, kept per stop so a drill can shorten its own."""
 
-    def __init__(self, abort_communicators: Callable[[float], _abort.AbortReport | None] | None = None):
+    def __init__(self, abort_communicators: Callable[[float], _abort.AbortReport | None] | None = None,
+                 identify_group: Callable[[object], tuple[str, frozenset]] | None = None):
+        """``identify_group(group)``: a group's key and members (ranks of the default group), for the
+        counts of ``issued`` (None: no counts, and every collective waits out its grace)."""
         self.in_flight = InFlight()
+        self.issued = Issued(identify_group)
+        # The counts of the faulted ranks that sent theirs, by their rank in the default group, when this
+        # rank's own were aligned with theirs as the stop came: what they never entered (``never_entered``).
+        self._entered: dict[int, dict[str, int]] = {}
+        self._compare = False
+        self._abort_never: list[int] = []  # an abort before the grace: the faulted ranks that made it so
         self.park = Park(self.request)
         self.grace_s, self.uncovered_grace_s = STOP_GRACE_S, UNCOVERED_GRACE_S
         self.backstop_s, self.deadline_s = BACKSTOP_S, STOP_DEADLINE_S
@@ -182,14 +283,21 @@ class Stop:
         self._passed: dict[int, int] = {}
 
     # ---- requesting and clearing -------------------------------------------------------------
-    def request(self, reason: str = "") -> None:
+    def request(self, reason: str = "", entered: dict | None = None) -> None:
         """Make every blocked or future collective raise ``CollectiveStopped`` until ``clear()``. Safe
         from any thread. Stream-ordered communicators are aborted once a collective issued before the
-        stop is still pending after the grace a gloo one gets."""
+        stop is still pending after the grace a gloo one gets. ``entered``: what the faulted ranks sent
+        with their reports, by job rank: each one's rank in the default group (``member``) and its counts
+        of the collectives it issued (``counts``, ``Issued``): a collective one of them never entered is
+        left at once."""
         self._reason = reason
         if not self._set.is_set():
             self._stopped_at = time.monotonic()
+            self._compare = self.issued.freeze() is not None
+            self._take_entered(entered)
             self._set.set()
+        else:
+            self._take_entered(entered)
         if self.in_flight.used and (self._aborter is None or not self._aborter[0].is_alive()
                                     or self._aborter[1] != self._cleared):
             thread = threading.Thread(target=self._abort_when_due, args=(self._cleared,),
@@ -200,6 +308,24 @@ class Stop:
     def requested(self) -> bool:
         return self._set.is_set()
 
+    def _take_entered(self, entered: dict | None) -> None:
+        if entered and self._compare:
+            self._entered = {**self._entered, **{int(e["member"]): dict(e["counts"]) for e in entered.values()}}
+
+    def never_entered(self, tag: Tag | None) -> list[int]:
+        """The faulted ranks (of the default group) that sent their counts, are members of the collective
+        ``tag`` and never entered it: if any, no member can complete it, so the grace a stop gives it is
+        waited for nothing."""
+        if tag is None or not self._entered:
+            return []
+        key, n, members = tag
+        return sorted(r for r, counts in self._entered.items() if r in members and n > counts.get(key, 0))
+
+    def grace_over(self, stopped_at: float, tag: Tag | None = None) -> bool:
+        """A collective this thread has waited in since the stop it saw at ``stopped_at`` is left now:
+        its grace passed, or a faulted rank never entered it."""
+        return time.monotonic() - stopped_at >= self.this_threads_grace_s() or bool(self.never_entered(tag))
+
     def clear(self) -> None:
         """The recovery is done with the stop: collectives run again (on the communicators it made)."""
         with self._abort_lock:  # (an abort under way ends first: it aborts the old communicators only)
@@ -207,6 +333,7 @@ class Stop:
             self._cleared += 1
             self._deferred = None  # (a recovery ran: it covered that failure too)
             self._set.clear()
+            self._entered, self._compare, self._abort_never = {}, False, []
             self._aborted = False
             self._abort_info = None
             self._abort_report = None
@@ -216,7 +343,8 @@ class Stop:
     # ---- the abort -----------------------------------------------------------------------------
     def _abort_when_due(self, stop: int) -> None:
         """A stop's communicator abort, once its grace has passed, when a stream-ordered collective
-        issued before it is still pending, or (``backstop_s`` later) when the training thread has still
+        issued before it is still pending (at once when none pending can complete: ``never_entered``),
+        or (``backstop_s`` later) when the training thread has still
         not reached the recovery. Otherwise no abort: the next collective raises at its entry, and every
         result read meanwhile was whole. ``stop``: the stop this thread serves (stops cleared before it)."""
         logged = False
@@ -229,6 +357,9 @@ class Stop:
                 why = ""
                 if since >= grace and self.in_flight.pending():
                     why = "a stream-ordered collective was still pending"
+                elif self._entered and self._none_can_complete():
+                    why = "every pending collective was one a faulted rank never entered"
+                    self._abort_never = self._none_can_complete()
                 elif since >= grace + self.backstop_s and not self._reached.is_set():
                     why = "the training thread had not reached the recovery (held on the device?)"
                 if why:
@@ -243,6 +374,13 @@ class Stop:
                 logged = True
             time.sleep(WAIT_SLICE_S)
         self._watch_held(stop, began)
+
+    def _none_can_complete(self) -> list[int]:
+        """Stream-ordered collectives are pending, and none of them can complete (a faulted rank never
+        entered it): there is nothing for the grace to wait for. The faulted ranks that never entered
+        them (empty: one can complete, or none is pending)."""
+        never = [self.never_entered(t) for t in self.in_flight.pending_tags()]
+        return sorted({r for n in never for r in n}) if never and all(never) else []
 
     def _watch_held(self, stop: int, began: float) -> None:
         """After a stop's abort (begun at ``began``): a training thread that has not reached the recovery
@@ -319,7 +457,8 @@ class Stop:
             device.synchronize()
         if self._aborted:
             raise CollectiveStopped(f"{what} stopped: a stop aborted this rank's communicators, so results of its "
-                                    f"collectives may be partial{': ' + self._reason if self._reason else ''}")
+                                    f"collectives may be partial{': ' + self._reason if self._reason else ''}",
+                                    never_entered=self._abort_never)
         self._passed[self._cleared] = self._passed.get(self._cleared, 0) + 1
 
     def commit_mark(self) -> tuple[int, int]:
@@ -357,8 +496,14 @@ class Stop:
         """A collective entered now raises at once: stopped, and in code a recovery covers."""
         return self._set.is_set() and not self.uncovered_here()
 
-    def raise_stopped(self):
-        raise CollectiveStopped(f"collective stopped by request{': ' + self._reason if self._reason else ''}")
+    def raise_stopped(self, tag: Tag | None = None):
+        """Leave (the collective ``tag``): ``CollectiveStopped``, whose ``never_entered`` names the faulted
+        ranks that never entered that collective (why it was left before its grace; no tag: those that
+        made this stop abort its communicators before the grace)."""
+        never = self.never_entered(tag) if tag is not None else self._abort_never
+        raise CollectiveStopped(f"collective stopped by request{': ' + self._reason if self._reason else ''}"
+                                + (f" (never entered by rank(s) {never} of the default group)" if never else ""),
+                                never_entered=never)
 
     def raise_if_stopped(self) -> None:
         """For waits outside a collective (a communicator's rendezvous): leave them as a collective would."""

@@ -80,8 +80,11 @@ class FaultLoop:
             if not device.memory_error_repairable():
                 st.end_for_lost_device(exc, iteration)
         if isinstance(exc, CollectiveStopped):  # we stopped it ourselves: not a new fault
-            log.info("rank %d left its collective in iteration %d (%s): stopped by the controller",
-                     st.rank, iteration, st.phase)
+            never = exc.never_entered
+            log.info("rank %d left its collective in iteration %d (%s): stopped by the controller%s",
+                     st.rank, iteration, st.phase, f" (rank(s) {never} never entered it)" if never else "")
+            st.events.emit("left_collective", iteration=iteration, phase=st.phase,
+                           **({"never_entered": never} if never else {}))
         else:
             kind = fault_kind(exc)
             st.report(kind, exc, iteration, st.phase)

@@ -136,7 +136,11 @@ class RankState:
         if kind == "memory-error":  # (until a twin's copy or a checkpoint overwrites it)
             self.shard_poisoned = True
         assert self.processor is not None  # (faults are reported only with a control plane)
-        self.processor.report_fault(kind, f"{type(exc).__name__}: {exc}", iteration, phase)
+        # With the collectives it issued: a survivor waiting in one it never entered leaves it at once.
+        import torch.distributed as dist
+        counts = self.stop.issued.freeze()
+        entered = {"member": dist.get_rank(), "counts": counts} if counts is not None else None
+        self.processor.report_fault(kind, f"{type(exc).__name__}: {exc}", iteration, phase, entered=entered)
 
     def report_unlogged_step(self, iteration: int, loss) -> None:
         """A restarted worker that writes the losses: its predecessor may have died after step
@@ -179,6 +183,7 @@ class RankState:
         controller's MTTR ends there), and say then what the process holds."""
         self.phase = "step"
         self._recovered = (self.stopped_at, lost_steps)
+        self.stop.issued.restart()  # (every rank, before the step it resumes: the counts align again)
         if self.processor is not None:
             self.processor.resumed()
         from mindspeed_ha.comm import groups

@@ -158,8 +158,9 @@ class HelperPort:
         self._c.feed(outcome)
 
     def fault(self, ranks: list[int], kind: str, iteration: int, phase: str, detect_s: float = 0.0,
-              detail: str = "", key: Hashable = None, rid: str | None = None, feed: bool = True) -> bool:
-        return self._c.fault(ranks, kind, iteration, phase, detect_s, detail, key, rid, feed)
+              detail: str = "", key: Hashable = None, rid: str | None = None, feed: bool = True,
+              entered: dict[str, Any] | None = None) -> bool:
+        return self._c.fault(ranks, kind, iteration, phase, detect_s, detail, key, rid, feed, entered)
 
     def become_active(self, epoch: int, now: float) -> None:
         self._c.become_active(epoch, now)
@@ -406,9 +407,11 @@ class Controller:
             self.router.fan_out(self._everyone(), protocol.encode("settled", rids=rids))
 
     def fault(self, ranks: list[int], kind: str, iteration: int, phase: str, detect_s: float = 0.0,
-              detail: str = "", key: Hashable = None, rid: str | None = None, feed: bool = True) -> bool:
+              detail: str = "", key: Hashable = None, rid: str | None = None, feed: bool = True,
+              entered: dict[str, Any] | None = None) -> bool:
         """A fault, however it was found: recorded once, and fed to the state machine (``feed``: at
-        once; else the caller feeds it, with others found together). True: recorded as a new fault."""
+        once; else the caller feeds it, with others found together). True: recorded as a new fault.
+        ``entered``: a reporting rank's counts of the collectives it issued (the survivors' stop)."""
         if not self.ledger.first_time(key or (kind, tuple(ranks), iteration)):
             return False
         if rid is not None and rid in self.ledger.settled:
@@ -418,7 +421,7 @@ class Controller:
                      "it: ignored", list(ranks), kind, iteration, rid)
             return False
         f = ledger.record(ranks, kind, iteration, phase, [self.ranks[r].node if r in self.ranks else "?" for r in ranks],
-                          detect_s=detect_s, detail=detail, rid=rid)
+                          detect_s=detect_s, detail=detail, rid=rid, entered=entered)
         if self.standby:
             self.ledger.deferred.append(f)
             return False
@@ -622,7 +625,11 @@ class Controller:
         # Nothing broke for a migration or a scale-out: the ranks park between two steps, no step
         # is interrupted.
         planned = self.ledger.of_kind("migrate", "scale-out")
-        self._stop_id = self.orders.send("stop", survivors, {"reason": reason, **({"boundary": True} if planned else {})})
+        # The reporters' counts of the collectives they issued: what they never entered, the survivors
+        # leave without waiting for it.
+        entered = {str(r): f["entered"] for f in self.ledger.active if f.get("entered") for r in f["ranks"]}
+        self._stop_id = self.orders.send("stop", survivors, {"reason": reason, **({"boundary": True} if planned else {}),
+                                                             **({"entered": entered} if entered else {})})
         if fault is not None:
             decide_ms = (time.monotonic() - fault["t_detect"]) * 1e3
             cpu_ms = (time.thread_time() - fault["cpu_detect"]) * 1e3  # wall minus waiting for a CPU

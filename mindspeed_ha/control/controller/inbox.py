@@ -129,7 +129,7 @@ class Inbox:
         at = msg.get("at")
         self.port.fault([r], msg["kind"], msg["iteration"], msg["phase"],
                         detect_s=max(0.0, time.time() - at) if at else 0.0, detail=msg.get("detail", ""),
-                        key=("fault", r, msg["kind"], at), rid=msg.get("rid"))
+                        key=("fault", r, msg["kind"], at), rid=msg.get("rid"), entered=msg.get("entered"))
 
     def result(self, ident: bytes, msg: Msg) -> None:
         r = self.table.check(msg["rank"])

@@ -62,8 +62,10 @@ class ControllerPort(Protocol):
         """The state machine's next outcome (the new state's work runs at once)."""
 
     def fault(self, ranks: list[int], kind: str, iteration: int, phase: str, detect_s: float = 0.0,
-              detail: str = "", key: Hashable = None, rid: str | None = None, feed: bool = True) -> bool:
-        """A fault, however it was found: recorded once and fed to the state machine. True: a new one."""
+              detail: str = "", key: Hashable = None, rid: str | None = None, feed: bool = True,
+              entered: dict[str, Any] | None = None) -> bool:
+        """A fault, however it was found: recorded once and fed to the state machine. True: a new one.
+        ``entered``: the faulted rank's counts of the collectives it issued, for the survivors' stop."""
 
     # ---- who controls
     def become_active(self, epoch: int, now: float) -> None:

@@ -25,17 +25,20 @@ class Fault(TypedDict):
     nodes: list[str]
     t_detect: float     # monotonic: when the controller learnt of it (MTTR counts from here)
     cpu_detect: float   # the controller thread's CPU time then (decisions measured without waits)
+    entered: dict[str, Any] | None  # a reporting rank's counts of the collectives it issued, by group (for the stop)
 
 
-# What a fault's event and status carry (the clocks are the controller's own business).
-PRIVATE = ("time", "t_detect", "cpu_detect")
+# What a fault's event and status carry (the clocks and the counts are the controller's own business).
+PRIVATE = ("time", "t_detect", "cpu_detect", "entered")
 
 
 def record(ranks: Iterable[int], kind: str, iteration: int, phase: str, nodes: list[str], detect_s: float = 0.0,
-           detail: str = "", rid: str | None = None, t_detect: float | None = None) -> Fault:
+           detail: str = "", rid: str | None = None, t_detect: float | None = None,
+           entered: dict[str, Any] | None = None) -> Fault:
     return Fault(ranks=list(ranks), kind=kind, iteration=int(iteration), phase=phase, rid=rid,
                  detect_s=round(detect_s, 4), detail=detail, time=time.time(), nodes=nodes,
-                 t_detect=time.monotonic() if t_detect is None else t_detect, cpu_detect=time.thread_time())
+                 t_detect=time.monotonic() if t_detect is None else t_detect, cpu_detect=time.thread_time(),
+                 entered=entered)
 
 
 def public(f: Fault) -> dict[str, Any]:

@@ -216,9 +216,11 @@ class Processor:
         attribution and the diagnosis precise."""
         self._mark(phase)
 
-    def report_fault(self, kind: str, detail: str, iteration: int, phase: str) -> None:
+    def report_fault(self, kind: str, detail: str, iteration: int, phase: str,
+                     entered: dict[str, Any] | None = None) -> None:
         """A fault of this rank (``kind``: memory-error, comm-failure, other), sent at once and
-        replayed to a successor if the controller dies meanwhile."""
+        replayed to a successor if the controller dies meanwhile. ``entered``: the collectives it
+        issued per group (``Stop.issued``), which the controller's stop hands the survivors."""
         self.health = "faulty"
         if self.events:
             self.events.emit("exception", kind=kind, iteration=int(iteration), phase=phase, detail=detail)
@@ -226,7 +228,8 @@ class Processor:
         self._reports += 1
         rid = f"{os.getpid()}.fault.{self._reports}"
         report = protocol.encode("fault", rank=self.rank, kind=kind, iteration=int(iteration), phase=str(phase)[:64],
-                                 detail=detail, at=time.time(), pid=os.getpid(), rid=rid)
+                                 detail=detail, at=time.time(), pid=os.getpid(), rid=rid,
+                                 **({"entered": entered} if entered is not None else {}))
         self._outbox.put((report, rid))
         self._sent.wait(1.0)  # handed to ZeroMQ before the caller may let the process die
 
@@ -332,7 +335,7 @@ class Processor:
         if args.get("boundary"):  # planned: between two steps; stopped mid-step only if held up there
             self.stop.park.request(reason, grace_s=max(1.0, 3 * self.work.step_s))
             return "park requested"
-        self.stop.request(reason)
+        self.stop.request(reason, entered=args.get("entered"))
         return "stop requested"
 
     def _reconnect(self, args: dict[str, Any]) -> str:

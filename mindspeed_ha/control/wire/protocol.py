@@ -107,7 +107,9 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     # A report that a link re-sends to a new controller carries ``rid``, its sender's own id for it:
     # the controller that recovered it names it in ``settled``, and nobody acts on it again.
     "fault": {"rank": (_int, R), "kind": (_str, R), "iteration": (_int, R), "phase": (_str, R),
-              "detail": (_str, O), "at": (_float, O), "pid": (_int, O), "rid": (_str, O)},
+              "detail": (_str, O), "at": (_float, O), "pid": (_int, O), "rid": (_str, O),
+              # the rank's place in the default group and its counts of the collectives it issued
+              "entered": ("map", O)},
     "result": {"rank": (_int, R), "action": (_str, R), "id": (_int, R), "ok": (_bool, R),
                "data": ("tree", O), "error": (_str, O), "pid": (_int, O)},
     "bye": {"rank": (_int, R), "pid": (_int, O)},
