@@ -170,3 +170,28 @@ def test_the_check_finds_an_import_against_the_direction_and_a_cycle(tmp_path):
         "mindspeed_ha.rank.state imports mindspeed_ha.rank.session (upward: rank.state -> rank.session)"]
     assert ["mindspeed_ha.rank.session", "mindspeed_ha.rank.state"] in [
         [m for m in c if m.startswith("mindspeed_ha.rank.s")] for c in cycles(str(tmp_path))]
+
+
+# The rank side (its runtime, the rank's processor, the stop) and the trainers above it: classes small
+# enough to read in one sitting, each with one role.
+RANK_SIDE = ("mindspeed_ha/rank", "mindspeed_ha/control/rank", "mindspeed_ha/comm/stop.py", "mindspeed_ha/trainer",
+             "mindspeed_ha/megatron_lm")
+MAX_CLASS_LINES = 300
+
+
+def _classes_over(limit: int, places) -> list[str]:
+    found = []
+    for place in places:
+        path = os.path.join(ROOT, place)
+        files = [path] if path.endswith(".py") else [os.path.join(d, f) for d, _, fs in os.walk(path)
+                                                     for f in fs if f.endswith(".py")]
+        for f in files:
+            for node in ast.walk(ast.parse(open(f).read(), f)):
+                if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > limit:
+                    found.append(f"{os.path.relpath(f, ROOT)}:{node.name} {node.end_lineno - node.lineno + 1} lines")
+    return found
+
+
+def test_no_class_of_the_rank_side_or_the_trainers_is_over_300_lines():
+    assert _classes_over(MAX_CLASS_LINES, RANK_SIDE) == []
+    assert _classes_over(100, ("mindspeed_ha/comm/stop.py",))  # (the check finds a class: Stop is over 100)

@@ -27,7 +27,7 @@ from mindspeed_ha.comm import abort as _abort
 from mindspeed_ha.device.waits import EventWaits, HostWaits, for_device as waits_for
 from mindspeed_ha.faults import CollectiveStopped
 
-__all__ = ["CollectiveStopped", "InFlight", "Issued", "Park", "Stop"]
+__all__ = ["CollectiveStopped", "Entered", "InFlight", "Issued", "Park", "Stop"]
 
 # One wait slice: the bound on stop latency. A slice ends at once when the work completes, so its
 # length costs nothing on the fast path.
@@ -142,6 +142,41 @@ def _weak(group) -> Callable[[], object] | None:
         return None
 
 
+class Entered:
+    """What the stop in force knows of the collectives the faulted ranks issued: the counts
+    (``Issued``) their reports carried, by their rank in the default group — taken only when this
+    rank's own counts were aligned with theirs as the stop came. A collective that needs every member
+    and that one of them never entered cannot complete."""
+
+    def __init__(self) -> None:
+        self.aligned = False  # this rank's counts were aligned as the stop came
+        self._by_member: dict[int, dict[str, int]] = {}
+        # The ranks that made the stop abort its communicators before the grace (none could complete).
+        self.aborted_for: list[int] = []
+
+    def take(self, entered: dict | None) -> None:
+        """``entered``: by job rank, each rank's place in the default group (``member``) and counts."""
+        if entered and self.aligned:
+            self._by_member = {**self._by_member,
+                               **{int(e["member"]): dict(e["counts"]) for e in entered.values()}}
+
+    def never(self, tag: Tag | None) -> list[int]:
+        """The ranks (of the default group) that are members of the collective ``tag`` and never entered it."""
+        if tag is None or not self._by_member:
+            return []
+        key, n, members = tag
+        return sorted(r for r, counts in self._by_member.items() if r in members and n > counts.get(key, 0))
+
+    def none_can_complete(self, pending: list[Tag | None]) -> list[int]:
+        """The ranks that never entered the ``pending`` collectives, when none of them can complete (else
+        empty: one can, or none is pending)."""
+        never = [self.never(t) for t in pending]
+        return sorted({r for n in never for r in n}) if never and all(never) else []
+
+    def reset(self, aligned: bool = False) -> None:
+        self.aligned, self._by_member, self.aborted_for = aligned, {}, []
+
+
 class InFlight:
     """What a process waits for in collectives: gloo's waits (polled on the host), and on
     stream-ordered backends the works issued and not seen complete (what a stop's abort is for) with
@@ -248,11 +283,7 @@ class Stop:
         counts of ``issued`` (None: no counts, and every collective waits out its grace)."""
         self.in_flight = InFlight()
         self.issued = Issued(identify_group)
-        # The counts of the faulted ranks that sent theirs, by their rank in the default group, when this
-        # rank's own were aligned with theirs as the stop came: what they never entered (``never_entered``).
-        self._entered: dict[int, dict[str, int]] = {}
-        self._compare = False
-        self._abort_never: list[int] = []  # an abort before the grace: the faulted ranks that made it so
+        self.entered = Entered()  # what the faulted ranks issued (``never_entered``)
         self.park = Park(self.request)
         self.grace_s, self.uncovered_grace_s = STOP_GRACE_S, UNCOVERED_GRACE_S
         self.backstop_s, self.deadline_s = BACKSTOP_S, STOP_DEADLINE_S
@@ -293,11 +324,11 @@ class Stop:
         self._reason = reason
         if not self._set.is_set():
             self._stopped_at = time.monotonic()
-            self._compare = self.issued.freeze() is not None
-            self._take_entered(entered)
+            self.entered.reset(aligned=self.issued.freeze() is not None)
+            self.entered.take(entered)
             self._set.set()
         else:
-            self._take_entered(entered)
+            self.entered.take(entered)
         if self.in_flight.used and (self._aborter is None or not self._aborter[0].is_alive()
                                     or self._aborter[1] != self._cleared):
             thread = threading.Thread(target=self._abort_when_due, args=(self._cleared,),
@@ -308,18 +339,10 @@ class Stop:
     def requested(self) -> bool:
         return self._set.is_set()
 
-    def _take_entered(self, entered: dict | None) -> None:
-        if entered and self._compare:
-            self._entered = {**self._entered, **{int(e["member"]): dict(e["counts"]) for e in entered.values()}}
-
     def never_entered(self, tag: Tag | None) -> list[int]:
-        """The faulted ranks (of the default group) that sent their counts, are members of the collective
-        ``tag`` and never entered it: if any, no member can complete it, so the grace a stop gives it is
-        waited for nothing."""
-        if tag is None or not self._entered:
-            return []
-        key, n, members = tag
-        return sorted(r for r, counts in self._entered.items() if r in members and n > counts.get(key, 0))
+        """The faulted ranks that sent their counts, are members of the collective ``tag`` and never
+        entered it: if any, no member can complete it, so the grace a stop gives it is waited for nothing."""
+        return self.entered.never(tag)
 
     def grace_over(self, stopped_at: float, tag: Tag | None = None) -> bool:
         """A collective this thread has waited in since the stop it saw at ``stopped_at`` is left now:
@@ -333,7 +356,7 @@ class Stop:
             self._cleared += 1
             self._deferred = None  # (a recovery ran: it covered that failure too)
             self._set.clear()
-            self._entered, self._compare, self._abort_never = {}, False, []
+            self.entered.reset()
             self._aborted = False
             self._abort_info = None
             self._abort_report = None
@@ -355,11 +378,12 @@ class Stop:
                 grace = self.uncovered_grace_s if self._uncovered else self.grace_s
                 since = time.monotonic() - self._stopped_at
                 why = ""
+                never = self.entered.none_can_complete(self.in_flight.pending_tags())
                 if since >= grace and self.in_flight.pending():
                     why = "a stream-ordered collective was still pending"
-                elif self._entered and self._none_can_complete():
+                elif never:
                     why = "every pending collective was one a faulted rank never entered"
-                    self._abort_never = self._none_can_complete()
+                    self.entered.aborted_for = never
                 elif since >= grace + self.backstop_s and not self._reached.is_set():
                     why = "the training thread had not reached the recovery (held on the device?)"
                 if why:
@@ -374,13 +398,6 @@ class Stop:
                 logged = True
             time.sleep(WAIT_SLICE_S)
         self._watch_held(stop, began)
-
-    def _none_can_complete(self) -> list[int]:
-        """Stream-ordered collectives are pending, and none of them can complete (a faulted rank never
-        entered it): there is nothing for the grace to wait for. The faulted ranks that never entered
-        them (empty: one can complete, or none is pending)."""
-        never = [self.never_entered(t) for t in self.in_flight.pending_tags()]
-        return sorted({r for n in never for r in n}) if never and all(never) else []
 
     def _watch_held(self, stop: int, began: float) -> None:
         """After a stop's abort (begun at ``began``): a training thread that has not reached the recovery
@@ -458,7 +475,7 @@ class Stop:
         if self._aborted:
             raise CollectiveStopped(f"{what} stopped: a stop aborted this rank's communicators, so results of its "
                                     f"collectives may be partial{': ' + self._reason if self._reason else ''}",
-                                    never_entered=self._abort_never)
+                                    never_entered=self.entered.aborted_for)
         self._passed[self._cleared] = self._passed.get(self._cleared, 0) + 1
 
     def commit_mark(self) -> tuple[int, int]:
@@ -500,7 +517,7 @@ class Stop:
         """Leave (the collective ``tag``): ``CollectiveStopped``, whose ``never_entered`` names the faulted
         ranks that never entered that collective (why it was left before its grace; no tag: those that
         made this stop abort its communicators before the grace)."""
-        never = self.never_entered(tag) if tag is not None else self._abort_never
+        never = self.never_entered(tag) if tag is not None else self.entered.aborted_for
         raise CollectiveStopped(f"collective stopped by request{': ' + self._reason if self._reason else ''}"
                                 + (f" (never entered by rank(s) {never} of the default group)" if never else ""),
                                 never_entered=never)

@@ -49,6 +49,17 @@ def register_frame(rank: int, world: int, node: str, local_rank: int, groups: li
                            **({"agent_node": int(agent)} if agent.isdigit() else {}))
 
 
+def heartbeat_frame(p: Processor) -> bytes:
+    """What a rank tells its controller at each heartbeat: how far it trained, where in its step it
+    is and when it last moved, its health, whether it waits in a collective, its steps' own work (for
+    straggler detection), where its training thread is held, its newest checkpoint."""
+    busy = p.work.take()
+    return protocol.encode("hb", rank=p.rank, it=p.iteration, upd=p.updating, health=p.health, phase=p.phase,
+                           progress=p.progress, wait=p.in_collective(), pid=os.getpid(), steps=p.work.steps_done,
+                           **({"busy": busy} if busy is not None else {}), **({"held": p.held} if p.held else {}),
+                           **({"ckpt": p.checkpoint} if p.checkpoint >= 0 else {}))
+
+
 class Processor:
     def __init__(self, rank: int, world_size: int, local_rank: int, node: str, options: HAOptions,
                  replica_groups: list[list[int]], events: EventLog | None = None,
@@ -70,7 +81,7 @@ class Processor:
         self.health = "ok"
         self.loss: float | None = None
         self.checkpoint = -1   # the newest iteration this rank saved
-        self._progress = 0.0
+        self.progress = 0.0    # when training last moved (a step's phase, an update's end)
         self._reports = 0      # fault reports made (each one's rid)
         self._outbox: queue.SimpleQueue[bytes | tuple[bytes, str]] = queue.SimpleQueue()   # a frame, or a report and its rid
         self._hb_on_step = self._hb_now = False
@@ -152,7 +163,7 @@ class Processor:
 
     # ---- hooks for the training loop (main thread) -------------------------------------------
     def _mark(self, phase: str) -> None:
-        self.phase, self._progress = phase, time.time()
+        self.phase, self.progress = phase, time.time()
         if self.board is not None:
             self.board.write(self.iteration, phase)
 
@@ -206,10 +217,10 @@ class Processor:
         self._mark("optimizer")
 
     def update_end(self, iteration: int) -> None:
-        self.updating, self._progress = False, time.time()
+        self.updating, self.progress = False, time.time()
 
     def progressed(self) -> None:
-        self._progress = time.time()
+        self.progress = time.time()
 
     def mark_phase(self, phase: str) -> None:
         """Optional finer progress marks (forward, backward, grad-sync, ...): they make hang
@@ -282,14 +293,7 @@ class Processor:
                 self._check_held(now)
                 if now >= next_hb or self._hb_now:
                     next_hb, self._hb_now = now + hb, False
-                    busy = self.work.take()
-                    self.link.send(protocol.encode("hb", rank=self.rank, it=self.iteration, upd=self.updating,
-                                                   health=self.health, phase=self.phase, progress=self._progress,
-                                                   wait=self.in_collective(), pid=os.getpid(),
-                                                   steps=self.work.steps_done,
-                                                   **({"busy": busy} if busy is not None else {}),
-                                                   **({"held": self.held} if self.held else {}),
-                                                   **({"ckpt": self.checkpoint} if self.checkpoint >= 0 else {})))
+                    self.link.send(heartbeat_frame(self))
                 for msg in self.link.receive(20):
                     if msg["t"] == "do":
                         self._dispatch(msg)
