@@ -135,6 +135,38 @@ def test_a_link_whose_connect_failed_connects_again(ctl):
         link.close()
 
 
+def test_another_threads_frame_is_sent_at_once_not_after_the_receive_wait(ctl):
+    """A frame another thread gives the processor thread (an order's answer, a fault report, the
+    heartbeat that ends a recovery) wakes that thread's wait for the controller: it goes out at once,
+    not when the wait runs out. Connected or not yet."""
+    import threading
+    from mindspeed_ha.control.rank.processor import Outbox
+    d, keys, c = ctl
+    link = ControllerLink(keys, d, None, lambda: protocol.encode("register", rank=1, world=4, node="n", pid=9), 0.2)
+    outbox = Outbox()
+    outbox.link = link
+    try:
+        for connected in (False, True):
+            if connected:
+                link._connect(c.endpoint)
+                t = time.time()
+                while time.time() - t < 5 and not link.active:
+                    link.receive(20)
+                assert link.active
+            timer = threading.Timer(0.05, outbox.put, args=(b"frame", "rid-1"))
+            t0 = time.monotonic()
+            timer.start()
+            while not link.receive(5000) and time.monotonic() - t0 < 5:
+                if list(outbox.drain()):
+                    break
+            woken_after = time.monotonic() - t0
+            timer.join()
+            assert woken_after < 1.0, f"the wait ran {woken_after:.2f} s after the frame was given (connected: {connected})"
+            assert list(outbox.drain()) == [] and not link.receive(0)
+    finally:
+        link.close()
+
+
 def test_insecure_is_loud(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         k = security.Keys.load(str(tmp_path), insecure=True)

@@ -15,7 +15,7 @@ import queue
 import socket as _socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping, SupportsFloat
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, SupportsFloat
 
 from ... import exitcodes
 from ...events import EventLog, get_logger, setup_text_log
@@ -35,6 +35,32 @@ if TYPE_CHECKING:
     from mindspeed_ha.comm.stop import Stop
 
 log = get_logger("control.processor")
+
+
+class Outbox:
+    """What other threads give the processor thread to send (a frame, or a report and its rid): it
+    is woken for each (``ControllerLink.wake``) and sends it at once, not when its wait for the
+    controller's next message runs out (the answers of a recovery's rounds, a fault report, the
+    heartbeat that ends a recovery's MTTR: each waited up to 20 ms)."""
+
+    def __init__(self) -> None:
+        self._items: queue.SimpleQueue[tuple[bytes, str | None]] = queue.SimpleQueue()
+        self.link: ControllerLink | None = None   # (the processor's, once it started)
+
+    def put(self, data: bytes, rid: str | None = None) -> None:
+        self._items.put((data, rid))
+        self.wake()
+
+    def wake(self) -> None:
+        if self.link is not None:
+            self.link.wake()
+
+    def drain(self) -> Iterator[tuple[bytes, str | None]]:
+        while True:
+            try:
+                yield self._items.get_nowait()
+            except queue.Empty:
+                return
 
 
 def register_frame(rank: int, world: int, node: str, local_rank: int, groups: list[list[int]],
@@ -83,7 +109,7 @@ class Processor:
         self.checkpoint = -1   # the newest iteration this rank saved
         self.progress = 0.0    # when training last moved (a step's phase, an update's end)
         self._reports = 0      # fault reports made (each one's rid)
-        self._outbox: queue.SimpleQueue[bytes | tuple[bytes, str]] = queue.SimpleQueue()   # a frame, or a report and its rid
+        self._outbox = Outbox()
         self._hb_on_step = self._hb_now = False
         self._closing = threading.Event()
         self._sent = threading.Event()
@@ -132,12 +158,13 @@ class Processor:
         self.link = ControllerLink(self.keys, self.log_dir, self.job_id, lambda: register_frame(
                                        self.rank, self.world, self.node, self.local_rank, self.groups, self.iteration),
                                    self.options.heartbeat_s, name=f"rank {self.rank}", store=self.job_store)
+        self._outbox.link = self.link
         self._thread = threading.Thread(target=self._run, name="mindspeed-ha-processor", daemon=True)
         self._worker = threading.Thread(target=self.orders.work_loop, name="mindspeed-ha-handlers", daemon=True)
         self._t_start = time.monotonic()
         self._thread.start()
         self._worker.start()
-        ending.report_stop_signals(self.rank, lambda frame, rid: self._outbox.put((frame, rid)))
+        ending.report_stop_signals(self.rank, self._outbox.put)
         return self
 
     def close(self, timeout: float = 10.0) -> None:
@@ -207,6 +234,7 @@ class Processor:
         self._mark("step")
         if self._hb_on_step or counted_now:
             self._hb_on_step, self._hb_now = False, True
+            self._outbox.wake()
         if loss is not None:
             self.loss = float(loss)
             if self.loss != self.loss:
@@ -241,7 +269,7 @@ class Processor:
         report = protocol.encode("fault", rank=self.rank, kind=kind, iteration=int(iteration), phase=str(phase)[:64],
                                  detail=detail, at=time.time(), pid=os.getpid(), rid=rid,
                                  **({"entered": entered} if entered is not None else {}))
-        self._outbox.put((report, rid))
+        self._outbox.put(report, rid)
         self._sent.wait(1.0)  # handed to ZeroMQ before the caller may let the process die
 
     def serve_order(self, timeout: float) -> str | None:
@@ -281,12 +309,7 @@ class Processor:
         while not self._closing.is_set():
             try:
                 self.link.maintain()
-                while True:
-                    try:
-                        item = self._outbox.get_nowait()
-                    except queue.Empty:
-                        break
-                    data, rid = item if isinstance(item, tuple) else (item, None)
+                for data, rid in self._outbox.drain():
                     self.link.send(data, rid=rid)
                     self._sent.set()
                 now = time.monotonic()

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import select
+import socket
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -66,6 +68,13 @@ class ControllerLink:
         self.ever_active = False
         self.active_at = 0.0         # when an active controller last answered (monotonic)
         self.state = ""              # the controller's state in its last ack
+        # Another thread wakes ``receive`` (``wake``) when it has something to send: the owner's loop
+        # sends it then, not after its wait for the controller runs out (every answer of a recovery's
+        # rounds, its fault report and the heartbeat that ends its MTTR waited up to that long).
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._poller: zmq.Poller | None = None
 
     def _connect(self, ep: str) -> None:
         self._close_sockets(linger=0)
@@ -81,6 +90,9 @@ class ControllerLink:
         self._refused = False
         s.connect(ep)
         self.sock, self.endpoint = s, ep
+        self._poller = zmq.Poller()
+        self._poller.register(s, zmq.POLLIN)
+        self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
         self.answered = self.active = False
         self._t_connect = time.monotonic()
         self._standby_since = 0.0
@@ -159,12 +171,31 @@ class ControllerLink:
             log.info("%s: the controller moved to %s", self.name, endpoint)
             self._connect(endpoint)
 
+    def wake(self) -> None:
+        """(any thread) End the owner's ``receive`` now: it has something to send."""
+        try:
+            self._wake_w.send(b"w")
+        except OSError:  # (full: a wake is pending already; closed: so is the link)
+            pass
+
+    def _woken(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except OSError:  # (drained)
+            pass
+
     def receive(self, timeout_ms: int) -> list[dict[str, Any]]:
-        if self.sock is None:
-            time.sleep(timeout_ms / 1000)
+        """What the controller sent, waiting up to ``timeout_ms`` for it; sooner when ``wake`` is called."""
+        if self.sock is None or self._poller is None:
+            if select.select([self._wake_r], [], [], timeout_ms / 1000)[0]:
+                self._woken()
             return []
         out: list[dict[str, Any]] = []
-        if not self.sock.poll(timeout_ms):
+        ready = dict(self._poller.poll(timeout_ms))
+        if self._wake_r.fileno() in ready:  # (a file is polled, and named, by its number)
+            self._woken()
+        if self.sock not in ready:
             return out
         while True:
             try:
@@ -219,6 +250,7 @@ class ControllerLink:
             self.cands.store.move(address)
 
     def _close_sockets(self, linger: int) -> None:
+        self._poller = None
         if self.monitor is not None:
             if self.sock is not None:  # (None when the last connect raised: its socket never became ours)
                 self.sock.disable_monitor()
@@ -230,3 +262,5 @@ class ControllerLink:
 
     def close(self) -> None:
         self._close_sockets(linger=300)
+        self._wake_r.close()
+        self._wake_w.close()
