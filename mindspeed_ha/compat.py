@@ -136,7 +136,7 @@ def make_communicator(store, rank: int, size: int, backend: str, timeout: dateti
         inner = dist.ProcessGroupNCCL(store, rank, size, opts)
         kind, device_type = dist.ProcessGroup.BackendType.NCCL, "cuda"
     elif backend == "gloo":
-        inner = dist.ProcessGroupGloo(store, rank, size, timeout)
+        inner = dist.ProcessGroupGloo(store, rank, size, gloo_options(timeout))
         kind, device_type = dist.ProcessGroup.BackendType.GLOO, "cpu"
     elif backend == "hccl":
         # ASCEND (unverified: no NPU here): torch_npu's communicator, registered as a custom backend
@@ -155,6 +155,32 @@ def make_communicator(store, rank: int, size: int, backend: str, timeout: dateti
         # ncclCommInitRank now, for the device the collectives will use, instead of in the first one
         inner.eager_connect_single_device(device)
     return pg
+
+
+_gloo_devices: dict[tuple[int, str], list] = {}  # (pid, GLOO_SOCKET_IFNAME) -> this process's gloo devices
+
+
+def gloo_options(timeout: datetime.timedelta):
+    """A gloo communicator's options, as torch's ``ProcessGroupGloo(store, rank, size, timeout)`` makes
+    them (a device per interface named in GLOO_SOCKET_IFNAME, else the host name's; two threads per
+    device), except that the devices are made once per process and shared by every communicator it
+    makes: torch makes new ones for each, and a device took 10 ms to make here (the host name's
+    lookup and a listening socket) against 0.1 ms for the rest of a one-member communicator, most
+    of a recovery's reconnection of some thirty groups. A gloo device serves any number of
+    communicators (its listener tells their connections apart). Not across a fork: a device's event
+    loop is a thread of the process that made it."""
+    import os
+    ifnames = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    devices = _gloo_devices.get((os.getpid(), ifnames))
+    if devices is None:
+        gloo = dist.ProcessGroupGloo
+        devices = ([gloo.create_device(interface=i) for i in ifnames.split(",") if i] if len(ifnames) > 1
+                   else [gloo.create_default_device()])
+        _gloo_devices.clear()  # (another process's, inherited through a fork: not usable here)
+        _gloo_devices[(os.getpid(), ifnames)] = devices
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # (not in torch's stub)
+    opts._devices, opts._timeout, opts._threads = devices, timeout, 2 * len(devices)
+    return opts
 
 
 # ---- devices -----------------------------------------------------------------------------------
@@ -275,6 +301,8 @@ def _missing_torch() -> list[str]:
         missing += [f"c10d._world.{t}" for t in _WORLD_TABLES if not hasattr(world, t)]
     missing += [f"ProcessGroup.{m}" for m in ("_set_default_backend", "_register_backend")
                 if not hasattr(dist.ProcessGroup, m)]
+    if dist.is_gloo_available() and not hasattr(dist.ProcessGroupGloo, "_Options"):
+        missing.append("ProcessGroupGloo._Options")
     return missing
 
 
