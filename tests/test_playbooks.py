@@ -728,6 +728,28 @@ def test_a_new_fault_in_the_first_step_still_reports_the_recovery():
     assert rec["first_step_interrupted"] and rec["phases"]["first_step"] == pytest.approx(0.05)
 
 
+def test_a_recovery_a_new_fault_closes_ends_where_that_fault_struck_not_where_it_was_found():
+    """A hang found 3 s after it struck in the first step: those 3 s are the hang's MTTR (its
+    detection), not also the recovery's before it."""
+    port = FakePort()
+    ep = episode(port)
+    ep.plan = playbooks.planner.plan_repair(playbooks.planner.holders(4, statuses(), GROUPS))
+    ep.how = "rollback"
+    watch = FirstStep(ep, [UCE2], resumed_at=100.0)
+    assert watch.close_by_fault(103.1, detect_s=3.0, done=False) is True
+    (rec,) = port.event("recovered")
+    assert rec["first_step_interrupted"] and rec["phases"]["first_step"] == pytest.approx(0.1)
+    assert rec["mttr_s"] == pytest.approx(UCE2["detect_s"] + 100.1 - UCE2["t_detect"])
+    # Found before it could have struck after the resume (a report delayed in flight): no earlier
+    # than the resume.
+    port2 = FakePort()
+    ep2 = episode(port2)
+    ep2.plan, ep2.how = ep.plan, "rollback"
+    assert FirstStep(ep2, [UCE2], resumed_at=100.0).close_by_fault(100.5, detect_s=2.0, done=True) is True
+    (rec2,) = port2.event("recovered")
+    assert "first_step_interrupted" not in rec2 and rec2["phases"]["first_step"] == pytest.approx(0.0)
+
+
 def test_runner_goto_next_done_and_skips():
     seen = []
     rounds = [Round("a", act=lambda ep: seen.append("a") or None, decide=lambda ep, a: NEXT),

@@ -432,7 +432,7 @@ class Controller:
             # every rank (its collectives needed them all), even if a rank's report of it has not
             # come; a fault inside it interrupted a job that was training again.
             done = max(iteration, self.table.newest_iteration()) > self.first_step.target
-            self.first_step.check(time.monotonic(), done, interrupted=not done)
+            self.first_step.close_by_fault(time.monotonic(), detect_s, done)
             self.first_step = None
         if kind in ("process-exit", "heartbeat-lost", "controller-lost", "node-lost"):
             self.table.mark_dead(ranks)

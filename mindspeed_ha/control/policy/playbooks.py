@@ -506,6 +506,14 @@ class FirstStep:
         self.ep, self.faults, self.resumed_at = ep, faults, resumed_at
         self.target = ep.target + 1
 
+    def close_by_fault(self, now: float, detect_s: float, done: bool) -> bool:
+        """A new fault came, found ``detect_s`` after it struck: the awaited step is ``done`` (the
+        fault proves it) or it was interrupted. Either way the recovery ends where the new fault
+        struck, not where it was found: the time between is the new fault's (its MTTR starts with its
+        detection), and would otherwise be counted twice — a hang in the first step added its 3 s
+        timeout to the recovery before it too."""
+        return self.check(max(self.resumed_at, now - detect_s), done, interrupted=not done)
+
     def check(self, now: float, completed: bool, interrupted: bool = False) -> bool:
         """``completed``: every live rank has ended step ``target`` (or a later fault proves it);
         ``interrupted``: a new fault struck while the job trained that step again — the recovery
