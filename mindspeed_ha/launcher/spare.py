@@ -51,15 +51,9 @@ def is_spare() -> bool:
 
 def warm_up() -> None:
     """Load now what a worker's set-up would load lazily on a restarted worker's critical path (its
-    join): torch's first optimizer imports ``torch._dynamo`` (1.3 s of a core on a 2-core host,
-    most of a joiner's set-up), and the session's control plane (the controller a rank may come to
-    host: 0.14 s of imports between a joiner's start and its registration). In the template, its
-    forks inherit them."""
-    import torch
-
+    join: ``session.load_ahead``). In the template, its forks inherit it."""
     from mindspeed_ha.rank.session import load_ahead
     load_ahead()
-    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1, device="cpu"))])  # (a template holds no device)
 
 
 def wait_for_assignment() -> None:

@@ -35,13 +35,19 @@ def current() -> "RankSession | None":
 
 
 def load_ahead() -> None:
-    """Load what a rank's session loads lazily once it starts: its control plane (the processor and
-    the controller a rank may come to host) and the recovery's handlers. A spare template calls it
-    ahead of a fault, so that a forked joiner does not pay it (0.14 s on a 2-core host) between its
-    start and its registration."""
+    """Load what a rank loads lazily once it starts or joins: its control plane (the processor and
+    the controller a rank may come to host), the recovery's handlers, and what torch's first
+    optimizer imports (``torch._dynamo``: 1.3 s of a core on a 2-core host, most of a joiner's
+    set-up). A spare template calls it ahead of a fault, so that a forked joiner does not pay it (the
+    imports cost 0.14 s between its start and its registration); a joiner started afresh (a returned
+    node's, a restart without a spare) calls it before it registers, not in the recovery or the
+    scale-out that then waits for its set-up."""
+    import torch
+
     import mindspeed_ha.control.controller  # noqa: F401
     import mindspeed_ha.control.rank.processor  # noqa: F401
     import mindspeed_ha.rank.recovery.handlers  # noqa: F401
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1, device="cpu"))])
 
 
 class RankSession:
@@ -175,6 +181,7 @@ class RankSession:
         st.trainer, st.joining = trainer, True
         st.stopped_at = time.monotonic()
         if st.processor is None:
+            load_ahead()  # (before it registers: a forked joiner has it all already)
             self.start_processor()
             log.info("rank %d: restarted worker, waiting for the controller to bring it into the job", st.rank)
         self.faults.join(until)
