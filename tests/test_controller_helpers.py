@@ -485,6 +485,28 @@ def test_the_inbox_revives_only_the_restarted_worker_and_fences_the_old_one():
     assert len(job.events.named("fenced")) == 1
 
 
+def test_a_restarted_worker_that_registers_before_its_agent_lists_it_is_taken_when_the_agent_does():
+    """A controller that took over never knew the lost rank's pid (a placeholder 0): only the pid its
+    agent lists proves a registration to be the restarted worker's. A forked worker can register
+    before its agent has said it started it: taken once the agent's list names it, not before, and
+    never a process the list does not name."""
+    job = Job()
+    inbox = job.inbox()
+    handlers = inbox.handlers()
+    job.agent(1, [2, 3], pids=[102, 0])
+    job.table.ranks[3].pid = 0
+    job.table.mark_dead([3])
+    job.restarts.restarting.add(3)
+    handlers["register"](b"new3", _register(3, 707))
+    assert not job.table.ranks[3].alive and 3 in job.restarts.restarting
+    agent_hello = {"t": "agent", "node_rank": 1, "node": "n1", "ranks": [2, 3], "pid": 900}
+    inbox.agent(b"agent1", {**agent_hello, "pids": [102, 808]})   # another process: not this one
+    assert not job.table.ranks[3].alive and not job.events.named("rejoined")
+    inbox.agent(b"agent1", {**agent_hello, "pids": [102, 707]})
+    assert job.table.ranks[3].alive and 3 not in job.restarts.restarting
+    assert job.events.named("rejoined") == [{"rank": 3, "pid": 707, "old_pid": 0}]
+
+
 def test_the_inbox_turns_reports_into_faults():
     job = Job()
     handlers = job.inbox().handlers()

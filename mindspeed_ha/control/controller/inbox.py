@@ -176,6 +176,21 @@ class Inbox:
                             detail=f"node {n} came back as a new agent (pid {msg['pid']}) without these ranks' processes",
                             key=("node-replaced", n, msg["pid"]))
         self._start_due(ident, self.table.agents[n], returned)
+        self._vouch(self.table.agents[n])
+
+    def _vouch(self, agent: Agent) -> None:
+        """A restarted worker that registered before its agent said it had started it (a fork is that
+        quick): where this controller never knew its predecessor's pid (it took over after that one
+        died), its registration was not taken as the restarted worker's (``register``). The agent's
+        list now names that pid as the worker it started: it is."""
+        for r, pid in zip(agent.ranks, agent.pids):
+            info = self.table.ranks.get(r)
+            if (info is not None and not info.alive and pid and info.pid == pid and not self.table.stale(r, pid)
+                    and r in self.restarts.restarting and r not in self.restarts.awaiting):
+                info.alive = True
+                self.restarts.came_back(r)
+                self.events.emit("rejoined", rank=r, pid=pid, old_pid=0)
+                log.info("rank %d rejoined with pid %d (its agent says so)", r, pid)
 
     def _start_due(self, ident: bytes, agent: Agent, returned: bool) -> None:
         """The ranks this agent is to start now: those the recovery under way waits for, and a
