@@ -114,11 +114,13 @@ def move_state(trainer: TrainerInterface, plan: ElasticPlan, rank: int, entered:
     _, write = state_io(new_ranges)
     width = len(next(iter(new_ranges.values()), (None, None, None)))  # main values, then the moments
     got = exchange(moves, entered["world"].new_rank, read, write, width=width, chunk_bytes=chunk_bytes)
+    t["exchanged"] = time.perf_counter()
     new.ha_install_state_ranges(new_ranges)
     set_step_counts(new, steps.pop())
     new.ha_install_scaler_states(scalers[0])
     new.ha_iteration = plan.iteration
     transfer_bookkeeping(trainer, plan.sources, rank)
+    t["bookkept"] = time.perf_counter()
     trainer.resync_weights()
     PROCESS_STOP.commit_point("the resize")  # (state, counters and weights all moved by collectives none cut short)
     t["moved"] = time.perf_counter()
@@ -127,6 +129,9 @@ def move_state(trainer: TrainerInterface, plan: ElasticPlan, rank: int, entered:
            "shard_bytes": sum(v.numel() * v.element_size() for vals in new_ranges.values() for v in vals),
            "extra_mem_bytes": entered["mem"].bytes,
            "group_s": round(t["group"] - t["start"], 4), "relayout_s": round(t["built"] - t["group"], 4),
-           "move_s": round(t["moved"] - t["built"], 4), "seconds": round(t["moved"] - t["start"], 4)}
+           "move_s": round(t["moved"] - t["built"], 4), "seconds": round(t["moved"] - t["start"], 4),
+           # (the move's parts: the state's exchange, a newcomer's counters and RNG, the weights' gather)
+           "exchange_s": round(t["exchanged"] - t["built"], 4), "bookkeeping_s": round(t["bookkept"] - t["exchanged"], 4),
+           "weights_s": round(t["moved"] - t["bookkept"], 4)}
     log.info("scaled %s to data-parallel size %d: %s", plan.direction, plan.dp, out)
     return out
