@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 
@@ -43,34 +43,45 @@ class ProtocolError(ValueError):
 _int, _str, _bool, _float = "int", "str", "bool", "float"
 
 
-def _check(kind: str, value: object, name: str) -> None:
-    if kind == _int:
-        ok = isinstance(value, int) and not isinstance(value, bool) and -MAX_INT < value < MAX_INT
-    elif kind == _str:
-        ok = isinstance(value, str) and len(value) <= MAX_STR
-    elif kind == _bool:
-        ok = isinstance(value, bool)
-    elif kind == _float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-    elif kind == "ints":
-        ok = isinstance(value, list) and len(value) <= MAX_LIST and all(
-            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_INT for v in value)
-    elif kind == "groups":
-        ok = isinstance(value, list) and len(value) <= MAX_LIST and all(
-            isinstance(g, list) and len(g) <= MAX_LIST and all(
-                isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_INT for v in g)
-            for g in value)
-    elif kind == "strs":
-        ok = isinstance(value, list) and len(value) <= MAX_LIST and all(
-            isinstance(v, str) and len(v) <= MAX_STR for v in value)
-    elif kind == "map":  # order arguments, status reports: a tree under a map
-        ok = isinstance(value, dict) and _tree(value, MAX_DEPTH)
-    elif kind == "tree":  # a handler's result: any tree
-        ok = _tree(value, MAX_DEPTH)
-    else:  # pragma: no cover - schema bug
-        raise AssertionError(kind)
-    if not ok:
-        raise ProtocolError(f"field {name!r}: bad {kind}")
+# What a field of each kind may hold. One predicate per kind, found by a dict lookup, and trees
+# walked with plain loops: every heartbeat and answer passes through here on the controller's one
+# thread (at 16k ranks, 8,000 heartbeats a second and 16,384 answers a round).
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -MAX_INT < v < MAX_INT
+
+
+def _is_index(v: object) -> bool:  # (a rank, a shard: never negative)
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_INT
+
+
+def _is_str(v: object) -> bool:
+    return isinstance(v, str) and len(v) <= MAX_STR
+
+
+def _list_of(v: object, ok: Callable[[object], bool]) -> bool:
+    if not isinstance(v, list) or len(v) > MAX_LIST:
+        return False
+    for x in v:
+        if not ok(x):
+            return False
+    return True
+
+
+def _is_ints(v: object) -> bool:
+    return _list_of(v, _is_index)
+
+
+_KINDS: dict[str, Any] = {
+    _int: _is_int,
+    _str: _is_str,
+    _bool: lambda v: isinstance(v, bool),
+    _float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v == v,
+    "ints": _is_ints,
+    "groups": lambda v: _list_of(v, _is_ints),
+    "strs": lambda v: _list_of(v, _is_str),
+    "map": lambda v: isinstance(v, dict) and _tree(v, MAX_DEPTH),  # order arguments, status reports
+    "tree": lambda v: _tree(v, MAX_DEPTH),  # a handler's result: any tree
+}
 
 
 def _tree(value: object, depth: int) -> bool:
@@ -83,10 +94,19 @@ def _tree(value: object, depth: int) -> bool:
     if depth <= 0:
         return False
     if isinstance(value, (list, tuple)):
-        return len(value) <= MAX_LIST and all(_tree(v, depth - 1) for v in value)
+        if len(value) > MAX_LIST:
+            return False
+        for v in value:
+            if not _tree(v, depth - 1):
+                return False
+        return True
     if isinstance(value, dict):
-        return len(value) <= MAX_KEYS and all(isinstance(k, str) and len(k) <= 256 and _tree(v, depth - 1)
-                                              for k, v in value.items())
+        if len(value) > MAX_KEYS:
+            return False
+        for k, v in value.items():
+            if not isinstance(k, str) or len(k) > 256 or not _tree(v, depth - 1):
+                return False
+        return True
     return False
 
 
@@ -160,6 +180,10 @@ class DropCounter:
         return sum(self.counts.values())
 
 
+# (each type's required fields, once)
+_REQUIRED = {t: tuple(name for name, (_, required) in schema.items() if required) for t, schema in SCHEMAS.items()}
+
+
 def encode(t: str, **fields: Any) -> bytes:
     msg = {"v": VERSION, "t": t}
     msg.update(fields)
@@ -189,16 +213,17 @@ def validate(msg: object) -> None:
     if msg.get("v") != VERSION:
         raise ProtocolError(f"version {msg.get('v')!r} != {VERSION}")
     t = msg.get("t")
-    schema = SCHEMAS.get(t) if isinstance(t, str) else None
-    if schema is None:
+    if not isinstance(t, str) or t not in SCHEMAS:
         raise ProtocolError(f"unknown type {t!r}")
+    schema = SCHEMAS[t]
     for name, value in msg.items():
-        if name in ("v", "t"):
+        if name == "v" or name == "t":
             continue
         spec = schema.get(name)
         if spec is None:
             raise ProtocolError(f"unknown field {name!r} in {t!r}")
-        _check(spec[0], value, name)
-    for name, (_, required) in schema.items():
-        if required and name not in msg:
+        if not _KINDS[spec[0]](value):
+            raise ProtocolError(f"field {name!r}: bad {spec[0]}")
+    for name in _REQUIRED[t]:
+        if name not in msg:
             raise ProtocolError(f"missing field {name!r} in {t!r}")
