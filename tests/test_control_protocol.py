@@ -18,6 +18,7 @@ SAMPLES = {
     "register": dict(rank=1, world=4, node="n0", pid=12, local_rank=1, groups=[[1, 3]], host="h", iteration=-1),
     "hb": dict(rank=1, it=5, upd=False, health="ok", phase="forward", progress=1.5, steps=4, busy=0.05, ckpt=4),
     "fault": dict(rank=1, kind="memory-error", iteration=3, phase="optimizer", detail="x", at=1.0, rid="12.fault.1"),
+    "left": dict(rank=2, pid=12, entered={"member": 2, "counts": {"k-dp": 3}}),
     "result": dict(rank=1, action="stop", id=3, ok=True, data={"iteration": 3, "replica_group": [1, 3]}),
     "bye": dict(rank=2),
     "preempt": dict(signal=15, rank=2, pid=7),

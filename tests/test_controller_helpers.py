@@ -507,6 +507,22 @@ def test_a_restarted_worker_that_registers_before_its_agent_lists_it_is_taken_wh
     assert job.events.named("rejoined") == [{"rank": 3, "pid": 707, "old_pid": 0}]
 
 
+def test_a_survivors_counts_go_to_the_other_ranks_while_a_stop_is_in_force():
+    """A survivor that left the step's collectives for the stop says what it issued: the other live
+    ranks get it (a peer waiting in a collective it never entered leaves at once); not while the job
+    trains (no stop in force: nothing to leave)."""
+    job = Job()
+    handlers = job.inbox().handlers()
+    left = protocol.decode(protocol.encode("left", rank=1, pid=101, entered={"member": 1, "counts": {"k-dp": 4}}))
+    handlers["left"](b"\x01", left)
+    assert job.router.orders("entered") == []
+    job.port.state = State.REPAIR
+    handlers["left"](b"\x01", left)
+    sent = job.router.orders("entered")
+    assert len(sent) == 3 and all(a == {"entered": {"1": {"member": 1, "counts": {"k-dp": 4}}}} for _, a in sent)
+    assert b"\x01" not in [i for i, _ in sent]  # (not to itself)
+
+
 def test_the_inbox_turns_reports_into_faults():
     job = Job()
     handlers = job.inbox().handlers()

@@ -154,6 +154,28 @@ def test_a_collective_a_faulted_rank_never_entered_is_left_at_once_and_one_it_en
     assert not stop.never_entered(issued[2])
 
 
+def test_a_peer_stopped_elsewhere_ends_the_wait_in_a_collective_it_never_entered():
+    """Two survivors: rank 1 left a collective of a group with the faulted rank, rank 0 waits in one
+    of a group without it (dp: ranks 0-3) (its peer, rank 1, never entered it: rank 1's final counts, taken from its
+    ``Issued.now()`` once it left, say so). Rank 0 leaves at once, not after the grace; a collective
+    rank 1 entered still waits out its grace."""
+    survivor, waiting = Stop(identify_group=_groups), Stop(identify_group=_groups)
+    waiting.grace_s = 30.0
+    for stop in (survivor, waiting):
+        stop.issued.issue("dp", "all_reduce")
+    entered_by_both = waiting.issued.issue("dp", "all_reduce")
+    survivor.issued.issue("dp", "all_reduce")
+    pending = waiting.issued.issue("dp", "all_reduce")   # rank 1 never issues this one
+    for stop in (survivor, waiting):
+        stop.request("memory-error on rank(s) [4]", entered={"4": {"member": 4, "counts": {}}})
+    assert survivor.issued.freeze() is None  # (the stop froze them; its final counts are read as they stand)
+    now = time.monotonic()
+    assert not waiting.grace_over(now, pending) and not waiting.never_entered(pending)
+    waiting.entered.take({"1": {"member": 1, "counts": survivor.issued.now()}})  # (the controller's order)
+    assert waiting.never_entered(pending) == [1] and waiting.grace_over(now, pending)
+    assert not waiting.grace_over(now, entered_by_both)
+
+
 def test_counts_align_only_from_a_resume_to_the_next_stop_or_fault():
     """A stop leaves collectives counted here and never issued elsewhere: counts sent after it are
     not sent at all, and a stop that comes while this rank's counts are not aligned compares nothing;

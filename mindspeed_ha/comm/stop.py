@@ -123,6 +123,12 @@ class Issued:
             self._aligned = False
             return counts
 
+    def now(self) -> dict[str, int]:
+        """The counts as they stand: a stopped rank's final ones once its training thread has left the
+        step (it issues nothing more before the resume; each collective is counted by its issuer)."""
+        with self._lock:
+            return dict(self._counts)
+
     def restart(self) -> None:
         """A recovery's resume, before any collective of the step it resumes: counting starts again."""
         with self._lock:
@@ -154,11 +160,14 @@ class Entered:
         # The ranks that made the stop abort its communicators before the grace (none could complete).
         self.aborted_for: list[int] = []
 
-    def take(self, entered: dict | None) -> None:
-        """``entered``: by job rank, each rank's place in the default group (``member``) and counts."""
+    def take(self, entered: dict | None) -> bool:
+        """``entered``: by job rank, each rank's place in the default group (``member``) and counts.
+        True if taken (this rank's own counts were aligned as the stop came)."""
         if entered and self.aligned:
             self._by_member = {**self._by_member,
                                **{int(e["member"]): dict(e["counts"]) for e in entered.values()}}
+            return True
+        return False
 
     def never(self, tag: Tag | None) -> list[int]:
         """The ranks (of the default group) that are members of the collective ``tag`` and never entered it."""

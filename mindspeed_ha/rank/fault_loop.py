@@ -85,6 +85,7 @@ class FaultLoop:
                      st.rank, iteration, st.phase, f" (rank(s) {never} never entered it)" if never else "")
             st.events.emit("left_collective", iteration=iteration, phase=st.phase,
                            **({"never_entered": never} if never else {}))
+            st.report_left()
         else:
             kind = fault_kind(exc)
             st.report(kind, exc, iteration, st.phase)

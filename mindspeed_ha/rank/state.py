@@ -142,6 +142,16 @@ class RankState:
         entered = {"member": dist.get_rank(), "counts": counts} if counts is not None else None
         self.processor.report_fault(kind, f"{type(exc).__name__}: {exc}", iteration, phase, entered=entered)
 
+    def report_left(self) -> None:
+        """This rank's training thread left the step's collectives for a stop: the collectives it issued,
+        to the peers still waiting in one (through the controller). A peer waiting in one this rank never
+        entered leaves it at once, as for a faulted rank's. Only counts aligned with the job's as the
+        stop came (``Entered.aligned``), and final: nothing more is issued before the resume."""
+        if self.processor is None or not self.stop.entered.aligned:
+            return
+        import torch.distributed as dist
+        self.processor.report_left({"member": dist.get_rank(), "counts": self.stop.issued.now()})
+
     def report_unlogged_step(self, iteration: int, loss) -> None:
         """A restarted worker that writes the losses: its predecessor may have died after step
         ``iteration`` completed job-wide but before reporting it (its update or the parameter

@@ -39,8 +39,8 @@ class Inbox:
         self.fenced_once: set[int] = set()
 
     def handlers(self) -> dict[str, Handler]:
-        fenced = {"register": self.register, "hb": self.heartbeat, "fault": self.fault, "result": self.result,
-                  "bye": self.bye}
+        fenced = {"register": self.register, "hb": self.heartbeat, "fault": self.fault, "left": self.left,
+                  "result": self.result, "bye": self.bye}
         return {**{t: self._fenced(fn) for t, fn in fenced.items()}, "agent": self.agent,
                 "agent_hb": self.agent_heartbeat, "exit": self.exit, "status?": self.status, "inject": self.inject,
                 "migrate": self.migrate, "health": self.health, "preempt": self.preempt}
@@ -130,6 +130,15 @@ class Inbox:
         self.port.fault([r], msg["kind"], msg["iteration"], msg["phase"],
                         detect_s=max(0.0, time.time() - at) if at else 0.0, detail=msg.get("detail", ""),
                         key=("fault", r, msg["kind"], at), rid=msg.get("rid"), entered=msg.get("entered"))
+
+    def left(self, ident: bytes, msg: Msg) -> None:
+        """A survivor left the step's collectives for the stop: its counts go to the other ranks, so
+        that one still waiting in a collective it never entered leaves it at once (a peer it waits for
+        was stopped elsewhere: a group without the faulted rank) instead of after the stop's grace."""
+        r = self.table.check(msg["rank"])
+        others = sorted(self.table.live() - {r})
+        if self.port.state not in (S.NORMAL, S.DONE) and others:
+            self.orders.send("entered", others, {"entered": {str(r): msg["entered"]}})
 
     def result(self, ident: bytes, msg: Msg) -> None:
         r = self.table.check(msg["rank"])

@@ -125,7 +125,9 @@ class Processor:
         self.work = OwnWork(options.straggler_ratio, stop.in_flight.waited_s if stop else (lambda: 0.0))
         self.watch = HeldWatch(lambda: self.stop.report())
         self.orders = Orders(rank, {"stop": self._stop_collectives, "standby": self.host.stand_by,
-                                    "takeover": self.host.take_over, "reconnect": self._reconnect},
+                                    "takeover": self.host.take_over, "reconnect": self._reconnect,
+                                    "entered": lambda a: "taken" if self.stop.entered.take(a.get("entered"))
+                                    else "not aligned"},
                              self._send_answer, self.watch, lambda: self.stop.awaiting_orders())
 
     @property
@@ -271,6 +273,11 @@ class Processor:
                                  **({"entered": entered} if entered is not None else {}))
         self._outbox.put(report, rid)
         self._sent.wait(1.0)  # handed to ZeroMQ before the caller may let the process die
+
+    def report_left(self, entered: dict[str, Any]) -> None:
+        """The training thread left the step's collectives for a stop: ``entered``, what it issued, as
+        ``report_fault`` sends a faulted rank's (the controller hands it to the ranks still waiting)."""
+        self._send_answer(protocol.encode("left", rank=self.rank, pid=os.getpid(), entered=entered))
 
     def serve_order(self, timeout: float) -> str | None:
         """The training thread, parked after a fault, runs its next order (``Orders.serve_order``)."""

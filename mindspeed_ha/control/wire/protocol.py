@@ -124,6 +124,9 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "hb": {"rank": (_int, R), "it": (_int, R), "upd": (_bool, R), "health": (_str, R),
            "phase": (_str, O), "progress": (_float, O), "wait": (_bool, O), "pid": (_int, O), "steps": (_int, O),
            "busy": (_float, O), "ckpt": (_int, O), "held": (_str, O)},
+    # A survivor whose training thread left the step's collectives for a stop: the collectives it issued
+    # by then, for the peers still waiting in one it never entered (as a faulted rank's report carries them).
+    "left": {"rank": (_int, R), "pid": (_int, O), "entered": ("map", R)},
     # A report that a link re-sends to a new controller carries ``rid``, its sender's own id for it:
     # the controller that recovered it names it in ``settled``, and nobody acts on it again.
     "fault": {"rank": (_int, R), "kind": (_str, R), "iteration": (_int, R), "phase": (_str, R),
