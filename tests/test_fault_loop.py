@@ -12,7 +12,7 @@ from mindspeed_ha.comm.stop import CollectiveStopped, Stop
 from mindspeed_ha.faults import MemoryFault
 from mindspeed_ha.options import HAOptions
 from mindspeed_ha.rank.fault_loop import FaultLoop
-from mindspeed_ha.rank.state import RankState
+from mindspeed_ha.rank.state import LEFT_COUNTS_MAX_WORLD, RankState
 
 
 class Processor:
@@ -23,6 +23,7 @@ class Processor:
         self.link = types.SimpleNamespace(recovering=recovering)
         self.faults: list[tuple] = []
         self.served: list[str | None] = []
+        self.left: list[dict] = []
 
     def serve_order(self, timeout: float) -> str | None:
         action = self.orders.pop(0) if self.orders else None
@@ -32,15 +33,20 @@ class Processor:
     def report_fault(self, kind: str, detail: str, iteration: int, phase: str, entered=None) -> None:
         self.faults.append((kind, iteration, phase))
 
+    def report_left(self, entered: dict) -> None:
+        self.left.append(entered)
+
 
 class Events:
     def emit(self, event: str, **fields) -> None:
         pass
 
 
-def _loop(orders: list[str | None], order_timeout: float = 60.0, **kw) -> tuple[FaultLoop, RankState, Processor]:
+def _loop(orders: list[str | None], order_timeout: float = 60.0, world: int = 4, stop: Stop | None = None,
+          **kw) -> tuple[FaultLoop, RankState, Processor]:
     options = HAOptions(strategies=frozenset({"retry"}), order_timeout_s=order_timeout)
-    state = RankState(options, types.SimpleNamespace(backend="gloo"), 1, 4, 1, Events(), None, Stop())  # type: ignore[arg-type]
+    state = RankState(options, types.SimpleNamespace(backend="gloo"), 1, world, 1, Events(), None,  # type: ignore[arg-type]
+                      stop or Stop())
     state.processor = processor = Processor(orders, **kw)  # type: ignore[assignment]
     state.phase = "backward"
     return FaultLoop(state), state, processor
@@ -58,6 +64,18 @@ def test_a_rank_the_controller_stopped_reports_no_fault_of_its_own():
     loop, state, processor = _loop(["resume"])
     assert loop.recover(CollectiveStopped("collective stopped by request: comm-failure on rank(s) [3]"), 5)
     assert processor.faults == [] and not state.shard_poisoned
+
+
+@pytest.mark.parametrize("world,sent", [(4, True), (LEFT_COUNTS_MAX_WORLD + 1, False)])
+def test_a_stopped_rank_sends_what_it_issued_for_the_peers_still_waiting_in_small_jobs_only(monkeypatch, world, sent):
+    """Its counts go to every other rank: world - 1 orders per survivor, so not above the bound."""
+    monkeypatch.setattr("torch.distributed.get_rank", lambda: 1)
+    stop = Stop(identify_group=lambda g: ("k-dp", frozenset({0, 1, 2, 3})))
+    stop.issued.issue("dp", "all_reduce")
+    stop.request("memory-error on rank(s) [3]")
+    loop, state, processor = _loop(["resume"], world=world, stop=stop)
+    assert loop.recover(CollectiveStopped("collective stopped by request"), 5)
+    assert processor.left == ([{"member": 1, "counts": {"k-dp": 1}}] if sent else [])
 
 
 def test_a_silent_controller_ends_the_wait_after_the_order_timeout_but_a_recovery_under_way_does_not():
