@@ -39,6 +39,9 @@ class HAConfigError(ValueError):
 # Drills on the state layouts of the optimizers megatron-core takes on a GPU (replica.drill_optimizers):
 # Transformer Engine's FusedAdam (the step count per param group), and with master params and scales.
 DRILL_OPTIMIZER_ENV = "MINDSPEED_HA_DRILL_OPTIMIZER"
+# Why an agent starts a worker into a running job: "scale-out" (a newcomer, which then builds itself
+# before it registers: rank.session.build_ahead); unset for a recovery's restart.
+JOINS_AS_ENV = "MINDSPEED_HA_JOINS_AS"
 DRILL_OPTIMIZERS = ("fused-adam", "fused-adam-master")
 
 

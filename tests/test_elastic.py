@@ -183,3 +183,25 @@ def test_a_fault_during_the_scale_in_plans_again_with_every_loss(tmp_path, phase
     assert {i: got[i] for i in range(1, 4)} == {i: want[i] for i in range(1, 4)}
     rel = max(abs(float.fromhex(got[i]) / float.fromhex(want[i]) - 1) for i in range(4, LAST + 1))
     assert rel < 1e-6, rel
+
+
+def test_a_newcomer_built_for_the_jobs_layout_and_planned_elsewhere_drops_its_build():
+    """A scale-out's newcomer built ahead for the job's own layout (four ranks in their order) that the
+    plan lays out otherwise (a partial scale-out: three ranks, another order): its build is not kept —
+    the DDP buffers freed, no optimizer or scheduler left — and the trainer is to be set up again in
+    the plan's place (the real path, a full scale-out that keeps the build: test_hosts's elastic drill)."""
+    import torch
+    from types import SimpleNamespace
+    from mindspeed_ha.trainer_state.interface import BuiltAhead, TrainerInterface
+
+    trainer_cls = type("Built", (TrainerInterface,), dict.fromkeys(TrainerInterface.__abstractmethods__))
+    trainer = trainer_cls()
+    grads, params = torch.zeros(8), torch.ones(8)
+    ddp = SimpleNamespace(buffers=[SimpleNamespace(grad_data=grads, param_data=params)], expert_parallel_buffers=[],
+                          bucket_groups=[object()], param_to_bucket_group={1: 2}, params_with_grad=[params])
+    trainer.model_chunks, trainer.optimizer, trainer.scheduler = [ddp], object(), object()
+    trainer.built_ahead = BuiltAhead(4, (), False)
+    assert trainer.enter_built_layout([0, 2, 3]) is False
+    assert (trainer.built_ahead, trainer.optimizer, trainer.scheduler, trainer.model_chunks) == (None, None, None, [])
+    assert grads.untyped_storage().size() == params.untyped_storage().size() == 0
+    assert ddp.bucket_groups == [] and ddp.param_to_bucket_group == {}

@@ -285,6 +285,13 @@ def test_elastic_node_1_cut_off_the_store_side_scales_in_and_out_again(tmp_path,
     scaled_out = [e for e in ctl if e["event"] == "scaled_out"]
     assert [(e["old_dp"], e["dp"], e["dropped"]) for e in scaled_in] == [(4, 2, [2, 3])]
     assert [(e["old_dp"], e["dp"], e["added"]) for e in scaled_out] == [(2, 4, [2, 3])]
+    # the newcomers built themselves before they registered, and their build stood in the new layout
+    asked = [e["time"] for e in ctl if e["event"] == "scale_out_requested"]
+    for r in (2, 3):
+        mine = events(dirs, f"rank_{r}")
+        built = [e["time"] for e in mine if e["event"] == "built_ahead"]
+        assert len(built) == 1 and built[0] < asked[0], (built, asked)
+        assert [e["built_ahead"] for e in mine if e["event"] == "resized"] == [True]
     steps = [e["iteration"] for e in events(dirs[0], "rank_0") if e["event"] == "step"]
     assert sorted(steps) == sorted(set(steps)) == list(range(1, iters + 1))
     got, first = losses(dirs), scaled_in[0]["iteration"]

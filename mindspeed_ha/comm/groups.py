@@ -383,6 +383,12 @@ def groups() -> list[StableGroup]:
     return list(_groups)
 
 
+def made_after_seal() -> list[StableGroup]:
+    """The groups made since the job's set-up was sealed (made on first use: a model's, an optimizer's)."""
+    with _lock:
+        return list(_groups[_sealed:]) if _sealed else []
+
+
 def reconnect(store_host: str, store_port: int, generation: int,
               store_timeout: datetime.timedelta = STORE_TIMEOUT) -> dict:
     """New communicators for every group of this process, over the controller's store. Every

@@ -30,7 +30,7 @@ from ..control.wire.board import ProgressBoard
 from ..control.wire.discovery import JobStore
 from ..control.wire.link import ControllerLink
 from ..events import EventLog, get_logger, log_dir_from_env, setup_text_log
-from ..options import HAConfigError, check_directory, check_writable, from_script_args
+from ..options import JOINS_AS_ENV, HAConfigError, check_directory, check_writable, from_script_args
 from . import network, rendezvous, spare
 from .args import Launch, LaunchError, build_parser, resolve
 from .devices import DeviceHealth
@@ -137,11 +137,11 @@ class Agent:
         from --master-addr)."""
         return discovery.address_text(self.store.address)
 
-    def _spawn(self, local_rank: int, restarts: int = 0) -> Worker:
+    def _spawn(self, local_rank: int, restarts: int = 0, extra: dict[str, str] | None = None) -> Worker:
         rank = self.a.node_rank * self.a.nproc_per_node + local_rank
         out, err = self.logs.open(local_rank, restarts)
         # Own session: signals reach workers only through us, and killpg also reaches their children.
-        p = subprocess.Popen(self.a.cmd + self.script_args, env=self._env(rank, local_rank, restarts),
+        p = subprocess.Popen(self.a.cmd + self.script_args, env={**self._env(rank, local_rank, restarts), **(extra or {})},
                              start_new_session=True, stdout=out, stderr=err)
         for f in (out, err):
             if f is not None:
@@ -169,16 +169,18 @@ class Agent:
             self.workers[rank] = Worker(rank, lr, p)
             self.events.emit("worker_start", worker_rank=rank, worker_pid=p.pid, restarts=0, forked=True)
 
-    def _restart(self, rank: int) -> None:
+    def _restart(self, rank: int, extra: dict[str, str]) -> None:
         """A new worker for ``rank``: a spare when one is there (its replacement is made at once),
-        else a fresh process. (A replacement node's ranks had no worker here: restart 1.)"""
+        else a fresh process. (A replacement node's ranks had no worker here: restart 1.) ``extra``:
+        variables for it alone (why it joins)."""
         old = self.workers.get(rank)
         local_rank = rank - self.a.node_rank * self.a.nproc_per_node
         restarts = old.restarts + 1 if old is not None else 1
         taken = self.spares.hand_over(spare.assignment(rank, local_rank, restarts,
-                                                       {**self.logs.env(local_rank), discovery.ENV: self._job_store()}))
+                                                       {**self.logs.env(local_rank), discovery.ENV: self._job_store(),
+                                                        **extra}))
         if taken is None:
-            self._spawn(local_rank, restarts)
+            self._spawn(local_rank, restarts, extra)
             return
         for f in self.logs.open(local_rank, restarts):  # (the header line; the spare appends itself)
             if f is not None:
@@ -238,6 +240,7 @@ class Agent:
             self.exit_deadline = time.monotonic() + self.a.exit_grace
         elif action == "restart":
             mine = set(ranks_of(self.a.node_rank, self.a.nproc_per_node))
+            scale_out = {int(r) for r in args.get("scale_out") or ()}
             for r in args.get("ranks") or sorted(mine):
                 r = int(r)
                 if r not in mine:
@@ -246,7 +249,7 @@ class Agent:
                 if w is not None:
                     self._killpg(w, signal.SIGKILL)
                     w.popen.wait()
-                self._restart(r)
+                self._restart(r, {JOINS_AS_ENV: "scale-out"} if r in scale_out else {})
             self.first_failure = 0.0
             self.link.send(self._hello())
 

@@ -127,6 +127,9 @@ def on_initialize_distributed(original, get_embedding_ranks, get_position_embedd
     # (recover: this worker's groups are made then and connect with the survivors' new generation)
     # or scale-out (its groups are the new layout's; the state comes once its model exists).
     s.device.set_current(s.local_rank)  # what Megatron-LM's skipped init would have done
+    if s.joins_to_scale_out():  # (the built-in trainer's newcomers build themselves before they register)
+        log.info("rank %d: a scale-out's newcomer in Megatron-LM's loop builds its model and optimizer inside the "
+                 "scale-out, once its groups exist (Megatron-LM's set-up makes them after its groups)", s.rank)
     s.join_running_job(_GroupsOnly(), until=("rebuild", "scale-out"))
     _alone_on()  # Megatron-LM's set-up runs on while the survivors wait
     return None

@@ -12,6 +12,7 @@ patches, which megatron calls without it).
 """
 from __future__ import annotations
 
+import datetime
 import os
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -137,7 +138,9 @@ class RankSession:
         st.events.emit("start", world_size=st.world_size, device=st.device.kind,
                        backend=st.device.backend, strategies=sorted(st.options.strategies),
                        replica=st.options.use_replica_optimizer, **errors)
-        if st.options.enabled and self.control_plane and st.processor is None:
+        # (a newcomer built ahead registers afterwards, in join_running_job: the pause it is asked
+        # for comes once it has registered)
+        if st.options.enabled and self.control_plane and st.processor is None and not st.joining:
             self.start_processor()
 
     def trainer_ready(self) -> None:
@@ -147,6 +150,10 @@ class RankSession:
         if st.optimizer is None or self.replicas.tracking:
             return
         self.replicas.track()
+        self._prewarm_writer()
+
+    def _prewarm_writer(self) -> None:
+        st = self.state
         assert st.trainer is not None  # (attach_trainer came first)
         if st.processor is not None and st.trainer.save_dir:
             from mindspeed_ha.trainer_state import checkpoint
@@ -183,6 +190,39 @@ class RankSession:
         """Started by the agent in place of a failed worker (``mindspeed-ha run`` counts restarts)."""
         return int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0) > 0
 
+    @staticmethod
+    def joins_to_scale_out() -> bool:
+        """Started by its agent as a scale-out's newcomer (the controller said so in its order):
+        no recovery waits for it, and the layout it comes into is the job's own."""
+        from mindspeed_ha.options import JOINS_AS_ENV
+        return os.environ.get(JOINS_AS_ENV) == "scale-out"
+
+    def build_ahead(self, trainer) -> None:
+        """A scale-out's newcomer, before it registers: its trainer set up alone (as a restarted
+        worker's is at its rebuild) in the layout it expects to enter, the job's own at full size,
+        over groups that connect only once the scale-out makes that layout (``groups.joining``). The
+        job trains meanwhile; its pause, asked for once this rank has registered, then holds only
+        the groups' connection and the state's move for it (``recovery.elastic.enter_layout``). A
+        plan that gives it another place builds it again there."""
+        from mindspeed_ha.comm import groups
+        from mindspeed_ha.comm.interruptible import alone
+        from mindspeed_ha.trainer_state.interface import BuiltAhead
+        st = self.state
+        st.joining = True  # (its trainer's attach leaves the registration to join_running_job)
+        t0 = time.perf_counter()
+        load_ahead()  # (the optimizer's first imports: 2 s of this build without it)
+        with groups.joining(st.world_size, st.rank, st.device.backend,
+                            datetime.timedelta(seconds=st.options.collective_timeout_s)), alone():
+            trainer.setup(joining=True)
+        made = groups.groups()[1:]  # (not the default group: the scale-out makes its own)
+        trainer.built_ahead = BuiltAhead(st.world_size, tuple((g, g.group_rank) for g in made),
+                                         bool(groups.made_after_seal()))
+        seconds = round(time.perf_counter() - t0, 4)
+        st.events.emit("built_ahead", seconds=seconds, world_size=st.world_size, groups=len(made),
+                       made_on_use=trainer.built_ahead.made_on_use, setup=getattr(trainer, "setup_seconds", None) or {})
+        log.info("rank %d: built ahead of the scale-out in %.3f s, for the job's layout of %d ranks", st.rank,
+                 seconds, st.world_size)
+
     def join_running_job(self, trainer, until: tuple = ("resume",)) -> None:
         """A restarted worker under recover or elastic: register (no env:// rendezvous — that world
         is gone), then serve the controller's orders on this thread (``FaultLoop.join``) until one of
@@ -192,8 +232,10 @@ class RankSession:
         st.trainer, st.joining = trainer, True
         st.stopped_at = time.monotonic()
         if st.processor is None:
-            load_ahead()  # (before it registers: a forked joiner has it all already)
+            load_ahead()  # (before it registers: a forked joiner has it all already; built ahead, its build too)
             self.start_processor()
+            if st.optimizer is not None:  # (built ahead: its writer is warmed up now that it reports)
+                self._prewarm_writer()
             log.info("rank %d: restarted worker, waiting for the controller to bring it into the job", st.rank)
         self.faults.join(until)
 

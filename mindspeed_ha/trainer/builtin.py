@@ -22,7 +22,7 @@ from megatron.core import optimizer as megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
-from mindspeed_ha.comm.interruptible import PROCESS_STOP
+from mindspeed_ha.comm.interruptible import PROCESS_STOP, alone
 from mindspeed_ha.device import current
 from mindspeed_ha.events import get_logger
 from mindspeed_ha.trainer import configs, data
@@ -67,7 +67,11 @@ class BuiltinTrainer(TrainerInterface):
         self.model_chunks = [self._build_model(replicas, not joining, vp) for vp in ([None] if vpp is None else
                                                                                   range(vpp))]
         timed("model")
-        self.optimizer = self._build_optimizer()
+        if joining:  # (alone, as a resize's kept ranks build theirs: see TrainerInterface.relayout)
+            with alone():
+                self.optimizer = self._build_optimizer()
+        else:
+            self.optimizer = self._build_optimizer()
         timed("optimizer")
         self.scheduler = configs.scheduler(self.optimizer, a)
         if not joining:

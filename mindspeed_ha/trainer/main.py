@@ -79,6 +79,8 @@ def run(argv: list[str] | None = None) -> int:
     try:
         if joining:  # the job runs on; the controller brings this worker in
             trainer.prepare_join(dataset)
+            if session.joins_to_scale_out():
+                session.build_ahead(trainer)
             session.join_running_job(trainer)
         else:
             trainer.setup(dataset=dataset)

@@ -9,9 +9,21 @@ the counters a restarted rank takes from its twin) has its implementation here.
 from __future__ import annotations
 
 import abc
-from typing import Any, Iterable, Iterator
+import dataclasses
+from typing import Any, Iterable, Iterator, Sequence
 
 from mindspeed_ha.trainer_state import rng
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltAhead:
+    """What a scale-out's newcomer was set up for before it joined (``rank.session.build_ahead``): the
+    job's own layout of ``world_size`` ranks in their order, over ``groups`` (each with the newcomer's
+    rank in it), made by megatron-core's set-up; ``made_on_use``: its model or optimizer made more
+    groups as they were built (a set-up made again would not make them again: the build is not kept)."""
+    world_size: int
+    groups: tuple
+    made_on_use: bool
 
 
 class TrainerInterface(abc.ABC):
@@ -45,6 +57,7 @@ class TrainerInterface(abc.ABC):
 
     def __init__(self) -> None:
         self.model_chunks, self.optimizer, self.scheduler = [], None, None  # until setup()
+        self.built_ahead: BuiltAhead | None = None  # (a scale-out's newcomer, until it enters a layout)
         self.iteration = self.ended = self.consumed_samples = 0
         self.rng = rng.History()    # the RNG as of recent iterations' ends (rollback, dump)
 
@@ -126,10 +139,51 @@ class TrainerInterface(abc.ABC):
         for m in old:
             release_ddp(m)
         drop_param_buffers(old_buffers, keep)
-        self.optimizer = self._build_optimizer()
+        # Alone: its one exchange, the parameter-group keys, aligns models that are the same on
+        # every rank of a stage here, and a newcomer built ahead builds no optimizer in the resize.
+        from mindspeed_ha.comm.interruptible import alone
+        with alone():
+            self.optimizer = self._build_optimizer()
         self.scheduler.optimizer = self.optimizer
         self.scheduler.step(increment=0)  # the current lr and weight decay into the new param groups
         self._relaid_out(dp)
+
+    def enter_built_layout(self, order: Sequence[int]) -> bool:
+        """A newcomer built ahead (``built_ahead``), the default group now the new layout of the job's
+        ranks ``order`` (``comm.groups.new_epoch``): megatron-core's groups made again. Where the plan
+        lays the job out as it was built for (its own ranks, in their order), each group comes back
+        as the very object its model, DDP and optimizer hold (``new_epoch``: same members, same
+        description), now connected, and its build stands: True. Otherwise it is dropped (False):
+        the caller sets the trainer up again in the place the plan gives it."""
+        from megatron.core import parallel_state as ps
+        from mindspeed_ha.comm import groups
+        built, self.built_ahead = self.built_ahead, None
+        assert built is not None
+        if list(order) != list(range(built.world_size)) or built.made_on_use:
+            self.drop_build()
+            return False
+        ps.destroy_model_parallel()  # (its groups are unregistered already: nothing is destroyed)
+        self.init_parallel()
+        now = {id(g) for g in groups.groups()}
+        moved = [g for g, r in built.groups if id(g) not in now or g.group_rank != r]
+        if moved:  # (new_epoch keeps every group of a layout that did not change: never seen)
+            raise RuntimeError(f"a newcomer built ahead for the job's layout found its groups changed in it: {moved}")
+        return True
+
+    def drop_build(self) -> None:
+        """Forget a newcomer's set-up (built for a place the plan did not give it): its DDP buffers
+        freed before another is built, megatron-core's groups and micro-batch count forgotten."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+        ps.destroy_model_parallel()
+        destroy_num_microbatches_calculator()
+        buffers = [b for m in self.model_chunks
+                   for b in list(getattr(m, "buffers", [])) + list(getattr(m, "expert_parallel_buffers", []))]
+        drop_grad_buffers(buffers)
+        for m in self.model_chunks:
+            release_ddp(m)
+        drop_param_buffers(buffers, ())
+        self.model_chunks, self.optimizer, self.scheduler = [], None, None
 
     def _rewrap(self, ddp):
         """The module of ``ddp`` in a new DDP of the current layout (no broadcast: the weights are

@@ -206,9 +206,9 @@ class Inbox:
         scale-out's newcomers (the offer counts them in) — its node new, or back from a silence."""
         self.scaling.offer(agent, returned)
         due = self.restarts.due(agent.ranks, agent.pids)
-        if due:
-            self.router.send(ident, protocol.encode("do", action="restart", id=0, args={"ranks": due},
-                                                    epoch=self.port.epoch))
+        if due:  # (a scale-out's newcomers are named: each builds itself before it registers)
+            args = {"ranks": due, "scale_out": sorted(set(due) & self.scaling.offered)}
+            self.router.send(ident, protocol.encode("do", action="restart", id=0, args=args, epoch=self.port.epoch))
 
     def agent_heartbeat(self, ident: bytes, msg: Msg) -> None:
         a = self.table.agents.get(msg["node_rank"])

@@ -9,7 +9,10 @@ scale-in, ``plan_scale_out`` for a scale-out):
    forgotten (``comm.groups.new_epoch``);
 3. megatron-core's groups, DDP and a new optimizer at the new size: a running rank re-wraps the
    model it has (``relayout``: its weights never move, it keeps its TP/PP position); a newcomer
-   sets itself up from scratch, without a ``--load``;
+   sets itself up from scratch, without a ``--load`` — a newcomer of the built-in trainer did so
+   before it registered, for the job's own layout (``rank.session.build_ahead``), and where the plan
+   lays the job out so, its build stands and only its groups connect here
+   (``enter_built_layout``; elsewhere it builds again);
 4. fp32 main values and Adam moments move from the plan's writers into the new shards, point to
    point (``replica.reshard``), every new entry gets the old ``step``; each newcomer takes counters,
    scheduler, data position and RNG from the kept rank at its TP/PP position; the weights are
@@ -61,7 +64,7 @@ def holdings(trainer: TrainerInterface) -> dict[str, Any]:
     views of the tensors: they stay valid while the rank re-wraps its model) and Adam's step; a
     newcomer brings nothing. A resize that does not complete leaves the trainer between two layouts;
     these holdings, kept, are then still the rank's state, and the next resize starts from them."""
-    old = trainer.optimizer
+    old = None if getattr(trainer, "built_ahead", None) is not None else trainer.optimizer  # (built ahead: no state)
     return {"old_ranges": {} if old is None else old.ha_state_ranges(), "step": None if old is None else step_count(old),
             "scalers": None if old is None else old.ha_scaler_states(), "newcomer": old is None}
 
@@ -81,12 +84,14 @@ def enter_layout(trainer: TrainerInterface, plan: ElasticPlan, rank: int, store_
     world = groups.new_epoch(plan.order, rank, store_host, store_port, generation, timeout=timeout, backend=backend,
                              host_rank=plan.order[0] if host_store else None)
     t["group"] = time.perf_counter()
-    if trainer.optimizer is None:
+    # A newcomer built ahead for this very layout: its model, DDP and optimizer stand in its groups.
+    built = getattr(trainer, "built_ahead", None) is not None and trainer.enter_built_layout(plan.order)
+    if not built and trainer.optimizer is None:
         trainer.setup(joining=True)
-    else:
+    elif not built:
         trainer.relayout(keep=[t for values in held["old_ranges"].values() for t in values])
     t["relayout"] = time.perf_counter()
-    return {"t": t, "world": world, "mem": mem, **held}
+    return {"t": t, "world": world, "mem": mem, "built_ahead": built, **held}
 
 
 def move_state(trainer: TrainerInterface, plan: ElasticPlan, rank: int, entered: dict[str, Any],
@@ -126,6 +131,7 @@ def move_state(trainer: TrainerInterface, plan: ElasticPlan, rank: int, entered:
     t["moved"] = time.perf_counter()
     entered["mem"].stop()
     out = {"dp": plan.dp, "new_rank": entered["world"].new_rank, "received": got, "newcomer": newcomer,
+           "built_ahead": entered.get("built_ahead", False),
            "shard_bytes": sum(v.numel() * v.element_size() for vals in new_ranges.values() for v in vals),
            "extra_mem_bytes": entered["mem"].bytes,
            "group_s": round(t["group"] - t["start"], 4), "relayout_s": round(t["built"] - t["group"], 4),
