@@ -141,8 +141,8 @@ class Agent:
         rank = self.a.node_rank * self.a.nproc_per_node + local_rank
         out, err = self.logs.open(local_rank, restarts)
         # Own session: signals reach workers only through us, and killpg also reaches their children.
-        p = subprocess.Popen(self.a.cmd + self.script_args, env={**self._env(rank, local_rank, restarts), **(extra or {})},
-                             start_new_session=True, stdout=out, stderr=err)
+        env = {**self._env(rank, local_rank, restarts), **(extra or {})}
+        p = subprocess.Popen(self.a.cmd + self.script_args, env=env, start_new_session=True, stdout=out, stderr=err)
         for f in (out, err):
             if f is not None:
                 f.close()
