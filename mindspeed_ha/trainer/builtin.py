@@ -7,6 +7,7 @@ MockGPTDataset or indexed datasets, dist_checkpointing. Megatron-LM's argument n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from datetime import timedelta
 from functools import partial
@@ -67,10 +68,8 @@ class BuiltinTrainer(TrainerInterface):
         self.model_chunks = [self._build_model(replicas, not joining, vp) for vp in ([None] if vpp is None else
                                                                                   range(vpp))]
         timed("model")
-        if joining:  # (alone, as a resize's kept ranks build theirs: see TrainerInterface.relayout)
-            with alone():
-                self.optimizer = self._build_optimizer()
-        else:
+        # (a joiner's alone, as a resize's kept ranks build theirs: see TrainerInterface.relayout)
+        with alone() if joining else contextlib.nullcontext():
             self.optimizer = self._build_optimizer()
         timed("optimizer")
         self.scheduler = configs.scheduler(self.optimizer, a)
