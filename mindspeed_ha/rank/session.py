@@ -172,7 +172,8 @@ class RankSession:
                                              os.environ.get("MINDSPEED_HA_NODE", ""), st.options, groups,
                                              events=st.events, controller_factory=Controller, stop=st.stop)
         st.stop.add_held_hook(processor.report_held)
-        processor.serve({"inject": self._live_inject}, training_thread=False)
+        # (at once: a migration asked for right after a live fault must find it armed when its rank parks)
+        processor.serve({"inject": self._live_inject}, training_thread=False, at_once=True)
         processor.serve(RankRecovery(st).handlers(), training_thread=True)
         processor.start()
 

@@ -2,8 +2,9 @@
 
 ``stop``, ``standby``, ``takeover`` and ``reconnect`` run on the processor thread at once (they must
 work while the training thread is blocked in a collective); the recovery's orders wait for the
-training thread, parked after a fault (``serve_order``); the rest run on a handler thread, so
-heartbeats go on meanwhile. A handler returns its answer (any msgpack tree, or a ``Later``) or
+training thread, parked after a fault (``serve_order``); a handler that only records something may
+run at once too (``at_once``: it takes effect before any order sent after it); the rest run on a
+handler thread, so heartbeats go on meanwhile. A handler returns its answer (any msgpack tree, or a ``Later``) or
 raises: the exception is the failed answer.
 """
 from __future__ import annotations
@@ -57,11 +58,17 @@ class Orders:
         self._work: queue.SimpleQueue[tuple[str, int, dict[str, Any]] | None] = queue.SimpleQueue()
         self._done_ids: collections.deque[tuple[int, int]] = collections.deque(maxlen=256)
 
-    def serve(self, handlers: Mapping[str, Handler], training_thread: bool) -> None:
+    def serve(self, handlers: Mapping[str, Handler], training_thread: bool, at_once: bool = False) -> None:
         """Take orders: ``handlers`` maps an action to ``fn(args) -> answer``.
         ``training_thread``: they need the training thread (collectives, the model): they wait in a
-        queue until that thread, parked after a fault, runs ``serve_order``."""
+        queue until that thread, parked after a fault, runs ``serve_order``. ``at_once``: they return at
+        once and run on the processor thread as they come, so that an order the controller sends after
+        one of them finds it done (a live fault armed before the park that follows it)."""
+        assert not (training_thread and at_once), "an order runs on the training thread or at once, not both"
         for action, fn in handlers.items():
+            if at_once:
+                self._inline[action] = fn
+                continue
             self.handlers[action] = fn
             (self._main_actions.add if training_thread else self._main_actions.discard)(action)
 

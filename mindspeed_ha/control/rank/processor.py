@@ -186,9 +186,9 @@ class Processor:
             self.job_store.close()
         self._thread = None
 
-    def serve(self, handlers: Mapping[str, Handler], training_thread: bool) -> None:
+    def serve(self, handlers: Mapping[str, Handler], training_thread: bool, at_once: bool = False) -> None:
         """Take orders (``Orders.serve``)."""
-        self.orders.serve(handlers, training_thread)
+        self.orders.serve(handlers, training_thread, at_once)
 
     # ---- hooks for the training loop (main thread) -------------------------------------------
     def _mark(self, phase: str) -> None:
