@@ -162,7 +162,8 @@ class RepairPlan:
     ok: bool
     iteration: int | None = None
     copies: tuple[tuple[int, int], ...] = ()   # (src, dst): dst's shard is overwritten with src's
-    joiners: tuple[tuple[int, int], ...] = ()  # (restarted rank, its twin: it sends the counters, scheduler and RNG)
+    # (restarted rank, or one past the iteration; its twin: it sends the counters, scheduler and RNG)
+    joiners: tuple[tuple[int, int], ...] = ()
     reason: str = ""
 
     @property
@@ -176,14 +177,20 @@ class RepairPlan:
 
 def plan_repair(holders: Holders, joiners: Iterable[int] = ()) -> RepairPlan:
     """In-place repair: the dump's choice of iteration and holder per shard; every holder that is
-    not usable at that iteration (poisoned, restarted, stopped behind its twin) gets the shard from
-    its writer, and each restarted rank takes its counters from that writer too."""
+    not usable at that iteration (poisoned, restarted, stopped behind its twin, or past it) gets the
+    shard from its writer. Each restarted rank takes its counters from that writer too, and so does a
+    holder whose shard is past the iteration: its replica got through a step that the others' did
+    not (a pipeline stage's instance whose grad-norm all-reduce completed while its twin's was cut
+    short), and it goes back to the iteration with its twin's scheduler, counters and RNG."""
     plan = plan_dump(holders)
     if not plan.ok:
         return RepairPlan(False, reason=plan.reason)
     copies = tuple((plan.writers[tuple(sorted(h["replica_group"]))], r) for r, h in sorted(holders.items())
                    if plan.iteration not in servable(h))
-    sources = tuple((r, plan.writers[tuple(sorted(holders[r]["replica_group"]))]) for r in sorted(joiners))
+    assert plan.iteration is not None  # (a plan that is ok has one)
+    ahead = {r for r, h in holders.items() if int(h["iteration"]) > plan.iteration}
+    sources = tuple((r, plan.writers[tuple(sorted(holders[r]["replica_group"]))])
+                    for r in sorted(set(joiners) | ahead))
     return RepairPlan(True, plan.iteration, copies, sources)
 
 

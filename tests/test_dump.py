@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import TINY, assert_ok, clean_env, free_port, losses, torchrun
-from mindspeed_ha.plan import plan_dump
+from mindspeed_ha.plan import plan_dump, plan_repair
 
 WORKER = str(Path(__file__).resolve().parent / "workers" / "dump_worker.py")
 K, LAST = 3, 5  # the fault lands after iteration K; the resumed runs go on to LAST
@@ -116,6 +116,23 @@ def test_plan_dump_exhaustive_dp4():
                 assert w in s and plan.iteration in serv[combo[w]], (combo, plan)
         else:
             assert list(plan.missing) == [s for s, v in per.items() if not v]
+
+
+def test_plan_repair_takes_a_holder_past_the_iteration_back_through_its_twin():
+    """PP=2 x DP=2, one optimizer instance a DP rank (replica groups [0,1] stage 0, [2,3] stage 1): a
+    memory error poisons rank 0 in step 6's parameter sync, rank 1 is cut short before its update (its
+    grad-norm all-reduce, with rank 3, never completed), so the job resumes at 5; rank 2 had ended step 6
+    (its own all-reduce, with rank 0, had). Rank 2 gets its twin's shard and, as a restarted rank would,
+    its twin's counters, scheduler and RNG: it goes back to 5 with it. Nobody else takes counters."""
+    groups = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
+    states = {0: H(5, True, alive=False), 1: H(5, True, touched=False), 2: H(6), 3: H(5, True, touched=False)}
+    plan = plan_repair({r: {**h, "replica_group": groups[r]} for r, h in states.items()})
+    assert plan.ok and plan.iteration == 5
+    assert list(plan.copies) == [(1, 0), (3, 2)] and list(plan.joiners) == [(2, 3)]
+    # The same with rank 2 restarted instead: it takes counters as before, rank 3 gives them.
+    states[2] = H(-1, alive=False)
+    plan = plan_repair({r: {**h, "replica_group": groups[r]} for r, h in states.items()}, joiners=[2])
+    assert list(plan.copies) == [(1, 0), (3, 2)] and list(plan.joiners) == [(2, 3)]
 
 
 def test_plan_dump_rejects_inconsistent_groups():

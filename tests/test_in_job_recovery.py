@@ -135,6 +135,25 @@ def test_every_phase_on_both_pipeline_stages(tmp_path, references, layout, kind,
     assert fired == [(s, r, p) for r, s, p in drills]
 
 
+def test_a_stage_twin_that_ended_the_step_goes_back_with_the_job(tmp_path, references):
+    """PP=2 x DP=2, an optimizer instance per DP rank: ranks 0 and 2 (one instance) get through step 6's
+    grad-norm all-reduce and rank 1, held in its update window, never enters its own (nor does rank 3,
+    its partner there); rank 0's memory error in the parameter sync comes after rank 2 ended step 6. The
+    job can only resume at 5 (stage 0's good copy is rank 1's), so rank 2 goes back a step it ended: its
+    twin's shard and its twin's counters, scheduler and RNG, as a restarted rank takes them. One retry,
+    every loss bit-identical, twins equal after every step."""
+    # (rank 0 waits before its memory error, so that rank 2 has ended the step when it comes)
+    inject = ("slow:rank=1:step=6:phase=optimizer:factor=30,slow:rank=0:step=6:phase=param-sync:factor=20,"
+              "uce:rank=0:step=6:phase=param-sync")
+    proc = job(tmp_path, inject=inject, extra=[*TINY_LAYOUTS["pp2"][1]])
+    rec = check_rejoined(proc, tmp_path, references.tiny("pp2"), [], n=1)
+    assert rec[0]["strategy"] == "retry" and rec[0]["iteration"] == 5
+    (plan,) = [e for e in events(tmp_path, "controller") if e["event"] == "repair_plan"]
+    # (rank 0's poisoned shard is past 5 too, its counters are not: its twin's are the same)
+    assert plan["pairs"] == [1, 0, 3, 2] and plan["joiners"] == [0, 1, 2, 3], plan
+    assert [e["iteration"] for e in events(tmp_path, "rank_2") if e["event"] == "step"].count(6) == 2
+
+
 @pytest.mark.parametrize("layout", [extended("moe"), "overlap"])  # (MoE in CI: Megatron-LM's loop's drill)
 def test_moe_and_overlapped_communication_under_retry_and_recover(tmp_path, references, layout):
     """MoE (4 experts, EP=2) x DP=4, whose optimizer is chained (dense, expert); or DP=4 with the

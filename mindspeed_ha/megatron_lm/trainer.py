@@ -235,6 +235,10 @@ class MegatronLMTrainer(MegatronLMObjects):
 
     def install_bookkeeping(self, state: dict) -> None:
         """Into the trainer and into ``args``, where Megatron-LM's loop and data loaders read them."""
+        if self.ended > state["ended"]:
+            # (Megatron-LM's loop has counted the step in its own variables: nothing can take it back)
+            raise RuntimeError(f"this rank ended step {self.ended} in Megatron-LM's loop, its twin {state['ended']}: "
+                               "the loop cannot go back a step (the periodic checkpoint or a dump can)")
         super().install_bookkeeping(state)
         self.step.reduced, self.step.reduced_mark = state["reduced"], None  # (the twin's: whole)
         if hasattr(self.optimizer, "ha_grad_stats"):

@@ -210,7 +210,10 @@ class TrainerInterface(abc.ABC):
                                f"its replica peer {state['param_groups']}: this layout cannot be rejoined")
         self.iteration, self.ended = state["iteration"], state["ended"]
         self.consumed_samples = state["consumed_samples"]
-        self.scheduler.load_state_dict(state["scheduler"])  # a fresh scheduler: its count is the peer's
+        # load_state_dict *adds* the saved count (it expects a fresh scheduler); a live rank taken back
+        # to its twin's step has counted its own
+        self.scheduler.num_steps = 0
+        self.scheduler.load_state_dict(state["scheduler"])
 
     def unlogged_loss(self) -> tuple[int, float] | None:
         """(iteration, loss) of the step this rank is inside, when it has its loss reduced over data

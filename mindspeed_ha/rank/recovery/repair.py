@@ -136,9 +136,10 @@ def move_bytes(tensors: list[torch.Tensor], sending: bool, peer: int, chunk_byte
 
 
 def transfer_bookkeeping(trainer: TrainerInterface, joiners: dict[int, int], rank: int) -> dict[str, Any] | None:
-    """``joiners``: restarted rank -> the twin that sends it what is not in the optimizer shard: the
-    trainer's counters, scheduler and pending loss, the RNG now and as of recent iterations (so that
-    ``resume_at`` rolls back or forward exactly as on the twin). Returns what this rank received."""
+    """``joiners``: restarted rank (or one whose step ended past the repair's iteration) -> the twin
+    that sends it what is not in the optimizer shard: the trainer's counters, scheduler and pending
+    loss, the RNG now and as of recent iterations (so that ``resume_at`` rolls back or forward exactly
+    as on the twin). Returns what this rank received."""
     from mindspeed_ha.comm.groups import dist_rank
     received: dict[str, Any] | None = None
     for dst, src in sorted(joiners.items()):
