@@ -272,6 +272,27 @@ def test_scale_out_refused_leaves_the_newcomers_out_and_trains_on():
     assert port.last()[1:] == ("rollback", [0, 1], {"iteration": 9, "fresh_data": True})
 
 
+def test_a_refused_scale_out_enters_the_layout_again_when_a_rank_was_stopped_inside_a_step():
+    """As above, but rank 1 had begun its next step when the pause came and was stopped inside it (rank
+    0 parked): its communicators hold that step's collectives, so both enter DP=2 again on new ones
+    (the resize order, the same layout) before they roll back. Nothing scaled out, nothing scaled in."""
+    port = FakePort(live=(0, 1, 2))
+    ep = Episode(port, "scale-out", 4, [SCALE], {0: [0, 1], 1: [0, 1]})
+    runner, _ = play(playbooks.SCALE_OUT, S.UPGRADE, ep)
+    statuses = scaled_in_statuses()
+    statuses[1]["stopped_in_step"] = True
+    port.answer({**statuses, 2: {"replica": True, "joining": True}})
+    assert runner.tick() is None and port.left[0] == [2]
+    oid, action, ranks, args = port.last()
+    assert (action, ranks) == ("scale-in", [0, 1])
+    assert args["plan"]["kept"] == [[0], [1]] and args["plan"]["dp"] == 2 and args["generation"] == ep.generation
+    port.answer({r: {"received": 0, "seconds": 0.1, "replica_group": [0, 1]} for r in (0, 1)})
+    assert runner.tick() == "ok"
+    assert port.event("scaled")[0]["dp"] == 2 and not port.event("scaled_in") and not port.event("scaled_out")
+    runner, _ = play(playbooks.SCALE_OUT, S.ROLLBACK, ep)
+    assert port.last()[1:] == ("rollback", [0, 1], {"iteration": 9, "fresh_data": True})
+
+
 # ---- retry -------------------------------------------------------------------------------------------
 def test_retry_every_round_in_order():
     port = FakePort()

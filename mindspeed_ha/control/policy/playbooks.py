@@ -68,6 +68,7 @@ class Episode:
     dropped: list[int] = dataclasses.field(default_factory=list)   # elastic: ranks out of the new layout
     old_dp: int = 0                        # elastic: the data-parallel size before
     running: list[int] = dataclasses.field(default_factory=list)   # scale-out: the ranks training before
+    reentry: Any = None                    # refused scale-out: the job's own layout, entered again
     spare_wait: float | None = None        # recover with elastic on: seconds a lost node is waited for
     restart_at: float = 0.0                # when the restart round asked for the replacements
     left: frozenset[int] = frozenset()         # elastic: ranks out of the layout since a scale-in (no shard)
@@ -259,6 +260,12 @@ def _replicas(ep: Episode) -> list[list[int]]:
     return [[g[d] for g in dp_groups] for d in range(len(dp_groups[0]))] if dp_groups else []
 
 
+def _plan_for(holders: planner.Holders, replicas: list[list[int]], layout: dict[str, Any]) -> planner.ElasticPlan:
+    """The layout ``replicas`` can keep (``plan_elastic``), with the job's batch and instances."""
+    return planner.plan_elastic(holders, replicas, layout["global_batch"], layout["micro_batch"],
+                                layout["replica_num"], layout.get("stages", 1), layout.get("experts", 1))
+
+
 def _plan_elastic(ep: Episode) -> Step:
     layout = next((st["layout"] for st in ep.statuses.values() if st.get("layout")), None)
     replicas = _replicas(ep)
@@ -267,8 +274,7 @@ def _plan_elastic(ep: Episode) -> Step:
     members = {r for rep in replicas for r in rep}
     groups = {r: ep.group_of(r) for r in members if ep.group_of(r)}
     holders = {r: h for r, h in planner.holders(ep.world, ep.statuses, groups).items() if r in members}
-    plan = planner.plan_elastic(holders, replicas, layout["global_batch"], layout["micro_batch"],
-                                layout["replica_num"], layout.get("stages", 1), layout.get("experts", 1))
+    plan = _plan_for(holders, replicas, layout)
     if not plan.ok:
         return Fail(plan.message())
     # Ranks between two layouts (a resize that did not complete) enter one again, the same size included.
@@ -291,9 +297,13 @@ def _plan_elastic(ep: Episode) -> Step:
     return NEXT
 
 
-def _scale_in_args(ep: Episode) -> dict[str, Any]:
+def _resize_args(ep: Episode, plan: planner.ElasticPlan) -> dict[str, Any]:
     host, port = ep.port.store()
-    return {"plan": ep.plan.to_wire(), "store_host": host, "store_port": port, "generation": ep.generation}
+    return {"plan": plan.to_wire(), "store_host": host, "store_port": port, "generation": ep.generation}
+
+
+def _scale_in_args(ep: Episode) -> dict[str, Any]:
+    return _resize_args(ep, ep.plan)
 
 
 def _scaled_in(ep: Episode, ans: Answers) -> Step:
@@ -353,13 +363,43 @@ def _plan_scale_out(ep: Episode) -> Step:
         ep.port.emit("scale_out_refused", reason=ep.plan.reason, newcomers=list(ep.joiners), dp=ep.old_dp)
         log.warning("elastic: %s; training goes on at data-parallel size %d", ep.plan.message(), ep.old_dp)
         ep.port.leave(ep.dropped, ep.plan.message())
-        return NEXT
+        return _reenter_if_stopped(ep, holders, replicas, layout)
     ep.generation = ep.port.new_generation()
     ep.port.emit("elastic_plan", iteration=ep.plan.iteration, dp=ep.plan.dp, old_dp=ep.old_dp,
                  kept=[list(r) for r in ep.plan.kept], parked=ep.dropped, added=sorted(ep.plan.sources),
                  writers=sorted(set(ep.plan.writers.values())), redundancy=ep.plan.redundancy,
                  generation=ep.generation)
     log.info("elastic: %s", ep.plan.message())
+    return NEXT
+
+
+def _reenter_if_stopped(ep: Episode, holders: planner.Holders, replicas: list[list[int]],
+                        layout: dict[str, Any]) -> Step:
+    """A refused scale-out: the running ranks train on. One that had begun its next step when the
+    pause came was stopped inside it once its grace passed (its peers had parked): its communicators
+    still hold that step's collectives, so the job enters its own layout again, on new ones (as after
+    an interrupted resize), before it rolls back."""
+    stopped = sorted(r for r in ep.running if (ep.statuses.get(r) or {}).get("stopped_in_step"))
+    if not stopped:
+        return NEXT
+    again = _plan_for(holders, replicas, layout)
+    if not again.ok or again.dp != len(replicas):
+        return Fail(f"rank(s) {stopped} stopped inside a step, and the job's layout cannot be entered again: "
+                    f"{again.message()}")
+    ep.reentry, ep.generation = again, ep.port.new_generation()
+    log.info("elastic: rank(s) %s stopped inside a step: data-parallel size %d entered again on new communicators",
+             stopped, again.dp)
+    return NEXT
+
+
+def _reentry_args(ep: Episode) -> dict[str, Any]:
+    return _resize_args(ep, ep.reentry)
+
+
+def _reentered(ep: Episode, ans: Answers) -> Step:
+    if ans.failed:
+        return Fail(f"entering the job's layout again failed ({ans.why()})")
+    ep.port.scaled(ep.reentry.dp, {r: a["replica_group"] for r, a in ans.ok.items() if a and a.get("replica_group")})
     return NEXT
 
 
@@ -382,7 +422,9 @@ def _new_layout(ep: Episode) -> list[int]:
 SCALE_OUT = Playbook("scale-out", {
     S.UPGRADE: [STATUS, Round("plan", act=_plan_scale_out, timed=False),
                 Round("scale-out", order="scale-out", to=_kept, args=_scale_in_args, decide=_scaled_out,
-                      when=lambda ep: ep.plan.ok)],
+                      when=lambda ep: ep.plan.ok),
+                Round("re-enter", order="scale-in", to=lambda ep: ep.running, args=_reentry_args, decide=_reentered,
+                      when=lambda ep: ep.reentry is not None)],
     S.ROLLBACK: [dataclasses.replace(ROLLBACK, args=_fresh_rollback, decide=_then("rollback", NEXT),
                                      when=None, to=_new_layout),
                  dataclasses.replace(RESUME, to=_new_layout)],

@@ -113,7 +113,9 @@ class RankRecovery:
         except Exception as e:  # a fault of this rank while it serves the recovery: the controller
             self.s.report_fault_in_recovery(e)  # starts over with it (this answer still stands)
         aborted = self.s.stop.abort_summary()  # (the stop's abort of this rank's communicators: the phases')
-        return {**self._status(), **({"abort": aborted} if aborted else {})}
+        # (stopped, not parked between two steps: a planned pause's grace passed with this rank inside one)
+        stopped = {"stopped_in_step": True} if self.s.stop.requested() else {}
+        return {**self._status(), **({"abort": aborted} if aborted else {}), **stopped}
 
     def _status(self) -> dict[str, Any]:
         # The newest periodic checkpoint, for when no twin can serve (no replicas, or both lost).
