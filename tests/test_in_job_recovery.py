@@ -142,9 +142,11 @@ def test_a_stage_twin_that_ended_the_step_goes_back_with_the_job(tmp_path, refer
     job can only resume at 5 (stage 0's good copy is rank 1's), so rank 2 goes back a step it ended: its
     twin's shard and its twin's counters, scheduler and RNG, as a restarted rank takes them. One retry,
     every loss bit-identical, twins equal after every step."""
-    # (rank 0 waits before its memory error, so that rank 2 has ended the step when it comes)
-    inject = ("slow:rank=1:step=6:phase=optimizer:factor=30,slow:rank=0:step=6:phase=param-sync:factor=20,"
-              "uce:rank=0:step=6:phase=param-sync")
+    # (rank 0 waits 1.9 s before its memory error, so that rank 2 has ended the step when it comes;
+    # rank 1 waits 3.9 s; from step 7 both take their steps at full speed again)
+    inject = ("slow:rank=1:step=6:phase=optimizer:factor=40,slow:rank=0:step=6:phase=param-sync:factor=20,"
+              "uce:rank=0:step=6:phase=param-sync,slow:rank=0:step=7:phase=forward:factor=1,"
+              "slow:rank=1:step=7:phase=forward:factor=1")
     proc = job(tmp_path, inject=inject, extra=[*TINY_LAYOUTS["pp2"][1]])
     rec = check_rejoined(proc, tmp_path, references.tiny("pp2"), [], n=1)
     assert rec[0]["strategy"] == "retry" and rec[0]["iteration"] == 5
