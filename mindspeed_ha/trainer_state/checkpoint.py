@@ -24,6 +24,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from mindspeed_ha import compat
 from mindspeed_ha.events import get_logger
 from mindspeed_ha.trainer_state import rng
+from mindspeed_ha.trainer_state.interface import load_scheduler
 from mindspeed_ha.trainer_state.checkpoint_dir import (MANIFEST, TRACKER, CheckpointError, checksums, iter_dir,  # noqa: F401
                                                  mismatches, publish, read_manifest, remove_leftovers, tracker,
                                                  write_manifest)
@@ -300,8 +301,7 @@ def load(trainer, root: str, load_optim: bool = True, load_rng: bool = True, ver
         with torch.no_grad():  # fp32 shards are views of leaf parameters
             trainer.optimizer.load_state_dict(loaded["optimizer"])
         fix_adam_steps(trainer.optimizer)
-    trainer.scheduler.num_steps = 0  # load_state_dict *adds* the saved count (it expects a fresh scheduler)
-    trainer.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    load_scheduler(trainer.scheduler, loaded["opt_param_scheduler"])
     if load_rng and "rng_state" in loaded:
         rng.restore(loaded["rng_state"])
     trainer.iteration = int(loaded["iteration"])

@@ -26,6 +26,13 @@ class BuiltAhead:
     made_on_use: bool
 
 
+def load_scheduler(scheduler: Any, state: dict) -> None:
+    """megatron-core's ``OptimizerParamScheduler.load_state_dict`` *adds* the saved step count (it
+    expects a fresh scheduler): a live one's own count is dropped first."""
+    scheduler.num_steps = 0
+    scheduler.load_state_dict(state)
+
+
 class TrainerInterface(abc.ABC):
     model_chunks: list          # DDP-wrapped megatron modules, one per virtual pipeline stage
     optimizer: Any              # megatron optimizer (a ReplicaOptimizer when replicas are on)
@@ -210,10 +217,7 @@ class TrainerInterface(abc.ABC):
                                f"its replica peer {state['param_groups']}: this layout cannot be rejoined")
         self.iteration, self.ended = state["iteration"], state["ended"]
         self.consumed_samples = state["consumed_samples"]
-        # load_state_dict *adds* the saved count (it expects a fresh scheduler); a live rank taken back
-        # to its twin's step has counted its own
-        self.scheduler.num_steps = 0
-        self.scheduler.load_state_dict(state["scheduler"])
+        load_scheduler(self.scheduler, state["scheduler"])  # (a live rank taken back to its twin's step too)
 
     def unlogged_loss(self) -> tuple[int, float] | None:
         """(iteration, loss) of the step this rank is inside, when it has its loss reduced over data
