@@ -42,7 +42,8 @@ def apply_patches(device: Device | None = None, megatron_lm: bool | None = None,
     if importlib.util.find_spec("transformer_engine") is None:
         registry.apply("megatron_no_te")
     registry.apply("replica_optimizer")
-    registry.apply("precision_aware_load")
+    registry.apply("distrib_optimizer_fixes")
+    registry.apply("checkpoint_writer_fixes")
     drill = _drill_optimizer()
     if drill:  # (a drill: megatron-core builds a CPU optimizer with a fused Adam's state layout)
         registry.apply("drill_optimizer", {"master": drill == "fused-adam-master"})

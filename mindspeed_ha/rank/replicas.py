@@ -29,7 +29,7 @@ class ReplicaWiring:
         st = self.state
         if not st.options.use_replica_optimizer:
             return optimizer
-        from megatron.core import parallel_state as ps
+        from mindspeed_ha import compat
         from mindspeed_ha.replica.optimizer import inner_optimizers, make_replica
         from mindspeed_ha.replica.topology import from_parallel_state
 
@@ -57,7 +57,7 @@ class ReplicaWiring:
             self._track_rng(optimizer)
         st.injector.set_uce_corruptor(optimizer.ha_corrupt)
         st.optimizer = optimizer
-        self.replica_pg = ps.get_inter_distributed_optimizer_instance_group()
+        self.replica_pg = compat.inter_instance_group()
         pg_ranks = dist.get_process_group_ranks(self.replica_pg)
         if sorted(pg_ranks) != sorted(topology.replica_group):
             raise RuntimeError(f"rank {st.rank}: megatron-core's inter-instance group {pg_ranks} is not "

@@ -201,6 +201,12 @@ class RankState:
         self.phase = "step"
         self._recovered = (self.stopped_at, lost_steps)
         self.stop.issued.restart()  # (every rank, before the step it resumes: the counts align again)
+        # What megatron-core caches of a collective's answer, a restarted or rebuilt optimizer has not
+        # asked yet: every rank forgets it here, so the first step after a recovery asks it everywhere.
+        optimizer = self.trainer.optimizer if self.trainer is not None else self.optimizer
+        if optimizer is not None:
+            from mindspeed_ha import compat
+            compat.forget_collective_answers(optimizer)
         if self.processor is not None:
             self.processor.resumed()
         from mindspeed_ha.comm import groups

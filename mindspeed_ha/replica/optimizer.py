@@ -33,6 +33,22 @@ def inner_optimizers(opt: Any) -> list[Any]:
     return list(getattr(opt, "chained_optimizers", None) or [opt])
 
 
+def param_names(inner: Any) -> dict[torch.nn.Parameter, str]:
+    """Each model parameter of megatron's optimizer ``inner`` -> the name its data-parallel peers give
+    the same tensor: its module path, after ``model1.`` and so on for an interleaved pipeline's chunks
+    (which repeat the first one's paths, as in a checkpoint). An expert's path numbers it within its
+    expert-parallel rank, which the parameter's position (``ha_param_positions``) carries. The
+    engine's own names, the same in every megatron-core release (megatron's ``_param_name`` is not
+    in 0.12 and 0.13, and numbers experts job-wide from 0.16)."""
+    names: dict[torch.nn.Parameter, str] | None = getattr(inner, "_ha_param_names", None)
+    if names is None:
+        chunks = inner.model_chunks
+        names = inner._ha_param_names = {
+            p: (f"model{i}.{n}" if len(chunks) > 1 else n)
+            for i, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
+    return names
+
+
 def _gathers_in_step(chained: Any, inners: list[Any]) -> bool:
     """Each inner optimizer all-gathers its parameters inside its step (megatron-core's
     DistributedOptimizer without overlapped or FSDP parameter gathers)."""
@@ -193,7 +209,7 @@ class ReplicaMixin:
         desc = []
         for name, main, model_param, inner in self._ha_entries():
             rng = compat.param_range(inner, model_param)  # type: ignore[no-untyped-call]  # compat's gate is untyped
-            desc.append({"name": name, "param": compat.param_name(inner, model_param),
+            desc.append({"name": name, "param": param_names(inner)[model_param],
                          "shape": list(model_param.shape), "start": rng.start, "end": rng.end,
                          "dtype": str(main.dtype)})
         return desc
@@ -206,7 +222,7 @@ class ReplicaMixin:
         expert = ("expert", ps.get_expert_tensor_parallel_rank(), ps.get_expert_model_parallel_rank(),
                   ps.get_pipeline_model_parallel_rank())
         return {name: (p, dense if getattr(p, "allreduce", True) else expert)
-                for inner in inner_optimizers(self) for p, name in compat.param_names(inner).items()}
+                for inner in inner_optimizers(self) for p, name in param_names(inner).items()}
 
     def ha_state_ranges(self) -> dict[Range, tuple[torch.Tensor, ...]]:
         """This shard in parameter coordinates, what a reshard moves: ((position, parameter name),
@@ -219,7 +235,7 @@ class ReplicaMixin:
         layouts = dict(zip(map(id, inner_optimizers(self)), self._ha_layouts))
         out: dict[Range, tuple[torch.Tensor, ...]] = {}
         for _, main, model_param, inner in self._ha_entries():
-            name = compat.param_name(inner, model_param)
+            name = param_names(inner)[model_param]
             rng = compat.param_range(inner, model_param)  # type: ignore[no-untyped-call]  # compat's gate is untyped
             out[((where[name], name), rng.start, rng.end)] = state.reshard_values(inner.optimizer, layouts[id(inner)],
                                                                                   main)

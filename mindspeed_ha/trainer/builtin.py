@@ -23,6 +23,7 @@ from megatron.core import optimizer as megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
+from mindspeed_ha import compat
 from mindspeed_ha.comm.interruptible import PROCESS_STOP, alone
 from mindspeed_ha.device import current
 from mindspeed_ha.events import get_logger
@@ -134,13 +135,12 @@ class BuiltinTrainer(TrainerInterface):
         if vp_stage is None or vp_stage == 0:
             self.config = configs.transformer_config(a, self._finalize_grads)
         config = self.config
+        pre_process, post_process, chunk = compat.pipeline_chunk(vp_stage)
         model = GPTModel(
             config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=a.num_experts),
             vocab_size=data.padded_vocab_size(a.vocab_size, a.tensor_model_parallel_size),
-            max_sequence_length=a.max_position_embeddings,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute", vp_stage=vp_stage)
+            max_sequence_length=a.max_position_embeddings, pre_process=pre_process, post_process=post_process,
+            share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute", **chunk)
         # Initialised on the CPU (the same weights whatever the device), trained on the rank's device.
         model = model.to(current())
         if a.bf16 or a.fp16:

@@ -11,23 +11,44 @@ import os
 
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset, MockGPTLowLevelDataset
 from megatron.core.datasets.utils import get_blend_from_list
-from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
 from mindspeed_ha.device import current
 
 
-class _Tokenizer(NullTokenizer):
-    """NullTokenizer with the attributes megatron.core.datasets reads."""
+class NullTokenizer:
+    """What megatron.core.datasets reads of a tokenizer for mock data and pre-tokenized files, as
+    Megatron-LM's NullTokenizer gives it: the end-of-document id is the one after the vocabulary
+    (so the vocabulary is one larger), and no padding id. The engine's own: megatron-core has a
+    NullTokenizer of its own only from 0.15 (``megatron.core.tokenizers``)."""
 
-    @property
-    def eod(self):
-        return self._eod_id
+    def __init__(self, vocab_size: int):
+        self.eod = int(vocab_size)
+        self.vocab_size = int(vocab_size) + 1
+        self.pad = -1
+        self.unique_identifiers = {"class": "NullTokenizer", "vocab_size": self.vocab_size}
 
-    @property
-    def pad(self):
-        return -1
+
+class _MockTokens(MockGPTLowLevelDataset):
+    """megatron-core's mock documents (1, 2, 3, ... then EOD), each token within the vocabulary as
+    0.16 and later make it; before 0.16 they count up to 4,095 whatever the vocabulary, past a small
+    one's embedding (IndexError in the first forward). The same tokens in every release."""
+
+    def __getitem__(self, idx: int):
+        return super().__getitem__(idx) % self.tokenizer_vocab_size
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.tokenizer_vocab_size = tokenizer.vocab_size
+
+
+class _MockDataset(MockGPTDataset):
+    """MockGPTDataset over ``_MockTokens``."""
+
+    @staticmethod
+    def build_low_level_dataset(dataset_path, config):
+        return _MockTokens(config.tokenizer)
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -59,14 +80,15 @@ def build_train_dataset(args, train_samples: int):
         blend=get_blend_from_list(args.data_path) if args.data_path else None,
         split=args.split,
         path_to_cache=args.data_cache_path,
-        tokenizer=_Tokenizer(args.vocab_size),
+        tokenizer=NullTokenizer(args.vocab_size),
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
         create_attention_mask=False,
-        mid_level_dataset_surplus=0.005,
+        # (the mid-level datasets' surplus: megatron-core's default, 0.005, in every release; 0.12 has
+        # no such field)
     )
-    cls = GPTDataset if args.data_path else MockGPTDataset
+    cls = GPTDataset if args.data_path else _MockDataset
     train, _, _ = BlendedMegatronDatasetBuilder(
         cls, [train_samples, 0, 0], lambda: True, config).build()
     return train

@@ -30,7 +30,6 @@ from mindspeed_ha.trainer_state.checkpoint_dir import (MANIFEST, TRACKER, Checkp
                                                  write_manifest)
 
 log = get_logger("checkpoint")
-SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 CHECKPOINT_VERSION = 3.0
 
 
@@ -42,12 +41,13 @@ def unwrap(module):
 
 def _rng_state(state: dict | None = None) -> ShardedObject:
     """Megatron-LM's layout: one RNG state per TP and PP rank; with expert parallelism one per
-    data-parallel rank too (an expert's generator is seeded by its expert-parallel rank)."""
+    data-parallel rank too (an expert's generator is seeded by its expert-parallel rank), except
+    where Megatron-LM core_v0.12.1's loop reads it (``compat.rng_state_sharded_with_experts``)."""
     pp, tp = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
     shape = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size())
     data = [state if state is not None else rng.snapshot()]
     dp = ps.get_data_parallel_rank(with_context_parallel=True)
-    if ps.get_expert_model_parallel_world_size() > 1:
+    if ps.get_expert_model_parallel_world_size() > 1 and compat.rng_state_sharded_with_experts():
         return ShardedObject("rng_state", data, (*shape, ps.get_data_parallel_world_size(with_context_parallel=True)),
                              (pp, tp, dp), replica_id=0)
     return ShardedObject("rng_state", data, shape, (pp, tp), replica_id=dp)
@@ -63,7 +63,7 @@ def state_dict(trainer, is_loading: bool = False, optimizer: bool = True) -> dic
             model_sd[f"model{i}"] = m.sharded_state_dict()
     sd = dict(model_sd)
     if optimizer:  # (a loading sharded_state_dict initialises the optimizer's state: not when it is not loaded)
-        sd["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING)
+        sd["optimizer"] = compat.optimizer_sharded_state_dict(trainer.optimizer, model_sd, is_loading)
     sd["opt_param_scheduler"] = trainer.scheduler.state_dict()
     sd["iteration"] = trainer.iteration
     sd["consumed_samples"] = trainer.consumed_samples
@@ -107,7 +107,7 @@ def save(trainer, root: str, group=None) -> tuple[str, float]:
     dist.barrier(group=group)
     sd = state_dict(trainer)
     writer_in_process()  # (the built-in trainer's saves are synchronous)
-    dist_checkpointing.save(sd, tmp, validate_access_integrity=False, content_metadata=SHARDING)
+    compat.save_checkpoint(sd, tmp, validate_access_integrity=False)
     dist.barrier(group=group)
     add_manifest(tmp, {"kind": "periodic", "iteration": trainer.iteration}, group)
     if rank == 0:

@@ -9,8 +9,9 @@ compared, the metadata's coverage checked, and only then is the directory put in
 ``latest_checkpointed_iteration.txt`` replaced (``trainer_state.checkpoint_dir.publish``).
 
 The plan it writes (which iteration, which writer per shard) is ``mindspeed_ha.plan.plan_dump``'s.
-The result is the layout of ``mindspeed_ha.trainer_state.checkpoint.save`` (dp_reshardable optimizer), so a
-plain ``--load`` resumes from it, with any DP size.
+The result is the layout of ``mindspeed_ha.trainer_state.checkpoint.save`` (an optimizer layout that
+loads into another data-parallel size: ``compat.optimizer_sharding``), so a plain ``--load`` resumes
+from it, with any DP size.
 """
 from __future__ import annotations
 
@@ -254,7 +255,7 @@ def write(prep: Prepared, plan: DumpPlan, world: World, save_dir: str, events: E
     """Collective over ``world``, the survivors' default group from ``comm.groups.survivor_world``
     (called after ``prepare``). ``plan`` must be the same on every survivor. ``progress()`` is called
     after each part (the controller extends the dump's time limit while writers make progress)."""
-    from megatron.core import dist_checkpointing
+    from mindspeed_ha import compat
     from mindspeed_ha.comm.interruptible import PROCESS_STOP
     from mindspeed_ha.trainer_state import checkpoint, checkpoint_dir
     t0 = time.perf_counter()
@@ -290,7 +291,7 @@ def write(prep: Prepared, plan: DumpPlan, world: World, save_dir: str, events: E
         dist.barrier()
         PROCESS_STOP.commit_point("the dying gasp's save")  # (the weights re-gathered, the election: none cut short)
         t_save = time.perf_counter()
-        dist_checkpointing.save(sd, tmp, validate_access_integrity=True, content_metadata=checkpoint.SHARDING)
+        compat.save_checkpoint(sd, tmp, validate_access_integrity=True)
         t_saved = time.perf_counter()
         progress()
         # Checksums: each rank hashes what it wrote; rank 0 records them all in the manifest.
