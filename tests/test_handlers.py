@@ -291,6 +291,16 @@ def test_rollback_and_a_fresh_data_position_in_a_new_layout():
     assert tools.calls == [("resume_at", 6), ("resume_at", 6)]
 
 
+def test_rollback_tells_the_trainer_when_some_rank_had_ended_the_step():
+    """A survivor had ended the step before the recovery (it may have passed the loop's code after it
+    alone): the trainer is told, so that a rank yet to run that code answers it alone too."""
+    r, s, tools = _recovery()
+    r.rollback({"iteration": 6, "ended_elsewhere": False})
+    assert s.trainer.calls == []
+    r.rollback({"iteration": 6, "ended_elsewhere": True})
+    assert s.trainer.calls == [("peers_ended", 6)]
+
+
 def test_resume_counts_the_lost_steps():
     r, s, tools = _recovery()
     assert r.resume({"lost_steps": 2}) == "resumed" and s.calls == [("resumed", 2)]

@@ -197,6 +197,40 @@ def worker_uncovered_lost(rank, port, port2, out):
     os._exit(0)
 
 
+def worker_loop_alone(rank, port, port2, out):
+    """Rank 0 finishes a step in a recovery while its peers had ended it and passed the loop's code
+    after it alone (``Stop.answer_loop_alone``): its barrier and all-reduce there are answered by
+    itself at once; its peers are elsewhere (sleeping). The mode ends at its next hooked call, with
+    nothing raised: the next collective of the loop is a real one again, with every rank."""
+    import torch
+    import torch.distributed as dist
+
+    from mindspeed_ha.comm import PROCESS_STOP as stop
+
+    _init(rank, port)
+    _apply_patches()
+    result = {"rank": rank}
+    if rank == 0:
+        stop.answer_loop_alone()
+        stop.set_uncovered(True)
+        t0 = time.monotonic()
+        dist.barrier()
+        t = torch.full((4,), 2.0)
+        dist.all_reduce(t)
+        result["alone"] = [t[0].item(), time.monotonic() - t0]
+        stop.set_uncovered(False)
+        stop.raise_deferred()  # (the next hooked call's start: nothing to raise, the mode ends)
+        stop.set_uncovered(True)
+    else:
+        time.sleep(0.5)
+    t = torch.ones(4)
+    dist.all_reduce(t)  # every rank: a real one
+    result["together"] = t[0].item()
+    with open(os.path.join(out, f"loop_alone_{rank}.json"), "w") as f:
+        json.dump(result, f)
+    os._exit(0)
+
+
 def worker_late(rank, port, port2, out):
     """Ranks 0-2 are stopped in three collectives rank 3 has not reached: an all-reduce, megatron's
     grad-sync (a coalesced reduce-scatter into a shard of its own input) and its param-sync (an
@@ -439,6 +473,13 @@ def test_uncovered_code_survives_a_peer_lost_in_its_collective(tmp_path):
         assert len(res["raised"]) == 1 and res["raised"][0] in ("RuntimeError", "CollectiveStopped"), res
 
 
+def test_a_rank_answers_the_loops_code_alone_until_its_next_hooked_call(tmp_path):
+    _run_to_the_end("loop_alone", tmp_path, 90)
+    res = [json.load(open(tmp_path / f"loop_alone_{r}.json")) for r in range(WORLD)]
+    assert res[0]["alone"][0] == 2.0 and res[0]["alone"][1] < 0.4, res[0]  # its own value, no peer waited for
+    assert all(r["together"] == float(WORLD) for r in res), res
+
+
 def test_patched_collectives_bit_identical(tmp_path):
     _run_to_the_end("equiv", tmp_path, 120)
     for r in range(WORLD):
@@ -470,4 +511,5 @@ def test_request_stop_api():
 if __name__ == "__main__":
     mode, rank, port, port2, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     {"stop": worker_stop, "equiv": worker_equiv, "uncovered": worker_uncovered,
-     "uncovered_lost": worker_uncovered_lost, "late": worker_late}[mode](rank, port, port2, out)
+     "uncovered_lost": worker_uncovered_lost, "late": worker_late,
+     "loop_alone": worker_loop_alone}[mode](rank, port, port2, out)

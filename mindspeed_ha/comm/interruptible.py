@@ -441,6 +441,8 @@ def make_interruptible(fn: Callable, stop: Stop) -> Callable:
         deferred = stop.deferred
         if deferred is not None and stop.uncovered_here():
             return _answer_deferred(fn, args, kwargs, deferred)
+        if stop.loop_alone and stop.uncovered_here():
+            return _answer_alone(fn, args, kwargs)
         if idx < len(args):
             want_async = bool(args[idx])
             args = args[:idx] + (True,) + args[idx + 1:]

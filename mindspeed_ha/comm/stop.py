@@ -304,6 +304,7 @@ class Stop:
         self._thread = threading.local()  # .uncovered: this thread runs code no recovery covers
         self._uncovered = False  # the training thread does (what the aborter reads)
         self._deferred: BaseException | None = None  # a collective's failure there, for the next hooked call
+        self._loop_alone = False  # the uncovered code's collectives are answered alone until the next hooked call
         # Stream-ordered communicators were aborted since the last clear: a result read now may be partial.
         self._aborted = False
         self._aborter: tuple[threading.Thread, int] | None = None  # the aborter, and the stop it serves
@@ -548,9 +549,20 @@ class Stop:
                            "hooked call are answered by this rank alone; the failure is reported there", name,
                            str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
 
+    def answer_loop_alone(self) -> None:
+        """Until the next hooked call, the collectives of the uncovered code (the loop's, after the
+        step a recovery finishes here: a roll-forward) are answered by this rank alone: the ranks that
+        had ended that step passed them alone, a stop having reached them there."""
+        self._loop_alone = True
+
+    @property
+    def loop_alone(self) -> bool:
+        return self._loop_alone
+
     def raise_deferred(self) -> None:
         """At a hooked call's start (its step or save begun), in the code a recovery covers: raise (once)
         the failure of a collective of the uncovered code before it, to be recovered as a fault there."""
+        self._loop_alone = False
         e, self._deferred = self._deferred, None
         if e is not None:
             raise e

@@ -6,10 +6,12 @@ own functions into (looked up here, by name, on every call). ``trainer``: the en
 interface over Megatron-LM's objects; ``loop``: where Megatron-LM's loop is.
 """
 from .entry import CPU_ARGS, close_session, prepare, pretrain_gpt_main
-from .hooks import (on_build_data_iterators, on_get_megatron_optimizer, on_initialize_distributed,
-                    on_load_checkpoint, on_parse_args, on_save_checkpoint, on_update_num_microbatches, on_setup_model_and_optimizer, on_train_step)
+from .hooks import (on_build_data_iterators, on_get_megatron_optimizer, on_get_num_microbatches,
+                    on_initialize_distributed, on_load_checkpoint, on_parse_args, on_save_checkpoint,
+                    on_setup_model_and_optimizer, on_train_step, on_update_num_microbatches)
 from .trainer import MegatronLMTrainer
 
 __all__ = ["CPU_ARGS", "close_session", "prepare", "pretrain_gpt_main", "MegatronLMTrainer",
-           "on_build_data_iterators", "on_get_megatron_optimizer", "on_initialize_distributed", "on_load_checkpoint", "on_parse_args",
+           "on_build_data_iterators", "on_get_megatron_optimizer", "on_get_num_microbatches",
+           "on_initialize_distributed", "on_load_checkpoint", "on_parse_args",
            "on_save_checkpoint", "on_update_num_microbatches", "on_setup_model_and_optimizer", "on_train_step"]

@@ -3,11 +3,9 @@ own ``pretrain`` with the providers of its ``pretrain_gpt.py`` (imported from ``
 never copied)."""
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import sys
-import time
 from typing import NoReturn
 
 from mindspeed_ha.events import get_logger
@@ -89,20 +87,17 @@ def pretrain_gpt_main() -> int:
     m = _megatron_pretrain_gpt()
     if spare.is_spare():  # recover: imports and patches are done ahead of a fault; now wait for a rank
         spare.wait_for_assignment()
-    m.set_startup_timestamps(program_start=compat.program_start_time(m), main_entry=time.time())
     m.train_valid_test_datasets_provider.is_distributed = True
-    pretrain, store = m.inprocess_restart.maybe_wrap_for_inprocess_restart(m.pretrain)
+    pretrain, model_provider, kwargs = compat.pretrain_gpt_call(m)
 
     def extra_args(parser):
-        if m.has_nvidia_modelopt:
+        if getattr(m, "has_nvidia_modelopt", False):
             parser = m.add_modelopt_args(parser)
         return add_ha_args(parser)
 
     try:
-        pretrain(m.train_valid_test_datasets_provider, functools.partial(m.model_provider, m.gpt_builder),
-                 ModelType.encoder_or_decoder, m.forward_step,
-                 args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, extra_args_provider=extra_args,
-                 store=store, get_embedding_ranks=m.get_embedding_ranks)
+        pretrain(m.train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, m.forward_step,
+                 args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, extra_args_provider=extra_args, **kwargs)
     finally:
         close_session()
     from mindspeed_ha.process import end_of_job

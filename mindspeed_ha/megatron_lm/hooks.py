@@ -112,15 +112,16 @@ def _joining(s) -> bool:
     return s is not None and bool({"recover", "elastic-training"} & s.options.strategies) and s.restarted_worker()
 
 
-def on_initialize_distributed(original, get_embedding_ranks, get_position_embedding_ranks, store):
+def on_initialize_distributed(original, get_embedding_ranks, get_position_embedding_ranks, store=None):
     """Remembers how Megatron-LM built its groups: a recovery's rebuild runs the same again (the
     default group exists then, so only megatron-core's groups are made)."""
+    from mindspeed_ha import compat
     from mindspeed_ha.rank import session
     from mindspeed_ha.comm import groups
     SETUP["init_parallel"] = functools.partial(_groups_of, original, get_embedding_ranks, get_position_embedding_ranks)
     s = session.current()
     if not _joining(s):
-        out = original(get_embedding_ranks, get_position_embedding_ranks, store)
+        out = compat.initialize_distributed(original, get_embedding_ranks, get_position_embedding_ranks, store)
         groups.seal()  # Megatron-LM's groups: the ones a recovery reconnects first
         return out
     # No env:// rendezvous (that world is gone). Register and wait for the controller's rebuild
@@ -137,8 +138,9 @@ def on_initialize_distributed(original, get_embedding_ranks, get_position_embedd
 
 def _groups_of(original, get_embedding_ranks, get_position_embedding_ranks) -> None:
     """Megatron-LM's process groups made again (its default group exists): a joiner's."""
+    from mindspeed_ha import compat
     from mindspeed_ha.comm import groups
-    original(get_embedding_ranks, get_position_embedding_ranks, None)
+    compat.initialize_distributed(original, get_embedding_ranks, get_position_embedding_ranks)
     groups.seal()
 
 
@@ -193,12 +195,14 @@ class _GroupsOnly:
 
 
 def on_train_step(original, forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
-                  config, forward_backward_func, iteration=None):
+                  config, forward_backward_func=None, iteration=None):
+    from mindspeed_ha import compat
     from mindspeed_ha.rank import session
+    forward_backward_func, iteration = compat.loop_step_arguments(forward_backward_func, iteration)
     s = session.current()
     if s is None:
-        return original(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
-                        config, forward_backward_func, iteration=iteration)
+        return compat.call_train_step(original, forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
+                                      config, forward_backward_func, iteration)
     trainer = s.trainer
     if not isinstance(trainer, MegatronLMTrainer):
         trainer = MegatronLMTrainer(model, optimizer, opt_param_scheduler, iteration or 0)
@@ -207,6 +211,8 @@ def on_train_step(original, forward_step_func, data_iterator, model, optimizer, 
     _alone_off()  # a joiner's set-up is over: from here on it trains with the job
     out = trainer.hand_rolled_forward()
     if out is not None:  # a joiner: its recovery finished this step (see on_setup_model_and_optimizer)
+        from mindspeed_ha.comm.interruptible import PROCESS_STOP
+        PROCESS_STOP.set_uncovered(True)  # the loop's code after the step, as on every rank
         return out
     if trainer.enter_loop():
         s.trainer_ready()  # after Megatron-LM's --load: the state recovery starts from
@@ -239,6 +245,16 @@ def on_update_num_microbatches(original, consumed_samples, consistency_check=Tru
     s = session.current()
     if s is not None and isinstance(s.trainer, MegatronLMTrainer):
         s.trainer.loop_check(opening=not consistency_check)
+
+
+def on_get_num_microbatches(original):
+    """The micro-batch count as Megatron-LM's training module reads it (where its loop has no switch
+    to pass its micro-batch check over, the check's read after a resize: ``RampupCheck``)."""
+    from mindspeed_ha.rank import session
+    s = session.current()
+    if s is not None and isinstance(s.trainer, MegatronLMTrainer):
+        return s.trainer.loop_num_microbatches(original)
+    return original()
 
 
 def on_save_checkpoint(original, iteration, *args, **kwargs):

@@ -88,8 +88,13 @@ class MegatronLMObjects(TrainerInterface):
         a checkpoint that Megatron-LM's load_checkpoint then checks and reads)."""
         import copy
         from megatron.training import get_args
+        from mindspeed_ha import compat
         ns = copy.copy(get_args())
         ns.consumed_train_samples = self.consumed_samples
+        # Megatron-LM core_v0.12.1 reads the optimizer's layout from this flag of the saved args
+        # (its later releases from the checkpoint's metadata): the dump's is the model-space one there.
+        ns.ckpt_fully_parallel_save = ns.ckpt_fully_parallel_save or compat.optimizer_sharding() == \
+            "fully_sharded_model_space"
         return ns
 
     def save_checkpoint(self, save_dir: str) -> str:
@@ -113,6 +118,8 @@ class MegatronLMObjects(TrainerInterface):
         a = get_args()
         loop_args = {k: getattr(a, k, None) for k in _LOOP_ARGS}
         a.load = load_dir
+        # (what a new process has: core_v0.12.1's load_checkpoint asserts these counters are 0)
+        a.consumed_train_samples = a.skipped_train_samples = a.consumed_valid_samples = 0
         # OptimizerParamScheduler.load_state_dict *adds* the checkpoint's step count (it expects a
         # fresh scheduler): start it from zero, as a new process would.
         self.scheduler.num_steps = 0

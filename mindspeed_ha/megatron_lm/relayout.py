@@ -35,22 +35,39 @@ def unwrap_optimizer(optimizer):
 
 class RampupCheck:
     """Megatron-LM's micro-batch check between two steps, after a resize: the micro-batch count
-    changed with the data-parallel size, which its rampup check would refuse. It is passed over once,
-    through the switch by which its loop lets a count it reconfigures itself (sequence packing) change
-    without a rampup's assertion and checkpoint."""
+    changed with the data-parallel size, which its rampup check would refuse. It is passed over once:
+    through the switch by which its loop lets a count it reconfigures itself (sequence packing)
+    change without a rampup's assertion and checkpoint; where the loop has no such switch
+    (core_v0.12.1), by answering its check's one read of the count with the count before the
+    resize (``count``), its next read taking the new one as the loop's own."""
 
     def __init__(self) -> None:
         self.resized = False  # a resize changed the micro-batch count since the loop's last check
+        self.count_before: int | None = None  # the micro-batch count before that resize
         self._packing = None  # the loop's switch, set aside while its check is passed over
+        self._answer: int | None = None  # the count the check's read is answered with, once
 
     def around(self, opening: bool) -> None:
         """Around the check (``opening``: before it)."""
         from megatron.training import get_args
+        from mindspeed_ha import compat
         a = get_args()
+        switch = compat.loop_rampup_switch(a)
         if opening and self.resized:
-            self._packing, a.rl_use_sequence_packing = a.rl_use_sequence_packing, True
             log.info("the micro-batch count changed with the data-parallel size (global batch %d): Megatron-LM's "
                      "rampup check is passed over once", a.global_batch_size)
+            if switch is None:
+                self._answer, self.resized = self.count_before, False
+                return
+            self._packing = getattr(a, switch)
+            setattr(a, switch, True)
         elif not opening and self._packing is not None:
-            a.rl_use_sequence_packing, self._packing = self._packing, None
-            self.resized = False
+            assert switch is not None  # (set aside above)
+            setattr(a, switch, self._packing)
+            self._packing, self.resized = None, False
+
+    def count(self, original) -> int:
+        """The micro-batch count as Megatron-LM's training module reads it: once the count before the
+        resize (the check's read), else ``original()``."""
+        answer, self._answer = self._answer, None
+        return original() if answer is None else answer

@@ -85,16 +85,26 @@ class StepRecord:
         return None if totals is None else float(totals[0] / totals[1])
 
     def losses_for_tail(self):
-        """What the roll-forward's train_step tail gets as its forward-backward output. With DP
-        totals: one rank's totals (the first data-parallel rank whose totals are whole: the ranks
-        agree on it in one small all-reduce) and zeros elsewhere, so that the tail's all-reduce gives
-        the same bits (x + 0 == x) whatever each rank held; else this rank's own recorded microbatch
-        losses, which the tail reduces itself."""
+        """What the roll-forward's train_step tail gets as its forward-backward output. Where the loss
+        function reduced each microbatch's (sum, tokens) over DP already (Megatron-LM 0.12) and the
+        tail only adds them up, this rank's own whole totals (a restarted rank's came from its twin),
+        with no collective: no collective of that tail spans DP, so a data-parallel peer may have
+        ended the step already. Where the tail reduces them over DP: one rank's totals (the first
+        data-parallel rank whose totals are whole: the ranks agree on it in one small all-reduce),
+        zeros elsewhere, so that the tail's all-reduce gives the same bits (x + 0 == x) whatever
+        each rank held. Else this rank's own recorded microbatch losses, which the tail reduces itself."""
         import torch
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
         from mindspeed_ha.device import current
-        if ps.is_pipeline_last_stage(ignore_virtual=True) and joiners_possible():
+        last = ps.is_pipeline_last_stage(ignore_virtual=True)
+        shapes = self.reduced or (self.fb_out or [None])[0]
+        if last and shapes is not None and reduced_in_forward(shapes):
+            if not self.reduced_whole():
+                raise RuntimeError("the failed step's update completed on the twins, but this rank's loss totals "
+                                   "may have been cut short by the stop: cannot roll forward")
+            return [self.reduced]
+        if last and joiners_possible():
             group = ps.get_data_parallel_group(with_context_parallel=True)
             whole = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=current())
             whole[dist.get_rank(group)] = int(self.reduced_whole())
@@ -104,15 +114,21 @@ class StepRecord:
                 assert self.reduced is not None  # (whole: it holds them)
                 return [self.reduced]
             if holders:
-                shapes = self.reduced or (self.fb_out or [None])[0]
                 if shapes is None:
                     raise RuntimeError("the failed step's update completed on the twins, but neither its "
                                        "forward-backward nor its loss totals are on this rank: cannot roll forward")
                 return [{k: torch.zeros_like(v).view(-1) for k, v in shapes.items()}]
-        if self.fb_out is None and ps.is_pipeline_last_stage(ignore_virtual=True):
+        if self.fb_out is None and last:
             raise RuntimeError("the failed step's update completed on the twins, but its forward-backward did "
                                "not finish on this rank: cannot roll forward")
         return self.fb_out or []
+
+
+def reduced_in_forward(report: dict) -> bool:
+    """A step's loss report whose values are (sum, tokens) pairs already reduced over DP by the loss
+    function (Megatron-LM 0.12's pretrain_gpt), which its train_step only adds up; from 0.13 the
+    values are [sum, tokens] tensors that train_step reduces over DP itself."""
+    return any(isinstance(v, (tuple, list)) for v in report.values())
 
 
 class UpdateDone:
@@ -131,14 +147,22 @@ class UpdateDone:
 def reduce_losses(losses) -> dict | None:
     """The step's [loss sum, tokens] reduced over DP, before the update — the same arithmetic as
     the end of Megatron-LM's train_step. Under recover a roll-forward may include a restarted
-    rank, whose own share died with its predecessor; the twin hands it these totals instead."""
+    rank, whose own share died with its predecessor; the twin hands it these totals instead. Where
+    the loss function reduced each microbatch over DP already (``reduced_in_forward``), the totals
+    are train_step's own sums, in its order, with no collective."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     if not losses or not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
-    out = {}
+    out: dict = {}
     for key in losses[0]:
+        if reduced_in_forward({key: losses[0][key]}):
+            total, tokens = 0, 0
+            for x in losses:
+                total, tokens = total + x[key][0], tokens + x[key][1]
+            out[key] = (total, tokens)
+            continue
         parts = [x[key].view(-1) for x in losses]
         if parts[0].numel() != 2:
             return None  # Megatron's legacy per-microbatch mean: nothing reduced over DP

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from mindspeed_ha import compat
 from mindspeed_ha.events import get_logger
 
 from .loop import LoopData, LoopFunctions, LoopPosition, keep_pipeline_outputs, own_train_step
@@ -126,9 +127,9 @@ class MegatronLMTrainer(MegatronLMObjects):
         s.step_start(it)
         PROCESS_STOP.raise_deferred()  # a collective of the loop since the last step failed: a fault as it starts
         data = self.data.iterator if iteration is not None or self.loop.catch_up is None else self._reloaded_data()
-        out = original(forward_with_phases(forward_step_func, s, it), data,
-                       self.model_chunks, self.optimizer, self.scheduler, config,
-                       self.step.recording(forward_backward_func, self.data.replays), iteration=it - 1)
+        out = compat.call_train_step(original, forward_with_phases(forward_step_func, s, it), data,
+                                     self.model_chunks, self.optimizer, self.scheduler, config,
+                                     self.step.recording(forward_backward_func, self.data.replays), it - 1)
         PROCESS_STOP.commit_point("the step's result")  # (its loss, reduced over DP after the update)
         return self._step_done(it, out)
 
@@ -156,8 +157,9 @@ class MegatronLMTrainer(MegatronLMObjects):
                 self.loop.running = it
                 self.step = StepRecord.begin(self.scheduler, self.data.replays)
                 s.step_start(it)
-                out = original(forward_with_phases(forward_step_func, s, it), data, self.model_chunks,
-                               self.optimizer, self.scheduler, config, forward_backward_func, iteration=it - 1)
+                out = compat.call_train_step(original, forward_with_phases(forward_step_func, s, it), data,
+                                             self.model_chunks, self.optimizer, self.scheduler, config,
+                                             forward_backward_func, it - 1)
                 PROCESS_STOP.commit_point("the step's result")
                 self._step_done(it, out)
         finally:
@@ -218,19 +220,37 @@ class MegatronLMTrainer(MegatronLMObjects):
         norm, zeros = getattr(self.optimizer, "ha_grad_stats", (None, None))
         losses = self.step.losses_for_tail()
         self.loop.finished_from = (self.iteration, self.consumed_samples)
-        out = original(None, None, self.model_chunks, UpdateDone(self.optimizer, (True, norm, zeros)),
-                       self.scheduler, config, lambda **kwargs: losses, iteration=it - 1)
+        out = compat.call_train_step(original, None, None, self.model_chunks,
+                                     UpdateDone(self.optimizer, (True, norm, zeros)), self.scheduler, config,
+                                     lambda **kwargs: losses, it - 1)
         PROCESS_STOP.commit_point("the rolled-forward step's result")
         # The samples' sum is whole if a commit point (this rank's update's) passed after it was
         # issued, before the stop; else the stop may have cut it short, and it is not reported.
         whole = PROCESS_STOP.committed_since(self.step.samples_mark)
         self.loop.finished = self._step_done(it, out, samples_whole=whole)
 
+    def peers_ended(self, iteration: int) -> None:
+        """Where Megatron-LM's loop gives a data-parallel peer nothing to wait for after a step
+        (core_v0.12.1: no collective of train_step's tail spans DP), some ranks can end step
+        ``iteration`` while others are still inside it, and a stop reaches the first ones in the
+        loop's code after the step (its timers' barriers, its logging), which they then pass alone
+        (``comm.stop``), or in the step's end. This rank, if it has yet to run that code (its loop
+        is at that step: it finished the step in the recovery, or ended it in its end hooks), answers
+        it alone too, until its next step; a rank whose loop starts at the next step skips it."""
+        from mindspeed_ha.comm.interruptible import PROCESS_STOP
+        if self.loop.finished is not None or (self.fns is not None and self.loop.running == iteration):
+            PROCESS_STOP.answer_loop_alone()
+
     def bookkeeping(self) -> dict:
         """What a restarted rank takes from its twin besides the optimizer shard."""
         self.step.undo_partial(self.scheduler)  # the scheduler as of the failed step's start (its tail may have run here)
         norm, zeros = getattr(self.optimizer, "ha_grad_stats", (None, None))
-        return {**super().bookkeeping(), "grad_stats": [norm, zeros],
+        # The loss of the step this rank ended last (DP-reduced: the same bits on every DP rank), for a
+        # restarted writer of the losses whose predecessor died before logging it (a step its twin
+        # ended while the rest of the job was still inside it).
+        ended = self.step.out if self.step.done and self.iteration == self.ended else None
+        loss = float(ended[0]["lm loss"]) if ended is not None and "lm loss" in ended[0] else None
+        return {**super().bookkeeping(), "grad_stats": [norm, zeros], "step_loss": loss,
                 "reduced": self.step.reduced if self.step.reduced_whole() else None}
 
     def install_bookkeeping(self, state: dict) -> None:
@@ -251,7 +271,9 @@ class MegatronLMTrainer(MegatronLMObjects):
         loop's data iterator: its reads come from a new one at the new data-parallel rank."""
         from megatron.training import get_args
         from mindspeed_ha.comm.interruptible import alone
-        get_args().data_parallel_size = dp
+        a = get_args()
+        self.rampup.count_before = a.global_batch_size // (a.micro_batch_size * a.data_parallel_size)
+        a.data_parallel_size = dp
         self.rampup.resized = True
         if isinstance(self.loop_optimizer, LoopOptimizer):
             self.loop_optimizer.ha_target = self.optimizer
@@ -264,6 +286,10 @@ class MegatronLMTrainer(MegatronLMObjects):
     def loop_check(self, opening: bool) -> None:
         """Around Megatron-LM's micro-batch check between two steps (``opening``: before it)."""
         self.rampup.around(opening)
+
+    def loop_num_microbatches(self, original) -> int:
+        """The micro-batch count Megatron-LM's training module reads (``RampupCheck.count``)."""
+        return self.rampup.count(original)
 
     def train_step(self) -> float | None:
         """One step driven by the engine (outside Megatron-LM's loop, e.g. after a rollback)."""

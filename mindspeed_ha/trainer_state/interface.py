@@ -99,6 +99,11 @@ class TrainerInterface(abc.ABC):
         of the step (scheduler, counters, loss report). A trainer may return the step's loss, as
         ``train_step`` does."""
 
+    def peers_ended(self, iteration: int) -> None:
+        """After a rollback or roll-forward to ``iteration``: some rank had ended that step before the
+        recovery, and may have passed the trainer's own code between two steps alone (a stop reached
+        it there). Nothing to do for a trainer whose code between steps has no collective."""
+
     def clean_partial_step(self) -> None:
         """Drop what an interrupted step left: gradients, DDP bucket state and pending handles (the
         interrupted operations belong to replaced communicators and are never waited on again)."""

@@ -238,7 +238,13 @@ def _rolled(ep: Episode, ans: Answers) -> Step:
     return NEXT
 
 
-ROLLBACK = Round("rollback", order="rollback", args=lambda ep: {"iteration": ep.target}, decide=_rolled,
+def _rollback_args(ep: Episode) -> dict[str, Any]:
+    """The iteration every rank resumes at, and whether a survivor had ended that step already (then
+    a rank that finishes it answers the loop's code after it alone, as that survivor passed it)."""
+    return {"iteration": ep.target, "ended_elsewhere": any(st.get("ended") == ep.target for st in ep.statuses.values())}
+
+
+ROLLBACK = Round("rollback", order="rollback", args=_rollback_args, decide=_rolled,
                  when=lambda ep: ep.source == "twins")  # (a reload put every rank at the checkpoint already)
 RESUME = Round("resume", order="resume", decide=_then("resume", DONE),
                args=lambda ep: {"strategy": ep.strategy, "lost_steps": ep.lost_steps})

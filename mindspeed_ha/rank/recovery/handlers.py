@@ -196,6 +196,8 @@ class RankRecovery:
 
     def rollback(self, args: dict[str, Any]) -> str:
         how = self.tools.resume_at(self.trainer, int(args["iteration"]))
+        if args.get("ended_elsewhere"):
+            self.trainer.peers_ended(int(args["iteration"]))
         if args.get("fresh_data"):  # a new layout: the data position at the new data-parallel rank and size
             self.trainer.restart_from(self.trainer.iteration)
         return how

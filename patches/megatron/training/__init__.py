@@ -7,11 +7,14 @@ worker joins there), ``training.setup_model_and_optimizer`` (a restarted worker 
 ``training.get_megatron_optimizer`` (the replica optimizer; the call is kept for an elastic resize), ``training.train_step``
 (step hooks), ``training.save_checkpoint`` / ``training.load_checkpoint`` (events, Adam ``step`` fix),
 ``training.build_train_valid_test_data_iterators`` (the provider; on CPU, the RNG kept out of the
-DataLoader's seed draw), ``training.update_num_microbatches`` (the loop's rampup check after an
-elastic resize). On CPU also ``legacy.fused_kernels.load`` (CUDA kernels cannot be built),
+DataLoader's seed draw), ``training.update_num_microbatches`` and ``training.get_num_microbatches`` (the loop's
+rampup check after an elastic resize). On CPU also ``legacy.fused_kernels.load`` (CUDA kernels cannot be built),
 ``arguments.get_device_arch_version`` (there is no GPU to ask) and ``training.initialize_megatron``
-(it asserts CUDA unless told ``allow_no_cuda``). And ``core.datasets.utils.compile_helpers`` when ``helpers_cpp`` is already importable (the make it runs
-asks the system's ``python3-config``/pybind11, which may not be the training Python).
+(it asserts CUDA unless told ``allow_no_cuda``). And ``core.datasets.utils.compile_helpers`` when
+``helpers_cpp`` is already importable (the make it runs asks the system's
+``python3-config``/pybind11, which may not be the training Python); without Transformer Engine,
+``checkpointing.fix_fp8_params_lose_precision_when_loading_dist_ckpt`` (core_v0.12.1 imports TE
+there to ask its version; with no TE there is no fp8 parameter).
 """
 import mindspeed_ha.patches as registry
 
@@ -45,12 +48,19 @@ def patches(ctx=None):
          _route("on_build_data_iterators", training.build_train_valid_test_data_iterators)),
         (TRAINING, "update_num_microbatches",
          _route("on_update_num_microbatches", training.update_num_microbatches)),
+        (TRAINING, "get_num_microbatches", _route("on_get_num_microbatches", training.get_num_microbatches)),
     ]
     # training.py bound get_megatron_optimizer at import: point it at the (possibly already) re-routed
     # megatron.core one, so the session sees every optimizer exactly once.
     build = core_optimizer.get_megatron_optimizer if "replica_optimizer" in registry.applied() \
         else training.get_megatron_optimizer
     table.append((TRAINING, "get_megatron_optimizer", _route("on_get_megatron_optimizer", build)))
+    import megatron.training.checkpointing as checkpointing
+    if not _te_installed() and hasattr(checkpointing, "fix_fp8_params_lose_precision_when_loading_dist_ckpt"):
+        # core_v0.12.1 asks Transformer Engine's version there (ModuleNotFoundError in every torch_dist
+        # load without it); without it there is no fp8 parameter to fix
+        table.append(("megatron.training.checkpointing", "fix_fp8_params_lose_precision_when_loading_dist_ckpt",
+                      _noop))
     if _helpers_prebuilt():
         table.append(("megatron.core.datasets.utils", "compile_helpers", _noop))
     if "torch_cpu" in registry.applied():
@@ -76,6 +86,11 @@ def _without_cuda(original):
 
 def _no_gpu_arch() -> int:
     return 0
+
+
+def _te_installed() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def _helpers_prebuilt() -> bool:
