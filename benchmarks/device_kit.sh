@@ -40,6 +40,8 @@ set -o pipefail
 cd "$(dirname "$0")/.." || exit 1  # (the repository's root: the run tool's working directory)
 KIT=${DEVICE_KIT:-.device_kit}  # (relative to the root; DEVICE_KIT: elsewhere)
 NCCL_WHEEL=nvidia-nccl-cu13==2.32.3  # (prepare --nccl: any >= 2.30 lets ranks share a GPU)
+# The newest megatron-core the engine supports: its own cp312 wheel (the GPU image is Python 3.12).
+MEGATRON_CORE=megatron-core==0.19.2
 PART_SIZE=55M
 
 prepare() {
@@ -47,7 +49,7 @@ prepare() {
   # the GPU image's Python is 3.12; msgpack and prometheus-client are on it already
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 -d "$KIT/whl" \
-    pyzmq==27.3.0 megatron-core==0.16.1 concurrent-log-handler==0.9.31 || return 1
+    pyzmq==27.3.0 "$MEGATRON_CORE" concurrent-log-handler==0.9.31 || return 1
   if [ "${1:-}" != "--nccl" ]; then
     echo "kit ready in $KIT ($(du -sh "$KIT" | cut -f1)); the one call for the device's run tool:"
     echo "  carry [\"$KIT/whl\"]  command: bash benchmarks/device_kit.sh run  timeout_s: 590"

@@ -305,7 +305,7 @@ def run_checks(r: Runner, env: dict, results: dict, skipped: dict, one_rank: boo
 
     def megatron_lm():
         if not env["megatron_lm"]:
-            raise Check.Skipped("MEGATRON_LM_PATH is not set (a checkout of NVIDIA/Megatron-LM at core_v0.16.1)")
+            raise Check.Skipped("MEGATRON_LM_PATH is not set (a checkout of NVIDIA/Megatron-LM at core_v0.16.1 or core_v0.12.1)")
         if not r.cpu and not env["nvcc"]:
             raise Check.Skipped("Megatron-LM's initialize runs nvcc -V (megatron.legacy.fused_kernels.load); "
                                 "no nvcc on PATH")

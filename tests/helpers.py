@@ -25,11 +25,32 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 MLM_PATH = os.environ.get("MEGATRON_LM_PATH", "")
 MLM_READY = os.path.isdir(os.path.join(MLM_PATH, "megatron", "training"))
 MLM_MISSING = ("needs Megatron-LM's megatron.training: set MEGATRON_LM_PATH to a checkout of NVIDIA/Megatron-LM "
-               "at tag core_v0.16.1 (see docs/megatron-lm.md)")
+               "at tag core_v0.16.1 or core_v0.12.1 (see docs/megatron-lm.md)")
+
+
+def _mlm_release() -> tuple[int, int]:
+    """The release of the Megatron-LM checkout at MEGATRON_LM_PATH (its megatron/core/package_info.py)."""
+    import re
+    try:
+        text = open(os.path.join(MLM_PATH, "megatron", "core", "package_info.py")).read()
+    except OSError:
+        return (0, 0)
+    major, minor = (re.search(rf"^{k} = (\d+)", text, re.M) for k in ("MAJOR", "MINOR"))
+    return (int(major.group(1)), int(minor.group(1))) if major and minor else (0, 0)
+
+
+MLM_RELEASE = _mlm_release()
+# megatron-core 0.12 reduces the distributed optimizer's grad norm over every rank, later releases
+# within the optimizer instance: only from 0.13 does a rank lost as its update starts leave the twin
+# instance free to finish that update (a recovery then rolls forward).
+MLM_GRAD_NORM_OVER_EVERY_RANK = MLM_RELEASE < (0, 13)
+# Megatron-LM's mock documents count their tokens up to 4,095 before core_v0.16 (later ones wrap them
+# into the vocabulary): a smaller vocabulary fails in the embedding, in Megatron-LM's own loop.
+MLM_VOCAB = "128" if MLM_RELEASE >= (0, 16) else "4096"
 MLM_TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
             "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
-            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", MLM_VOCAB,
             "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
             "--use-distributed-optimizer", "--enable-high-availability", "--ckpt-format", "torch_dist",
             "--optimizer", "adam"]
@@ -52,10 +73,11 @@ def backend_env(backend: str) -> dict:
 ALL = os.environ.get("MINDSPEED_HA_TEST_ALL", "") == "1"
 
 
-def extended(*values, **kw):
+def extended(*values, marks=(), **kw):
     """A ``pytest.param`` CI leaves out (skipped with the reason unless MINDSPEED_HA_TEST_ALL=1)."""
     import pytest
-    marks = [pytest.mark.skipif(not ALL, reason="extended drill: runs with MINDSPEED_HA_TEST_ALL=1 (docs/quickstart.md)")]
+    marks = [*marks,
+             pytest.mark.skipif(not ALL, reason="extended drill: runs with MINDSPEED_HA_TEST_ALL=1 (docs/quickstart.md)")]
     if "emulated_nccl" in values:
         marks.append(pytest.mark.nccl)
     return pytest.param(*values, marks=marks, **kw)
@@ -68,10 +90,10 @@ def extended_test(fn):
     return pytest.mark.skipif(not ALL, reason="extended drill: runs with MINDSPEED_HA_TEST_ALL=1 (docs/quickstart.md)")(fn)
 
 
-def on(*values, **kw):
+def on(*values, marks=(), **kw):
     """A ``pytest.param`` CI runs (marked ``nccl`` when it runs on the emulated NCCL backend)."""
     import pytest
-    return pytest.param(*values, marks=[pytest.mark.nccl] if "emulated_nccl" in values else [], **kw)
+    return pytest.param(*values, marks=[*marks, *([pytest.mark.nccl] if "emulated_nccl" in values else [])], **kw)
 
 
 # The session's fork server (conftest.py): the agents' spare templates fork from it instead of

@@ -25,7 +25,7 @@ def args(*extra):
 
 @pytest.mark.parametrize("precision,backend", [
     on((), "emulated_nccl", id="fp32-emulated_nccl"), extended((), "gloo", id="fp32-gloo"),
-    pytest.param(("--bf16",), "gloo", marks=pytest.mark.compat, id="bf16-gloo")])
+    pytest.param(("--bf16",), "gloo", marks=[pytest.mark.compat, pytest.mark.megatron_release], id="bf16-gloo")])
 def test_a_lost_rank_without_a_spare_scales_the_job_in_under_the_controller(tmp_path, precision, backend):
     """``--enable-elastic-training`` alone, rank 1 killed in step 6 (no recover, so no spare): the
     controller plans, the kept ranks 0 and 3 scale in, rank 2 is parked (it exits 0), and the job ends

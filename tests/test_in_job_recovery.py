@@ -169,6 +169,7 @@ def test_moe_and_overlapped_communication_under_retry_and_recover(tmp_path, refe
 
 
 @pytest.mark.compat
+@pytest.mark.megatron_release
 def test_two_uces_in_different_replica_pairs_at_once(tmp_path, ref):
     """Both faults in one recovery, or, where the stop that rank 2's fault caused reached rank 1 before
     its own backward (a loaded machine), rank 1's in the recomputed step: a second recovery. Either
@@ -189,6 +190,7 @@ def test_comm_fault_retry(tmp_path, ref):
     assert not [e for e in all_rank_events(tmp_path) if e["event"] == "repaired"]
 
 
+@pytest.mark.megatron_release
 def test_no_replica_fallback_reloads_in_process(tmp_path):
     """--distributed-optimizer-no-replica: nothing holds a second copy of a shard, so every rank
     reloads the newest periodic checkpoint in process (no restart); the event counts the lost steps,
@@ -274,6 +276,7 @@ def test_kill_each_phase_dp4_restarts_only_that_worker(tmp_path, ref, name, back
 
 
 @pytest.mark.compat
+@pytest.mark.megatron_release
 def test_uce_then_kill_retry_and_recover_in_one_job(tmp_path, ref):
     """The issue's acceptance run: a memory error repaired in place, then a killed worker restarted."""
     proc = job(tmp_path, inject="uce:rank=2:step=4:phase=backward,kill:rank=1:step=7:phase=optimizer", extra=ARF)

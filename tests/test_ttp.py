@@ -83,7 +83,7 @@ def ref(references):
 # MINDSPEED_HA_TEST_ALL=1.
 @pytest.mark.parametrize("phase,backend", [
     on("forward", "gloo"), on("backward", "emulated_nccl"), on("grad-sync", "emulated_nccl"),
-    pytest.param("optimizer", "gloo", marks=pytest.mark.compat), on("param-sync", "emulated_nccl"),
+    pytest.param("optimizer", "gloo", marks=[pytest.mark.compat, pytest.mark.megatron_release]), on("param-sync", "emulated_nccl"),
     extended("forward", "emulated_nccl"), extended("backward", "gloo"), extended("grad-sync", "gloo"),
     extended("optimizer", "emulated_nccl"), extended("param-sync", "gloo")])
 def test_kill_each_phase_dp4(tmp_path, ref, phase, backend):
