@@ -35,15 +35,67 @@ def end_with_parent(sig: int | None = None, parent: int | None = None) -> bool:
     return True
 
 
+AGENT_PID_ENV = "MINDSPEED_HA_AGENT_PID"  # (set by mindspeed-ha run's agent for its workers)
+SPARE_AGENT_PID_ENV = "MINDSPEED_HA_SPARE_AGENT_PID"  # (its spare template and spares: launcher/spare.py)
+AGENT_CHECK_S = 0.5
+_watching: set[int] = set()  # the processes (pids: a fork inherits the set, not the thread) that watch their agent
+
+
 def end_with_launcher(env=None) -> None:
-    """A worker of a plain launcher (torchrun: ``TORCHELASTIC_RUN_ID``) ends when its launcher does: a
-    worker whose launcher was killed would otherwise train on for good, holding cores, as nobody
-    is left to end it. Not a worker of ``mindspeed-ha run``'s agents, which outlives a lost agent
-    by design (a replacement agent or the controller ends it)."""
+    """A worker ends when its launcher does: one whose launcher was killed (the OOM killer, a scheduler
+    that ends only the main process) would otherwise train on for good, holding its devices, as
+    nobody is left to end it. A worker of a plain launcher (torchrun: ``TORCHELASTIC_RUN_ID``) by
+    the kernel's parent-death signal; one of ``mindspeed-ha run``'s agents, its spare template and its
+    spares, which need not be the agent's children (a fork server's), by watching the agent
+    (``end_with_agent``)."""
     env = os.environ if env is None else env
-    if env.get("TORCHELASTIC_RUN_ID") and not env.get("MINDSPEED_HA_AGENT_NODE") \
+    if env.get(AGENT_PID_ENV) or env.get(SPARE_AGENT_PID_ENV):
+        end_with_agent(env)
+    elif env.get("TORCHELASTIC_RUN_ID") and not env.get("MINDSPEED_HA_AGENT_NODE") \
             and env.get("MINDSPEED_HA_SPARE") != "1":
         end_with_parent(parent=_STARTED_BY)
+
+
+def end_with_agent(env=None) -> None:
+    """This process ends within ``AGENT_CHECK_S`` of its agent's (``mindspeed-ha run``) end: a thread
+    checks that the agent's process is still the one that was there at the start (its pid, and its
+    start time, which a pid reused by another process would not have). Once per process (a fork starts
+    its own: threads do not survive a fork)."""
+    env = os.environ if env is None else env
+    pid = int(env.get(AGENT_PID_ENV) or env.get(SPARE_AGENT_PID_ENV) or 0)
+    if not pid or os.getpid() in _watching:
+        return
+    started = _start_time(pid)
+    if started is None:  # (gone already)
+        _agent_gone(pid)
+    _watching.add(os.getpid())
+
+    def watch() -> None:
+        import time
+        while True:
+            time.sleep(AGENT_CHECK_S)
+            if _start_time(pid) != started:
+                _agent_gone(pid)
+    threading.Thread(target=watch, name="mindspeed-ha-agent-watch", daemon=True).start()
+
+
+def _start_time(pid: int) -> float | None:
+    """When process ``pid`` started (None: no such process, or it has exited and waits to be reaped)."""
+    import psutil
+    try:
+        p = psutil.Process(pid)
+        return None if p.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) else p.create_time()
+    except psutil.NoSuchProcess:
+        return None
+    except psutil.AccessDenied:
+        return 0.0
+
+
+def _agent_gone(pid: int) -> NoReturn:
+    from mindspeed_ha import exitcodes
+    sys.stderr.write(f"mindspeed-ha: process {os.getpid()} ends: its agent (mindspeed-ha run, pid {pid}) is gone, "
+                     "and nothing else would end it\n")
+    exit_now(exitcodes.FAULT)
 
 
 def exit_now(code: int) -> NoReturn:

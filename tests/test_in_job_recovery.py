@@ -344,7 +344,8 @@ def test_controller_rank_lost_after_recovered_faults_only_its_loss_is_recovered(
 
 def test_node_lost_replacement_agent_joins(tmp_path, ref):
     """Two agents as two nodes (2 workers each). Node 1 is lost while its rank 3 hangs in step 4: its
-    agent and rank 2 are killed, rank 3 is stopped (SIGSTOP: alive, silent, out of anyone's reach).
+    agent is stopped (SIGSTOP: alive, silent, as on the far side of a partition; a worker whose agent
+    is gone ends itself), rank 2 killed, rank 3 stopped (alive, silent, out of anyone's reach).
     Nobody reports an exit, so the controller finds the ranks lost by their silence and waits for a
     replacement node. The old rank 3 is continued (SIGCONT) while the controller waits, as after a
     healed partition: its messages carry a retired incarnation, so the controller tells it to exit.
@@ -380,15 +381,16 @@ def test_node_lost_replacement_agent_joins(tmp_path, ref):
     try:
         wait_for(lambda: any(e["event"] == "inject" for e in events(tmp_path, "rank_3")), "rank 3 to hang")
         workers = {e["worker_rank"]: e["worker_pid"] for e in events(tmp_path, "agent_1") if e["event"] == "worker_start"}
-        node1.kill()
+        node1.send_signal(signal.SIGSTOP)
         os.kill(workers[2], signal.SIGKILL)
         os.kill(workers[3], signal.SIGSTOP)
-        node1.wait(30)
         wait_for(lambda: any(e["event"] == "restart" for e in events(tmp_path, "controller")), "the recovery")
         restart = next(e for e in events(tmp_path, "controller") if e["event"] == "restart")
         assert restart["awaiting_node"] == [2, 3] and restart["ranks"] == []
         os.kill(workers[3], signal.SIGCONT)
         wait_for(lambda: not alive_pid(workers[3]), "the old rank 3 to exit", timeout=30)
+        node1.kill()
+        node1.wait(30)
         replacement = agent(1, "1b")
         assert replacement.wait(240) == 0, (tmp_path / "agent1b.out").read_text()[-3000:]
         assert node0.wait(60) == 0, (tmp_path / "agent0.out").read_text()[-3000:]

@@ -122,7 +122,7 @@ class Agent:
                    MINDSPEED_HA_NODE=self.node, MINDSPEED_HA_NODE_HOST=self.node_host,
                    # (the rank tells the controller which agent restarts it, should this agent
                    # not have registered yet when the rank is lost)
-                   MINDSPEED_HA_AGENT_NODE=str(a.node_rank),
+                   MINDSPEED_HA_AGENT_NODE=str(a.node_rank), MINDSPEED_HA_AGENT_PID=str(os.getpid()),
                    MINDSPEED_HA_RESTART_COUNT=str(restarts), MINDSPEED_HA_HEARTBEAT=str(self.hb),
                    MINDSPEED_HA_PROGRESS_DIR=self.board_dir,
                    MINDSPEED_HA_TERM_SIGNALS=",".join(s.name for s in a.term_signals))

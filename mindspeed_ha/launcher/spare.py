@@ -39,7 +39,7 @@ from . import fork_server
 ENV = "MINDSPEED_HA_SPARE"
 REPORT_FD = "MINDSPEED_HA_SPARE_REPORT_FD"
 FORK_DIR = "MINDSPEED_HA_SPARE_FORK_DIR"  # set for the template: forked spares wait on FIFOs there
-AGENT_PID = "MINDSPEED_HA_SPARE_AGENT_PID"  # (a fork server's template is not the agent's child)
+AGENT_PID = "MINDSPEED_HA_SPARE_AGENT_PID"  # (a fork server's template is not the agent's child: process.py)
 Process = subprocess.Popen | fork_server.FromServer  # the template, or a spare the agent started
 
 log = get_logger("launcher.spare")
@@ -75,6 +75,8 @@ def wait_for_assignment() -> None:
     os.environ.pop(ENV, None)
     from .logs import redirect_from_env
     redirect_from_env()  # (--redirects / --tee: where this rank's worker writes)
+    from mindspeed_ha.process import end_with_agent
+    end_with_agent()  # (a fork of the template: the template's watch did not come with it)
 
 
 def _report(fd: int, text: str) -> None:
