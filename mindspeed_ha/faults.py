@@ -105,6 +105,63 @@ def fault_kind(exc: BaseException) -> str:
     return {"memory": "memory-error", "comm": "comm-failure"}.get(classify(exc), "other")
 
 
+# The exceptions a user's step raises that are its own software's errors, not the machine's: a retry on
+# the same data, or a restart from the same state, can only raise them again. The builtin classes a
+# bug raises (an import, a name, a type, a value, a key or an index that is wrong, an assertion, a
+# division by zero, a missing implementation, unbounded recursion). Everything else is a fault: a
+# memory or communication error (whatever its class), a device error (torch raises those as
+# RuntimeError and its subclasses), an allocation that failed, an I/O error, a lost process, a hang.
+SOFTWARE_ERRORS: tuple[type[BaseException], ...] = (
+    ArithmeticError, AssertionError, AttributeError, ImportError, LookupError, NameError,
+    NotImplementedError, RecursionError, SyntaxError, TypeError, ValueError)
+FAULT_CLASSES = ("setup", "software", "fault")
+
+
+def fault_class(exc: BaseException, first_step: bool = False) -> str:
+    """What an exception raised in a step is, for what recovery may do: ``"setup"``, an error of a
+    rank's own (neither memory nor communication) in the job's first step, before any step completed
+    (an import, a configuration, a data path: no recovery mends it, the job ends at once);
+    ``"software"``, an error of the job's own code (``SOFTWARE_ERRORS``, neither memory nor
+    communication): recovered once at most; ``"fault"``: anything else."""
+    if classify(exc) != "other":
+        return "fault"
+    if first_step:
+        return "setup"
+    return "software" if isinstance(exc, SOFTWARE_ERRORS) else "fault"
+
+
+# Where a traceback's frames are library code, not the job's: this package, torch, megatron (core and
+# Megatron-LM's training loop), the standard library and installed packages.
+def _library_roots() -> tuple[str, ...]:
+    import os
+    import sysconfig
+    here = os.path.dirname(os.path.abspath(__file__))
+    roots = {here, os.path.join(os.path.dirname(here), "patches")}
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            roots.add(os.path.abspath(path))
+    for name in ("torch", "megatron"):
+        module = __import__("sys").modules.get(name)
+        for path in list(getattr(module, "__path__", []) or []):
+            roots.add(os.path.abspath(path))
+    return tuple(sorted(roots))
+
+
+def user_frame(exc: BaseException) -> str:
+    """The innermost frame of ``exc``'s traceback in the job's own code (``file:line in function``),
+    else the innermost frame of all; "" without a traceback."""
+    import os
+    import traceback
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
+    if not frames:
+        return ""
+    roots = _library_roots()
+    own = [f for f in frames if not os.path.abspath(f.filename).startswith(roots)]
+    f = (own or frames)[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}"
+
+
 def process_fatal(exc: BaseException) -> bool:
     """True when the device context is poisoned (CUDA sticky error, e.g. uncorrectable ECC)."""
     text = _text(exc)

@@ -1,7 +1,11 @@
 """Fault injection, for chaos drills and tests.
 
-``MINDSPEED_HA_INJECT="KIND:rank=R:step=S[:phase=P],..."`` (``step=any``: the first time the phase is reached)
+``MINDSPEED_HA_INJECT="KIND:rank=R:step=S[:phase=P][:every],..."`` (``step=any``: the first time the phase is
+reached; ``every``: at every run of that step, by every process of the rank — a fault that recurs, as a bug does)
     KIND   kill (SIGKILL self) | exit (os._exit(1)) | exception (RuntimeError in the step)
+           | bug (ValueError in the step: an error of the job's own code, as a model's or a data loader's)
+           | desync (this rank issues one collective more than its peers, on the default group, and waits in
+             it: its peers then wait for it in their next one — ranks in collectives that cannot match)
            | uce (corrupt this rank's optimizer shard, raise a "UCE ERROR" MemoryFault)
            | hang (the calling thread sleeps forever; other threads keep running)
            | freeze (the whole process stops, SIGSTOP: silent, its sockets open, as on a frozen
@@ -50,7 +54,7 @@ from mindspeed_ha.events import EventLog, get_logger
 from mindspeed_ha.faults import CommFault, MemoryFault
 
 ENV = "MINDSPEED_HA_INJECT"
-KINDS = ("kill", "exit", "exception", "uce", "hang", "freeze", "comm", "bitflip", "ecc", "slow",
+KINDS = ("kill", "exit", "exception", "bug", "desync", "uce", "hang", "freeze", "comm", "bitflip", "ecc", "slow",
          "cuda-illegal-address", "held")
 DEVICE_KINDS = {"cuda-illegal-address": "cuda"}  # drills that need a real device of that kind
 STREAM_ORDERED_KINDS = ("held",)  # drills that need a backend whose abort ends a pending collective
@@ -70,6 +74,10 @@ class InjectedError(RuntimeError):
     """The ``exception`` fault."""
 
 
+class InjectedBug(ValueError):
+    """The ``bug`` fault: an error of the job's own code (``faults.SOFTWARE_ERRORS``)."""
+
+
 @dataclass(frozen=True)
 class Fault:
     kind: str
@@ -78,11 +86,12 @@ class Fault:
     phase: str = DEFAULT_PHASE
     nonce: str = ""   # distinguishes repeated live injections of the same fault
     factor: float = 3.0  # slow: how many times as long each step takes
+    every: bool = False  # fires at every run of its step (not once per job)
 
     def spec(self) -> str:
         step = "" if self.step is None else f":step={self.step}"
         factor = f":factor={self.factor:g}" if self.kind == "slow" else ""
-        return f"{self.kind}:rank={self.rank}{step}:phase={self.phase}{factor}"
+        return f"{self.kind}:rank={self.rank}{step}:phase={self.phase}{factor}{':every' if self.every else ''}"
 
     def key(self) -> str:
         return hashlib.sha1(f"{self.spec()}#{self.nonce}".encode()).hexdigest()[:16]
@@ -90,12 +99,13 @@ class Fault:
 
 def _bad(spec: str, why: str) -> InjectSpecError:
     return InjectSpecError(
-        f"{ENV}: bad fault {spec!r}: {why}. Expected KIND:rank=R:step=S|any[:phase=P],... with KIND in "
+        f"{ENV}: bad fault {spec!r}: {why}. Expected KIND:rank=R:step=S|any[:phase=P][:every],... with KIND in "
         f"{'|'.join(KINDS)} and PHASE in {'|'.join(PHASES)} (default {DEFAULT_PHASE}); "
         f"e.g. {EXAMPLE}")
 
 
-def validate(kind: str, rank, step, phase: str | None, spec: str | None = None, factor=None) -> Fault:
+def validate(kind: str, rank, step, phase: str | None, spec: str | None = None, factor=None,
+             every: bool = False) -> Fault:
     """Check one fault's fields (also the live injection path); raises InjectSpecError."""
     spec = spec or f"{kind}:rank={rank}:step={step}:phase={phase}"
     if kind not in KINDS:
@@ -112,7 +122,11 @@ def validate(kind: str, rank, step, phase: str | None, spec: str | None = None, 
         raise _bad(spec, "factor is for the slow kind only")
     if factor is not None and not (isinstance(factor, (int, float)) and 1.0 <= factor <= 100.0):
         raise _bad(spec, f"factor must be a number from 1 (back to full speed) to 100, got {factor!r}")
-    return Fault(kind, rank, step, phase, factor=float(factor or 3.0))
+    if every and step is None:
+        raise _bad(spec, "every needs a step (step=any fires once, at the first phase point)")
+    if every and kind in ("slow", "freeze", "hang", "bitflip"):
+        raise _bad(spec, f"every is for faults that raise or end the process; {kind} changes the process for good")
+    return Fault(kind, rank, step, phase, factor=float(factor or 3.0), every=bool(every))
 
 
 def parse(value: str) -> list[Fault]:
@@ -124,7 +138,8 @@ def parse(value: str) -> list[Fault]:
             continue
         kind, *fields = [p.strip() for p in spec.split(":")]
         kv: dict[str, Any] = {}  # the given strings; rank, step and factor then converted
-        for f in fields:
+        every = "every" in fields
+        for f in (f for f in fields if f != "every"):
             key, eq, val = f.partition("=")
             if not eq or not val:
                 raise _bad(spec, f"field {f!r} is not key=value")
@@ -148,7 +163,7 @@ def parse(value: str) -> list[Fault]:
                 kv["factor"] = float(kv["factor"])
             except ValueError:
                 raise _bad(spec, f"factor must be a number, got {kv['factor']!r}") from None
-        faults.append(validate(kind.lower(), kv["rank"], kv["step"], kv.get("phase"), spec, kv.get("factor")))
+        faults.append(validate(kind.lower(), kv["rank"], kv["step"], kv.get("phase"), spec, kv.get("factor"), every))
     return faults
 
 
@@ -270,7 +285,8 @@ class Injector:
         with self._lock:
             due = [f for f in self._pending if f.phase == phase and f.step in (None, iteration)]
             for f in due:
-                self._pending.remove(f)
+                if not f.every:  # (a recurring one stays: the step's next run fires it again)
+                    self._pending.remove(f)
         for f in due:
             if self._claim(f, iteration):
                 if f.kind == "slow":  # each step takes factor x the last one before it
@@ -281,11 +297,12 @@ class Injector:
     # ------------------------------------------------------------------------------------------
 
     def _claim(self, f: Fault, iteration: int) -> bool:
-        """Atomically mark ``f`` fired for the whole job; False if some process already did."""
+        """Atomically mark ``f`` fired for the whole job; False if some process already did (a
+        recurring one fires every time: its mark says only that it did once)."""
         os.makedirs(self.marker_dir, exist_ok=True)
         path = self._marker(f)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if f.every else os.O_EXCL), 0o644)
         except FileExistsError:
             log.info("inject %s already fired in this job: skipped", f.spec())
             return False
@@ -315,6 +332,8 @@ class Injector:
             os._exit(1)
         elif f.kind == "exception":
             raise InjectedError(f"injected exception ({where})")
+        elif f.kind == "bug":
+            raise InjectedBug(f"injected bug ({where})")
         elif f.kind == "ecc":
             raise InjectedError(f"CUDA error: uncorrectable ECC error encountered (injected, {where})")
         elif f.kind == "cuda-illegal-address":
@@ -342,6 +361,9 @@ class Injector:
             raise CommFault(f"injected communication failure: communicators aborted ({where})")
         elif f.kind == "held":
             hold_on_untracked()
+        elif f.kind == "desync":
+            from mindspeed_ha.comm.interruptible import PROCESS_STOP, one_collective_more
+            one_collective_more(PROCESS_STOP)
 
 
 def default_comm_breaker() -> None:

@@ -79,6 +79,8 @@ class HAOptions:
     register_timeout_s: float = 300.0  # every node and rank must have come up by then
     term_grace_s: float = 60.0     # preemption: the dying gasp must be written within this
     max_restarts: int = 5          # recover: restarts per rank, and replacements per node
+    max_recurrences: int = 2       # recoveries of the same fault at the same iteration (1 for a software error)
+    desync_after_s: float = 5.0    # every rank waiting this long in collectives: their counts say if it is a desync
     spare_wait_s: float = 30.0     # recover + elastic: how long a lost node's replacement is waited for
     metrics_port: int | None = None  # the active controller serves Prometheus metrics here
     source: str = "flags"          # where the strategies came from: flags | HIGH_AVAILABILITY | MS_ENABLE_TFT
@@ -129,6 +131,11 @@ def add_ha_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "the memory each holds beside the state it moves (default 64)")
     g.add_argument("--ha-hang-timeout", type=float, default=60.0,
                    help="Seconds without progress before a live rank is declared hung")
+    g.add_argument("--ha-desync-after", type=float, default=None, metavar="SECONDS",
+                   help="Seconds every rank may wait in its collectives before their counts of the collectives they "
+                        "issued are compared: members of one group in collectives that cannot match are a desync, "
+                        "named and recovered as a hang well before --ha-hang-timeout (0: off; default 5, or half "
+                        "the hang timeout if that is shorter)")
     g.add_argument("--ha-order-timeout", type=float, default=None,
                    help="Seconds a rank that left training for a recovery waits for the controller's next "
                         "order while no recovery is under way, before it gives up (default: 3 x "
@@ -161,6 +168,11 @@ def add_ha_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ha-max-restarts", type=int, default=5,
                    help="recover: restarts of one rank, and replacements of one node, before the next strategy "
                         "(the dump) takes over and the job ends with exit code 3, do not restart (default 5)")
+    g.add_argument("--ha-max-recurrences", type=int, default=2, metavar="N",
+                   help="Recoveries of the same fault (same ranks, kind and error) at the same iteration before it is "
+                        "taken for a bug of the job and the job ends (the dump with --save, then exit code 3, do not "
+                        "restart) with a diagnosis naming it; an error of the job's own code (ValueError, "
+                        "ImportError, ...) is recovered once at most (default 2)")
     g.add_argument("--ha-spare-wait", type=float, default=30.0, metavar="SECONDS",
                    help="recover with elastic training: seconds a lost node's replacement is waited for before "
                         "the job scales in without it (0: scale in at once; default 30)")
@@ -267,6 +279,10 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) ->
     if max_restarts < 0:
         raise HAConfigError(f"--ha-max-restarts {max_restarts}: use 0 (never restart a worker) or a positive N "
                             "(default 5)")
+    max_recurrences = int(getattr(args, "ha_max_recurrences", 2))
+    if max_recurrences < 1:
+        raise HAConfigError(f"--ha-max-recurrences {max_recurrences}: give how often the same fault at the same "
+                            "iteration is recovered before the job ends, 1 or more (default 2)")
     metrics_port = getattr(args, "ha_metrics_port", None)
     if metrics_port is not None and not 0 < int(metrics_port) < 65536:
         raise HAConfigError(f"--ha-metrics-port {metrics_port}: give a TCP port between 1 and 65535, e.g. 9400")
@@ -291,6 +307,12 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) ->
         raise HAConfigError(f"--ha-recovery-message-mib {message_mib}: give a whole number of MiB from 1 to 16384 "
                             "(default 64; smaller holds less memory beside a moved shard, larger sends fewer messages)")
     hang = _seconds(args, "ha_hang_timeout", 60.0)
+    desync = getattr(args, "ha_desync_after", None)
+    desync = min(5.0, hang / 2) if desync is None else desync
+    if not (isinstance(desync, (int, float)) and 0 <= desync < hang):
+        raise HAConfigError(f"--ha-desync-after {desync}: give the seconds every rank may wait in its collectives "
+                            f"before a desync is looked for, from 0 (off) to below --ha-hang-timeout {hang:g} "
+                            "(default 5)")
     collective = 60.0 * float(getattr(args, "distributed_timeout_minutes", None) or 10)
     if strategies and 2 * max(hang, WARM_UP_HANG_S) >= collective:
         # The controller names a hang after up to twice its limit (every rank still: a host stall
@@ -315,7 +337,8 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) ->
         health_cmd=getattr(args, "ha_health_cmd", None) or None,
         health_interval_s=_seconds(args, "ha_health_interval", 30.0),
         register_timeout_s=_seconds(args, "ha_register_timeout", 300.0),
-        term_grace_s=_seconds(args, "ha_term_grace", 60.0), max_restarts=max_restarts, spare_wait_s=spare_wait,
+        term_grace_s=_seconds(args, "ha_term_grace", 60.0), max_restarts=max_restarts,
+        max_recurrences=max_recurrences, desync_after_s=float(desync), spare_wait_s=spare_wait,
         metrics_port=None if metrics_port is None else int(metrics_port))
 
 

@@ -92,6 +92,11 @@ def unfired(log_dirs) -> list[dict]:
     return list(seen.values())
 
 
+CLASS_MEANING = {"setup": "setup (before the job's first step: not recovered)",
+                 "software": "software (an error of the job's own code: recovered once at most)",
+                 "fault": "fault (recovered up to --ha-max-recurrences times at one iteration)"}
+
+
 def table(eps: list[dict]) -> str:
     head = f"{'#':>2}  {'fault':34s} {'iter':>5} {'phase':10s} {'strategy':9s} {'MTTR s':>7} {'lost':>4}  outcome"
     rows = [head, "-" * len(head)]
@@ -104,6 +109,10 @@ def table(eps: list[dict]) -> str:
                     f"{mttr:>7} {lost:>4}  {ep['outcome']}")
         if "phases" in ep:
             rows.append("    phases: " + ", ".join(f"{k} {v:.3f}s" for k, v in ep["phases"].items()))
+        # (a rank's own error: which class it fell in — setup, software or fault — and where it was raised)
+        if f.get("fault_class") and f["kind"] in ("other", "memory-error", "comm-failure"):
+            rows.append(f"    class: {CLASS_MEANING.get(f['fault_class'], f['fault_class'])}"
+                        + (f"; raised at {f['frame']}" if f.get("frame") else ""))
     if not eps:
         rows.append("    no fault recorded")
     return "\n".join(rows)

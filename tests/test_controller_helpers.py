@@ -63,7 +63,7 @@ class FakePort:
         self.fed.append(outcome)
 
     def fault(self, ranks, kind, iteration, phase, detect_s=0.0, detail="", key=None, rid=None, feed=True,
-              entered=None):
+              entered=None, fault_class="fault", frame=""):
         self.faults.append((list(ranks), kind, iteration, phase, detail, key, rid))
         self.entered.append(entered)
         return True

@@ -30,7 +30,8 @@ class Processor:
         self.served.append(action)
         return action
 
-    def report_fault(self, kind: str, detail: str, iteration: int, phase: str, entered=None) -> None:
+    def report_fault(self, kind: str, detail: str, iteration: int, phase: str, entered=None, fault_class="fault",
+                     frame="") -> None:
         self.faults.append((kind, iteration, phase))
 
     def report_left(self, entered: dict) -> None:

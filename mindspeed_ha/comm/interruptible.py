@@ -33,9 +33,12 @@ import datetime
 import functools
 import hashlib
 import inspect
+import os
 import queue
+import sys
 import threading
 import time
+import types
 from typing import Callable
 
 import torch
@@ -69,6 +72,36 @@ PROCESS_STOP = Stop(abort_communicators=abort.abort_registered, identify_group=_
 # This thread's state inside the wrappers: .issuing (an outer wrapper's call is under way), .blocks
 # (its open coalescing blocks).
 _thread = threading.local()
+
+
+# The frames of the collectives' own code: a collective's issue site is the first frame outside them.
+_OWN_FILES = (os.path.join("comm", "interruptible.py"), os.path.join("torch", "distributed"), "functools.py",
+              "contextlib.py", os.path.join("c10d_logger.py"))
+
+
+def _caller() -> str:
+    """Where the collective being issued was called from (``file:line in function``), past the
+    wrappers and torch.distributed's own frames: a desync's evidence (``Issued.evidence``)."""
+    f: types.FrameType | None = sys._getframe(2)
+    while f is not None and any(own in f.f_code.co_filename for own in _OWN_FILES):
+        f = f.f_back
+    if f is None:
+        return ""
+    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} in {f.f_code.co_name}"
+
+
+def one_collective_more(stop: Stop) -> None:
+    """(The desync drill.) An all-reduce on the default group that this rank's peers never issue: counted
+    as issued (``Issued``), then waited in, as a wait for peers, until the stop comes — with no
+    communicator involved, so nothing is left pending in one when the recovery replaces them."""
+    stop.issued.issue(None, "all_reduce", _caller())
+    token = stop.in_flight.polled.begin()
+    try:
+        while not stop.requested():
+            time.sleep(WAIT_SLICE_S)
+    finally:
+        stop.in_flight.polled.end(token)
+    stop.raise_stopped()
 
 
 def wait_work(work, stop: Stop, p2p: bool = False, tag: Tag | None = None) -> None:
@@ -459,7 +492,7 @@ def make_interruptible(fn: Callable, stop: Stop) -> Callable:
         work = _issue(fn, args, kwargs)
         if work is None:  # not a member of the group: nothing was received
             return None
-        tag = stop.issued.issue(group, fn.__name__)
+        tag = stop.issued.issue(group, fn.__name__, _caller())
         block = _blocks().get(resolved)
         if block is not None:  # (recorded for the block's exit, or issued inside it: waited for with it)
             block.tags.append(tag)
@@ -494,7 +527,7 @@ def _stream_collective(fn: Callable, args: tuple, kwargs: dict, want_async: bool
     work = _issue(fn, args, kwargs)
     if work is None:  # not a member of the group
         return None
-    tag = stop.issued.issue(group, fn.__name__)
+    tag = stop.issued.issue(group, fn.__name__, _caller())
     block = _blocks().get(compat.resolve_group(group))
     if block is not None:
         block.tags.append(tag)

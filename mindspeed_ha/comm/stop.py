@@ -99,10 +99,14 @@ class Issued:
         # that group's (a strong one would hold up a replaced communicator's release).
         self._groups: dict[int, tuple[Callable[[], object] | None, str, frozenset]] = {}
         self._aligned = True
+        # Each group's last collective: its kind and where it was issued, and the group's members (what
+        # a desync's evidence says of this rank: ``evidence``).
+        self._last: dict[str, tuple[str, str]] = {}
+        self._members: dict[str, frozenset] = {}
 
-    def issue(self, group, name: str) -> Tag | None:
-        """One collective ``name`` issued on ``group`` (None: the default group): its tag, when it needs
-        every member."""
+    def issue(self, group, name: str, where: str = "") -> Tag | None:
+        """One collective ``name`` issued on ``group`` (None: the default group) at ``where`` (its
+        caller): its tag, when it needs every member."""
         if self._identify is None:
             return None
         with self._lock:
@@ -110,10 +114,20 @@ class Issued:
             if known is None or (known[0]() if known[0] is not None else None) is not group:
                 key, members = self._identify(group)
                 self._groups[id(group)] = (_weak(group), key, members)
+                self._members[key] = members
             else:
                 _, key, members = known
             n = self._counts[key] = self._counts.get(key, 0) + 1
+            self._last[key] = (name, where)
         return Tag(key, n, members) if name in NEEDS_EVERY_MEMBER else None
+
+    def evidence(self) -> dict[str, list]:
+        """Each group's count, last collective's kind and issue site, and members (ranks of the default
+        group): what a rank that has waited in a collective for long says of itself (a desync is
+        members of one group with different counts, or different kinds at the same count)."""
+        with self._lock:
+            return {key: [n, *self._last.get(key, ("", "")), sorted(self._members.get(key, ()))]
+                    for key, n in self._counts.items()}
 
     def freeze(self) -> dict[str, int] | None:
         """The counts as they stand (None: not aligned with the job's); not aligned from now on (a
@@ -134,6 +148,8 @@ class Issued:
         with self._lock:
             self._counts.clear()
             self._groups.clear()
+            self._last.clear()
+            self._members.clear()
             self._aligned = True
 
 

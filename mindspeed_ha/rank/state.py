@@ -146,7 +146,16 @@ class RankState:
         import torch.distributed as dist
         counts = self.stop.issued.freeze()
         entered = {"member": dist.get_rank(), "counts": counts} if counts is not None else None
-        self.processor.report_fault(kind, f"{type(exc).__name__}: {exc}", iteration, phase, entered=entered)
+        from mindspeed_ha.faults import fault_class, user_frame
+        self.processor.report_fault(kind, f"{type(exc).__name__}: {exc}", iteration, phase, entered=entered,
+                                    fault_class=fault_class(exc, first_step=self.first_step()), frame=user_frame(exc))
+
+    def first_step(self) -> bool:
+        """This process has ended no step, and it is one of the job's first processes (not a worker
+        restarted into a running job, nor a scale-out's newcomer): the job's first step is in flight."""
+        from mindspeed_ha.options import JOINS_AS_ENV
+        return (self.last_step[0] is None and int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0) == 0
+                and not os.environ.get(JOINS_AS_ENV))
 
     def report_left(self) -> None:
         """This rank's training thread left the step's collectives for a stop: the collectives it issued,

@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable
 from ... import exitcodes
 from ...events import EventLog, get_logger
 from ...options import HAOptions
-from ..policy import ledger, playbooks
+from ..policy import desync, ledger, playbooks
 from ..policy.diagnosis import diagnosis
 from ..policy.ledger import Fault, FaultLedger
 from ..policy.playbooks import Episode, FirstStep
 from ..policy.ranks import Agent, Rank, RankTable
+from ..policy.recurrence import Recurrences
 from ..policy.rounds import Port, RunOutcome, Runner
 from ..policy.standbys import Standbys
 from ..policy.states import TABLE, TIMEOUTS, Machine, Outcome as O, State as S, choose_strategy
@@ -159,8 +160,9 @@ class HelperPort:
 
     def fault(self, ranks: list[int], kind: str, iteration: int, phase: str, detect_s: float = 0.0,
               detail: str = "", key: Hashable = None, rid: str | None = None, feed: bool = True,
-              entered: dict[str, Any] | None = None) -> bool:
-        return self._c.fault(ranks, kind, iteration, phase, detect_s, detail, key, rid, feed, entered)
+              entered: dict[str, Any] | None = None, fault_class: str = "fault", frame: str = "") -> bool:
+        return self._c.fault(ranks, kind, iteration, phase, detect_s, detail, key, rid, feed, entered, fault_class,
+                             frame)
 
     def become_active(self, epoch: int, now: float) -> None:
         self._c.become_active(epoch, now)
@@ -231,6 +233,7 @@ class Controller:
         self.orders = Orders(self.router, self.table, lambda: self.epoch, rank)
         self.restarts = Restarts(self.table, self.orders, self.events, self.options.max_restarts, rank,
                                  self._end_host if local_exit is not None else None)
+        self.recurrences = Recurrences(self.options.max_recurrences)  # each fault's recoveries so far
         self.identity = Identity(host=self.host, endpoint=self.endpoint, port=self.port_number, keys=self.keys,
                                  job_id=self.job_id, log_dir=log_dir, world=self.world, rank=rank)
         self.playbook_port: Port = PlaybookPort(self)  # what the playbooks see of this controller
@@ -408,10 +411,11 @@ class Controller:
 
     def fault(self, ranks: list[int], kind: str, iteration: int, phase: str, detect_s: float = 0.0,
               detail: str = "", key: Hashable = None, rid: str | None = None, feed: bool = True,
-              entered: dict[str, Any] | None = None) -> bool:
+              entered: dict[str, Any] | None = None, fault_class: str = "fault", frame: str = "") -> bool:
         """A fault, however it was found: recorded once, and fed to the state machine (``feed``: at
         once; else the caller feeds it, with others found together). True: recorded as a new fault.
-        ``entered``: a reporting rank's counts of the collectives it issued (the survivors' stop)."""
+        ``entered``: a reporting rank's counts of the collectives it issued (the survivors' stop);
+        ``fault_class`` and ``frame``: a rank's own report says them (``faults.fault_class``)."""
         if not self.ledger.first_time(key or (kind, tuple(ranks), iteration)):
             return False
         if rid is not None and rid in self.ledger.settled:
@@ -421,7 +425,8 @@ class Controller:
                      "it: ignored", list(ranks), kind, iteration, rid)
             return False
         f = ledger.record(ranks, kind, iteration, phase, [self.ranks[r].node if r in self.ranks else "?" for r in ranks],
-                          detect_s=detect_s, detail=detail, rid=rid, entered=entered)
+                          detect_s=detect_s, detail=detail, rid=rid, entered=entered, fault_class=fault_class,
+                          frame=frame)
         if self.standby:
             self.ledger.deferred.append(f)
             return False
@@ -466,8 +471,27 @@ class Controller:
         found = [d for d in self.table.scan(now, training=self.machine.state == S.NORMAL)
                  if self.fault(d.ranks, d.kind, d.iteration, d.phase, detect_s=d.detect_s, detail=d.detail,
                                key=d.key, feed=False)]
-        if found:  # (fault() fed nothing: the state is as it was)
+        desynced = not found and self.machine.state == S.NORMAL and self.options.desync_after_s > 0 and self._desync()
+        if found or desynced:  # (fault() fed nothing: the state is as it was)
             self.feed(O.FAULT)
+
+    def _desync(self) -> bool:
+        """Every live rank has waited in its collectives past --ha-desync-after and their counts say some
+        group's members cannot match (policy/desync.py): a hang of the ranks out of step, named now
+        rather than at the hang timeout. True: recorded as a fault (fed by the caller)."""
+        live = {r for r in self.table.live() if not self.ranks[r].done}
+        found = desync.find({r: i.desync for r, i in self.ranks.items() if r in live and i.desync}, live)
+        if found is None:
+            return False
+        first = self.ranks[found.out_of_step[0]]
+        waited = min(float(self.ranks[r].desync.get("waited_s", 0) or 0) for r in live)  # type: ignore[union-attr]
+        if not self.fault(found.out_of_step, "hang", first.it, first.phase, detect_s=waited, detail=found.text(),
+                          key=("desync", tuple(found.out_of_step), first.it), feed=False):
+            return False
+        self.events.emit("desync", group=found.group, out_of_step=found.out_of_step, iteration=first.it,
+                         collectives={str(r): list(c) for r, c in found.collectives.items()}, waited_s=waited)
+        log.error("%s (every rank waited past %.1f s)", found.text(), waited)
+        return True
 
     # ---- state machine ------------------------------------------------------------------------
     def _on_transition(self, old: S, outcome: O, new: S, seconds: float) -> None:
@@ -649,6 +673,16 @@ class Controller:
             self.ledger.close_planned("scale-out")
             kinds.discard("scale-out")
         ordered = self.options.ordered_strategies()
+        recurs = self.recurrences.refusal(self.ledger.active)
+        if recurs:  # not the machine's: no recovery, only the dump (none before a first step: nothing to save)
+            ordered = [s for s in ordered if s == "dump" and not self.recurrences.setup]
+            why = f"no recovery: {recurs}" + ("" if ordered else "; the job ends at once")
+            self.strategy_note = why
+            outcome = O.DUMP if ordered else O.NO_STRATEGY
+            self.events.emit("strategy", outcome=outcome.value, reason=why)
+            log.error("strategy for %s: %s (%s)", sorted(kinds), outcome.value, why)
+            self.playbook, self.chosen = None, outcome
+            return outcome
         refusal = self.restarts.refusal() if "recover" in ordered else None
         if refusal:
             ordered = [s for s in ordered if s != "recover"]
@@ -688,6 +722,8 @@ class Controller:
                 # detection -> every survivor stopped and the strategy chosen
                 self.episode.phases["stop"] = round(time.monotonic() - first["t_detect"], 4)
         assert self.playbook is not None and self.episode is not None  # (DECIDE chose one; REPAIR made it)
+        if st == S.ROLLBACK:  # the state is mended: each of the episode's faults was recovered once more
+            self.recurrences.count(self.ledger.active)
         self.runner = Runner(self.playbook.rounds(st), self.episode)
         out = self.runner.start()
         return None if out is None else self._outcome(out)
@@ -705,13 +741,13 @@ class Controller:
         kinds = {f["kind"] for f in faults}
         self.exit_code = (exitcodes.PREEMPTED if "preempted" in kinds else
                           exitcodes.NOT_REGISTERED if "not-registered" in kinds else
-                          exitcodes.DO_NOT_RESTART if self.restarts.budget.spent else
+                          exitcodes.DO_NOT_RESTART if self.restarts.budget.spent or self.recurrences.why else
                           exitcodes.FAULT if self.ledger.all else exitcodes.OK)
         dump = self.episode.result if self.episode is not None and self.playbook is playbooks.DUMP else None
         note = self.strategy_note
-        spent = self.restarts.budget.spent
-        if spent and spent not in note:
-            note = f"{spent}; {note}"
+        for why in (self.restarts.budget.spent, self.recurrences.why and f"no recovery: {self.recurrences.why}"):
+            if why and why not in note:
+                note = f"{why}; {note}"
         text = self.last_diagnosis = diagnosis(faults, len(self.table.live()), note, dump, self.log_dir,
                                                self.exit_code)
         self.events.emit("diagnosis", text=text, exit_code=self.exit_code)

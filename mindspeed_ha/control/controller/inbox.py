@@ -129,7 +129,8 @@ class Inbox:
         at = msg.get("at")
         self.port.fault([r], msg["kind"], msg["iteration"], msg["phase"],
                         detect_s=max(0.0, time.time() - at) if at else 0.0, detail=msg.get("detail", ""),
-                        key=("fault", r, msg["kind"], at), rid=msg.get("rid"), entered=msg.get("entered"))
+                        key=("fault", r, msg["kind"], at), rid=msg.get("rid"), entered=msg.get("entered"),
+                        fault_class=msg.get("class", "fault"), frame=msg.get("frame", ""))
 
     def left(self, ident: bytes, msg: Msg) -> None:
         """A survivor left the step's collectives for the stop: its counts go to the other ranks, so

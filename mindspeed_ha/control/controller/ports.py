@@ -63,9 +63,11 @@ class ControllerPort(Protocol):
 
     def fault(self, ranks: list[int], kind: str, iteration: int, phase: str, detect_s: float = 0.0,
               detail: str = "", key: Hashable = None, rid: str | None = None, feed: bool = True,
-              entered: dict[str, Any] | None = None) -> bool:
+              entered: dict[str, Any] | None = None, fault_class: str = "fault", frame: str = "") -> bool:
         """A fault, however it was found: recorded once and fed to the state machine. True: a new one.
-        ``entered``: the faulted rank's counts of the collectives it issued, for the survivors' stop."""
+        ``entered``: the faulted rank's counts of the collectives it issued, for the survivors' stop;
+        ``fault_class``: software or fault (``faults.fault_class``); ``frame``: where it was raised in
+        the job's own code."""
 
     # ---- who controls
     def become_active(self, epoch: int, now: float) -> None:

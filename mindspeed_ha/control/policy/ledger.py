@@ -26,6 +26,8 @@ class Fault(TypedDict):
     t_detect: float     # monotonic: when the controller learnt of it (MTTR counts from here)
     cpu_detect: float   # the controller thread's CPU time then (decisions measured without waits)
     entered: dict[str, Any] | None  # a reporting rank's counts of the collectives it issued, by group (for the stop)
+    fault_class: str    # software (an error of the job's own code) or fault (faults.fault_class)
+    frame: str          # where a rank's report says it was raised, in the job's own code ("" if none)
 
 
 # What a fault's event and status carry (the clocks and the counts are the controller's own business).
@@ -34,11 +36,11 @@ PRIVATE = ("time", "t_detect", "cpu_detect", "entered")
 
 def record(ranks: Iterable[int], kind: str, iteration: int, phase: str, nodes: list[str], detect_s: float = 0.0,
            detail: str = "", rid: str | None = None, t_detect: float | None = None,
-           entered: dict[str, Any] | None = None) -> Fault:
+           entered: dict[str, Any] | None = None, fault_class: str = "fault", frame: str = "") -> Fault:
     return Fault(ranks=list(ranks), kind=kind, iteration=int(iteration), phase=phase, rid=rid,
                  detect_s=round(detect_s, 4), detail=detail, time=time.time(), nodes=nodes,
                  t_detect=time.monotonic() if t_detect is None else t_detect, cpu_detect=time.thread_time(),
-                 entered=entered)
+                 entered=entered, fault_class=fault_class, frame=frame)
 
 
 def public(f: Fault) -> dict[str, Any]:

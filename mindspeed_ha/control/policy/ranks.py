@@ -46,6 +46,7 @@ class Rank:
     checkpoint: int = -1         # the newest iteration it saved (periodic checkpoints)
     agent_node: int | None = None  # the node rank of the mindspeed-ha run agent that started it
     held: str = ""               # where its training thread is held, when it has not taken an order (its report)
+    desync: dict[str, Any] | None = None  # its counts by group, once it has waited in collectives for long
 
 
 @dataclasses.dataclass
@@ -135,6 +136,7 @@ class RankTable:
         info.it, info.upd, info.health, info.phase, info.progress = msg["it"], msg["upd"], msg["health"], phase, prog
         info.waiting = bool(msg.get("wait", False))
         info.held = str(msg.get("held", ""))
+        info.desync = msg.get("desync")
         return info
 
     def mark_dead(self, ranks: Iterable[int]) -> None:

@@ -28,6 +28,7 @@ from ..wire.link import ControllerLink, job_id_from_env
 from . import ending
 from .held import HELD_REPORT_S, HeldWatch  # noqa: F401  (HELD_REPORT_S: read here by tests and tools)
 from .hosting import ControllerFactory, ControllerHost
+from .long_wait import LongWait, default_group_rank
 from .orders import Handler, Orders
 from .own_work import OwnWork
 
@@ -79,11 +80,21 @@ def heartbeat_frame(p: Processor) -> bytes:
     """What a rank tells its controller at each heartbeat: how far it trained, where in its step it
     is and when it last moved, its health, whether it waits in a collective, its steps' own work (for
     straggler detection), where its training thread is held, its newest checkpoint."""
-    busy = p.work.take()
+    busy, stalled = p.work.take(), p.long_wait.report()
     return protocol.encode("hb", rank=p.rank, it=p.iteration, upd=p.updating, health=p.health, phase=p.phase,
                            progress=p.progress, wait=p.in_collective(), pid=os.getpid(), steps=p.work.steps_done,
                            **({"busy": busy} if busy is not None else {}), **({"held": p.held} if p.held else {}),
-                           **({"ckpt": p.checkpoint} if p.checkpoint >= 0 else {}))
+                           **({"ckpt": p.checkpoint} if p.checkpoint >= 0 else {}),
+                           **({"desync": stalled} if stalled is not None else {}))
+
+
+def fault_frame(rank: int, kind: str, detail: str, iteration: int, phase: str, rid: str,
+                entered: dict[str, Any] | None, fault_class: str, frame: str) -> bytes:
+    """A fault report (``Processor.report_fault``); ``rid``: its id, which a successor controller
+    uses to drop a replayed copy."""
+    return protocol.encode("fault", rank=rank, kind=kind, iteration=int(iteration), phase=str(phase)[:64],
+                           detail=detail, at=time.time(), pid=os.getpid(), rid=rid, frame=frame[:1000],
+                           **({"entered": entered} if entered is not None else {}), **{"class": fault_class})
 
 
 class Processor:
@@ -123,6 +134,8 @@ class Processor:
         # (none handed: a process of the control plane's tests and tools, with no collectives to wait in)
         self.in_collective: Callable[[], bool] = stop.in_flight.waiting if stop else (lambda: False)
         self.work = OwnWork(options.straggler_ratio, stop.in_flight.waited_s if stop else (lambda: 0.0))
+        self.long_wait = LongWait(options.desync_after_s, self.in_collective, stop.issued.evidence if stop else dict,
+                                  default_group_rank)
         self.watch = HeldWatch(lambda: self.stop.report())
         self.orders = Orders(rank, {"stop": self._stop_collectives, "standby": self.host.stand_by,
                                     "takeover": self.host.take_over, "reconnect": self._reconnect,
@@ -258,20 +271,18 @@ class Processor:
         self._mark(phase)
 
     def report_fault(self, kind: str, detail: str, iteration: int, phase: str,
-                     entered: dict[str, Any] | None = None) -> None:
-        """A fault of this rank (``kind``: memory-error, comm-failure, other), sent at once and
-        replayed to a successor if the controller dies meanwhile. ``entered``: the collectives it
-        issued per group (``Stop.issued``), which the controller's stop hands the survivors."""
+                     entered: dict[str, Any] | None = None, fault_class: str = "fault", frame: str = "") -> None:
+        """A fault of this rank (``kind``: memory-error, comm-failure, other; ``fault_class`` and ``frame``:
+        ``faults.fault_class``, ``faults.user_frame``), sent at once and replayed to a successor if the
+        controller dies meanwhile. ``entered``: the collectives it issued per group (``Stop.issued``)."""
         self.health = "faulty"
         if self.events:
-            self.events.emit("exception", kind=kind, iteration=int(iteration), phase=phase, detail=detail)
+            self.events.emit("exception", kind=kind, iteration=int(iteration), phase=phase, detail=detail,
+                             fault_class=fault_class, **({"frame": frame} if frame else {}))
         self._sent.clear()
         self._reports += 1
         rid = f"{os.getpid()}.fault.{self._reports}"
-        report = protocol.encode("fault", rank=self.rank, kind=kind, iteration=int(iteration), phase=str(phase)[:64],
-                                 detail=detail, at=time.time(), pid=os.getpid(), rid=rid,
-                                 **({"entered": entered} if entered is not None else {}))
-        self._outbox.put(report, rid)
+        self._outbox.put(fault_frame(self.rank, kind, detail, iteration, phase, rid, entered, fault_class, frame), rid)
         self._sent.wait(1.0)  # handed to ZeroMQ before the caller may let the process die
 
     def report_left(self, entered: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ FAULT_KINDS = ("memory-error", "comm-failure", "other", "process-exit", "hang", 
                "controller-lost", "node-lost", "preempted")
 PHASES = ("startup", "forward", "backward", "grad-sync", "optimizer", "param-sync", "checkpoint",
           "step", "unknown", "recovery", "rebuild", "resize")
-INJECT_KINDS = ("kill", "exit", "exception", "uce", "hang", "comm", "ecc", "slow")
+INJECT_KINDS = ("kill", "exit", "exception", "bug", "uce", "hang", "comm", "ecc", "slow")
 INJECT_PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "step-end", "checkpoint", "recovery",
                  "rebuild", "resize", "pipeline-send", "pipeline-recv")
 
@@ -123,7 +123,9 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
                  "agent_node": (_int, O)},
     "hb": {"rank": (_int, R), "it": (_int, R), "upd": (_bool, R), "health": (_str, R),
            "phase": (_str, O), "progress": (_float, O), "wait": (_bool, O), "pid": (_int, O), "steps": (_int, O),
-           "busy": (_float, O), "ckpt": (_int, O), "held": (_str, O)},
+           "busy": (_float, O), "ckpt": (_int, O), "held": (_str, O),
+           # waited in its collectives past --ha-desync-after: its counts by group (control/rank/long_wait.py)
+           "desync": ("map", O)},
     # A survivor whose training thread left the step's collectives for a stop: the collectives it issued
     # by then, for the peers still waiting in one it never entered (as a faulted rank's report carries them).
     "left": {"rank": (_int, R), "pid": (_int, O), "entered": ("map", R)},
@@ -132,7 +134,9 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "fault": {"rank": (_int, R), "kind": (_str, R), "iteration": (_int, R), "phase": (_str, R),
               "detail": (_str, O), "at": (_float, O), "pid": (_int, O), "rid": (_str, O),
               # the rank's place in the default group and its counts of the collectives it issued
-              "entered": ("map", O)},
+              "entered": ("map", O),
+              # software (an error of the job's own code) or fault; where it was raised in that code
+              "class": (_str, O), "frame": (_str, O)},
     "result": {"rank": (_int, R), "action": (_str, R), "id": (_int, R), "ok": (_bool, R),
                "data": ("tree", O), "error": (_str, O), "pid": (_int, O)},
     "bye": {"rank": (_int, R), "pid": (_int, O)},
