@@ -515,14 +515,19 @@ def _site(tmp_path, name, code):
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(d), os.environ.get("PYTHONPATH")]))}
 
 
-def test_every_communicator_is_aborted_at_once_so_survivors_held_in_a_later_group_are_freed(tmp_path, references):
+@pytest.mark.parametrize("aborted_works", ["complete", "raise"])
+def test_every_communicator_is_aborted_at_once_so_survivors_held_in_a_later_group_are_freed(tmp_path, references,
+                                                                                            aborted_works):
     """On the backend whose abort waits for the device to go idle, as NCCL's does: the stop aborts
     every survivor's communicators at once, each on its own thread, so the idle world group's abort
     returns once the grad-sync group's is done; every survivor leaves its collective, the retry
     repairs rank 1 in place, and every loss is the fault-free run's bits. Each rank's stop line
-    times each communicator, and the recovery's phases carry the abort."""
+    times each communicator, and the recovery's phases carry the abort. ``raise``: the aborted
+    collectives fail under their waits (DistBackendError, as torch's can) instead of completing with
+    partial outputs: that is each survivor's stop, none is reported as faulted."""
     from helpers import assert_ok, events, losses, twins_agree
-    proc = _job(tmp_path, HELD_IN_A_LATER_GROUP, RETRY_ONLY)
+    raises = {"MINDSPEED_HA_EMULATE_NCCL_ABORT_RAISES": "1"} if aborted_works == "raise" else {}
+    proc = _job(tmp_path, HELD_IN_A_LATER_GROUP, RETRY_ONLY, raises)
     assert_ok(proc)
     assert losses(tmp_path) == references.tiny("dp4")
     rec = [e for e in events(tmp_path, "controller") if e["event"] == "recovered"]

@@ -67,6 +67,30 @@ def test_a_rank_the_controller_stopped_reports_no_fault_of_its_own():
     assert processor.faults == [] and not state.shard_poisoned
 
 
+def test_a_communication_error_after_this_ranks_abort_is_the_stop_but_its_own_memory_error_is_a_fault():
+    """Once the stop aborted this rank's communicators, the error a wait raises there (torch:
+    DistBackendError, "... was aborted") is the stop: no fault of this rank is reported. Its own memory
+    error at that moment still is."""
+    import torch.distributed as dist
+    stop = Stop()
+    stop.request("rank 3's memory error")
+    stop.abort_now(why="test")
+    loop, state, processor = _loop(["resume", "resume"], stop=stop)
+    attempts = iter([dist.DistBackendError("NCCL communicator was aborted on rank 1"), None])
+
+    def attempt():
+        e = next(attempts)
+        if e is not None:
+            raise e
+        return "stepped"
+    assert loop.survive(attempt, lambda: 5) == "stepped"
+    assert processor.faults == [] and processor.served == ["resume"], processor.faults
+    stop.request("again")
+    stop.abort_now(why="test")
+    assert loop.recover(loop._stop_or(MemoryFault("UCE ERROR: injected")), 6)
+    assert processor.faults == [("memory-error", 6, "backward")]
+
+
 @pytest.mark.parametrize("world,sent", [(4, True), (LEFT_COUNTS_MAX_WORLD + 1, False)])
 def test_a_stopped_rank_sends_what_it_issued_for_the_peers_still_waiting_in_small_jobs_only(monkeypatch, world, sent):
     """Its counts go to every other rank: world - 1 orders per survivor, so not above the bound."""

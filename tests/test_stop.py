@@ -4,12 +4,13 @@ deadline, the park — hold on each. No process is started; the abort is a recor
 ``comm.abort.abort_registered`` and the works are stand-ins with ``is_completed()``."""
 import ast
 import os
+import threading
 import time
 
 import pytest
 
 from mindspeed_ha.comm import abort
-from mindspeed_ha.comm.stop import CollectiveStopped, Stop
+from mindspeed_ha.comm.stop import CollectiveStopped, Stop, as_stop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -243,6 +244,71 @@ def test_a_training_thread_that_never_reaches_the_recovery_is_reported_held_once
     assert stop.aborted() and held == []
     stop.left_recovery()
     stop.clear()
+
+
+class _MutexWork(_Work):
+    """A work whose completion check, once its communicator's abort began, waits for that abort to
+    return (torch's ``WorkNCCL::isCompleted`` takes the mutex ``NCCLComm::abort`` holds): here, for good."""
+
+    def __init__(self, abort_began) -> None:
+        super().__init__()
+        self.abort_began = abort_began
+        self.asked_after_abort = 0
+
+    def is_completed(self) -> bool:
+        if self.abort_began.is_set():
+            self.asked_after_abort += 1
+            threading.Event().wait()  # (held: the abort never returns)
+        return self.done
+
+
+def test_the_held_path_never_asks_a_communicator_whether_a_work_completed():
+    """An abort that never returns (NCCL's held in its host code, holding the communicator's mutex): the
+    held hooks are still told at the deadline, and the stop's report says what was pending as the abort
+    began — nothing asks a work whether it completed once the abort began, from any thread."""
+    began = threading.Event()
+
+    def stuck_abort(deadline_s: float):
+        began.set()
+        threading.Event().wait(deadline_s)  # (returns at the deadline, as comm.abort does, without a report)
+        return None
+
+    held: list[str] = []
+    stop = Stop(abort_communicators=stuck_abort)
+    stop.grace_s, stop.deadline_s = 0.02, 0.3
+    stop.add_held_hook(held.append)
+    works = [_MutexWork(began), _MutexWork(began)]
+    for w in works:
+        stop.in_flight.issued(w)
+    stop.request("a peer faulted")
+    assert _until(lambda: held, timeout=5.0), "the held hooks were never told"
+    report = stop.report()
+    assert "2 tracked collective(s) pending as the abort began" in report, report
+    assert stop.in_flight.pending() and stop.in_flight.pending_count() == 2
+    assert [w.asked_after_abort for w in works] == [0, 0]
+    assert not os.popen("true").close()  # (the process is not frozen: a fork and wait still run)
+    stop.clear()
+    assert stop.in_flight.pending_count() == 0 and stop.report() == "no stop in force"
+
+
+def test_whatever_a_wait_raises_once_the_abort_began_is_the_stop():
+    """torch raises ``DistBackendError`` from a wait on an aborted communicator (or rethrows its
+    watchdog's error): once this rank's stop has aborted, that is the stop, not a new fault; before
+    it, the error is what it says."""
+    import torch.distributed as dist
+    stop = Stop(abort_communicators=_Communicators())
+    error = dist.DistBackendError("NCCL communicator was aborted on rank 2")
+    assert as_stop(stop, error) is error  # (no stop: a real failure)
+    stop.request("rank 1's memory error")
+    assert as_stop(stop, error) is error  # (stopped, nothing aborted yet)
+    stop.abort_now(why="test")
+    stopped = as_stop(stop, error)
+    assert isinstance(stopped, CollectiveStopped) and stopped.__cause__ is error
+    assert "this rank's stop aborted its communicators (DistBackendError: NCCL communicator was aborted" in str(stopped)
+    again = CollectiveStopped("left")
+    assert as_stop(stop, again) is again
+    stop.clear()
+    assert as_stop(stop, error) is error
 
 
 def test_a_park_becomes_a_stop_only_if_the_step_boundary_is_not_reached_within_its_grace():

@@ -32,6 +32,15 @@ job's results equal a gloo job's bits) and reproduces what matters to fault tole
   torch's default, 3 (SkipCleanUp), or 1 (TearDown), the watchdog ends the process instead, and so
   does this backend.
 
+- Asking whether a collective completed (``work.is_completed()``) takes its communicator's lock, which
+  its abort holds until it returns: torch's ``WorkNCCL::isCompleted`` checks for NCCL errors under the
+  communicator's mutex, the mutex ``NCCLComm::abort`` holds while ``ncclCommAbort`` runs — so a thread
+  that asks while an abort is stuck waits as long as it. (torch's binding keeps the GIL there, which
+  freezes every thread of the process; here only the asking thread waits.)
+- With ``MINDSPEED_HA_EMULATE_NCCL_ABORT_RAISES=1`` an aborted collective fails instead of completing
+  with partial outputs: waiting for it raises ``DistBackendError`` ("... was aborted"), as torch's can
+  after an abort (the wait's own check, or the watchdog's error rethrown).
+
 A drill of an abort that never frees its host (``MINDSPEED_HA_EMULATE_NCCL_HOLD=R``): in the first
 process of job rank R (not a restarted one), an abort completes nothing (the kernels never see their
 flag), so a thread waiting for one of its collectives stays where it is, and every abort waits for
@@ -46,7 +55,9 @@ shrinking, the cost of an initialisation (the gloo underneath connects when it i
 recorded, not slower) and the separate two-rank communicators NCCL makes for point-to-point
 messages on a group not bound to a device, kernels of other processes sharing the device, and a
 peer's abort failing this rank's collective (here, as NCCL's kernel, it waits until its own abort or
-the timeout).
+the timeout), non-blocking communicators (``TORCH_NCCL_USE_COMM_NONBLOCKING``: their set-up and
+connection polled under the communicator's mutex), and a process frozen whole by a call that keeps
+the GIL.
 
 A job runs on it with ``MINDSPEED_HA_EMULATE_NCCL=1`` (the device layer picks it instead of gloo for
 a CPU job, ``register()`` makes it torch's backend ``emulated_nccl``).
@@ -87,6 +98,8 @@ ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 _ENDS_PROCESS = ("1", "3")
 # The drill of an abort that never frees its host: the job rank whose first process it holds.
 HOLD_ENV = "MINDSPEED_HA_EMULATE_NCCL_HOLD"
+# Aborted collectives fail (DistBackendError) instead of completing with partial outputs.
+ABORT_RAISES_ENV = "MINDSPEED_HA_EMULATE_NCCL_ABORT_RAISES"
 _STOP = object()
 # The collectives in which a communicator of this process was initialised, not connected before
 # (what NCCL does without a bound device): (method, rank in the group, group size).
@@ -112,9 +125,11 @@ class _Work(dist.Work):
     """One collective as its caller holds it: complete when its results landed, or when an abort cut
     it short (no error then: the outputs keep what they held)."""
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], outputs: list[torch.Tensor]):
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], outputs: list[torch.Tensor],
+                 mutex: threading.Lock):
         super().__init__()
         self._pairs, self._outputs = pairs, outputs
+        self._mutex = mutex  # (its communicator's: held by an abort until it returns)
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -150,6 +165,11 @@ class _Work(dist.Work):
         return True
 
     def is_completed(self) -> bool:
+        with self._mutex:  # (torch: isCompleted checks NCCL's errors under the communicator's mutex)
+            return self._done.is_set()
+
+    def done(self) -> bool:
+        """Complete, as the device sees it (no lock: what NCCL's own reclaim reads)."""
         return self._done.is_set()
 
     def is_success(self) -> bool:
@@ -182,7 +202,7 @@ def _stream(jobs: "queue.SimpleQueue[Any]", rank: int) -> None:
         try:
             inner.wait()
         except BaseException as e:  # a peer lost, the timeout: NCCL's watchdog sees the same
-            if os.environ.get(ERROR_HANDLING_ENV, "3") in _ENDS_PROCESS and not work.is_completed():
+            if os.environ.get(ERROR_HANDLING_ENV, "3") in _ENDS_PROCESS and not work.done():
                 sys.stderr.write(f"[rank {rank}] emulated NCCL watchdog: a collective failed ({e}); "
                                  f"{ERROR_HANDLING_ENV}={os.environ.get(ERROR_HANDLING_ENV, '3')} ends the "
                                  "process\n")
@@ -243,6 +263,7 @@ class EmulatedNCCL(dist.ProcessGroup):
         self._jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._pending: "weakref.WeakSet[_Work]" = weakref.WeakSet()
         self._lock = threading.Lock()
+        self._mutex = threading.Lock()  # (NCCLComm's mutex: an abort holds it until it returns)
         self._aborted = False
         self.connected = False  # initialised (eagerly, or by its first collective)
         DEVICE.add(self)
@@ -284,7 +305,7 @@ class EmulatedNCCL(dist.ProcessGroup):
             callers = args[i]
             args = args[:i] + (_own(callers, keep, pairs),) + args[i + 1:]
             outputs = [c for c, _ in pairs]
-        work = _Work(pairs, outputs)
+        work = _Work(pairs, outputs, self._mutex)
         inner = getattr(self._gloo, method)(*args, **kwargs)
         with self._lock:
             if self._aborted:  # (aborted meanwhile: this one never started)
@@ -296,22 +317,26 @@ class EmulatedNCCL(dist.ProcessGroup):
 
     def in_flight(self) -> bool:
         """A collective of this communicator is issued and not complete (its kernel runs)."""
-        return any(not w.is_completed() for w in list(self._pending))
+        return any(not w.done() for w in list(self._pending))
 
     def abort(self) -> None:
-        """Every pending collective completes now, without error and with partial outputs; then the
-        communicator is reclaimed, which waits until the device is idle (see the module's text). A
-        second abort returns at once, as torch's does."""
+        """Every pending collective completes now, without error and with partial outputs (or fails,
+        ``ABORT_RAISES_ENV``); then the communicator is reclaimed, which waits until the device is idle
+        (see the module's text), holding the communicator's mutex throughout. A second abort returns at
+        once, as torch's does."""
         with self._lock:
             if self._aborted:
                 return
             self._aborted = True
             pending = list(self._pending)
         held = _holds_here()
-        if not held:  # (the drill: the kernels never see the flag, nothing completes)
-            for work in pending:
-                work.finish(aborted=True)
-        DEVICE.reclaim(self, held)
+        with self._mutex:
+            if not held:  # (the drill: the kernels never see the flag, nothing completes)
+                error = (dist.DistBackendError(f"NCCL communicator was aborted on rank {self._rank} (emulated)")
+                         if os.environ.get(ABORT_RAISES_ENV, "") == "1" else None)
+                for work in pending:
+                    work.finish(error=error, aborted=True)
+            DEVICE.reclaim(self, held)
 
     def shutdown(self) -> None:
         self.abort()

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from mindspeed_ha import compat
 from mindspeed_ha.comm import abort
-from mindspeed_ha.comm.stop import WAIT_SLICE_S, CollectiveStopped, Stop, Tag
+from mindspeed_ha.comm.stop import WAIT_SLICE_S, CollectiveStopped, Stop, Tag, as_stop
 from mindspeed_ha.device import backends
 
 __all__ = ["PROCESS_STOP", "CollectiveStopped", "PollingWork", "Stop", "alone", "make_interruptible",
@@ -123,6 +123,8 @@ def _wait_stream(work, kind: str, stop: Stop) -> None:
     token = waits.begin()
     try:
         work.wait()
+    except Exception as e:  # (once the stop aborted the communicators, whatever a wait raises is the stop)
+        raise as_stop(stop, e)
     finally:
         waits.end(token)
 
@@ -524,7 +526,10 @@ def _stream_collective(fn: Callable, args: tuple, kwargs: dict, want_async: bool
     caller's async work, or waited for as the caller's synchronous call would have."""
     if stop.aborted():  # (outside the covered calls: inside them the stop raised at the entry) no communicator
         return _answer_deferred(fn, args, kwargs, CollectiveStopped(f"{fn.__name__} after a stop's abort"))
-    work = _issue(fn, args, kwargs)
+    try:
+        work = _issue(fn, args, kwargs)
+    except Exception as e:  # (an abort begun meanwhile: the communicator refuses it, which is the stop)
+        raise as_stop(stop, e)
     if work is None:  # not a member of the group
         return None
     tag = stop.issued.issue(group, fn.__name__, _caller())

@@ -27,7 +27,7 @@ from mindspeed_ha.comm import abort as _abort
 from mindspeed_ha.device.waits import EventWaits, HostWaits, for_device as waits_for
 from mindspeed_ha.faults import CollectiveStopped
 
-__all__ = ["CollectiveStopped", "Entered", "InFlight", "Issued", "Park", "Stop"]
+__all__ = ["CollectiveStopped", "Entered", "InFlight", "Issued", "Park", "Stop", "as_stop"]
 
 # One wait slice: the bound on stop latency. A slice ends at once when the work completes, so its
 # length costs nothing on the fast path.
@@ -206,7 +206,13 @@ class InFlight:
     """What a process waits for in collectives: gloo's waits (polled on the host), and on
     stream-ordered backends the works issued and not seen complete (what a stop's abort is for) with
     the waits for them by device kind. The waits are the evidence hang diagnosis and straggler
-    detection read."""
+    detection read.
+
+    Once a stop's abort begins, no work is asked whether it completed (``frozen``): torch's
+    ``Work.is_completed`` takes its communicator's mutex, which the abort holds until NCCL returns,
+    and its binding keeps the GIL — asked then, from any thread, it can freeze the whole process in
+    exactly the case where the rank must report itself held. What was pending is counted as the
+    abort begins and kept until the stop is cleared."""
 
     def __init__(self) -> None:
         self.used = False  # a stream-ordered collective was issued by this process
@@ -215,10 +221,23 @@ class InFlight:
         self._works: list = []
         self._tags: dict[int, Tag] = {}
         self._waits: dict[str, HostWaits | EventWaits] = {}
+        self._frozen: int | None = None  # works pending as the abort began (None: no abort since forget)
+
+    def freeze(self) -> int:
+        """An abort begins (before it touches a communicator): count what is pending one last time and
+        keep that count; no work is asked again until ``forget``."""
+        with self._lock:
+            if self._frozen is None:
+                self._works = [w for w in self._works if not w.is_completed()]
+                self._frozen = len(self._works)
+            return self._frozen
 
     def issued(self, work, tag: Tag | None = None) -> None:
         self.used = True
         with self._lock:
+            if self._frozen is not None:  # (after an abort began: kept, never asked)
+                self._works.append(work)
+                return
             self._works = [w for w in self._works if not w.is_completed()] + [work]
             self._tags = {id(w): self._tags[id(w)] for w in self._works if id(w) in self._tags}
             if tag is not None:
@@ -227,7 +246,8 @@ class InFlight:
     def pending_tags(self) -> list[Tag | None]:
         """The tags of the stream-ordered works issued and not complete (None where not tagged)."""
         with self._lock:
-            self._works = [w for w in self._works if not w.is_completed()]
+            if self._frozen is None:
+                self._works = [w for w in self._works if not w.is_completed()]
             return [self._tags.get(id(w)) for w in self._works]
 
     def waits(self, kind: str) -> HostWaits | EventWaits:
@@ -240,8 +260,10 @@ class InFlight:
         return bool(self.pending_count()) or any(w.pending() for w in list(self._waits.values()))
 
     def pending_count(self) -> int:
-        """The stream-ordered works issued and not complete."""
+        """The stream-ordered works issued and not complete (once an abort began: those pending then)."""
         with self._lock:
+            if self._frozen is not None:
+                return self._frozen
             self._works = [w for w in self._works if not w.is_completed()]
             return len(self._works)
 
@@ -257,6 +279,7 @@ class InFlight:
         with self._lock:
             self._works = []
             self._tags = {}
+            self._frozen = None
 
 
 class Park:
@@ -438,17 +461,20 @@ class Stop:
             return
         why = (f"held: its training thread has not reached the recovery {time.monotonic() - began:.1f}s after "
                f"its communicators' abort began (deadline {self.deadline_s:g}s)")
-        _log().error("stop: %s; %s", why, self.report())
+        # The hooks first (the report that gets the rank replaced), then the log: nothing on this path
+        # asks a communicator anything (``InFlight.freeze``).
         for hook in list(self._held_hooks):
             try:
                 hook(why)
             except Exception:  # a failing report must not stop the others
                 _log().exception("a held hook failed")
+        _log().error("stop: %s; %s", why, self.report())
 
     def abort_now(self, why: str = "") -> None:
         """Abort every stream-ordered communicator of this process now, at once and within the deadline
         (``comm.abort``). A commit point refuses from here until ``clear()``."""
         self._aborted = True  # (first: a commit point that sees the abort's effect sees this too)
+        self.in_flight.freeze()
         t0 = time.monotonic()
         began = t0 - self._stopped_at if self._set.is_set() else 0.0
         self._abort_info = (began, None, why or "asked")
@@ -485,7 +511,8 @@ class Stop:
         elif self.in_flight.used:
             text += "; no communicator aborted"
         pending = self.in_flight.pending_count()
-        return text + (f"; {pending} tracked collective(s) pending" if pending else "")
+        return text + (f"; {pending} tracked collective(s) pending{' as the abort began' if self._aborted else ''}"
+                       if pending else "")
 
     # ---- commit points -----------------------------------------------------------------------------
     def commit_point(self, what: str) -> None:
@@ -593,3 +620,18 @@ class Stop:
     def remove_held_hook(self, fn: Callable[[str], None]) -> None:
         if fn in self._held_hooks:
             self._held_hooks.remove(fn)
+
+
+def as_stop(stop: Stop, exc: BaseException) -> BaseException:
+    """What a wait for a collective (or its issue) raised, as this rank should take it: once ``stop``'s
+    abort has begun, whatever it is (torch raises ``DistBackendError`` from a wait on an aborted
+    communicator, or rethrows its watchdog's error), it is the stop — ``CollectiveStopped``, never a
+    new fault of this rank; before, ``exc`` itself."""
+    if not stop.aborted() or isinstance(exc, CollectiveStopped):
+        return exc
+    reason = stop._reason
+    stopped = CollectiveStopped(f"collective stopped: this rank's stop aborted its communicators "
+                                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else '-'})"
+                                f"{': ' + reason if reason else ''}", never_entered=stop.entered.aborted_for)
+    stopped.__cause__ = exc
+    return stopped

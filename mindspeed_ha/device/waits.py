@@ -46,32 +46,54 @@ class HostWaits:
 
 
 class EventWaits:
-    """Waits that hold a device stream (CUDA, or an NPU through torch_npu's ``torch.npu.Event``)."""
+    """Waits that hold a device stream (CUDA, or an NPU through torch_npu's ``torch.npu.Event``).
+
+    Its events come from a pool made with the first wait and are given back to it, never destroyed:
+    a stop's path (the held watch, the recovery's reports) reads the waits while NCCL's kernels may
+    hold the device, and ``cudaEventDestroy`` (an event's release) can block there with the GIL held
+    (pytorch#122732, #110449). The pool grows only when a wait begins with every event in use (more
+    collectives in flight than ever before), on the training thread, which a stop keeps from issuing."""
+
+    POOL = 64  # events made at once: 32 waits in flight (a pipeline's sends and receives, coalesced blocks)
 
     def __init__(self, events_of: Any) -> None:
         self._event = events_of.Event
         self._lock = threading.Lock()
         self._open: list[tuple[Any, Any]] = []
+        self._free: list[Any] = []
+        self._made = 0
         self._waited = 0.0
 
+    def _take(self) -> Any:
+        with self._lock:
+            if not self._free:
+                self._free = [self._event(enable_timing=True) for _ in range(self.POOL)]
+                self._made += self.POOL
+            return self._free.pop()
+
+    def made(self) -> int:
+        """Events made so far (none is ever destroyed)."""
+        return self._made
+
     def begin(self) -> Any:
-        ev = self._event(enable_timing=True)
+        ev = self._take()
         ev.record()
         return ev
 
     def end(self, token: Any) -> None:
-        ev = self._event(enable_timing=True)
+        ev = self._take()
         ev.record()
         with self._lock:
             self._open.append((token, ev))
 
     def _harvest(self) -> list[tuple[Any, Any]]:
-        """Account the finished waits; return those still open."""
+        """Account the finished waits (their events back to the pool); return those still open."""
         with self._lock:
             still = []
             for pre, post in self._open:
                 if post.query():
                     self._waited += pre.elapsed_time(post) / 1e3
+                    self._free += [pre, post]
                 else:
                     still.append((pre, post))
             self._open = still

@@ -17,7 +17,7 @@ import time
 import traceback
 from typing import Any, Callable, Iterator
 
-from mindspeed_ha.comm.stop import CollectiveStopped
+from mindspeed_ha.comm.stop import CollectiveStopped, as_stop
 from mindspeed_ha.events import get_logger
 from mindspeed_ha.faults import fault_kind, process_fatal
 from mindspeed_ha.rank.state import RankState
@@ -45,7 +45,8 @@ class FaultLoop:
                 return attempt()
             except ReplicaMismatchError:
                 raise
-            except Exception as e:
+            except Exception as raised:
+                e = self._stop_or(raised)
                 if not isinstance(e, CollectiveStopped):  # a stopped rank is not a fault of its own
                     traceback.print_exc()
                 if not self.recover(e, iteration_of()):
@@ -53,6 +54,12 @@ class FaultLoop:
             out = after_recovery() if after_recovery is not None else None
             if out is not None:
                 return out
+
+    def _stop_or(self, exc: BaseException) -> BaseException:
+        """A communication error raised once this rank's stop aborted its communicators is that stop
+        (torch raises from a wait on an aborted communicator, or rethrows its watchdog's error), never
+        a fault of this rank; any other error (its own memory error) is what it says."""
+        return as_stop(self.state.stop, exc) if fault_kind(exc) == "comm-failure" else exc
 
     def recover(self, exc: BaseException, iteration: int) -> bool:
         """Raised, reported, orders, served, resumed: True once training resumes in place; False if the
