@@ -114,21 +114,25 @@ def test_ranks_may_share_a_gpu_under_any_nccl_as_nccl_hosts_of_their_own(monkeyp
 
 def test_nccl_communicators_are_made_to_be_aborted_by_the_engine(caplog):
     """With HA on, before any group: the watchdog only marks a failed collective's work (a user's 1 or
-    3, which end survivors, are replaced and said; a user's 2 is kept), communicators are non-blocking
-    and connected at set-up, NVLS off, the legacy ProcessGroupNCCL on torch 2.15; a user's own value
+    3, which end survivors, are replaced and said; a user's 2 is kept), communicators are torch's
+    default, blocking (not set: a user's non-blocking is theirs), connected at set-up, NVLS off, the legacy ProcessGroupNCCL on torch 2.15; a user's own value
     of any of those is kept."""
     from mindspeed_ha.device.backends import NCCL_DEFAULTS, nccl_environment
     env = {}
     got = nccl_environment(env)
     assert got == dict(NCCL_DEFAULTS) == env
-    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and env["TORCH_NCCL_USE_COMM_NONBLOCKING"] == "1"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and "TORCH_NCCL_USE_COMM_NONBLOCKING" not in env
     assert env["NCCL_RUNTIME_CONNECT"] == "0" and env["TORCH_DIST_USE_NCCL2"] == "0"
-    users = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_USE_COMM_NONBLOCKING": "0"}
+    users = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "NCCL_RUNTIME_CONNECT": "1"}
     with caplog.at_level("WARNING"):
         got = nccl_environment(users)
-    assert got["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and got["TORCH_NCCL_USE_COMM_NONBLOCKING"] == "0"
+    assert got["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and got["NCCL_RUNTIME_CONNECT"] == "1"
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=3 would end a survivor" in caplog.text
     assert nccl_environment({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"})["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    with caplog.at_level("WARNING"):
+        got = nccl_environment({"TORCH_NCCL_USE_COMM_NONBLOCKING": "1"})
+    assert got["TORCH_NCCL_USE_COMM_NONBLOCKING"] == "1"  # (a user's non-blocking is kept, and its risk said)
+    assert "TORCH_NCCL_USE_COMM_NONBLOCKING=1 kept" in caplog.text and "TORCH_NCCL_NONBLOCKING_TIMEOUT" in caplog.text
 
 
 def test_cpu_never_refuses_local_ranks():

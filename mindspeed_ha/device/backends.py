@@ -57,6 +57,7 @@ def canonical(name: str) -> str:
 # 3 SkipCleanUp (end the process): the default. Under 1 and 3 a collective that times out or meets
 # a peer's error ends a survivor, often before the controller's stop reaches it.
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NONBLOCKING = "TORCH_NCCL_USE_COMM_NONBLOCKING"
 KEEPS_PROCESS = ("0", "2")
 
 # How every NCCL communicator of a job with HA on is made, set before the first one exists (a user's
@@ -67,10 +68,10 @@ NCCL_DEFAULTS = (
     # only marks a failed collective's work (under 2 it aborts that group's communicators alone,
     # on its own thread: one group at a time is what waits on the device for the others).
     (NCCL_ERROR_HANDLING, "0"),
-    # Non-blocking communicators: NCCL promises a safe abort only for them (its user guide, "fault
-    # tolerance"); torch then polls their set-up and end, for this many seconds at most.
-    ("TORCH_NCCL_USE_COMM_NONBLOCKING", "1"),
-    ("TORCH_NCCL_NONBLOCKING_TIMEOUT", "300"),
+    # (Communicators stay blocking, torch's default: with non-blocking ones torch polls a coalesced
+    # group's end and a pair's first connect under the communicator's mutex, the one its abort needs
+    # before it sets NCCL's abort flag — an abort could then wait TORCH_NCCL_NONBLOCKING_TIMEOUT, 300 s.
+    # No GPU run has shown a survivor that only non-blocking ones free: docs/nccl.md.)
     # Every algorithm's peers connected when the communicator is made, not inside the first
     # collective that uses it, where a host thread can be held with no work to abort.
     ("NCCL_RUNTIME_CONNECT", "0"),
@@ -96,6 +97,14 @@ def nccl_environment(env: MutableMapping[str, str] | None = None) -> dict[str, s
                                    "it: mindspeed-ha sets 0 (no handling: it aborts the communicators itself)",
                                    NCCL_ERROR_HANDLING, mode)
         environ[NCCL_ERROR_HANDLING] = "0"
+    if environ.get(NONBLOCKING, "").strip() == "1":
+        from mindspeed_ha.events import get_logger
+        get_logger("comm").warning("%s=1 kept: with non-blocking communicators torch polls their set-up and a "
+                                   "coalesced group's end under the communicator's mutex, which a stop's abort "
+                                   "needs first: a survivor's abort can wait up to TORCH_NCCL_NONBLOCKING_TIMEOUT "
+                                   "(%s) before it frees the rank (unset it for torch's default, blocking)",
+                                   NONBLOCKING, environ.get("TORCH_NCCL_NONBLOCKING_TIMEOUT", "unset: torch's default"))
     for name, value in NCCL_DEFAULTS:
         environ.setdefault(name, value)
-    return {name: environ[name] for name, _ in NCCL_DEFAULTS}
+    return {name: environ[name] for name, _ in NCCL_DEFAULTS} | (
+        {NONBLOCKING: environ[NONBLOCKING]} if NONBLOCKING in environ else {})

@@ -131,9 +131,9 @@ class RankSession:
         st = self.state
         st.trainer = trainer
         st.relaid_out()
-        from mindspeed_ha.device.backends import NCCL_DEFAULTS, NCCL_ERROR_HANDLING, stream_ordered
+        from mindspeed_ha.device.backends import NCCL_DEFAULTS, NCCL_ERROR_HANDLING, NONBLOCKING, stream_ordered
         errors = ({"error_handling": os.environ.get(NCCL_ERROR_HANDLING),
-                   "nccl_env": {name: os.environ.get(name) for name, _ in NCCL_DEFAULTS}}
+                   "nccl_env": {name: os.environ.get(name) for name in (*dict(NCCL_DEFAULTS), NONBLOCKING)}}
                   if stream_ordered(st.device.backend) else {})
         st.events.emit("start", world_size=st.world_size, device=st.device.kind,
                        backend=st.device.backend, strategies=sorted(st.options.strategies),
