@@ -34,6 +34,11 @@ Each scenario runs ``ranks`` processes; rank 1 is the faulted one.
 6. The survivors make a new communicator over themselves (the rebuild) and all-reduce on it. Is the
    sum right?
 
+``--preflight`` makes the two groups on 2 ranks and checks their warm-up all-reduces, nothing more
+(seconds): whether the transport works at all, before anything asks more of it. Every rank has a
+set-up deadline (``--setup-deadline``, 30 s): one still making its communicators then writes its
+stacks and counts as held there.
+
 A survivor still held ``--held-after`` seconds after the abort (or into its rebuild) writes where it
 is: its stage, and every thread's stack (``faulthandler``). It stays as it is (its end would break
 the others' collectives and free them, or fail them, for a reason that is no part of the probe): the
@@ -86,9 +91,10 @@ def worker(a) -> None:
     from mindspeed_ha.comm import groups as engine_groups
     from mindspeed_ha.device import backends
 
-    settings = backends.nccl_environment()  # the engine's NCCL settings (a caller's own kept), before any communicator
+    started = time.monotonic()
+    backends.nccl_environment()  # the engine's NCCL settings (a caller's own kept), before any communicator
     record: dict = {"rank": a.rank, "scenario": a.scenario, "stage": "set-up",
-                    "nonblocking": settings["TORCH_NCCL_USE_COMM_NONBLOCKING"]}
+                    "nonblocking": os.environ.get("TORCH_NCCL_USE_COMM_NONBLOCKING", "0")}
     out = os.path.join(a.out, f"rank_{a.rank}.json")
 
     def write(**more) -> None:
@@ -110,6 +116,21 @@ def worker(a) -> None:
         if device.type == "cuda":
             (torch.cuda.current_stream().synchronize if way == "stream" else torch.cuda.synchronize)()
 
+    abort: dict = {"mode": a.abort, "took": {}}
+
+    def report_held() -> None:
+        stacks = os.path.join(a.out, f"rank_{a.rank}.stacks")
+        with open(stacks, "w") as f:
+            faulthandler.dump_traceback(f, all_threads=True)
+        with open(stacks) as f:
+            write(held=record["stage"], stacks=f.read()[-3000:], abort=_plain(abort))
+        # (and stays held: the probe ends it when every survivor is through or held)
+
+    # The set-up has a deadline too: a rank held making its communicators (a transport that never
+    # connects) says so, with its stacks, instead of leaving the probe silent until its end.
+    held = threading.Timer(a.setup_deadline, report_held)
+    held.daemon = True
+    held.start()
     timeout = datetime.timedelta(seconds=a.held_after + 60)
     store = dist.TCPStore("127.0.0.1", a.port, is_master=False, timeout=datetime.timedelta(seconds=60))
     groups = {name: engine_groups.make_communicator(dist.PrefixStore(name, store), a.rank, a.world, backend, timeout,
@@ -124,6 +145,10 @@ def worker(a) -> None:
     store.add("ready", 1)
     while store.add("ready", 0) < a.world:
         time.sleep(0.01)
+    held.cancel()
+    if a.peer == "none":  # (the preflight: communicators made on this transport, and their sums right)
+        write(stage="done", rebuild_ok=True, setup_s=round(time.monotonic() - started, 3))
+        os._exit(0)
 
     survivors = [r for r in range(a.world) if r != FAULTED]
     if a.rank == FAULTED:
@@ -137,7 +162,6 @@ def worker(a) -> None:
     x = torch.full((a.elements,), float(a.rank + 1), device=device)
     whole = float(sum(r + 1 for r in range(a.world)))
     issued = time.monotonic()
-    abort: dict = {"mode": a.abort, "took": {}}
 
     def abort_groups() -> None:
         time.sleep(max(0.0, issued + ABORT_AFTER_S - time.monotonic()))
@@ -156,14 +180,6 @@ def worker(a) -> None:
                     abort.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:300]
                 abort["took"][name] = round(time.monotonic() - t0, 3)
         abort["took_s"] = round(time.monotonic() - abort["began"], 3)
-
-    def report_held() -> None:
-        stacks = os.path.join(a.out, f"rank_{a.rank}.stacks")
-        with open(stacks, "w") as f:
-            faulthandler.dump_traceback(f, all_threads=True)
-        with open(stacks) as f:
-            write(held=record["stage"], stacks=f.read()[-3000:], abort=_plain(abort))
-        # (and stays held: the probe ends it when every survivor is through or held)
 
     aborter = threading.Thread(target=abort_groups, name="aborter", daemon=True)
     if a.abort != "none":
@@ -221,7 +237,8 @@ def _plain(abort: dict) -> dict:
 
 # ---- the scenarios ----------------------------------------------------------------------------
 def run(peer: str, ranks: int, cpu: bool, held_after: float, abort: str = "concurrent",
-        elements: int = ELEMENTS, keep: str | None = None, journal: str | None = None) -> dict:
+        elements: int = ELEMENTS, keep: str | None = None, journal: str | None = None,
+        setup_deadline: float = 30.0) -> dict:
     """One scenario in ``ranks`` fresh processes: each survivor's record, and whether it passed.
     ``keep``: a directory for the ranks' records and stacks (otherwise removed afterwards)."""
     name = f"{ranks}/{peer}/{abort}"
@@ -237,14 +254,15 @@ def run(peer: str, ranks: int, cpu: bool, held_after: float, abort: str = "concu
     for rank in range(ranks):
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(rank), "--world", str(ranks),
                "--port", str(port), "--out", out, "--peer", peer, "--held-after", str(held_after),
-               "--elements", str(elements), "--abort", abort, "--scenario", name] + (
+               "--elements", str(elements), "--abort", abort, "--scenario", name,
+               "--setup-deadline", str(setup_deadline)] + (
                    ["--cpu"] if cpu else []) + (["--journal", journal] if journal else [])
         # (its output to a file, not a pipe read at the end: NCCL_DEBUG=INFO fills a pipe, and a rank
         # blocked writing to it would pass for a held one)
         with open(os.path.join(out, f"rank_{rank}.log"), "w") as log:
             procs.append(jobs.popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     t0 = time.monotonic()
-    deadline = t0 + held_after + 90
+    deadline = t0 + max(held_after, setup_deadline) + 90
 
     def record(rank: int) -> dict:
         path = os.path.join(out, f"rank_{rank}.json")
@@ -253,7 +271,7 @@ def run(peer: str, ranks: int, cpu: bool, held_after: float, abort: str = "concu
         except (OSError, ValueError):
             return {"rank": rank, "stage": "never started"}
 
-    survivor_ranks = [r for r in range(ranks) if r != FAULTED]
+    survivor_ranks = [r for r in range(ranks) if r != FAULTED or peer == "none"]
     while time.monotonic() < deadline and not all(
             procs[r].poll() is not None or "held" in record(r) for r in survivor_ranks):
         time.sleep(0.1)
@@ -273,13 +291,13 @@ def run(peer: str, ranks: int, cpu: bool, held_after: float, abort: str = "concu
     for rank in range(ranks):
         records[rank] = record(rank)
         records[rank]["exit"] = "held: ended by the probe" if rank in ended_held else procs[rank].returncode
-        if records[rank].get("stage") != "done" and rank != FAULTED:
+        if records[rank].get("stage") != "done" and rank in survivor_ranks:
             with open(os.path.join(out, f"rank_{rank}.log"), errors="replace") as f:
                 records[rank]["output"] = f.read()[-1500:] + (
                     "\n(killed: past the probe's deadline)" if rank in past_deadline else "")
     if not keep:
         shutil.rmtree(out, ignore_errors=True)
-    survivors = [records[r] for r in range(ranks) if r != FAULTED]
+    survivors = [records[r] for r in survivor_ranks]
     ok = all(s.get("stage") == "done" and s.get("rebuild_ok") and s.get("exit") == 0 for s in survivors)
     return {"ok": ok, "name": name, "peer": peer, "ranks": ranks, "abort": abort,
             "seconds": round(time.monotonic() - t0, 1), "survivors": {s["rank"]: s for s in survivors}}
@@ -294,6 +312,8 @@ def summary(scenario: dict) -> str:
             parts.append(f"rank {rank} ({s.get('way')}): HELD in {s['held']}; aborts: {aborts or 'none begun'}")
         elif s.get("stage") != "done":
             parts.append(f"rank {rank}: ended in {s.get('stage')} (exit {s.get('exit')})")
+        elif scenario["peer"] == "none":
+            parts.append(f"rank {rank}: communicators made and their sums right in {s.get('setup_s')} s")
         else:
             when = (f"freed {s['freed_after_abort_s']} s after the abort began"
                     if s.get("freed_after_abort_s") is not None else
@@ -335,8 +355,13 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true", help="the emulated NCCL on the CPU (checks this script)")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4],
                    help="processes in each scenario, each at least 2; several: each in turn (default 2 4)")
-    p.add_argument("--peer", choices=("skip", "kill", "both"), default="both",
+    p.add_argument("--peer", choices=("skip", "kill", "both", "none"), default="both",
                    help="how rank 1 leaves: skip the collective, or be SIGKILLed (default both, one after the other)")
+    p.add_argument("--preflight", action="store_true",
+                   help="only make the two groups on 2 ranks and check their all-reduces (seconds): the transport works")
+    p.add_argument("--setup-deadline", type=float, default=30.0,
+                   help="seconds after its start at which a rank still making its communicators reports itself "
+                        "held there (default 30)")
     p.add_argument("--abort", choices=("concurrent", "serial", "both", "none"), default="both",
                    help="how the survivors abort their two groups (default both: all at once, then one after another)")
     p.add_argument("--held-after", type=float, default=10.0,
@@ -363,10 +388,16 @@ def main(argv=None) -> int:
         return NO_GPU
     aborts = ("none",) if a.no_abort else ABORTS if a.abort == "both" else (a.abort,)
     results = {}
+    if a.preflight:
+        scenario = run("none", 2, a.cpu, a.held_after, "none", a.elements, a.keep, a.journal, a.setup_deadline)
+        print(summary(scenario), flush=True)
+        print(json.dumps({"ok": scenario["ok"], "environment": env, "preflight": scenario}))
+        return 0 if scenario["ok"] else 1
     for ranks in a.ranks:
         for peer in (("skip", "kill") if a.peer == "both" else (a.peer,)):
             for abort in aborts:
-                scenario = run(peer, ranks, a.cpu, a.held_after, abort, a.elements, a.keep, a.journal)
+                scenario = run(peer, ranks, a.cpu, a.held_after, abort, a.elements, a.keep, a.journal,
+                               a.setup_deadline)
                 results[scenario["name"]] = scenario
                 print(summary(scenario), flush=True)
     judged = [r for r in results.values() if r["abort"] in ("concurrent", "none")]

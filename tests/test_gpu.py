@@ -94,9 +94,34 @@ def test_without_the_abort_the_probe_reports_each_survivor_held_with_its_stack()
     assert "HELD in waiting (item)" in proc.stdout
 
 
-def _device_kit(kit, *args: str) -> subprocess.CompletedProcess:
+def _device_kit(kit, *args: str, out=None, timeout: int = 60) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(REPO / "benchmarks" / "device_kit.sh"), *args], capture_output=True,
-                          text=True, env=clean_env({"DEVICE_KIT": str(kit)}), timeout=60)
+                          text=True, env=clean_env({"DEVICE_KIT": str(kit), **({"OUT": str(out)} if out else {})}),
+                          timeout=timeout)
+
+
+def test_the_device_kit_prepares_its_wheels_and_its_cpu_dry_run_answers_every_step(tmp_path):
+    """What a lent GPU gets, checked here: ``prepare`` fetches the wheels the GPU image lacks (its
+    Python's), and ``run --cpu`` takes every step of the GPU run on the emulated NCCL — the preflight,
+    the probe with blocking then non-blocking communicators, the engine's DP=2 checks — each one's
+    verdict in run.log as it ends, and the records under $OUT."""
+    kit = tmp_path / "kit"
+    proc = _device_kit(kit, "prepare", timeout=300)
+    assert proc.returncode == 0 and "command: bash benchmarks/device_kit.sh run  timeout_s: 520" in proc.stdout, \
+        proc.stdout + proc.stderr[-2000:]
+    wheels = sorted(p.name.split("-")[0] for p in (kit / "whl").glob("*.whl"))
+    assert wheels == ["concurrent_log_handler", "megatron_core", "pyzmq"], wheels
+    out = tmp_path / "out"
+    proc = _device_kit(kit, "run", "--cpu", out=out, timeout=1500)
+    log = (out / "run.log").read_text()
+    assert proc.returncode == 0, log[-4000:] + proc.stderr[-2000:]
+    verdicts = [line for line in log.splitlines() if line.startswith("verdict ")]
+    assert verdicts == ["verdict preflight: exit 0", "verdict nccl_abort blocking: exit 0",
+                        "verdict nccl_abort non-blocking: exit 0", "verdict gpu_check: exit 0"], verdicts
+    assert "nccl_abort 2/none/none: passed" in log and "nccl_abort 2/skip/concurrent: passed" in log, log[-3000:]
+    checks = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
+    assert {c["check"] for c in checks} >= {"retry_uce", "recover_kill", "dump_then_load"}, checks
+    assert (out / "nccl_abort.jsonl").stat().st_size > 0 and (out / "logs.tgz").exists()
 
 
 def test_the_device_kit_refuses_a_kit_that_did_not_all_arrive(tmp_path):
