@@ -350,3 +350,46 @@ def test_the_stops_module_keeps_no_state_of_its_own():
     found += [f"global {', '.join(n.names)}" for n in ast.walk(tree) if isinstance(n, ast.Global)]
     assert found == []
 
+
+
+class _Events:
+    """Stands in for ``torch.cuda``'s events as ``EventWaits`` uses them (record, query, elapsed_time),
+    counting each event made and each released: what the pool must keep off a stop's path."""
+
+    def __init__(self) -> None:
+        self.made = self.released = 0
+        self.done = True
+        events = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                events.made += 1
+
+            def record(self) -> None:
+                pass
+
+            def query(self) -> bool:
+                return events.done
+
+            def elapsed_time(self, other) -> float:
+                return 2.0
+
+            def __del__(self) -> None:
+                events.released += 1
+        self.Event = Event
+
+
+def test_the_wait_evidence_on_a_gpu_never_makes_or_releases_an_event_once_its_pool_is_made():
+    """``cudaEventDestroy`` can block while NCCL's kernels hold the device: the waits' events come from
+    a pool made with the first wait and go back to it when read, none released, however many waits."""
+    from mindspeed_ha.device.waits import EventWaits
+    events = _Events()
+    waits = EventWaits(events)
+    for _ in range(1000):
+        waits.end(waits.begin())
+    assert waits.waited_s() == pytest.approx(1000 * 2e-3)
+    events.done = False  # (held: the waits stay open, read again and again as a stop's report would)
+    for _ in range(10):
+        waits.end(waits.begin())
+    assert waits.pending()
+    assert events.made == waits.made() == EventWaits.POOL and events.released == 0
