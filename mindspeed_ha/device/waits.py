@@ -52,7 +52,8 @@ class EventWaits:
     a stop's path (the held watch, the recovery's reports) reads the waits while NCCL's kernels may
     hold the device, and ``cudaEventDestroy`` (an event's release) can block there with the GIL held
     (pytorch#122732, #110449). The pool grows only when a wait begins with every event in use (more
-    collectives in flight than ever before), on the training thread, which a stop keeps from issuing."""
+    collectives in flight than ever before: the finished ones are taken back first), on the training
+    thread, which a stop keeps from issuing."""
 
     POOL = 64  # events made at once: 32 waits in flight (a pipeline's sends and receives, coalesced blocks)
 
@@ -67,9 +68,22 @@ class EventWaits:
     def _take(self) -> Any:
         with self._lock:
             if not self._free:
+                self._account()
+            if not self._free:
                 self._free = [self._event(enable_timing=True) for _ in range(self.POOL)]
                 self._made += self.POOL
             return self._free.pop()
+
+    def _account(self) -> None:
+        """(Under the lock.) The finished waits accounted, their events back to the pool."""
+        still = []
+        for pre, post in self._open:
+            if post.query():
+                self._waited += pre.elapsed_time(post) / 1e3
+                self._free += [pre, post]
+            else:
+                still.append((pre, post))
+        self._open = still
 
     def made(self) -> int:
         """Events made so far (none is ever destroyed)."""
@@ -89,15 +103,8 @@ class EventWaits:
     def _harvest(self) -> list[tuple[Any, Any]]:
         """Account the finished waits (their events back to the pool); return those still open."""
         with self._lock:
-            still = []
-            for pre, post in self._open:
-                if post.query():
-                    self._waited += pre.elapsed_time(post) / 1e3
-                    self._free += [pre, post]
-                else:
-                    still.append((pre, post))
-            self._open = still
-            return list(still)
+            self._account()
+            return list(self._open)
 
     def waiting(self) -> bool:
         return any(pre.query() for pre, _ in self._harvest())
