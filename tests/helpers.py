@@ -61,7 +61,9 @@ MLM_ENV = {"MEGATRON_LM_PATH": MLM_PATH}
 # once and a stop aborts them, with partial results and no error. Its results are gloo's bits, so its
 # drills compare with the same fault-free references.
 BACKENDS = ("gloo", "emulated_nccl")
-NCCL_SEMANTICS = {"MINDSPEED_HA_EMULATE_NCCL": "1"}
+# (MINDSPEED_HA_TEST_ABORT_RAISES=1: every drill on that backend with aborted collectives that raise)
+NCCL_SEMANTICS = {"MINDSPEED_HA_EMULATE_NCCL": "1", **(
+    {"MINDSPEED_HA_EMULATE_NCCL_ABORT_RAISES": "1"} if os.environ.get("MINDSPEED_HA_TEST_ABORT_RAISES") == "1" else {})}
 
 
 def backend_env(backend: str) -> dict:
