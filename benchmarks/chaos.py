@@ -88,6 +88,8 @@ def run(log_dir: str, iters: int, a, inject: str | None, backend: str = "gloo") 
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     if backend == "emulated_nccl":  # (the CPU backend with NCCL's semantics: a stop aborts, no collective raises)
         env["MINDSPEED_HA_EMULATE_NCCL"] = "1"
+        if os.environ.get("MINDSPEED_HA_EMULATE_NCCL_ABORT_RAISES"):  # (or aborted collectives raise: asked for)
+            env["MINDSPEED_HA_EMULATE_NCCL_ABORT_RAISES"] = os.environ["MINDSPEED_HA_EMULATE_NCCL_ABORT_RAISES"]
     if inject:
         env["MINDSPEED_HA_INJECT"] = inject
     with open(os.path.join(log_dir, "job.out"), "w") as out:
