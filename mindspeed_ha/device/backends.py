@@ -70,7 +70,7 @@ NCCL_DEFAULTS = (
     (NCCL_ERROR_HANDLING, "0"),
     # (Communicators stay blocking, torch's default: with non-blocking ones torch polls a coalesced
     # group's end and a pair's first connect under the communicator's mutex, the one its abort needs
-    # before it sets NCCL's abort flag — an abort could then wait TORCH_NCCL_NONBLOCKING_TIMEOUT, 300 s.
+    # before it sets NCCL's abort flag — an abort could then wait up to TORCH_NCCL_NONBLOCKING_TIMEOUT.
     # No GPU run has shown a survivor that only non-blocking ones free: docs/nccl.md.)
     # Every algorithm's peers connected when the communicator is made, not inside the first
     # collective that uses it, where a host thread can be held with no work to abort.
