@@ -134,6 +134,7 @@ def fault_class(exc: BaseException, first_step: bool = False) -> str:
 # Megatron-LM's training loop), the standard library and installed packages.
 def _library_roots() -> tuple[str, ...]:
     import os
+    import sys
     import sysconfig
     here = os.path.dirname(os.path.abspath(__file__))
     roots = {here, os.path.join(os.path.dirname(here), "patches")}
@@ -142,7 +143,7 @@ def _library_roots() -> tuple[str, ...]:
         if path:
             roots.add(os.path.abspath(path))
     for name in ("torch", "megatron"):
-        module = __import__("sys").modules.get(name)
+        module = sys.modules.get(name)
         for path in list(getattr(module, "__path__", []) or []):
             roots.add(os.path.abspath(path))
     return tuple(sorted(roots))
