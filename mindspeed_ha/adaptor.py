@@ -6,8 +6,8 @@ import os
 
 from mindspeed_ha import process  # noqa: F401  (first: it notes who started this process, before torch loads)
 import mindspeed_ha.patches as registry  # noqa: I001
-from mindspeed_ha.device.backends import EMULATED_NCCL, nccl_environment
-from mindspeed_ha.device import Device, detect
+from mindspeed_ha.device.backends import nccl_environment
+from mindspeed_ha.device import Accelerator, detect
 
 
 def megatron_lm_available() -> bool:
@@ -17,18 +17,18 @@ def megatron_lm_available() -> bool:
         return False
 
 
-def before_megatron(device: Device) -> None:
+def before_megatron(device: Accelerator) -> None:
     """What must precede megatron-core's import on ``device`` (its modules decorate functions as they load)."""
     if device.needs_cpu_shim:
         registry.apply("torch_cpu_compile")
 
 
-def apply_patches(device: Device | None = None, megatron_lm: bool | None = None, ha: bool = True) -> Device:
+def apply_patches(device: Accelerator | None = None, megatron_lm: bool | None = None, ha: bool = True) -> Accelerator:
     """``ha``: the run may need to stop ranks inside collectives (the processor's stop handler)."""
     from mindspeed_ha.process import end_with_launcher
     end_with_launcher()  # (a worker of plain torchrun does not outlive it)
     device = device or detect()
-    if device.backend == EMULATED_NCCL:  # (a drill: the CPU job's collectives get NCCL's semantics)
+    if device.wraps is not None:  # (a drill: the CPU job's collectives get NCCL's semantics)
         from mindspeed_ha import compat
         from mindspeed_ha.comm import emulated_nccl
         emulated_nccl.register(compat.make_communicator)

@@ -26,7 +26,6 @@ import threading
 import time
 from typing import Iterable
 
-import torch
 import torch.distributed as dist
 
 from mindspeed_ha import compat
@@ -116,7 +115,7 @@ def abort_registered(deadline_s: float = DEADLINE_S) -> AbortReport | None:
     from mindspeed_ha.events import get_logger
     (get_logger("comm").error if report.unfinished or report.failed else get_logger("comm").warning)(
         "stop: %s", report.line())
-    if any(_backend_of(pg) == "hccl" for pg in registered):
+    if any(_stops_device(pg) for pg in registered):
         from mindspeed_ha import device
         device.stop_device()
     return report
@@ -131,8 +130,14 @@ def _backend_of(pg) -> str:
 
 def _abortable(pg) -> bool:
     """``pg``'s communicators are NCCL's (or the emulated NCCL's): a stop aborts them."""
-    name = _backend_of(pg)
-    return name == backends.EMULATED_NCCL or (name == "nccl" and torch.cuda.is_available())
+    acc = backends.accelerator(_backend_of(pg))
+    return acc is not None and acc.abortable and acc.can_abort_now()
+
+
+def _stops_device(pg) -> bool:
+    """``pg``'s backend (HCCL) is stopped with its device, not aborted."""
+    acc = backends.accelerator(_backend_of(pg))
+    return acc is not None and acc.stops_device
 
 
 def _group_label(pg) -> str:

@@ -56,14 +56,124 @@ class _Generation:
         self.number, self.store, self.serial = int(number), store, self.serial + 1
 
 
-_gen = _Generation(0, None)
-_groups: list["StableGroup"] = []          # in creation order: the order every process connects them
-_counts: dict[tuple, int] = {}             # (description, ranks) -> groups made so far
-_sealed = 0                                 # len(_groups) when set-up ended
-_joining = False
-_job: tuple | None = None                   # after an elastic resize: the job rank of each rank of the default group
-_reusable: dict[tuple, "StableGroup"] = {}  # resize: old groups whose members all stay, by (desc, job ranks, n)
-_lock = threading.RLock()
+class GroupRegistry:
+    """This process's groups, the store they meet over, and the communicators they replaced, on their
+    way out. One per process (``_registry``): every recovery goes through it."""
+
+    def __init__(self) -> None:
+        self.gen = _Generation(0, None)
+        self.groups: list[StableGroup] = []    # in creation order: the order every process connects them
+        self.counts: dict[tuple, int] = {}     # (description, ranks) -> groups made so far
+        self.sealed = 0                        # len(groups) when set-up ended
+        self.joining = False
+        self.job: tuple | None = None          # after an elastic resize: each default-group rank's job rank
+        # (resize) old groups whose members all stay, by (description, job ranks, n)
+        self.reusable: dict[tuple, StableGroup] = {}
+        self.lock = threading.RLock()
+        # Communicators aborted already (a stop's abort, or ``end_all``): a retire does not abort them again.
+        self.ended: weakref.WeakSet = weakref.WeakSet()
+        self.retired: list = []                # replaced communicators, until a releasing thread drops each
+        self.releasing: list[threading.Thread] = []  # the threads releasing them
+        self.replaced = False                  # a communicator was replaced since the last before_fork
+        self.hosted: dict = {}                 # TCPStore servers hosted here: one lives as long as its object
+
+    # ---- the groups ---------------------------------------------------------------------------------
+    def add(self, group: "StableGroup", first: bool = False) -> None:
+        with self.lock:
+            if first:
+                self.groups.insert(0, group)
+            else:
+                self.groups.append(group)
+
+    def number(self, desc: str, ranks: tuple) -> int:
+        """How many groups of ``desc`` over ``ranks`` were made before this one."""
+        with self.lock:
+            n = self.counts.get((desc, ranks), 0)
+            self.counts[(desc, ranks)] = n + 1
+        return n
+
+    def seal(self) -> None:
+        with self.lock:
+            self.sealed = len(self.groups)
+
+    def made_after_seal(self) -> list["StableGroup"]:
+        with self.lock:
+            return list(self.groups[self.sealed:]) if self.sealed else []
+
+    def eager(self) -> list["StableGroup"]:
+        """The groups a reconnect connects at once: those of the set-up (every one before a seal)."""
+        return self.groups[:self.sealed] if self.sealed else list(self.groups)
+
+    def job_rank(self, rank: int) -> int:
+        return rank if self.job is None else self.job[rank]
+
+    def dist_rank(self, job: int) -> int:
+        return job if self.job is None else self.job.index(job)
+
+    # ---- ending replaced communicators ----------------------------------------------------------------
+    def retire(self, pg, backend: str) -> None:
+        """End a replaced communicator before anything allocates its successor: NCCL's (and the emulated
+        NCCL's) is aborted here, on this thread — ``ncclCommAbort`` frees its device buffers at once,
+        where a destructor left to the releasing thread would free them while the new communicators
+        allocate theirs. Gloo's holds sockets only, and its abort cannot wake a wait on a live peer:
+        released as it is. HCCL: its "abort" stops the device (``device.restart_after_stop``), not
+        one communicator: released as it is. One aborted already (``ended``) is released as it is."""
+        if backends.abortable(backend) and pg not in self.ended:
+            self.ended.add(pg)
+            try:
+                pg.abort()
+            except Exception as e:  # (torn down already, e.g. a drill's broken link: nothing left to free)
+                from mindspeed_ha.events import get_logger
+                get_logger("comm.groups").debug("abort of a replaced %s communicator: %s", backend, e)
+
+    def end_all(self, groups: Iterable["StableGroup"]) -> None:
+        """Abort the communicators these groups are about to replace, all at once (``comm.abort``): one
+        after another, an idle one's abort would wait for the device to drain a collective still held in
+        another one that is not aborted yet. Bounded by the stop's deadline; one that does not return by
+        then is left to its thread and its group replaced anyway."""
+        from mindspeed_ha.comm import abort
+        live = [g for g in groups
+                if g._inner is not None and backends.abortable(g.backend) and g._inner not in self.ended]
+        if not live:
+            return
+        named = []
+        for g in live:
+            self.ended.add(g._inner)
+            named.append((g.group_desc, g._inner))
+        report = abort.abort_all(named)
+        if report.unfinished or report.failed:
+            from mindspeed_ha.events import get_logger
+            get_logger("comm.groups").warning("replacing communicators: %s", report.line())
+
+    # ---- releasing them ---------------------------------------------------------------------------------
+    def start_release(self) -> None:
+        """A releasing thread for the communicator last put in ``retired`` (its only owner by now)."""
+        self.replaced = True
+        t = threading.Thread(target=self.release_one, name="mindspeed-ha-release", daemon=True)
+        self.releasing[:] = [x for x in self.releasing if x.is_alive()] + [t]
+        t.start()
+
+    def release_one(self) -> None:
+        """Drop one replaced communicator, on this thread. It may still hold a collective that a stop
+        abandoned (a peer never joined it): its destructor then waits until that peer releases its copy
+        too (the GIL is not held meanwhile). Every member releases at about the same time, so the wait
+        is short; one thread per communicator, so no two waits depend on each other's order."""
+        try:
+            pg = self.retired.pop(0)
+        except IndexError:
+            return
+        del pg  # the only reference: the destructor runs here
+
+    def released(self, timeout: float, threads: list | None = None) -> bool:
+        deadline = time.monotonic() + timeout
+        for t in list(self.releasing if threads is None else threads):
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in (self.releasing if threads is None else threads))
+
+    def before_fork(self) -> None:
+        if self.replaced:
+            self.replaced = False
+            gc.collect()
 
 
 class StableGroup(dist.ProcessGroup):
@@ -102,7 +212,7 @@ class StableGroup(dist.ProcessGroup):
     # What the group is, answered without a communicator (a joiner's groups have none yet).
     @property
     def _device_types(self) -> list:
-        return [torch.device(backends.DEVICE_OF.get(self.backend, "cpu"))]
+        return [torch.device(backends.device_type(self.backend))]
 
     def _get_backend_name(self) -> str:
         return self.backend
@@ -113,11 +223,11 @@ class StableGroup(dist.ProcessGroup):
     def inner(self) -> dist.ProcessGroup:
         """The live communicator, connected now if this group has none for the current generation.
         (No local name may hold a replaced communicator: see ``_swap``.)"""
-        if self._inner is None or self._inner_gen != _gen.serial:
-            with _lock:
-                if self._inner is None or self._inner_gen != _gen.serial:
-                    self._swap(None)  # (the old one ended before the new one allocates: see _retire)
-                    self._swap(_connect(self, _gen))
+        if self._inner is None or self._inner_gen != _registry.gen.serial:
+            with _registry.lock:
+                if self._inner is None or self._inner_gen != _registry.gen.serial:
+                    self._swap(None)  # (the old one ended before the new one allocates: see GroupRegistry.retire)
+                    self._swap(_connect(self, _registry.gen))
         assert self._inner is not None  # (_swap put a communicator in place)
         return self._inner
 
@@ -125,7 +235,7 @@ class StableGroup(dist.ProcessGroup):
     def abort(self) -> None:
         inner = self._inner
         if inner is not None:
-            _ended.add(inner)  # (first: a retire beside this abort does not abort it again)
+            _registry.ended.add(inner)  # (first: a retire beside this abort does not abort it again)
             inner.abort()
 
     def shutdown(self) -> None:
@@ -142,19 +252,15 @@ class StableGroup(dist.ProcessGroup):
             self._inner.set_timeout(timeout)
 
     def _swap(self, new) -> None:
-        """Put ``new`` in place; the replaced communicator is ended (``_retire``) and goes to a
-        releasing thread of its own, as its only owner: its destructor may wait for an abandoned
-        collective (see ``_release_one``) and must never run on the training thread."""
-        global _replaced
+        """Put ``new`` in place; the replaced communicator is ended (``GroupRegistry.retire``) and goes to
+        a releasing thread of its own, as its only owner: its destructor may wait for an abandoned
+        collective (see ``GroupRegistry.release_one``) and must never run on the training thread."""
         if self._inner is not None:
-            _replaced = True
-            _retire(self._inner, self.backend)
-            _retired.append(self._inner)
+            _registry.retire(self._inner, self.backend)
+            _registry.retired.append(self._inner)
             self._inner = None
-            t = threading.Thread(target=_release_one, name="mindspeed-ha-release", daemon=True)
-            _releasing[:] = [x for x in _releasing if x.is_alive()] + [t]
-            t.start()
-        self._inner, self._inner_gen = new, _gen.serial
+            _registry.start_release()
+        self._inner, self._inner_gen = new, _registry.gen.serial
 
     def __repr__(self) -> str:
         return f"StableGroup({self._desc}, ranks={list(self.ranks)[:8]}{'...' if len(self.ranks) > 8 else ''})"
@@ -184,49 +290,6 @@ def _key(desc: str, ranks: Sequence[int], n: int) -> str:
     return f"{desc[:40]}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
 
-# Communicators aborted already (a stop's abort, or ``_end_all``): a retire does not abort them again.
-_ended: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def _abortable(backend: str) -> bool:
-    return backends.canonical(backend) in ("nccl", backends.EMULATED_NCCL)
-
-
-def _retire(pg, backend: str) -> None:
-    """End a replaced communicator before anything allocates its successor: NCCL's (and the emulated
-    NCCL's) is aborted here, on this thread — ``ncclCommAbort`` frees its device buffers at once,
-    where a destructor left to the releasing thread would free them while the new communicators
-    allocate theirs. Gloo's holds sockets only, and its abort cannot wake a wait on a live peer:
-    released as it is. HCCL: its "abort" stops the device (``device.restart_after_stop``), not
-    one communicator: released as it is. One aborted already (``_ended``) is released as it is."""
-    if _abortable(backend) and pg not in _ended:
-        _ended.add(pg)
-        try:
-            pg.abort()
-        except Exception as e:  # (torn down already, e.g. a drill's broken link: nothing left to free)
-            from mindspeed_ha.events import get_logger
-            get_logger("comm.groups").debug("abort of a replaced %s communicator: %s", backend, e)
-
-
-def _end_all(groups: Iterable["StableGroup"]) -> None:
-    """Abort the communicators these groups are about to replace, all at once (``comm.abort``): one
-    after another, an idle one's abort would wait for the device to drain a collective still held in
-    another one that is not aborted yet. Bounded by the stop's deadline; one that does not return by
-    then is left to its thread and its group replaced anyway."""
-    from mindspeed_ha.comm import abort
-    live = [g for g in groups if g._inner is not None and _abortable(g.backend) and g._inner not in _ended]
-    if not live:
-        return
-    named = []
-    for g in live:
-        _ended.add(g._inner)
-        named.append((g.group_desc, g._inner))
-    report = abort.abort_all(named)
-    if report.unfinished or report.failed:
-        from mindspeed_ha.events import get_logger
-        get_logger("comm.groups").warning("replacing communicators: %s", report.line())
-
-
 def _connect(group: StableGroup, gen: _Generation) -> dist.ProcessGroup:
     """A communicator for ``group`` among its members over ``gen``'s store (blocks until every
     member has come), connected now, on this rank's device (NCCL's would otherwise connect in its
@@ -244,9 +307,10 @@ def _connect(group: StableGroup, gen: _Generation) -> dist.ProcessGroup:
 def make_communicator(store, rank: int, size: int, backend: str, timeout: datetime.timedelta,
                       options: Any = None, device: torch.device | None = None) -> dist.ProcessGroup:
     """``compat.make_communicator``, and the emulated NCCL of drills over a gloo communicator."""
-    if backend == backends.EMULATED_NCCL:
+    acc = backends.accelerator(backend)
+    if acc is not None and acc.wraps is not None:  # (the emulated NCCL: comm.emulated_nccl)
         from mindspeed_ha.comm.emulated_nccl import EmulatedNCCL
-        emulated = EmulatedNCCL(compat.make_communicator(store, rank, size, "gloo", timeout), rank, size)
+        emulated = EmulatedNCCL(compat.make_communicator(store, rank, size, acc.wraps, timeout), rank, size)
         if device is not None:
             emulated.eager_connect_single_device(device)
         return emulated
@@ -302,10 +366,11 @@ def init_process_group(original, *args, **kwargs):
     (``device_id``, unless the caller named one: Megatron-LM does not): torch then connects it here,
     not inside its first collective, and sends its point-to-point messages on it, as the engine's
     own communicators do (``make_communicator``)."""
-    from mindspeed_ha.device import current
+    from mindspeed_ha.device import current_accelerator
     backend = str(args[0] if args else kwargs.get("backend") or "")
-    if current().type == "cuda" and "nccl" in backend.lower() and kwargs.get("device_id") is None:
-        kwargs["device_id"] = current()
+    device_id = current_accelerator().group_device_id(backend)
+    if device_id is not None and kwargs.get("device_id") is None:
+        kwargs["device_id"] = device_id
     original(*args, **kwargs)
     real = compat.default_group()
     ranks = list(range(real.size()))
@@ -314,12 +379,11 @@ def init_process_group(original, *args, **kwargs):
                         kwargs.get("pg_options"))
     store = compat.group_store(real)
     compat.unregister_group(real)
-    _gen.enter(0, store)
-    world._inner, world._inner_gen = real, _gen.serial
+    _registry.gen.enter(0, store)
+    world._inner, world._inner_gen = real, _registry.gen.serial
     compat.set_default_group(world)
     _register(world, backend, store)
-    with _lock:
-        _groups.insert(0, world)
+    _registry.add(world, first=True)
 
 
 def new_group(original, ranks=None, timeout=None, backend=None, pg_options=None,
@@ -333,23 +397,20 @@ def new_group(original, ranks=None, timeout=None, backend=None, pg_options=None,
                         device_id=device_id)
     ranks = sorted(int(r) for r in ranks) if ranks else list(range(world.size()))
     desc = group_desc or "undefined"
-    with _lock:
-        n = _counts.get((desc, tuple(ranks)), 0)
-        _counts[(desc, tuple(ranks))] = n + 1
+    n = _registry.number(desc, tuple(ranks))
     me = world.rank()
     if me not in ranks:
         return c10d.GroupMember.NON_GROUP_MEMBER
-    group = _reusable.pop((desc, tuple(job_rank(r) for r in ranks), n), None)
+    group = _registry.reusable.pop((desc, tuple(job_rank(r) for r in ranks), n), None)
     if group is not None:  # the same members as before a resize: the same object, renumbered
         group.key, group.ranks, group.group_rank = _key(desc, ranks, n), tuple(ranks), ranks.index(me)
         group.options = pg_options
     else:
         group = StableGroup(_key(desc, ranks, n), ranks, ranks.index(me), _backend_name(backend),
                             timeout or world.timeout, desc, pg_options)
-    _register(group, group.backend, _gen.store)
-    with _lock:
-        _groups.append(group)
-    if not _joining:
+    _register(group, group.backend, _registry.gen.store)
+    _registry.add(group)
+    if not _registry.joining:
         group.inner()
     return group
 
@@ -358,35 +419,30 @@ def new_group(original, ranks=None, timeout=None, backend=None, pg_options=None,
 def joining(world_size: int, rank: int, backend: str, timeout: datetime.timedelta = DEFAULT_TIMEOUT):
     """A restarted worker's set-up: the default group and every group made inside exist, unconnected;
     ``reconnect`` connects them with the survivors'."""
-    global _joining
     world = StableGroup("world", list(range(world_size)), rank, backend, timeout, "default_pg")
     compat.set_default_group(world)
     _register(world, backend, None)
-    with _lock:
-        _groups.insert(0, world)
-    _joining = True
+    _registry.add(world, first=True)
+    _registry.joining = True
     try:
         yield world
     finally:
-        _joining = False
+        _registry.joining = False
 
 
 def seal() -> None:
     """The job's set-up is over: the groups made so far are the ones every member reconnects at
     once on a recovery (in this order); later ones reconnect on first use."""
-    global _sealed
-    with _lock:
-        _sealed = len(_groups)
+    _registry.seal()
 
 
 def groups() -> list[StableGroup]:
-    return list(_groups)
+    return list(_registry.groups)
 
 
 def made_after_seal() -> list[StableGroup]:
     """The groups made since the job's set-up was sealed (made on first use: a model's, an optimizer's)."""
-    with _lock:
-        return list(_groups[_sealed:]) if _sealed else []
+    return _registry.made_after_seal()
 
 
 def reconnect(store_host: str, store_port: int, generation: int,
@@ -395,11 +451,12 @@ def reconnect(store_host: str, store_port: int, generation: int,
     member calls it for the same generation; returns timings for the recovery's log."""
     t0 = time.perf_counter()
     store = dist.TCPStore(store_host, store_port, None, False, timeout=store_timeout)
-    with _lock:
-        _gen.enter(generation, store)
-        eager = _groups[:_sealed] if _sealed else list(_groups)
-        _end_all(_groups)  # (every old one at once, before any is replaced)
-        for g in _groups:  # lazy ones drop theirs now: nothing may run on the old generation
+    reg = _registry
+    with reg.lock:
+        reg.gen.enter(generation, store)
+        eager = reg.eager()
+        reg.end_all(reg.groups)  # (every old one at once, before any is replaced)
+        for g in reg.groups:  # lazy ones drop theirs now: nothing may run on the old generation
             if g not in eager and g._inner is not None:
                 g._swap(None)
         # One after another, in creation order. Gloo's groups connected from a thread each (a store
@@ -407,7 +464,7 @@ def reconnect(store_host: str, store_port: int, generation: int,
         # NCCL's initialisation from several threads has not been run on a device.
         for g in eager:
             g.inner()
-    return {"groups": len(eager), "lazy": len(_groups) - len(eager), "seconds": round(time.perf_counter() - t0, 4)}
+    return {"groups": len(eager), "lazy": len(reg.groups) - len(eager), "seconds": round(time.perf_counter() - t0, 4)}
 
 
 class _Broken:
@@ -433,9 +490,9 @@ def break_communicators() -> int:
     """Fault drills (``comm``): tear down every communicator of this process — its peers see their
     connections close — and make this rank's next collective fail, as a broken link would.
     Returns how many groups were broken."""
-    with _lock:
-        live = [g for g in _groups if g._inner is not None]
-        _end_all(live)
+    with _registry.lock:
+        live = [g for g in _registry.groups if g._inner is not None]
+        _registry.end_all(live)
         for g in live:
             g._swap(_Broken())
     return len(live)
@@ -443,7 +500,7 @@ def break_communicators() -> int:
 
 def current_store():
     """(store, generation): where this process's groups meet now."""
-    return _gen.store, _gen.number
+    return _registry.gen.store, _registry.gen.number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,9 +517,6 @@ class World:
         return self.ranks[new_rank]
 
 
-_hosted: dict = {}  # TCPStore servers hosted here: a server lives as long as its Python object
-
-
 def survivor_world(survivors: Sequence[int], rank: int, store_host: str, store_port: int, generation: int,
                    timeout: datetime.timedelta = DEFAULT_TIMEOUT, backend: str = "gloo",
                    host_rank: int | None = None, store_timeout: datetime.timedelta = STORE_TIMEOUT) -> World:
@@ -475,15 +529,16 @@ def survivor_world(survivors: Sequence[int], rank: int, store_host: str, store_p
     survivors = [int(r) for r in survivors]
     if rank not in survivors:
         raise ValueError(f"rank {rank} is not among the survivors {survivors}")
-    if host_rank == rank and (store_host, store_port) not in _hosted:
+    hosted = _registry.hosted
+    if host_rank == rank and (store_host, store_port) not in hosted:
         from mindspeed_ha.comm.stores import serve
-        _hosted[(store_host, store_port)] = serve(store_host, store_port, len(survivors), store_timeout)
-    store = _hosted.get((store_host, store_port)) or dist.TCPStore(store_host, store_port, None, False,
+        hosted[(store_host, store_port)] = serve(store_host, store_port, len(survivors), store_timeout)
+    store = hosted.get((store_host, store_port)) or dist.TCPStore(store_host, store_port, None, False,
                                                                    timeout=store_timeout)
     world = StableGroup(f"survivors-{generation}", list(range(len(survivors))), survivors.index(rank), backend,
                         timeout, "survivors")
-    with _lock:
-        _gen.enter(generation, store)
+    with _registry.lock:
+        _registry.gen.enter(generation, store)
         compat.set_default_group(world)
         _register(world, backend, store)
     world.inner()
@@ -501,13 +556,13 @@ def new_epoch(kept: Sequence[int], rank: int, store_host: str, store_port: int, 
     *is* that old object, renumbered: the model's layers hold it and keep working, nothing has to
     find and re-point them. Call before ``parallel_state.destroy_model_parallel`` (which then
     destroys nothing: the old groups are no longer registered, and destroying one would connect it)."""
-    global _sealed, _job
     kept_set = set(int(r) for r in kept)
-    with _lock:
+    reg = _registry
+    with reg.lock:
         seen: dict[tuple, int] = {}
-        _reusable.clear()
-        _end_all(_groups)  # (every old one at once, before any is replaced)
-        for g in _groups:
+        reg.reusable.clear()
+        reg.end_all(reg.groups)  # (every old one at once, before any is replaced)
+        for g in reg.groups:
             if g._inner is not None:
                 g._swap(None)
             compat.unregister_group(g)
@@ -515,29 +570,26 @@ def new_epoch(kept: Sequence[int], rank: int, store_host: str, store_port: int, 
             n = seen.get((g._desc, members), 0)
             seen[(g._desc, members)] = n + 1
             if g._desc not in ("default_pg", "survivors") and set(members) <= kept_set:
-                _reusable[(g._desc, members, n)] = g
-        _groups.clear()
-        _counts.clear()
-        _sealed = 0
+                reg.reusable[(g._desc, members, n)] = g
+        reg.groups.clear()
+        reg.counts.clear()
+        reg.sealed = 0
     world = survivor_world(kept, rank, store_host, store_port, generation, timeout, backend, host_rank)
-    with _lock:
-        _groups.insert(0, compat.default_group())
-        _job = tuple(int(r) for r in kept)
+    with reg.lock:
+        reg.add(compat.default_group(), first=True)
+        reg.job = tuple(int(r) for r in kept)
     return world
 
 
 def job_rank(rank: int) -> int:
     """The job's rank (what the controller, the events and the launcher call a rank) of ``rank`` of
     the default group: the same number until an elastic resize renumbers the default group."""
-    return rank if _job is None else _job[rank]
+    return _registry.job_rank(rank)
 
 
 def dist_rank(job: int) -> int:
     """The default group's rank of the job's rank ``job``."""
-    return job if _job is None else _job.index(job)
-
-
-_replaced = False  # a communicator was replaced since the last before_fork
+    return _registry.dist_rank(job)
 
 
 def before_fork() -> None:
@@ -548,20 +600,13 @@ def before_fork() -> None:
     a destructor, it would shut those sockets down and unregister them under this process: its
     peers would see the connections close, and its own destructor, later, would abort on the
     missing registration (gloo: "epoll_ctl: No such file or directory")."""
-    global _replaced
-    if _replaced:
-        _replaced = False
-        gc.collect()
+    _registry.before_fork()
 
 
 # ---- release of replaced communicators -----------------------------------------------------------
-_retired: list = []
-_releasing: list = []   # the threads releasing them
-
-
 def releasing() -> list:
     """The threads releasing replaced communicators now (to wait for those of one recovery only)."""
-    return [t for t in _releasing if t.is_alive()]
+    return [t for t in _registry.releasing if t.is_alive()]
 
 
 def released(timeout: float, threads: list | None = None) -> bool:
@@ -570,19 +615,7 @@ def released(timeout: float, threads: list | None = None) -> bool:
     would be torn down under it.) One can stay for good: a collective abandoned by a stop in which
     two survivors wait for each other (neither's peer is the rank that never joined) holds its
     communicator until the process ends — a thread and a communicator's sockets, not more."""
-    deadline = time.monotonic() + timeout
-    for t in list(_releasing if threads is None else threads):
-        t.join(max(0.0, deadline - time.monotonic()))
-    return not any(t.is_alive() for t in (_releasing if threads is None else threads))
+    return _registry.released(timeout, threads)
 
 
-def _release_one() -> None:
-    """Drop one replaced communicator, on this thread. It may still hold a collective that a stop
-    abandoned (a peer never joined it): its destructor then waits until that peer releases its copy
-    too (the GIL is not held meanwhile). Every member releases at about the same time, so the wait
-    is short; one thread per communicator, so no two waits depend on each other's order."""
-    try:
-        pg = _retired.pop(0)
-    except IndexError:
-        return
-    del pg  # the only reference: the destructor runs here
+_registry = GroupRegistry()

@@ -365,12 +365,7 @@ def _stream_kind(group, tensor=None, device=None) -> str | None:
     kind = tensor.device.type if tensor is not None else torch.device(device).type if device is not None else None
     if kind is not None:
         return kind if backends.stream_ordered(backends.for_device(name, kind)) else None
-    # (nothing to move: a barrier) the group's stream-ordered backend, if it has one
-    for kind in ("cuda", "npu", "cpu"):
-        backend = backends.for_device(name, kind)
-        if backends.stream_ordered(backend) and backends.DEVICE_OF.get(backend) == kind:
-            return kind
-    return None
+    return backends.stream_kind(name)  # (nothing to move: a barrier) the group's stream-ordered backend's
 
 
 # A restarted worker sets up (groups, model, optimizer; in Megatron-LM also its data loaders) while

@@ -24,7 +24,8 @@ import weakref
 from typing import Callable, NamedTuple
 
 from mindspeed_ha.comm import abort as _abort
-from mindspeed_ha.device.waits import EventWaits, HostWaits, for_device as waits_for
+from mindspeed_ha.device.accelerators import of_type
+from mindspeed_ha.device.waits import EventWaits, HostWaits
 from mindspeed_ha.faults import CollectiveStopped
 
 __all__ = ["CollectiveStopped", "Entered", "InFlight", "Issued", "Park", "Stop", "as_stop"]
@@ -253,7 +254,7 @@ class InFlight:
     def waits(self, kind: str) -> HostWaits | EventWaits:
         if kind not in self._waits:
             with self._lock:
-                self._waits.setdefault(kind, waits_for(kind))
+                self._waits.setdefault(kind, of_type(kind).waits())
         return self._waits[kind]
 
     def pending(self) -> bool:

@@ -13,22 +13,45 @@ runs on it with ``MINDSPEED_HA_EMULATE_NCCL=1``.
 from __future__ import annotations
 
 import os
-from typing import Mapping, MutableMapping
+from typing import MutableMapping
 
-EMULATED_NCCL = "emulated_nccl"
-EMULATE_ENV = "MINDSPEED_HA_EMULATE_NCCL"
-STREAM_ORDERED = ("nccl", "hccl", EMULATED_NCCL)
-DEVICE_OF = {"nccl": "cuda", "hccl": "npu", EMULATED_NCCL: "cpu", "gloo": "cpu"}  # where its tensors live
+from mindspeed_ha.device.accelerator import Accelerator
+from mindspeed_ha.device.accelerators import ACCELERATORS, HOST, of_backend
+from mindspeed_ha.device.accelerators.emulated_nccl import EMULATE_ENV, EMULATED_NCCL, emulating_nccl
 
+__all__ = ["EMULATED_NCCL", "EMULATE_ENV", "emulating_nccl", "accelerator", "stream_ordered", "abortable",
+           "device_type", "stream_kind", "for_device", "canonical", "nccl_environment"]
 
-def emulating_nccl(env: Mapping[str, str] | None = None) -> bool:
-    """A CPU job runs its collectives on the NCCL-semantics backend instead of gloo."""
-    env = os.environ if env is None else env
-    return env.get(EMULATE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+def accelerator(name: str) -> Accelerator | None:
+    """The accelerator of backend ``name`` (None: a backend the engine does not know)."""
+    return of_backend(name)
 
 
 def stream_ordered(name: str) -> bool:
-    return str(name).lower() in STREAM_ORDERED
+    acc = of_backend(name)
+    return acc is not None and acc.stream_ordered
+
+
+def abortable(name: str) -> bool:
+    """A group of ``name`` (any spelling ``canonical`` reads) has communicators whose abort frees them."""
+    acc = of_backend(canonical(name))
+    return acc is not None and acc.abortable
+
+
+def device_type(name: str) -> str:
+    """Where backend ``name``'s tensors live (the host for one the engine does not know)."""
+    acc = of_backend(name)
+    return (acc or HOST).type
+
+
+def stream_kind(backend: str) -> str | None:
+    """The device type of a group of ``backend``'s stream-ordered backend (a barrier's: nothing to
+    move says which), devices before the host; None where it has none."""
+    for acc in ACCELERATORS:
+        own = of_backend(for_device(backend, acc.type))
+        if own is not None and own.stream_ordered and own.type == acc.type:
+            return acc.type
+    return None
 
 
 def for_device(backend: str, device_type: str) -> str:
@@ -45,7 +68,7 @@ def canonical(name: str) -> str:
     """A backend's name as the engine's groups record it: torch's names as they are; a multi-device
     spec (``cpu:gloo,cuda:nccl``) by its device backend."""
     name = str(name or "").lower()
-    if name in STREAM_ORDERED or name == "gloo":
+    if of_backend(name) is not None:
         return name
     if ":" in name:
         return for_device(name, "cuda") if "cuda:" in name else for_device(name, "cpu")

@@ -19,8 +19,6 @@ import gc
 import os
 import time
 
-import torch
-
 from mindspeed_ha import device
 
 _CLEAR_REFS = "/proc/self/clear_refs"
@@ -46,7 +44,7 @@ class PeakExtra:
         self.bytes: int | None = None
         self.seconds = 0.0
         self._base: int | None = None
-        self._kind = device.current().type
+        self._counters = device.current_accelerator().memory_counters()  # (None: the process's own)
 
     def __enter__(self) -> "PeakExtra":
         return self.start()
@@ -57,10 +55,9 @@ class PeakExtra:
     def start(self) -> "PeakExtra":
         """(A measurement that spans calls: ``start`` here, ``stop`` there.)"""
         self._t0 = time.perf_counter()
-        if self._kind in ("cuda", "npu"):
-            mod = getattr(torch, self._kind)
-            mod.reset_peak_memory_stats()
-            self._base = int(mod.memory_allocated())
+        if self._counters is not None:
+            self._counters.reset_peak_memory_stats()
+            self._base = int(self._counters.memory_allocated())
         elif os.environ.get("MALLOC_MMAP_THRESHOLD_"):
             gc.collect()
             try:
@@ -76,8 +73,8 @@ class PeakExtra:
         self.seconds = time.perf_counter() - self._t0
         if self._base is None:
             return
-        if self._kind in ("cuda", "npu"):
-            peak = int(getattr(torch, self._kind).max_memory_allocated())
+        if self._counters is not None:
+            peak = int(self._counters.max_memory_allocated())
         else:
             hwm = _proc_kib("VmHWM")
             if hwm is None:

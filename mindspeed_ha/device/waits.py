@@ -115,14 +115,3 @@ class EventWaits:
     def waited_s(self) -> float:
         self._harvest()
         return self._waited
-
-
-def for_device(kind: str) -> HostWaits | EventWaits:
-    """The waits of collectives on ``kind`` tensors (cpu, cuda, npu)."""
-    if kind == "cuda":
-        import torch
-        return EventWaits(torch.cuda)
-    if kind == "npu":
-        import torch
-        return EventWaits(torch.npu)  # type: ignore[attr-defined]  # (torch_npu adds torch.npu)
-    return HostWaits()

@@ -32,9 +32,13 @@ import signal
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from ..events import get_logger
 from . import fork_server
+
+if TYPE_CHECKING:
+    from mindspeed_ha.device import Accelerator
 
 ENV = "MINDSPEED_HA_SPARE"
 REPORT_FD = "MINDSPEED_HA_SPARE_REPORT_FD"
@@ -169,11 +173,11 @@ def wanted(script_args: list[str], env=os.environ) -> int:
     return opts.spares if opts is not None and "recover" in opts.strategies else 0
 
 
-def node_device(env=os.environ) -> str | None:
+def node_device(env=os.environ) -> Accelerator | None:
     """What this node's workers will train on (None: they will refuse, and say why)."""
     from mindspeed_ha.device import DeviceError, detect
     try:
-        return detect(env).kind
+        return detect(env)
     except DeviceError:
         return None
 
@@ -186,7 +190,10 @@ def forks_workers(script_args: list[str], env=os.environ) -> bool:
     if env.get("MINDSPEED_HA_FORK_WORKERS", "1") == "0" or not hasattr(os, "fork"):
         return False
     opts = from_script_args(script_args, env)
-    return opts is not None and opts.enabled and node_device(env) == "cpu"
+    if opts is None or not opts.enabled:
+        return False
+    acc = node_device(env)
+    return acc is not None and acc.on_cpu
 
 
 class Forked:

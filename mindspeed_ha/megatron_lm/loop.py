@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, NamedTuple
 
-from mindspeed_ha.device.backends import EMULATED_NCCL
+from mindspeed_ha.device import backends
 from mindspeed_ha.trainer.replay import Replayable
 
 
@@ -78,7 +78,8 @@ def keep_pipeline_outputs(config) -> None:
     tensor). A gloo send (the emulated NCCL's too) still running in the background (an interleaved
     pipeline overlaps its transfers) then reads freed memory: NaN losses. Off on those backends."""
     import torch.distributed as dist
-    if config.deallocate_pipeline_outputs and dist.get_backend() in ("gloo", EMULATED_NCCL):
+    acc = backends.accelerator(dist.get_backend())  # (a CPU backend's send reads the tensor on a thread of its own)
+    if config.deallocate_pipeline_outputs and acc is not None and acc.on_cpu:
         config.deallocate_pipeline_outputs = False
 
 

@@ -13,11 +13,13 @@ import random
 import numpy as np
 import torch
 
+from mindspeed_ha.device import current_accelerator
+
 
 def snapshot() -> dict:
     from megatron.core import tensor_parallel
     return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.cuda.get_rng_state(),
+            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": current_accelerator().rng_state(),
             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 
@@ -28,7 +30,7 @@ def restore(state) -> None:
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
-    torch.cuda.set_rng_state(state["cuda_rng_state"])
+    current_accelerator().set_rng_state(state["cuda_rng_state"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
