@@ -366,7 +366,7 @@ def explain(events: list[dict], injected: dict | None, controller, summaries: li
     moves = [f"{e['from']}-({e['outcome']})->{e['to']} after {e['seconds']}s" for e in states
              if e["from"] != e["to"]]
     others = [e for e in after if e["event"] == "fault" and e is not injected]
-    failed = next((e for e in after if e["event"] in ("repair_failed", "dump_refused")), None)
+    failed = next((e for e in after if e["event"] in ("strategy_failed", "dump_refused")), None)
     timeouts = [e for e in states if e["outcome"] == "timeout"]
     state = states[-1]["to"] if states else "normal"
     # What the controller was doing when the benchmark gave up (read from it, where it exposes it).
@@ -391,7 +391,7 @@ def explain(events: list[dict], injected: dict | None, controller, summaries: li
     round_ = current
     if reason:
         head = reason.split(" failed", 1)[0].strip()
-        round_ = head if head in ROUNDS else ("plan" if failed["event"] == "repair_failed" else "dump")
+        round_ = head if head in ROUNDS else ("plan" if failed["event"] == "strategy_failed" else "dump")
     elif state in ("pause", "decide"):
         round_ = "stop"
     out["round"] = round_
@@ -416,7 +416,7 @@ def explain(events: list[dict], injected: dict | None, controller, summaries: li
     elif reason:
         out.update(kind="refusal", why=reason[:400])
     else:
-        out.update(kind="no outcome", why=f"no recovered, repair_failed or diagnosis event within {waited:.0f}s; "
+        out.update(kind="no outcome", why=f"no recovered, strategy_failed or diagnosis event within {waited:.0f}s; "
                    f"the controller is in state {state}" + (f", round {current} waiting for {waiting} rank(s)"
                                                              if current else ""))
     action = ACTIONS.get(round_ or "")
@@ -598,7 +598,7 @@ def run(a, c, events: Events, sims: list[Sim], lim: dict, t0: float, log_dir: st
            "stop_received": received, "register_s": round(t_reg, 1), "secure": not a.insecure}
     if a.recovery:
         t_wait = time.monotonic()
-        end = events.wait(lambda e: e["event"] in ("recovered", "repair_failed", "dump_refused", "diagnosis"),
+        end = events.wait(lambda e: e["event"] in ("recovered", "strategy_failed", "dump_refused", "diagnosis"),
                           lim["recovery_s"])
         recovered = end if end is not None and end["event"] == "recovered" else None
         status_ok = status_json(log_dir, a.ranks, a.insecure, lim["status_s"])

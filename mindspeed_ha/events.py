@@ -57,17 +57,26 @@ class EventLog:
                 self._fd = -1
 
 
+# Events renamed since logs were first written (old name -> name now): a log of an older release reads
+# with today's names, its old one kept as ``renamed_from``. "repair" is the copy of a shard from its
+# twin only; a strategy fails, a restore plans, a resize changes the layout.
+RENAMED = {"repair_failed": "strategy_failed", "repair_plan": "restore_plan", "elastic_plan": "resize_plan"}
+
+
 def read_events(path: str) -> list[dict]:
-    """Parse a .jsonl event file, skipping a torn last line."""
+    """Parse a .jsonl event file, skipping a torn last line; renamed events under their names now."""
     out: list[dict] = []
     if not os.path.exists(path):
         return out
     with open(path) as f:
         for line in f:
             try:
-                out.append(json.loads(line))
+                e = json.loads(line)
             except ValueError:
                 continue
+            if e.get("event") in RENAMED:
+                e = {**e, "event": RENAMED[e["event"]], "renamed_from": e["event"]}
+            out.append(e)
     return out
 
 

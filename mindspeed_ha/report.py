@@ -71,6 +71,8 @@ def episodes(log_dirs) -> list[dict]:
         elif kind == "checkpoint" and e.get("kind") == "dying_gasp":
             cur.update(outcome=f"dump of iteration {e['iteration']} in {e['seconds']:.2f}s", dump=e,
                        iteration=e["iteration"], lost_steps=0)
+        elif kind == "strategy_failed":  # (the dump follows: its outcome, if any, says what was saved)
+            cur["outcome"] = f"{e.get('strategy', 'the strategy')} failed: {e.get('reason', '')}"[:120]
         elif kind == "dump_refused":
             cur["outcome"] = "dump refused"
         elif kind == "diagnosis":

@@ -124,3 +124,36 @@ def test_status_shows_the_event_logs_faults_before_its_line(tmp_path):
     as_json = cli("status", "--log-dir", log_dir, "--json")
     one_line(as_json)
     assert json.loads(as_json.stdout)["state"] == "unreachable"
+
+
+def test_the_report_reads_a_log_written_before_the_events_were_renamed(tmp_path):
+    """A controller log of an older release (its events as it named them: ``repair_plan``,
+    ``repair_failed``, ``elastic_plan``, states ``repair`` and ``rollback``) reads with today's names,
+    and the report tells its episodes as it tells a new log's."""
+    from mindspeed_ha import report
+    from mindspeed_ha.events import read_events
+    old = [
+        {"event": "state", "from": "init", "to": "normal", "outcome": "registered", "time": 1.0},
+        {"event": "fault", "ranks": [1], "kind": "memory-error", "iteration": 6, "phase": "backward", "time": 2.0},
+        {"event": "strategy", "outcome": "retry", "reason": "strategy retry", "time": 2.1},
+        {"event": "state", "from": "decide", "to": "repair", "outcome": "retry", "time": 2.1},
+        {"event": "repair_plan", "iteration": 5, "pairs": [3, 1], "joiners": [], "generation": 1, "time": 2.2},
+        {"event": "repair_failed", "reason": "rebuild failed (rank 2: boom)", "strategy": "retry", "time": 2.5},
+        {"event": "checkpoint", "kind": "dying_gasp", "iteration": 5, "seconds": 0.4, "time": 3.0},
+        {"event": "diagnosis", "text": "...", "exit_code": 1, "time": 3.1},
+        {"event": "fault", "ranks": [2], "kind": "process-exit", "iteration": 9, "phase": "forward", "time": 4.0},
+        {"event": "strategy", "outcome": "elastic", "reason": "strategy elastic-training", "time": 4.1},
+        {"event": "elastic_plan", "iteration": 8, "dp": 2, "old_dp": 4, "time": 4.2},
+        {"event": "repair_failed", "reason": "scale-in failed (rank 0: boom)", "strategy": "elastic-training",
+         "time": 4.5},
+    ]
+    (tmp_path / "events").mkdir()
+    (tmp_path / "events" / "controller.jsonl").write_text("".join(json.dumps(e) + "\n" for e in old))
+    got = read_events(str(tmp_path / "events" / "controller.jsonl"))
+    assert [(e["event"], e.get("renamed_from")) for e in got if "renamed_from" in e] == [
+        ("restore_plan", "repair_plan"), ("strategy_failed", "repair_failed"), ("resize_plan", "elastic_plan"),
+        ("strategy_failed", "repair_failed")]
+    eps = report.episodes(str(tmp_path))
+    assert [(ep["strategy"], ep["outcome"]) for ep in eps] == [
+        ("retry", "dump of iteration 5 in 0.40s, exit 1"),
+        ("elastic-training", "elastic-training failed: scale-in failed (rank 0: boom)")]

@@ -409,7 +409,7 @@ def test_elastic_newcomer_lost_during_the_scale_out(tmp_path, keys, ref_dir):
                                                                                     (2, 2, [[0], [1]], [])]
     assert not c.controller("scaled_out")
     assert [e["newcomers"] for e in c.controller("scale_out_refused")] == [[2]]
-    plans = c.controller("elastic_plan")
+    plans = c.controller("resize_plan")
     assert [(p["old_dp"], p["dp"]) for p in plans] == [(4, 2), (2, 4), (2, 2)], plans
     assert ([3], "process-exit") in [(f["ranks"], f["kind"]) for f in c.controller("fault")]
     assert [e["phase"] for e in events(c.dirs, "rank_3") if e["event"] == "inject"] == ["resize"]

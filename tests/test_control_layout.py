@@ -1,19 +1,22 @@
 """The control plane's four rooms and the one direction between them, read from the source:
 
-    rank -> wire <- controller -> policy
+    wire <- controller -> strategies -> policy
 
-policy imports nothing else of control/; wire imports nothing else of control/; the rank imports only
-the wire (it is handed the controller as a factory); the controller imports the wire and the policy;
-launcher code imports only the wire. Every import counts: inside functions and under TYPE_CHECKING too.
+policy imports nothing else of control/; wire imports nothing else of control/; the strategies import
+the policy (the state machine's round runner, the ledger); the controller imports the wire, the
+strategies and the policy. Of its clients, the rank's processor (rank/processor/) imports only the wire
+(it is handed the controller as a factory), and so does launcher code. Every import counts: inside
+functions and under TYPE_CHECKING too.
 """
 import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROOMS = ("wire", "policy", "controller", "rank")
+ROOMS = ("wire", "policy", "strategies", "controller")
 # room -> the other rooms of control/ it may import
-MAY_IMPORT = {"wire": set(), "policy": set(), "controller": {"wire", "policy"}, "rank": {"wire"}}
-LAUNCHER_MAY_IMPORT = {"wire"}
+MAY_IMPORT = {"wire": set(), "policy": set(), "strategies": {"policy"}, "controller": {"wire", "policy", "strategies"}}
+# the control plane's clients outside control/ (a package -> the rooms of control/ its modules may import)
+CLIENTS_MAY_IMPORT = {"mindspeed_ha.rank.processor": {"wire"}, "mindspeed_ha.launcher": {"wire"}}
 
 
 def _module_name(path: str, root: str) -> str:
@@ -56,8 +59,8 @@ def violations(root: str) -> list[str]:
             path = os.path.join(dirpath, f)
             module = _module_name(path, root)
             here = _room(module)
-            launcher = module.startswith("mindspeed_ha.launcher")
-            if here is None and not launcher:
+            client = next((c for c in CLIENTS_MAY_IMPORT if module == c or module.startswith(c + ".")), None)
+            if here is None and client is None:
                 continue
             tree = ast.parse(open(path).read(), path)
             for node in ast.walk(tree):
@@ -67,8 +70,8 @@ def violations(root: str) -> list[str]:
                     there = _room(name)
                     if there is None or there == here:
                         continue
-                    if launcher:
-                        allowed = there in LAUNCHER_MAY_IMPORT
+                    if client is not None:
+                        allowed = there in CLIENTS_MAY_IMPORT[client]
                     elif here == "":  # control/__init__: the rooms' common door imports none of them
                         allowed = False
                     else:
@@ -79,17 +82,20 @@ def violations(root: str) -> list[str]:
 
 
 def test_control_plane_imports_go_one_way():
+    control = os.path.join(ROOT, "mindspeed_ha", "control")
     for room in ROOMS:
-        assert os.path.isfile(os.path.join(ROOT, "mindspeed_ha", "control", room, "__init__.py")), room
-    flat = [f for f in os.listdir(os.path.join(ROOT, "mindspeed_ha", "control")) if f.endswith(".py")]
-    assert flat == ["__init__.py"], f"control/ holds only its four sub-packages: {flat}"
+        assert os.path.isfile(os.path.join(control, room, "__init__.py")), room
+    flat = [f for f in os.listdir(control) if f.endswith(".py")]
+    assert flat == ["__init__.py"], f"control/ holds only its sub-packages: {flat}"
+    rooms = sorted(d for d in os.listdir(control) if os.path.isfile(os.path.join(control, d, "__init__.py")))
+    assert rooms == sorted(ROOMS), f"control/ holds only its four sub-packages: {rooms}"
     assert violations(ROOT) == []
 
 
 def test_the_check_finds_an_import_against_the_direction(tmp_path):
-    """A policy module that imports the wire, a rank module that imports the controller, a wire module
-    that imports the policy (even under TYPE_CHECKING), a launcher module that imports the controller:
-    each is named."""
+    """A policy module that imports the wire, a module of the rank's processor that imports the
+    controller or the policy, a wire module that imports the policy (even under TYPE_CHECKING), a
+    launcher module that imports the controller: each is named."""
     control = tmp_path / "mindspeed_ha" / "control"
     for room in ROOMS:
         (control / room).mkdir(parents=True)
@@ -97,20 +103,29 @@ def test_the_check_finds_an_import_against_the_direction(tmp_path):
     (control / "__init__.py").write_text("")
     (tmp_path / "mindspeed_ha" / "__init__.py").write_text("")
     (tmp_path / "mindspeed_ha" / "launcher").mkdir()
+    (tmp_path / "mindspeed_ha" / "rank" / "processor").mkdir(parents=True)
     (control / "policy" / "rules.py").write_text("from ..wire import protocol\n")
-    (control / "rank" / "client.py").write_text("def make():\n    from mindspeed_ha.control.controller import Controller\n")
+    (tmp_path / "mindspeed_ha" / "rank" / "processor" / "client.py").write_text(
+        "from ...control.wire import link\nfrom ...control.policy import ranks\n"
+        "def make():\n    from mindspeed_ha.control.controller import Controller\n")
     (control / "wire" / "link.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                                               "    from ..policy.ranks import Rank\n")
-    (control / "controller" / "main.py").write_text("from ..policy import states\nfrom ..wire import router\n")
+    (control / "controller" / "main.py").write_text("from ..policy import states\nfrom ..wire import router\n"
+                                                    "from ..strategies import retry\n")
+    (control / "strategies" / "retry.py").write_text("from ..policy import rounds\nfrom ..controller import main\n")
     (tmp_path / "mindspeed_ha" / "launcher" / "agent.py").write_text("from ..control.controller import main\n"
                                                                       "from ..control.wire import link\n")
     assert violations(str(tmp_path)) == [
         "mindspeed_ha.control.policy.rules imports mindspeed_ha.control.wire",
         "mindspeed_ha.control.policy.rules imports mindspeed_ha.control.wire.protocol",
-        "mindspeed_ha.control.rank.client imports mindspeed_ha.control.controller",
-        "mindspeed_ha.control.rank.client imports mindspeed_ha.control.controller.Controller",
+        "mindspeed_ha.control.strategies.retry imports mindspeed_ha.control.controller",
+        "mindspeed_ha.control.strategies.retry imports mindspeed_ha.control.controller.main",
         "mindspeed_ha.control.wire.link imports mindspeed_ha.control.policy.ranks",
         "mindspeed_ha.control.wire.link imports mindspeed_ha.control.policy.ranks.Rank",
         "mindspeed_ha.launcher.agent imports mindspeed_ha.control.controller",
         "mindspeed_ha.launcher.agent imports mindspeed_ha.control.controller.main",
+        "mindspeed_ha.rank.processor.client imports mindspeed_ha.control.controller",
+        "mindspeed_ha.rank.processor.client imports mindspeed_ha.control.controller.Controller",
+        "mindspeed_ha.rank.processor.client imports mindspeed_ha.control.policy",
+        "mindspeed_ha.rank.processor.client imports mindspeed_ha.control.policy.ranks",
     ]

@@ -140,7 +140,7 @@ def test_another_threads_frame_is_sent_at_once_not_after_the_receive_wait(ctl):
     heartbeat that ends a recovery) wakes that thread's wait for the controller: it goes out at once,
     not when the wait runs out. Connected or not yet."""
     import threading
-    from mindspeed_ha.control.rank.processor import Outbox
+    from mindspeed_ha.rank.processor.processor import Outbox
     d, keys, c = ctl
     link = ControllerLink(keys, d, None, lambda: protocol.encode("register", rank=1, world=4, node="n", pid=9), 0.2)
     outbox = Outbox()

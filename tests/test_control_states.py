@@ -1,9 +1,9 @@
 """Every transition of the recovery state machine table, and the strategy choice."""
 import pytest
 
-from mindspeed_ha.control.policy.states import (HANDLES, TABLE, TIMEOUTS, Machine, Outcome as O, State as S,
-                                         TransitionError, choose_strategy, next_state)
-from mindspeed_ha.options import PREFERENCE
+from mindspeed_ha.control import strategies
+from mindspeed_ha.control.policy.states import TABLE, TIMEOUTS, Machine, Outcome as O, State as S, TransitionError, next_state
+from mindspeed_ha.options import _FLAG_TO_STRATEGY, PREFERENCE, STRATEGIES
 
 
 @pytest.mark.parametrize("state,outcome", sorted(TABLE, key=str))
@@ -41,47 +41,66 @@ def test_every_state_reachable_and_done_terminal():
 
 
 def test_every_busy_state_has_timeout_and_failure_exit():
-    for s in (S.PAUSE, S.DECIDE, S.REPAIR, S.ROLLBACK, S.DUMP, S.DOWNGRADE, S.UPGRADE, S.EXIT):
+    for s in (S.PAUSE, S.DECIDE, S.EXIT):
         assert s in TIMEOUTS and (s, O.TIMEOUT) in TABLE
+    # RECOVERING and DUMP: each stage of every strategy has its own time limit
+    for s in (S.RECOVERING, S.DUMP):
+        assert (s, O.TIMEOUT) in TABLE and (s, O.FAILED) in TABLE
+    assert all(stage.time_limit > 0 for st in strategies.REGISTRY.values() for stage in st.stages)
 
 
-def test_fault_life_reads_as_one_sequence():
+def test_fault_life_reads_as_one_sequence_for_every_strategy():
+    """retry, recover, scale-in: the same road; each stage after the first is RECOVERING again."""
     m = Machine()
-    for o in (O.REGISTERED, O.FAULT, O.STOPPED, O.RETRY, O.OK, O.OK):
+    for o in (O.REGISTERED, O.FAULT, O.STOPPED, O.CHOSEN, O.STAGE, O.OK):
         m.feed(o)
-    assert [h[2] for h in m.history] == [S.NORMAL, S.PAUSE, S.DECIDE, S.REPAIR, S.ROLLBACK, S.NORMAL]
+    assert [h[2] for h in m.history] == [S.NORMAL, S.PAUSE, S.DECIDE, S.RECOVERING, S.RECOVERING, S.NORMAL]
 
 
 def test_elastic_in_and_out_read_as_sequences():
     """Scale-in is a recovery; scale-out takes the same road without a fault (a planned pause)."""
     m = Machine()
-    for o in (O.REGISTERED, O.FAULT, O.STOPPED, O.ELASTIC, O.OK, O.OK, O.SCALE_OUT, O.STOPPED, O.SCALE_OUT,
-              O.OK, O.OK):
+    for o in (O.REGISTERED, O.FAULT, O.STOPPED, O.CHOSEN, O.SWITCH, O.STAGE, O.OK, O.SCALE_OUT, O.STOPPED,
+              O.CHOSEN, O.STAGE, O.OK):
         m.feed(o)
-    assert [h[2] for h in m.history] == [S.NORMAL, S.PAUSE, S.DECIDE, S.DOWNGRADE, S.ROLLBACK, S.NORMAL,
-                                         S.PAUSE, S.DECIDE, S.UPGRADE, S.ROLLBACK, S.NORMAL]
+    assert [h[2] for h in m.history] == [S.NORMAL, S.PAUSE, S.DECIDE, S.RECOVERING, S.RECOVERING, S.RECOVERING,
+                                         S.NORMAL, S.PAUSE, S.DECIDE, S.RECOVERING, S.RECOVERING, S.NORMAL]
     # a scale-out that fails once ranks have changed layout saves what they hold
-    assert next_state(S.UPGRADE, O.FAILED) == S.DUMP
+    assert next_state(S.RECOVERING, O.FAILED) == S.DUMP
 
 
 def test_strategy_order_and_fault_class():
     all_on = list(PREFERENCE)
-    built = {"retry", "recover", "dump"}
-    assert choose_strategy(all_on, {"memory-error"}, built)[0] == O.RETRY
-    assert choose_strategy(all_on, {"comm-failure"}, built)[0] == O.RETRY
-    assert choose_strategy(all_on, {"process-exit"}, built)[0] == O.RECOVER
-    assert choose_strategy(all_on, {"process-exit", "comm-failure"}, built)[0] == O.RECOVER
-    assert choose_strategy(["dump"], {"memory-error"}, built)[0] == O.DUMP
-    assert choose_strategy(["retry"], {"hang"}, built)[0] == O.NO_STRATEGY
-    assert choose_strategy(["elastic-training"], {"node-lost"}, {"elastic-training"})[0] == O.ELASTIC
+    assert strategies.choose(all_on, {"memory-error"})[0] is strategies.RETRY
+    assert strategies.choose(all_on, {"comm-failure"})[0] is strategies.RETRY
+    assert strategies.choose(all_on, {"process-exit"})[0] is strategies.RECOVER
+    assert strategies.choose(all_on, {"process-exit", "comm-failure"})[0] is strategies.RECOVER
+    assert strategies.choose(["dump"], {"memory-error"})[0] is strategies.DUMP
+    assert strategies.choose(["retry"], {"hang"}) == (None, "retry does not handle hang")
+    assert strategies.choose(["elastic-training"], {"node-lost"})[0] is strategies.SCALE_IN
 
 
-def test_this_build_ends_the_job():
-    out, why = choose_strategy(["dump"], {"process-exit"}, set())
-    assert out == O.NO_STRATEGY and "not available" in why
-    assert next_state(S.DECIDE, out) == S.EXIT
-    assert choose_strategy([], {"other"}, set())[0] == O.NO_STRATEGY
-    assert all(k in HANDLES["dump"] for k in ("process-exit", "hang", "memory-error", "other"))
+def test_no_strategy_ends_the_job():
+    out, why = strategies.choose(["reload", "mystery"], {"process-exit"})
+    assert out is None and why == "reload is not available in this build; mystery is not available in this build"
+    assert next_state(S.DECIDE, O.NO_STRATEGY) == S.EXIT
+    assert strategies.choose([], {"other"}) == (None, "no strategy enabled")
+    assert {"process-exit", "hang", "memory-error", "other"} <= strategies.DUMP.handles
+
+
+def test_every_strategy_is_one_file_of_the_registry_with_its_switch():
+    """Each strategy the options enable is in the registry under the same name, and says the flag the
+    options take for it; the ones played inside another name that one."""
+    assert set(STRATEGIES) <= set(strategies.REGISTRY)
+    for flag, name in _FLAG_TO_STRATEGY.items():
+        assert "--" + flag.replace("_", "-") in strategies.REGISTRY[name].switch
+    for s in strategies.REGISTRY.values():
+        assert s.stages or s.part_of, s.name
+        assert all(strategies.REGISTRY[p].stages for p in s.part_of)
+    # one file each: the module whose STRATEGY it is
+    files = {m.STRATEGY.name: m.__name__ for m in (getattr(strategies, n) for n in dir(strategies))
+             if hasattr(m, "STRATEGY")}
+    assert sorted(files) == sorted(strategies.REGISTRY) and len(set(files.values())) == len(files)
 
 
 def test_overdue():

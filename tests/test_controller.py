@@ -84,7 +84,7 @@ def test_a_bug_in_a_round_fails_the_state_not_the_controller(tmp_path, controlle
         ranks.pump(10, until=lambda: c.machine.state.value in ("exit", "done"))
         ranks.pump(1)
         moves = states(tmp_path)
-        assert ("repair", "dump", "failed") in moves and ("dump", "exit", "failed") in moves, moves
+        assert ("recovering", "dump", "failed") in moves and ("dump", "exit", "failed") in moves, moves
         bug = [rec for rec in caplog.records if rec.exc_info and rec.exc_info[0] is ValueError]
         assert bug and "failed" in bug[0].getMessage()  # logged with its traceback
         diagnosis = [e for e in read_events(str(tmp_path / "events" / "controller.jsonl")) if e["event"] == "diagnosis"]
@@ -120,7 +120,7 @@ def test_answers_of_any_size_travel_whole(tmp_path, controller):
         assert ("dump", "exit", "ok") in states(tmp_path), states(tmp_path)
         cp = [e for e in read_events(str(tmp_path / "events" / "controller.jsonl")) if e["event"] == "checkpoint"]
         assert cp and cp[0]["path"] == save + "/iter_0000005"
-        assert f"Resume with --load {save}" in c.last_diagnosis
+        assert f"Resume with --load {save}" in c.ending.last_diagnosis
     finally:
         ranks.close()
 
@@ -128,22 +128,28 @@ def test_answers_of_any_size_travel_whole(tmp_path, controller):
 def test_the_dump_time_limit_grows_with_the_state_and_with_progress(tmp_path):
     """120 s for a small state, more for a large one (50 MB/s), --ha-dump-timeout when given, and
     three times that while the writers show progress."""
-    from mindspeed_ha.control.policy.playbooks import Episode
+    from mindspeed_ha.control import strategies
     from mindspeed_ha.control.policy.ranks import Rank
+    from mindspeed_ha.control.strategies import Episode
     from mindspeed_ha.control.policy.states import State as S
     keys = security.Keys.load(str(tmp_path), create=True)
     c = Controller(str(tmp_path), 2, HAOptions(strategies=frozenset({"dump"}), log_dir=str(tmp_path)), keys)
     try:
         now = time.monotonic()
-        c.ranks.update({r: Rank(r, b"", progress_at=now - 100) for r in (0, 1)})
-        c.episode = Episode(None, "dump", 2, [], {}, statuses={0: {}, 1: {}})
-        assert c._limit(S.DUMP, now) == 120.0 and c._limit(S.REPAIR, now) == 180.0
-        c.episode.state_bytes = 50 * 10 ** 9  # 50 GB: 1,000 s at 50 MB/s
-        assert c._limit(S.DUMP, now) == pytest.approx(1030.0)
-        c.ranks[1].progress_at = now - 5  # a writer moved 5 s ago
-        assert c._limit(S.DUMP, now) == pytest.approx(3090.0)
-        c.options = HAOptions(strategies=frozenset({"dump"}), log_dir=str(tmp_path), dump_timeout_s=40.0)
-        assert c._limit(S.DUMP, now) == 120.0  # 3 x 40 s: still moving
+        c.table.ranks.update({r: Rank(r, b"", progress_at=now - 100) for r in (0, 1)})
+        recovery = c.recovery
+        recovery.episode = Episode(None, "dump", 2, [], {}, statuses={0: {}, 1: {}})
+        limit = lambda st: recovery.limit(st, now, c.table.dead_after)  # noqa: E731
+        recovery.strategy, recovery.stage = strategies.RETRY, strategies.RETRY.stages[0]
+        assert limit(S.DUMP) == 120.0 and limit(S.RECOVERING) == 180.0
+        recovery.stage = strategies.RETRY.stages[1]
+        assert limit(S.RECOVERING) == 30.0
+        recovery.episode.state_bytes = 50 * 10 ** 9  # 50 GB: 1,000 s at 50 MB/s
+        assert limit(S.DUMP) == pytest.approx(1030.0)
+        c.table.ranks[1].progress_at = now - 5  # a writer moved 5 s ago
+        assert limit(S.DUMP) == pytest.approx(3090.0)
+        recovery.options = HAOptions(strategies=frozenset({"dump"}), log_dir=str(tmp_path), dump_timeout_s=40.0)
+        assert limit(S.DUMP) == 120.0  # 3 x 40 s: still moving
     finally:
         c.router.close()
 
@@ -158,7 +164,7 @@ def test_newcomers_still_waiting_when_the_job_ends_are_told_to_leave(tmp_path):
     c = Controller(str(tmp_path), 4, opts, keys)
     try:
         now = time.monotonic()
-        c.ranks.update({r: Rank(r, b"", seen=now, progress_at=now, it=10 if r < 2 else -1,
+        c.table.ranks.update({r: Rank(r, b"", seen=now, progress_at=now, it=10 if r < 2 else -1,
                                 phase="step" if r < 2 else "startup") for r in range(4)})
         c.scaling.dp, c.scaling.left, c.scaling.offered = 2, {2, 3}, {2, 3}
         assert not c.table.completed(10) and c.table.completed(10, c.scaling.newcomers())
@@ -167,7 +173,7 @@ def test_newcomers_still_waiting_when_the_job_ends_are_told_to_leave(tmp_path):
         c.orders.send = lambda action, ranks, args=None: sent.append((action, ranks, args["code"]))
         c.orders.to_agents = lambda action, args: sent.append((action, args["ranks"]))
         for r in (0, 1):
-            c.ranks[r].done = True
+            c.table.ranks[r].done = True
         assert c.scaling.ended_without() and c.table.all_over()
         assert sent == [("exit", [2, 3], 0), ("leave", [2, 3])]
     finally:
@@ -250,13 +256,13 @@ def test_ranks_whose_agent_has_not_registered_wait_for_their_node(tmp_path):
     c = Controller(str(tmp_path), 4, opts, keys)
     try:
         now = time.monotonic()
-        c.ranks.update({r: Rank(r, b"", seen=now, agent_node=r // 2) for r in range(4)})
-        c.agents[0] = Agent(0, b"a0", "vm:0", [0, 1], [100, 101], seen=now, pid=99)
+        c.table.ranks.update({r: Rank(r, b"", seen=now, agent_node=r // 2) for r in range(4)})
+        c.table.agents[0] = Agent(0, b"a0", "vm:0", [0, 1], [100, 101], seen=now, pid=99)
         assert c.restarts.restart([2, 3]) == ([], [2, 3], [])
         assert c.restarts.restarting == {2, 3} and c.restarts.budget.replacements[1] == 1
-        c.agents.clear()  # a job no agent launched (torchrun, say): nothing can restart its ranks
+        c.table.agents.clear()  # a job no agent launched (torchrun, say): nothing can restart its ranks
         for r in range(4):
-            c.ranks[r].agent_node = None
+            c.table.ranks[r].agent_node = None
         assert c.restarts.restart([2, 3]) == ([], [], [2, 3])
     finally:
         c.router.close()
@@ -267,7 +273,7 @@ def test_a_rank_whose_training_thread_does_not_take_an_order_says_where_that_thr
     that thread is (its innermost frames) and where the stop stands, in what heartbeats carry; the
     report ends when the thread takes the order."""
     import threading
-    from mindspeed_ha.control.rank import processor as P
+    from mindspeed_ha.rank.processor import processor as P
 
     gate = threading.Event()
 
@@ -307,7 +313,7 @@ def test_a_rank_whose_training_thread_runs_an_order_for_long_says_where_it_is(tm
     runs that long on the training thread: the processor says where that thread is, as for an order
     not taken; the report ends with the order."""
     import threading
-    from mindspeed_ha.control.rank import processor as P
+    from mindspeed_ha.rank.processor import processor as P
 
     p = P.Processor(1, 4, 1, "n0", HAOptions(strategies=frozenset({"recover"}), log_dir=str(tmp_path)), [[1, 3]])
     p.events = EventLog.for_rank(str(tmp_path), 1)
@@ -326,3 +332,4 @@ def test_a_rank_whose_training_thread_runs_an_order_for_long_says_where_it_is(tm
     assert p.held == ""  # (the order ended: no report)
     held = [e for e in read_events(str(tmp_path / "events" / "rank_1.jsonl")) if e["event"] == "held"]
     assert [e["detail"] for e in held] == reports
+

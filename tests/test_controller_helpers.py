@@ -267,7 +267,7 @@ def test_scaling_switches_a_recover_that_waited_out_its_spare_and_lets_ranks_lea
     job.restarts.expect([2, 3])
     scaling.switched("no replacement")
     assert not job.restarts.restarting
-    assert job.events.named("strategy") == [{"outcome": "elastic", "reason": "no replacement"}]
+    assert job.events.named("strategy") == [{"outcome": "elastic-training", "reason": "no replacement"}]
     scaling.scaled(2, {0: [0], 1: [1]})
     scaling.leave([2, 3], "the job scaled in")
     assert scaling.dp == 2 and scaling.left == {2, 3} and job.table.ranks[0].groups == [[0]]
@@ -288,8 +288,8 @@ def test_a_migration_is_refused_with_the_reason_until_it_can_be_done():
     assert migrations.refusal(1) == "this controller is a standby"
     job.port.standby = False
     assert migrations.refusal(7) == "rank 7 is not a live registered rank"
-    job.port.state = State.REPAIR
-    assert "in state repair" in migrations.refusal(1)
+    job.port.state = State.RECOVERING
+    assert "in state recovering" in migrations.refusal(1)
     job.port.state, job.port.pending_first_step = State.NORMAL, True
     assert "has not completed its first step" in migrations.refusal(1)
     job.port.pending_first_step = False
@@ -516,7 +516,7 @@ def test_a_survivors_counts_go_to_the_other_ranks_while_a_stop_is_in_force():
     left = protocol.decode(protocol.encode("left", rank=1, pid=101, entered={"member": 1, "counts": {"k-dp": 4}}))
     handlers["left"](b"\x01", left)
     assert job.router.orders("entered") == []
-    job.port.state = State.REPAIR
+    job.port.state = State.RECOVERING
     handlers["left"](b"\x01", left)
     sent = job.router.orders("entered")
     assert len(sent) == 3 and all(a == {"entered": {"1": {"member": 1, "counts": {"k-dp": 4}}}} for _, a in sent)

@@ -45,7 +45,7 @@ def test_a_lost_rank_without_a_spare_scales_the_job_in_under_the_controller(tmp_
     assert_ok(proc)
     ctl = events(tmp_path / "run", "controller")
     scaled = [e for e in ctl if e["event"] == "scaled_in"]
-    assert len(scaled) == 1, [e for e in ctl if e["event"] in ("fault", "strategy", "repair_failed", "diagnosis")]
+    assert len(scaled) == 1, [e for e in ctl if e["event"] in ("fault", "strategy", "strategy_failed", "diagnosis")]
     assert (scaled[0]["old_dp"], scaled[0]["dp"], scaled[0]["dropped"], scaled[0]["redundancy"]) == (4, 2, [1, 2], True)
     rec = [e for e in ctl if e["event"] == "recovered"]
     assert len(rec) == 1 and rec[0]["strategy"] == "elastic-training" and rec[0]["lost_steps"] == 0
@@ -138,7 +138,7 @@ def test_a_loss_the_resized_job_cannot_absorb_ends_in_the_dying_gasp(tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     ctl = events(tmp_path / "run", "controller")
     assert [(e["old_dp"], e["dp"]) for e in ctl if e["event"] == "scaled_in"] == [(4, 2)]
-    failed = [e["reason"] for e in ctl if e["event"] == "repair_failed"]
+    failed = [e["reason"] for e in ctl if e["event"] == "strategy_failed"]
     assert failed and "changing the optimizer instance count in process is not built" in failed[0], failed
     dump = [e for e in ctl if e["event"] == "checkpoint" and e["kind"] == "dying_gasp"]
     assert len(dump) == 1 and dump[0]["iteration"] == 7 and dump[0]["ranks"] == [0], dump
@@ -168,7 +168,7 @@ def test_a_fault_during_the_scale_in_plans_again_with_every_loss(tmp_path, phase
     assert_ok(proc)
     ctl = events(tmp_path / "run", "controller")
     if phase == "resize":
-        plans = [(e["old_dp"], e["dp"], e["kept"]) for e in ctl if e["event"] == "elastic_plan"]
+        plans = [(e["old_dp"], e["dp"], e["kept"]) for e in ctl if e["event"] == "resize_plan"]
         assert plans == [(8, 4, [[0], [2], [3], [5]]), (8, 4, [[0], [3], [5], [6]])], plans
     scaled = [(e["old_dp"], e["dp"], e["dropped"]) for e in ctl if e["event"] == "scaled_in"]
     assert len(scaled) == 1 and scaled[0][:2] == (8, 4) and {1, 2} <= set(scaled[0][2]), scaled

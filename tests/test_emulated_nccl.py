@@ -483,7 +483,7 @@ def test_without_the_backstop_the_held_rank_never_answers_and_the_controller_say
     proc = _drill_job(tmp_path / "job", HELD_UNTRACKED, HELD_FLAGS, env={
         "PYTHONPATH": os.pathsep.join(filter(None, [str(off), os.environ.get("PYTHONPATH")]))})
     assert proc.returncode != 0, proc.stderr[-2000:]
-    failed = [e["reason"] for e in events(tmp_path / "job", "controller") if e["event"] == "repair_failed"]
+    failed = [e["reason"] for e in events(tmp_path / "job", "controller") if e["event"] == "strategy_failed"]
     assert failed and failed[0].startswith("status failed (rank 2: no answer (the training thread has not taken "
                                            "the controller's order for "), failed
     assert "<- hold_on_untracked (inject.py:" in failed[0] and "no communicator aborted" in failed[0], failed

@@ -1,6 +1,7 @@
 """Each recovery order a rank serves (rank/recovery/handlers.py), on fakes: a session with the fields the
 orders read, a trainer that records what it is asked, and recovery tools that record each call in
-place of the groups, the shard transfers, the layouts and the checkpoints. No process, no socket:
+place of the engine's (rank/recovery/engine.py: the groups, the shard transfers, the layouts and the
+checkpoints). No process, no socket:
 the orders' own logic — what each answers, in what order it acts, what it leaves behind when a
 step of it fails — is what is tested here; the drills test the same orders for real."""
 from __future__ import annotations
@@ -77,13 +78,13 @@ class Session:
             raise AttributeError(name)
         return lambda *a, **k: self.calls.append((name, *a, *k.values()))
 
-    def relaid_out(self) -> None:
-        self.calls.append(("relaid_out",))
+    def resized(self) -> None:
+        self.calls.append(("resized",))
         self.writes_loss = True  # (this rank writes the loss in the new layout)
 
 
 class Tools:
-    """Records every call; answers what the live tools would, in shape."""
+    """Records every call; answers what the engine's calls would, in shape."""
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
@@ -338,7 +339,7 @@ def test_a_newcomer_whose_loop_builds_its_model_answers_the_scale_out_later():
     r, s, tools = _recovery(Session(trainer, strategies=("elastic-training",)))
     s.joining = True
     later = r.handlers()["scale-out"]({"plan": _elastic_plan("out"), **STORE})
-    from mindspeed_ha.control.rank.orders import Later
+    from mindspeed_ha.rank.processor.serving import Later
     assert isinstance(later, Later) and "move_state" not in tools.names()
     sent: list[tuple] = []
     later._send = lambda ok, data=None, error="": sent.append((ok, data, error))
@@ -391,6 +392,17 @@ def test_the_dump_writes_over_the_survivors_world_and_logs_the_step_it_settles_o
     assert not s.stop.requested()
     assert tools.calls[-2:] == [("survivor_world", [0, 1, 3], 1, 3), ("write_dump", "world", "/ckpt")]
     assert ("progressed",) in s.calls and ("log_step_at_dump", 6, 1.5) in s.calls
+
+
+def test_the_engine_is_the_engines_own_calls_by_the_names_the_orders_use():
+    """The orders reach each engine call directly: every call of ``RecoveryTools`` is the engine's
+    function itself (mypy checks their signatures), none passes through a forwarder."""
+    from mindspeed_ha.rank.recovery import engine, handlers, restore
+    calls = sorted(n for n in vars(handlers.RecoveryTools) if not n.startswith("_"))
+    assert sorted(engine.__all__) == calls
+    assert engine.transfer_shards is restore.transfer_shards and engine.shard_status is restore.status
+    assert all(getattr(engine, n).__module__.startswith("mindspeed_ha.") for n in calls)
+    assert RankRecovery(Session()).tools is engine
 
 
 def test_every_order_is_in_the_table():

@@ -111,7 +111,7 @@ def test_a_rank_that_reaches_no_controller_does_not_train(tmp_path):
     --ha-register-timeout, then ends with 201 and a diagnosis that says so."""
     code = f"""
 import sys, time
-from mindspeed_ha.control.rank.processor import Processor
+from mindspeed_ha.rank.processor.processor import Processor
 from mindspeed_ha.options import HAOptions
 opts = HAOptions(strategies=frozenset({{"dump"}}), log_dir={str(tmp_path)!r}, insecure=True, register_timeout_s=1.5)
 p = Processor(1, 4, 1, "n0", opts, [[1, 3]]).start()
@@ -196,7 +196,7 @@ def test_a_rank_cut_off_from_every_controller_ends_with_a_diagnosis(tmp_path):
 import time
 from mindspeed_ha.control.wire import security
 from mindspeed_ha.control.controller import Controller
-from mindspeed_ha.control.rank.processor import Processor
+from mindspeed_ha.rank.processor.processor import Processor
 from mindspeed_ha.options import HAOptions
 opts = HAOptions(strategies=frozenset({{"dump"}}), log_dir={str(tmp_path)!r}, insecure=True, register_timeout_s=1.5)
 c = Controller({str(tmp_path)!r}, 4, opts, security.Keys.load({str(tmp_path)!r}, insecure=True), host="127.0.0.1").start()
@@ -443,7 +443,7 @@ def test_elastic_node_1_cut_off_again_during_the_scale_out(tmp_path, hosts, refe
     # (the interrupted scale-out, undone, is a "scale-in" to the same size)
     assert [(e["old_dp"], e["dp"], e["dropped"]) for e in scaled_in] == [(4, 2, [2, 3]), (2, 2, [])], scaled_in
     assert [(e["old_dp"], e["dp"], e["added"]) for e in scaled_out] == [(2, 4, [2, 3])], scaled_out
-    plans = [(e["old_dp"], e["dp"]) for e in ctl if e["event"] == "elastic_plan"]
+    plans = [(e["old_dp"], e["dp"]) for e in ctl if e["event"] == "resize_plan"]
     assert plans == [(4, 2), (2, 4), (2, 2), (2, 4)], plans
     assert [e["phase"] for e in all_rank_events(dirs[1]) if e["event"] == "inject"] == ["resize"]
     steps = [e["iteration"] for e in events(dirs[0], "rank_0") if e["event"] == "step"]

@@ -45,7 +45,7 @@ def check_recovered(proc, log_dir, want, nproc=4, n: int | tuple = 1) -> list:
     assert sorted(e["rank"] for e in starts) == list(range(nproc))  # nobody restarted
     assert losses(log_dir) == want
     rec = [e for e in events(log_dir, "controller") if e["event"] == "recovered"]
-    assert len(rec) in (n if isinstance(n, tuple) else (n,)), [e for e in events(log_dir, "controller") if e["event"] in ("fault", "strategy", "repair_failed")]
+    assert len(rec) in (n if isinstance(n, tuple) else (n,)), [e for e in events(log_dir, "controller") if e["event"] in ("fault", "strategy", "strategy_failed")]
     for r in rec:
         assert r["strategy"] == "retry" and r["lost_steps"] == 0 and r["mttr_s"] > 0
         assert {"detect", "stop", "rebuild", "repair", "rollback", "first_step"} <= set(r["phases"])
@@ -150,7 +150,7 @@ def test_a_stage_twin_that_ended_the_step_goes_back_with_the_job(tmp_path, refer
     proc = job(tmp_path, inject=inject, extra=[*TINY_LAYOUTS["pp2"][1]])
     rec = check_rejoined(proc, tmp_path, references.tiny("pp2"), [], n=1)
     assert rec[0]["strategy"] == "retry" and rec[0]["iteration"] == 5
-    (plan,) = [e for e in events(tmp_path, "controller") if e["event"] == "repair_plan"]
+    (plan,) = [e for e in events(tmp_path, "controller") if e["event"] == "restore_plan"]
     # (rank 0's poisoned shard is past 5 too, its counters are not: its twin's are the same)
     assert plan["pairs"] == [1, 0, 3, 2] and plan["joiners"] == [0, 1, 2, 3], plan
     assert [e["iteration"] for e in events(tmp_path, "rank_2") if e["event"] == "step"].count(6) == 2
@@ -248,7 +248,7 @@ def check_rejoined(proc, log_dir, want, killed: list[int], n: int | None, nproc=
     assert losses(log_dir) == want
     rec = [e for e in events(log_dir, "controller") if e["event"] == "recovered"]
     assert n is None or len(rec) == n, \
-        [e for e in events(log_dir, "controller") if e["event"] in ("fault", "strategy", "repair_failed")]
+        [e for e in events(log_dir, "controller") if e["event"] in ("fault", "strategy", "strategy_failed")]
     for r in rec:
         assert r["lost_steps"] == 0 and r["mttr_s"] > 0
         if r["strategy"] == "recover":
@@ -488,7 +488,7 @@ def test_both_twins_poisoned_the_job_goes_on_from_the_periodic_checkpoint(tmp_pa
     assert [(e["strategy"], e["how"], e["iteration"], e["lost_steps"]) for e in rec] == [("retry", "reload", 3, 1)]
     assert recomputed(tmp_path) == [4]
     twins_agree(tmp_path, rec)  # both holders came back from the checkpoint, equal again
-    plan = [e for e in events(tmp_path, "controller") if e["event"] == "repair_plan"]
+    plan = [e for e in events(tmp_path, "controller") if e["event"] == "restore_plan"]
     assert "[1, 3]" in plan[0]["reason"] and "every replica lost" in plan[0]["reason"]
 
 

@@ -18,7 +18,7 @@ from mindspeed_ha import faults, inject
 from mindspeed_ha.control.policy import desync
 from mindspeed_ha.control.policy.ledger import record
 from mindspeed_ha.control.policy.recurrence import Recurrences, signature
-from mindspeed_ha.control.rank.long_wait import LongWait
+from mindspeed_ha.rank.processor.long_wait import LongWait
 
 MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
 
@@ -139,7 +139,7 @@ def run(log_dir, inject_spec, *extra, backend="gloo", iters=9, timeout=240, mlm=
 
 def rollbacks(ctl: list[dict]) -> int:
     """The recoveries that mended the state and sent the ranks back to training."""
-    return len([e for e in ctl if e["event"] == "state" and e["to"] == "rollback"])
+    return len([e for e in ctl if e["event"] == "stage" and e["stage"] == "resume"])
 
 
 def pids_of(log_dir) -> set[int]:

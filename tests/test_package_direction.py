@@ -2,9 +2,9 @@
 inside functions and under TYPE_CHECKING too).
 
 Tiers, top to bottom: a room may import the rooms of the tiers below its own, never one above, never
-another room of its own tier. control/'s four rooms keep their own direction too
-(tests/test_control_layout.py); here they are placed among the others. No module imports itself
-back through others (no import cycle).
+another room of its own tier. control/'s three rooms keep their own direction too, and the rank's
+processor takes only the wire of them (tests/test_control_layout.py); here they are placed among the
+others. No module imports itself back through others (no import cycle).
 """
 import ast
 import os
@@ -20,9 +20,10 @@ TIERS = (
     ("adaptor",),                                 # installs the patches
     ("rank.session",),                            # the rank runtime: the trainers' hooks
     ("rank.fault_loop", "rank.replicas"),         # ... a fault's loop; the replica optimizer wired in
-    ("rank.recovery",),                           # ... each recovery order, behind its tools
+    ("rank.recovery",),                           # ... each recovery order, on the engine's calls
     ("rank.state",),                              # ... the rank's state
-    ("control.controller", "control.rank"),       # the control plane: controller, the rank's processor
+    ("rank.processor", "control.controller"),     # ... the rank's processor; the control plane's controller
+    ("control.strategies",),                      # ... the strategies, one file each, and their registry
     ("control.policy", "control.wire"),           # ... its rules, its wire
     ("trainer_state", "inject"),                  # a trainer's state (checkpoints, RNG); fault drills
     ("replica", "plan", "layout", "report", "process"),
@@ -174,8 +175,9 @@ def test_the_check_finds_an_import_against_the_direction_and_a_cycle(tmp_path):
 
 # The rank side (its runtime, the rank's processor, the stop) and the trainers above it: classes small
 # enough to read in one sitting, each with one role.
-RANK_SIDE = ("mindspeed_ha/rank", "mindspeed_ha/control/rank", "mindspeed_ha/comm/stop.py", "mindspeed_ha/trainer",
-             "mindspeed_ha/megatron_lm")
+RANK_SIDE = ("mindspeed_ha/rank", "mindspeed_ha/comm/stop.py", "mindspeed_ha/trainer", "mindspeed_ha/megatron_lm")
+# ... and the control plane and the devices: the controller, each strategy, each accelerator.
+CONTROL_AND_DEVICES = ("mindspeed_ha/control", "mindspeed_ha/device")
 MAX_CLASS_LINES = 300
 
 
@@ -194,4 +196,9 @@ def _classes_over(limit: int, places) -> list[str]:
 
 def test_no_class_of_the_rank_side_or_the_trainers_is_over_300_lines():
     assert _classes_over(MAX_CLASS_LINES, RANK_SIDE) == []
+
+
+def test_no_class_of_the_control_plane_or_the_devices_is_over_300_lines():
+    assert _classes_over(MAX_CLASS_LINES, CONTROL_AND_DEVICES) == []
+    assert _classes_over(200, ("mindspeed_ha/control/controller/controller.py",))  # (it finds one: Controller)
     assert _classes_over(100, ("mindspeed_ha/comm/stop.py",))  # (the check finds a class: Stop is over 100)

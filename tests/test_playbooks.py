@@ -2,10 +2,10 @@
 every failure, timeout and lost-rank branch — in milliseconds, without processes."""
 import pytest
 
-from mindspeed_ha.control.policy import playbooks
-from mindspeed_ha.control.policy.playbooks import Episode, FirstStep
+from mindspeed_ha import plan as planner
+from mindspeed_ha.control import strategies
+from mindspeed_ha.control.strategies import Episode, FirstStep, dump, recover, retry
 from mindspeed_ha.control.policy.rounds import DONE, NEXT, Answers, Fail, Goto, Round, Runner
-from mindspeed_ha.control.policy.states import State as S
 
 GROUPS = {0: [0, 2], 2: [0, 2], 1: [1, 3], 3: [1, 3]}  # DP=4, two optimizer instances
 
@@ -122,8 +122,10 @@ def episode(port, strategy="retry", faults=(), replica=True):
     return Episode(port, strategy, 4, list(faults), dict(GROUPS), replica=replica)
 
 
-def play(playbook, state, ep, clock=None):
-    runner = Runner(playbook.rounds(state), ep, clock=clock or Clock())
+def play(strategy, stage, ep, clock=None):
+    """``strategy``'s ``stage`` (its first: "first"; its last: "last"), played on ``ep``."""
+    stage = {"first": strategy.stages[0], "last": strategy.stages[-1]}[stage]
+    runner = Runner(list(stage.rounds), ep, clock=clock or Clock())
     return runner, runner.start()
 
 
@@ -144,21 +146,21 @@ def test_elastic_every_round_in_order():
     at DP=2, they scale in; rank 2 and the lost rank 1 leave; the kept ranks roll back and resume."""
     port = FakePort(live=(0, 2, 3), lost=(1,))
     ep = episode(port, strategy="elastic-training", faults=[KILL1])
-    runner, out = play(playbooks.ELASTIC, S.DOWNGRADE, ep)
+    runner, out = play(strategies.SCALE_IN, "first", ep)
     assert out is None and port.last()[1:3] == ("ha-status", [0, 2, 3])
     port.answer(elastic_statuses())
     assert runner.tick() is None
     oid, action, ranks, args = port.last()
     assert (action, ranks) == ("scale-in", [0, 3])
     assert args["plan"]["kept"] == [[0], [3]] and args["plan"]["dp"] == 2 and args["generation"] == 1
-    assert port.event("elastic_plan")[0]["dropped"] == [1, 2]
+    assert port.event("resize_plan")[0]["dropped"] == [1, 2]
     port.answer({0: {"received": 12, "seconds": 0.3, "replica_group": [0, 3]},
                  3: {"received": 12, "seconds": 0.2, "replica_group": [0, 3]}})
     assert runner.tick() == "ok"
     assert port.left[0] == [1, 2] and port.event("scaled") == [{"dp": 2, "groups": {0: [0, 3], 3: [0, 3]}}]
     done = port.event("scaled_in")[0]
     assert (done["old_dp"], done["dp"], done["bytes"], done["seconds"]) == (4, 2, 24, 0.3)
-    runner, out = play(playbooks.ELASTIC, S.ROLLBACK, ep)
+    runner, out = play(strategies.SCALE_IN, "last", ep)
     assert out is None and port.last()[1:] == ("rollback", [0, 3], {"iteration": 5, "fresh_data": True})
     port.answer({0: "rollback", 3: "rollback"})
     assert runner.tick() is None and port.last()[1:3] == ("resume", [0, 3])
@@ -171,9 +173,9 @@ def test_elastic_every_round_in_order():
     ((0, 2, 3), (1,), {**LAYOUT, "global_batch": 6}, "changing the optimizer instance count in process is not built"),
     ((0, 2, 3), (1,), {**LAYOUT, "micro_batch": 16}, "scale-in refused: "),
 ], ids=["nothing lost", "odd size", "no size divides the batch"])
-def test_elastic_plan_refusals_fail_the_state(live, lost, layout, why):
+def test_resize_plan_refusals_fail_the_state(live, lost, layout, why):
     port = FakePort(live=live, lost=lost)
-    runner, _ = play(playbooks.ELASTIC, S.DOWNGRADE, episode(port, strategy="elastic-training", faults=[KILL1]))
+    runner, _ = play(strategies.SCALE_IN, "first", episode(port, strategy="elastic-training", faults=[KILL1]))
     port.answer(elastic_statuses(live, layout))
     out = runner.tick()
     assert out[0] == "failed" and why in out[1], out
@@ -185,7 +187,7 @@ def test_elastic_after_an_interrupted_resize_enters_the_same_size_again():
     was lost inside a scale-out): the plan keeps the same replicas and they enter the layout again."""
     port = FakePort(live=(0, 1, 2, 3))
     ep = episode(port, strategy="elastic-training", faults=[KILL1])
-    runner, _ = play(playbooks.ELASTIC, S.DOWNGRADE, ep)
+    runner, _ = play(strategies.SCALE_IN, "first", ep)
     layout = {**LAYOUT, "dp_ranks": [0, 1]}
     st = {r: {**shard(5, rank=r), "replica_group": [0, 1], "layout": layout, "unfinished": True} for r in (0, 1)}
     port.answer({**st, 2: {"replica": True, "joining": True}, 3: {"replica": True, "joining": True}})
@@ -201,7 +203,7 @@ def test_elastic_refused_when_the_controllers_own_rank_would_leave():
     """Rank 0 (hosting the controller) stopped before its update, so its twin 2 serves the shard:
     the plan would keep replicas 2 and 3 and park rank 0 — refused (the dump follows)."""
     port = FakePort(live=(0, 2, 3), lost=(1,))
-    runner, _ = play(playbooks.ELASTIC, S.DOWNGRADE, episode(port, strategy="elastic-training", faults=[KILL1]))
+    runner, _ = play(strategies.SCALE_IN, "first", episode(port, strategy="elastic-training", faults=[KILL1]))
     st = elastic_statuses()
     st[0].update(iteration=4, updating=True, touched=False)
     port.answer(st)
@@ -211,7 +213,7 @@ def test_elastic_refused_when_the_controllers_own_rank_would_leave():
 
 def test_elastic_a_failed_scale_in_fails_the_state_and_nobody_leaves():
     port = FakePort(live=(0, 2, 3), lost=(1,))
-    runner, _ = play(playbooks.ELASTIC, S.DOWNGRADE, episode(port, strategy="elastic-training", faults=[KILL1]))
+    runner, _ = play(strategies.SCALE_IN, "first", episode(port, strategy="elastic-training", faults=[KILL1]))
     port.answer(elastic_statuses())
     runner.tick()
     port.answer({0: {"received": 1, "seconds": 0.1, "replica_group": [0, 3]}, 3: RuntimeError("reshard: no holder")})
@@ -234,24 +236,24 @@ def test_scale_out_every_round_in_order():
     scales out, then rolls back to the plan's iteration and resumes; the first step emits scaled_out."""
     port = FakePort(live=(0, 1, 2, 3))
     ep = Episode(port, "scale-out", 4, [SCALE], {0: [0, 1], 1: [0, 1]})
-    runner, out = play(playbooks.SCALE_OUT, S.UPGRADE, ep)
+    runner, out = play(strategies.SCALE_OUT, "first", ep)
     assert out is None and port.last()[1:3] == ("ha-status", [0, 1, 2, 3])
     port.answer({**scaled_in_statuses(), 2: {"replica": True, "joining": True}, 3: {"replica": True, "joining": True}})
     assert runner.tick() is None
     oid, action, ranks, args = port.last()
     assert (action, ranks) == ("scale-out", [0, 1, 2, 3])
     assert args["plan"]["kept"] == [[0], [1], [2], [3]] and args["plan"]["sources"] == [2, 0, 3, 0]
-    assert port.event("elastic_plan")[0]["added"] == [2, 3]
+    assert port.event("resize_plan")[0]["added"] == [2, 3]
     port.answer({r: {"received": 10, "seconds": 0.2, "replica_group": [r % 2, r % 2 + 2]} for r in range(4)})
     assert runner.tick() == "ok"
     assert port.event("scaled")[0]["dp"] == 4 and not hasattr(port, "left")
-    runner, out = play(playbooks.SCALE_OUT, S.ROLLBACK, ep)
+    runner, out = play(strategies.SCALE_OUT, "last", ep)
     assert port.last()[1:] == ("rollback", [0, 1, 2, 3], {"iteration": 9, "fresh_data": True})
     port.answer({r: "rollback" for r in range(4)})
     assert runner.tick() is None and port.last()[1:3] == ("resume", [0, 1, 2, 3])
     port.answer({r: "resumed" for r in range(4)})
     assert runner.tick() == "ok"
-    assert playbooks.FirstStep(ep, [SCALE], 100.0).check(101.0, True)
+    assert FirstStep(ep, [SCALE], 100.0).check(101.0, True)
     done = port.event("scaled_out")[0]
     assert (done["old_dp"], done["dp"], done["added"], done["bytes"], done["seconds"]) == (2, 4, [2, 3], 40, 2.0)
     assert not port.event("recovered")
@@ -262,13 +264,13 @@ def test_scale_out_refused_leaves_the_newcomers_out_and_trains_on():
     roll back to where they parked and resume at DP=2."""
     port = FakePort(live=(0, 1, 2))
     ep = Episode(port, "scale-out", 4, [SCALE], {0: [0, 1], 1: [0, 1]})
-    runner, _ = play(playbooks.SCALE_OUT, S.UPGRADE, ep)
+    runner, _ = play(strategies.SCALE_OUT, "first", ep)
     port.answer({**scaled_in_statuses(), 2: {"replica": True, "joining": True}})
     assert runner.tick() == "ok"
     assert port.left[0] == [2] and "scale-out refused" in port.left[1]
     assert port.event("scale_out_refused")[0]["newcomers"] == [2]
     assert not [o for o in port.orders if o[1] == "scale-out"]
-    runner, _ = play(playbooks.SCALE_OUT, S.ROLLBACK, ep)
+    runner, _ = play(strategies.SCALE_OUT, "last", ep)
     assert port.last()[1:] == ("rollback", [0, 1], {"iteration": 9, "fresh_data": True})
 
 
@@ -278,7 +280,7 @@ def test_a_refused_scale_out_enters_the_layout_again_when_a_rank_was_stopped_ins
     (the resize order, the same layout) before they roll back. Nothing scaled out, nothing scaled in."""
     port = FakePort(live=(0, 1, 2))
     ep = Episode(port, "scale-out", 4, [SCALE], {0: [0, 1], 1: [0, 1]})
-    runner, _ = play(playbooks.SCALE_OUT, S.UPGRADE, ep)
+    runner, _ = play(strategies.SCALE_OUT, "first", ep)
     statuses = scaled_in_statuses()
     statuses[1]["stopped_in_step"] = True
     port.answer({**statuses, 2: {"replica": True, "joining": True}})
@@ -289,7 +291,7 @@ def test_a_refused_scale_out_enters_the_layout_again_when_a_rank_was_stopped_ins
     port.answer({r: {"received": 0, "seconds": 0.1, "replica_group": [0, 1]} for r in (0, 1)})
     assert runner.tick() == "ok"
     assert port.event("scaled")[0]["dp"] == 2 and not port.event("scaled_in") and not port.event("scaled_out")
-    runner, _ = play(playbooks.SCALE_OUT, S.ROLLBACK, ep)
+    runner, _ = play(strategies.SCALE_OUT, "last", ep)
     assert port.last()[1:] == ("rollback", [0, 1], {"iteration": 9, "fresh_data": True})
 
 
@@ -297,20 +299,20 @@ def test_a_refused_scale_out_enters_the_layout_again_when_a_rank_was_stopped_ins
 def test_retry_every_round_in_order():
     port = FakePort()
     ep = episode(port, faults=[UCE2])
-    runner, out = play(playbooks.RETRY, S.REPAIR, ep)
+    runner, out = play(strategies.RETRY, "first", ep)
     assert out is None and port.last()[1:3] == ("ha-status", [0, 1, 2, 3])
     port.answer(statuses(poisoned=[2]))
     assert runner.tick() is None  # plan (controller alone) then the rebuild order
     oid, action, ranks, args = port.last()
     assert action == "rebuild" and ranks == [0, 1, 2, 3]
     assert args == {"store_host": "127.0.0.1", "store_port": 4242, "generation": 1}
-    assert port.event("repair_plan") == [{"iteration": 5, "pairs": [0, 2], "joiners": [], "generation": 1}]
+    assert port.event("restore_plan") == [{"iteration": 5, "pairs": [0, 2], "joiners": [], "generation": 1}]
     port.answer({r: "reconnected" for r in range(4)})
     assert runner.tick() is None
     assert port.last()[1] == "repair" and port.last()[3] == {"pairs": [0, 2], "iteration": 5, "joiners": []}
     port.answer({r: {"received": 0} for r in range(4)})
     assert runner.tick() == "ok"  # REPAIR is over
-    runner, out = play(playbooks.RETRY, S.ROLLBACK, ep)
+    runner, out = play(strategies.RETRY, "last", ep)
     # (every rank had ended step 5 before the fault: one in the step's end could not have run the loop's
     # code after it, which a peer stopped there passed alone — that rank answers it alone too)
     assert out is None and port.last()[1:] == ("rollback", [0, 1, 2, 3], {"iteration": 5, "ended_elsewhere": True})
@@ -327,7 +329,7 @@ def test_retry_lagging_twin_is_copied_too():
     plan is iteration 6 and 2 gets the shard from 0 (rank 2's memory error aside)."""
     port = FakePort()
     ep = episode(port)
-    runner, _ = play(playbooks.RETRY, S.REPAIR, ep)
+    runner, _ = play(strategies.RETRY, "first", ep)
     st = statuses(6)
     st[2] = shard(5, upd=True, touched=False, rank=2)
     port.answer(st)
@@ -342,7 +344,7 @@ def test_retry_lagging_twin_is_copied_too():
 ])
 def test_retry_a_failed_answer_fails_the_state(round_, reply, why):
     port = FakePort()
-    runner, _ = play(playbooks.RETRY, S.REPAIR, episode(port, faults=[UCE2]))
+    runner, _ = play(strategies.RETRY, "first", episode(port, faults=[UCE2]))
     for name, good in (("status", statuses()), ("rebuild", {r: "ok" for r in range(4)}),
                        ("repair", {r: {} for r in range(4)})):
         if name == round_:
@@ -355,9 +357,9 @@ def test_retry_a_failed_answer_fails_the_state(round_, reply, why):
 
 def test_retry_a_silent_rank_times_the_round_out():
     port, clock = FakePort(), Clock()
-    runner, _ = play(playbooks.RETRY, S.REPAIR, episode(port), clock)
+    runner, _ = play(strategies.RETRY, "first", episode(port), clock)
     port.answer({r: s for r, s in statuses().items() if r != 3})
-    clock.t += playbooks.ROUND_WAIT_S - 1
+    clock.t += retry.ROUND_WAIT_S - 1
     assert runner.tick() is None  # still waiting for rank 3
     clock.t += 2
     assert runner.tick() == ("failed", "status failed (rank 3: no answer)")
@@ -365,17 +367,17 @@ def test_retry_a_silent_rank_times_the_round_out():
 
 def test_a_silent_ranks_own_report_of_where_it_is_held_is_in_the_failure_whole():
     port, clock = FakePort(), Clock()
-    runner, _ = play(playbooks.RETRY, S.REPAIR, episode(port), clock)
+    runner, _ = play(strategies.RETRY, "first", episode(port), clock)
     where = "the training thread has not taken the controller's order for 29s; it is in synchronize " + "x" * 700
     port.held_reports = {3: where, 1: "a report of a rank that answered: not shown"}
     port.answer({r: s for r, s in statuses().items() if r != 3})
-    clock.t += playbooks.ROUND_WAIT_S + 1
+    clock.t += retry.ROUND_WAIT_S + 1
     assert runner.tick() == ("failed", f"status failed (rank 3: no answer ({where}))")
 
 
 def test_retry_a_rank_lost_meanwhile_fails_the_round():
     port = FakePort()
-    runner, _ = play(playbooks.RETRY, S.REPAIR, episode(port))
+    runner, _ = play(strategies.RETRY, "first", episode(port))
     port.answer(statuses())
     runner.tick()
     port.answer({0: "ok", 1: "ok", 2: "ok"})
@@ -386,7 +388,7 @@ def test_retry_a_rank_lost_meanwhile_fails_the_round():
 def test_retry_refused_when_a_shard_has_no_healthy_holder_and_no_checkpoint():
     port = FakePort()
     both = [UCE2, {**UCE2, "ranks": [0]}]
-    runner, _ = play(playbooks.RETRY, S.REPAIR, episode(port, faults=both))
+    runner, _ = play(strategies.RETRY, "first", episode(port, faults=both))
     port.answer(statuses(poisoned=[0, 2]))
     out = runner.tick()
     assert out[0] == "failed" and "[0, 2]" in out[1] and "every replica lost" in out[1]
@@ -400,10 +402,10 @@ def test_a_memory_error_already_repaired_leaves_its_rank_a_holder():
     when rank 0 is lost, rank 2 serves shard [0, 2]."""
     port = FakePort(live=(1, 2, 3), lost=(0,))
     ep = episode(port, strategy="recover", faults=[UCE2, {**KILL1, "ranks": [0]}])
-    runner, _ = play(playbooks.RETRY, S.REPAIR, ep)
+    runner, _ = play(strategies.RETRY, "first", ep)
     port.answer(statuses(ranks=(1, 2, 3)))
     assert runner.tick() is None and port.last()[1] == "rebuild", port.orders
-    (plan,) = port.event("repair_plan")
+    (plan,) = port.event("restore_plan")
     assert plan["iteration"] == 5 and "reload" not in plan
 
 
@@ -412,10 +414,10 @@ def test_both_twins_lost_falls_back_to_the_periodic_checkpoint():
     from it (every rank reloads, the steps since are recomputed) instead of ending."""
     port = FakePort()
     ep = episode(port, faults=[UCE2, {**UCE2, "ranks": [0]}])
-    runner, _ = play(playbooks.RETRY, S.REPAIR, ep)
+    runner, _ = play(strategies.RETRY, "first", ep)
     port.answer({r: {**st, "checkpoint": [3, "/ck/iter_0000003"]} for r, st in statuses(poisoned=[0, 2]).items()})
     assert runner.tick() is None and port.last()[1] == "rebuild"
-    (plan,) = port.event("repair_plan")
+    (plan,) = port.event("restore_plan")
     assert plan["iteration"] == 3 and plan["lost_steps"] == 2 and "every replica lost" in plan["reason"]
     port.answer({r: "ok" for r in range(4)})
     assert runner.tick() is None and port.last()[1:] == ("reload", [0, 1, 2, 3], {"ended": 5})
@@ -427,8 +429,8 @@ def test_rollback_and_resume_failures():
     for failing in ("rollback", "resume"):
         port = FakePort()
         ep = episode(port)
-        ep.plan, ep.source = playbooks.planner.plan_repair(playbooks.planner.holders(4, statuses(), GROUPS)), "twins"
-        runner, _ = play(playbooks.RETRY, S.ROLLBACK, ep)
+        ep.plan, ep.source = planner.plan_repair(planner.holders(4, statuses(), GROUPS)), "twins"
+        runner, _ = play(strategies.RETRY, "last", ep)
         if failing == "resume":
             port.answer({r: "roll-forward" for r in range(4)})
             runner.tick()
@@ -439,16 +441,16 @@ def test_rollback_and_resume_failures():
 def test_failed_reports_and_notes():
     port = FakePort()
     ep = episode(port)
-    note = playbooks.failed(playbooks.RETRY, ep, "status failed (rank 1: boom)")
+    note = strategies.failed("strategy_failed", ep, "status failed (rank 1: boom)")
     assert note == "retry failed (status failed (rank 1: boom))"
-    assert port.event("repair_failed") == [{"reason": "status failed (rank 1: boom)", "strategy": "retry"}]
+    assert port.event("strategy_failed") == [{"reason": "status failed (rank 1: boom)", "strategy": "retry"}]
 
 
 # ---- recover -----------------------------------------------------------------------------------------
 def test_recover_restarts_the_lost_rank_and_it_joins():
     port, clock = FakePort(live=(0, 2, 3), lost=(1,)), Clock()
     ep = episode(port, "recover", faults=[KILL1])
-    runner, _ = play(playbooks.RECOVER, S.REPAIR, ep, clock)
+    runner, _ = play(strategies.RECOVER, "first", ep, clock)
     port.answer({r: s for r, s in statuses(6).items() if r != 1})
     assert runner.tick() is None
     assert port.restarted == [[1]] and port.event("restart") == [{"ranks": [1], "awaiting_node": []}]
@@ -467,7 +469,7 @@ def test_recover_waits_out_the_spare_wait_then_switches_to_elastic():
     port, clock = FakePort(live=(0, 2, 3), lost=(1,)), Clock()
     ep = episode(port, "recover", faults=[KILL1])
     ep.spare_wait = 0.0
-    runner, _ = play(playbooks.RECOVER, S.REPAIR, ep, clock)
+    runner, _ = play(strategies.RECOVER, "first", ep, clock)
     port.answer({r: s for r, s in statuses(6).items() if r != 1})
     assert runner.tick() is None and port.restarted == [[1]]  # asked; nobody came
     out = runner.tick()
@@ -475,7 +477,7 @@ def test_recover_waits_out_the_spare_wait_then_switches_to_elastic():
                    "the job scales in without them"), out
     assert [o[1] for o in port.orders] == ["ha-status"]
     ep2 = episode(FakePort(live=(0, 2, 3), lost=(1,)), "recover", faults=[KILL1])  # no wait: recover as ever
-    runner, _ = play(playbooks.RECOVER, S.REPAIR, ep2, clock)
+    runner, _ = play(strategies.RECOVER, "first", ep2, clock)
     ep2.port.answer({r: s for r, s in statuses(6).items() if r != 1})
     assert runner.tick() is None and runner.current.name == "restart"
 
@@ -483,7 +485,7 @@ def test_recover_waits_out_the_spare_wait_then_switches_to_elastic():
 def test_recover_a_rank_restarted_earlier_still_joining_holds_nothing():
     port = FakePort()
     ep = episode(port, "recover")
-    runner, _ = play(playbooks.RECOVER, S.REPAIR, ep)
+    runner, _ = play(strategies.RECOVER, "first", ep)
     st = statuses(6)
     st[1] = {"replica": True, "joining": True}
     port.answer(st)
@@ -502,7 +504,7 @@ def test_recover_refusals(case, why):
     ep = episode(port, "recover")
     if case == "unknown group":
         ep.groups = {}
-    runner, _ = play(playbooks.RECOVER, S.REPAIR, ep, clock)
+    runner, _ = play(strategies.RECOVER, "first", ep, clock)
     st = {r: s for r, s in statuses(6).items() if r != 1}
     if case == "unknown group":
         for s in st.values():
@@ -511,7 +513,7 @@ def test_recover_refusals(case, why):
     out = runner.tick()
     if case == "never back":
         assert out is None
-        clock.t += playbooks.RESTART_WAIT_S + 1
+        clock.t += recover.RESTART_WAIT_S + 1
         out = runner.tick()
     assert out[0] == "failed" and why in out[1], out
 
@@ -524,7 +526,7 @@ def test_recover_a_hung_rank_is_replaced_like_a_dead_one():
     restart round condemns it (its agent kills it) and restarts it; it joins like a dead one."""
     port = FakePort()
     ep = episode(port, "recover", faults=[HANG3])
-    runner, _ = play(playbooks.RECOVER, S.REPAIR, ep)
+    runner, _ = play(strategies.RECOVER, "first", ep)
     assert port.last()[1:3] == ("ha-status", [0, 1, 2])
     port.answer({r: s for r, s in statuses(6).items() if r != 3})
     assert runner.tick() is None and port.restarted == [[3]] and 3 not in port.live()
@@ -542,7 +544,7 @@ def test_migrate_replaces_a_live_rank_from_its_twin_and_counts_the_bytes():
     ends it and hands its rank to a spare, the twin's shard is copied, and the first step closes it."""
     port = FakePort()
     ep = episode(port, "recover", faults=[MIGRATE1])
-    runner, _ = play(playbooks.RECOVER, S.REPAIR, ep)
+    runner, _ = play(strategies.RECOVER, "first", ep)
     assert port.last()[1:3] == ("ha-status", [0, 2, 3])
     port.answer({r: s for r, s in statuses(6).items() if r != 1})
     assert runner.tick() is None and port.restarted == [[1]] and 1 not in port.live()
@@ -560,20 +562,20 @@ def test_migrate_replaces_a_live_rank_from_its_twin_and_counts_the_bytes():
 
 def test_recover_a_rank_silent_in_a_round_is_hung_and_the_recovery_starts_over():
     port, clock = FakePort(), Clock()
-    runner, _ = play(playbooks.RECOVER, S.REPAIR, episode(port, "recover"), clock)
+    runner, _ = play(strategies.RECOVER, "first", episode(port, "recover"), clock)
     port.answer(statuses(6))
     runner.tick()  # rebuild sent
     port.answer({0: "ok", 1: "ok", 3: "ok"})
     port.held_reports = {2: "it is in synchronize (streams.py:90)"}
-    clock.t += playbooks.ROUND_WAIT_S + 1
+    clock.t += retry.ROUND_WAIT_S + 1
     assert runner.tick() is None
-    assert port.hangs == [([2], f"no answer to rebuild within {playbooks.ROUND_WAIT_S:g}s; "
+    assert port.hangs == [([2], f"no answer to rebuild within {retry.ROUND_WAIT_S:g}s; "
                                 "rank 2: it is in synchronize (streams.py:90)")]
 
 
 def test_dump_does_not_ask_a_hung_rank():
     port = FakePort()
-    runner, _ = play(playbooks.DUMP, S.DUMP, episode(port, "dump", faults=[HANG3]))
+    runner, _ = play(strategies.DUMP, "first", episode(port, "dump", faults=[HANG3]))
     assert port.last()[1:3] == ("dump-status", [0, 1, 2])
 
 
@@ -581,23 +583,23 @@ def test_dump_does_not_ask_a_hung_rank():
 def test_reload_every_rank_reloads_the_periodic_checkpoint():
     port = FakePort()
     ep = episode(port, replica=False)
-    runner, _ = play(playbooks.RETRY, S.REPAIR, ep)
+    runner, _ = play(strategies.RETRY, "first", ep)
     port.answer({r: {"replica": False, "ended": 5 if r else 4, "checkpoint": [3, "/ck/iter_0000003"]} for r in range(4)})
     runner.tick()
-    assert port.event("repair_plan") == [{"iteration": 3, "reload": "/ck/iter_0000003", "lost_steps": 2,
+    assert port.event("restore_plan") == [{"iteration": 3, "reload": "/ck/iter_0000003", "lost_steps": 2,
                                           "generation": 1, "reason": "no replicas"}]
     port.answer({r: "ok" for r in range(4)})
     runner.tick()
     assert port.last()[1] == "reload" and port.last()[3] == {"ended": 5}
     port.answer({r: {"iteration": 3} for r in range(4)})
     assert runner.tick() == "ok" and ep.how == "reload" and ep.lost_steps == 2
-    runner, out = play(playbooks.RETRY, S.ROLLBACK, ep)
+    runner, out = play(strategies.RETRY, "last", ep)
     assert port.last()[1] == "resume"  # the reload put every rank at the checkpoint: no rollback
 
 
 def test_reload_refused_without_a_common_checkpoint():
     port = FakePort()
-    runner, _ = play(playbooks.RETRY, S.REPAIR, episode(port, replica=False))
+    runner, _ = play(strategies.RETRY, "first", episode(port, replica=False))
     port.answer({r: {"replica": False, "ended": 5, "checkpoint": None if r == 2 else [3, "/ck"]} for r in range(4)})
     out = runner.tick()
     assert out[0] == "failed" and "no periodic checkpoint every rank can reload" in out[1]
@@ -616,7 +618,7 @@ def written(it=6):
 def test_dump_status_plan_write():
     port = FakePort(live=(0, 2, 3), lost=(1,))
     ep = episode(port, "dump", faults=[KILL1])
-    runner, _ = play(playbooks.DUMP, S.DUMP, ep)
+    runner, _ = play(strategies.DUMP, "first", ep)
     assert port.last()[1:3] == ("dump-status", [0, 2, 3])
     port.answer({r: dump_status(rank=r) for r in (0, 2, 3)})
     assert runner.tick() is None
@@ -635,7 +637,7 @@ def test_dump_poisoned_joining_and_refusing_ranks_are_left_out():
     nothing (neither raises), and 0 and 3, a holder of each shard, write the dump."""
     port, clock = FakePort(), Clock()
     ep = episode(port, "dump", faults=[UCE2])
-    runner, _ = play(playbooks.DUMP, S.DUMP, ep, clock)
+    runner, _ = play(strategies.DUMP, "first", ep, clock)
     assert port.last()[2] == [0, 1, 2, 3]  # every live rank is asked: each says what it holds
     port.answer({0: dump_status(rank=0), 1: {"holds": False, "why": "restarted, it holds no state yet"},
                  2: {"holds": False, "why": "a memory error corrupted its optimizer shard"}, 3: dump_status(rank=3)})
@@ -644,7 +646,7 @@ def test_dump_poisoned_joining_and_refusing_ranks_are_left_out():
 
 def test_dump_a_refusing_rank_is_left_out():
     port, clock = FakePort(), Clock()
-    runner, _ = play(playbooks.DUMP, S.DUMP, episode(port, "dump"), clock)
+    runner, _ = play(strategies.DUMP, "first", episode(port, "dump"), clock)
     port.answer({0: dump_status(rank=0), 1: dump_status(rank=1), 2: RuntimeError("no --save directory"),
                  3: dump_status(rank=3)})
     assert runner.tick() is None and port.last()[1:3] == ("dump", [0, 1, 3])
@@ -652,16 +654,16 @@ def test_dump_a_refusing_rank_is_left_out():
 
 def test_dump_a_silent_survivor_is_left_out_after_the_wait():
     port, clock = FakePort(), Clock()
-    runner, _ = play(playbooks.DUMP, S.DUMP, episode(port, "dump"), clock)
+    runner, _ = play(strategies.DUMP, "first", episode(port, "dump"), clock)
     port.answer({r: dump_status(rank=r) for r in (0, 1, 2)})
     assert runner.tick() is None
-    clock.t += playbooks.DUMP_STATUS_WAIT_S + 1
+    clock.t += dump.DUMP_STATUS_WAIT_S + 1
     assert runner.tick() is None and port.last()[1] == "dump" and port.last()[2] == [0, 1, 2]
 
 
 def test_dump_no_survivor_could_prepare():
     port = FakePort()
-    runner, _ = play(playbooks.DUMP, S.DUMP, episode(port, "dump"))
+    runner, _ = play(strategies.DUMP, "first", episode(port, "dump"))
     port.answer({r: RuntimeError("no --save directory") for r in range(4)})
     assert runner.tick() == ("failed", "dying-gasp checkpoint refused, nothing written: no survivor could prepare "
                                        "its state (no --save directory); no periodic checkpoint exists to fall back on")
@@ -671,11 +673,11 @@ def test_dump_refused_when_no_survivor_holds_a_shard_names_the_checkpoint_to_res
     """The others are silent (held), the one that answers holds nothing (a memory error poisoned its
     shard): the refusal says why, and names the newest periodic checkpoint that rank knows of."""
     port, clock = FakePort(), Clock()
-    runner, _ = play(playbooks.DUMP, S.DUMP, episode(port, "dump"), clock)
+    runner, _ = play(strategies.DUMP, "first", episode(port, "dump"), clock)
     port.answer({1: {"holds": False, "why": "a memory error corrupted its optimizer shard",
                      "fallback": [4, "/ck/iter_0000004"]}})
     assert runner.tick() is None
-    clock.t += playbooks.DUMP_STATUS_WAIT_S + 1
+    clock.t += dump.DUMP_STATUS_WAIT_S + 1
     assert runner.tick() == ("failed", "dying-gasp checkpoint refused, nothing written: no survivor could prepare "
                                        "its state (rank 1: a memory error corrupted its optimizer shard); fall back "
                                        "to the newest periodic checkpoint, iteration 4 in /ck/iter_0000004")
@@ -684,18 +686,18 @@ def test_dump_refused_when_no_survivor_holds_a_shard_names_the_checkpoint_to_res
 def test_dump_refused_when_both_replicas_are_lost():
     port = FakePort(live=(0, 2), lost=(1, 3))
     ep = episode(port, "dump")
-    runner, _ = play(playbooks.DUMP, S.DUMP, ep)
+    runner, _ = play(strategies.DUMP, "first", ep)
     port.answer({r: dump_status(rank=r, fallback=[4, "/ck/iter_0000004"]) for r in (0, 2)})
     out = runner.tick()
     assert out[0] == "failed" and "refused, nothing written" in out[1] and "iteration 4 in /ck/iter_0000004" in out[1]
-    playbooks.failed(playbooks.DUMP, ep, out[1])
+    strategies.failed("dump_refused", ep, out[1])
     assert port.event("dump_refused")[0]["missing"] == [[1, 3]]
 
 
 def test_dump_a_writer_lost_stops_the_others_and_the_rest_write_again():
     port = FakePort()
     ep = episode(port, "dump")
-    runner, _ = play(playbooks.DUMP, S.DUMP, ep)
+    runner, _ = play(strategies.DUMP, "first", ep)
     port.answer({r: dump_status(rank=r) for r in range(4)})
     runner.tick()
     first = port.last()
@@ -713,7 +715,7 @@ def test_dump_a_writer_lost_stops_the_others_and_the_rest_write_again():
 
 def test_dump_a_write_that_fails_refuses():
     port = FakePort()
-    runner, _ = play(playbooks.DUMP, S.DUMP, episode(port, "dump"))
+    runner, _ = play(strategies.DUMP, "first", episode(port, "dump"))
     port.answer({r: dump_status(rank=r) for r in range(4)})
     runner.tick()
     port.answer({0: RuntimeError("disk full"), 1: written(), 2: written(), 3: written()})
@@ -724,7 +726,7 @@ def test_dump_a_write_that_fails_refuses():
 def test_first_step_closes_the_recovery():
     port = FakePort()
     ep = episode(port)
-    ep.plan = playbooks.planner.plan_repair(playbooks.planner.holders(4, statuses(), GROUPS))
+    ep.plan = planner.plan_repair(planner.holders(4, statuses(), GROUPS))
     ep.phases.update(detect=0.01, stop=0.05)
     ep.how = "rollback"
     watch = FirstStep(ep, [UCE2], resumed_at=100.0)
@@ -743,7 +745,7 @@ def test_a_new_fault_in_the_first_step_still_reports_the_recovery():
     MTTR up to the new fault), not folded into the next one's episode."""
     port = FakePort()
     ep = episode(port)
-    ep.plan = playbooks.planner.plan_repair(playbooks.planner.holders(4, statuses(), GROUPS))
+    ep.plan = planner.plan_repair(planner.holders(4, statuses(), GROUPS))
     ep.how = "roll-forward"
     watch = FirstStep(ep, [UCE2], resumed_at=100.0)
     assert watch.check(100.05, completed=False, interrupted=True) is True
@@ -756,7 +758,7 @@ def test_a_recovery_a_new_fault_closes_ends_where_that_fault_struck_not_where_it
     detection), not also the recovery's before it."""
     port = FakePort()
     ep = episode(port)
-    ep.plan = playbooks.planner.plan_repair(playbooks.planner.holders(4, statuses(), GROUPS))
+    ep.plan = planner.plan_repair(planner.holders(4, statuses(), GROUPS))
     ep.how = "rollback"
     watch = FirstStep(ep, [UCE2], resumed_at=100.0)
     assert watch.close_by_fault(103.1, detect_s=3.0, done=False) is True
@@ -801,7 +803,7 @@ def test_runner_rejects_an_unknown_decision():
 ])
 def test_dump_names_who_logs_the_loss_of_the_step_it_settles_on(unlogged, logger):
     port = FakePort(live=(0, 2, 3), lost=(1,))
-    runner, _ = play(playbooks.DUMP, S.DUMP, episode(port, "dump"))
+    runner, _ = play(strategies.DUMP, "first", episode(port, "dump"))
     port.answer({r: {**dump_status(rank=r), **({"unlogged": {"iteration": unlogged[r][0], "loss": 5.25,
                                                               "writer": unlogged[r][1]}} if r in unlogged else {})}
                  for r in (0, 2, 3)})

@@ -1,4 +1,4 @@
-"""The processor's parts on their own (control/rank/): a step's own work as the heartbeats carry it,
+"""The processor's parts on their own (rank/processor/): a step's own work as the heartbeats carry it,
 and the controller a rank hosts, made by the factory it is handed. No thread, no socket."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-from mindspeed_ha.control.rank.hosting import ControllerHost
-from mindspeed_ha.control.rank.own_work import OwnWork
 from mindspeed_ha.options import WARM_UP_STEPS
+from mindspeed_ha.rank.processor.hosting import ControllerHost
+from mindspeed_ha.rank.processor.own_work import OwnWork
 
 
 class Clock:
@@ -103,7 +103,7 @@ def test_a_processor_handed_no_stop_imports_no_torch_until_its_stop_is_used(tmp_
     the process's stop only when an order uses it. Made in a fresh interpreter."""
     import subprocess
     import sys
-    code = (f"import sys\nfrom mindspeed_ha.control.rank.processor import Processor\n"
+    code = (f"import sys\nfrom mindspeed_ha.rank.processor.processor import Processor\n"
             f"from mindspeed_ha.options import HAOptions\n"
             f"p = Processor(1, 4, 1, 'n0', HAOptions(log_dir={str(tmp_path)!r}), [[1, 3]])\n"
             f"assert not p.in_collective() and 'torch' not in sys.modules, 'torch imported'\n"

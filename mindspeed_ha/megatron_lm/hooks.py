@@ -16,7 +16,7 @@ from mindspeed_ha.events import get_logger
 
 from .entry import CPU_ARGS, close_session, device_in_use, fail
 from .objects import SETUP
-from .relayout import LoopOptimizer, unwrap_optimizer
+from .resize import LoopOptimizer, unwrap_optimizer
 from .trainer import MegatronLMTrainer
 
 log = get_logger("megatron_lm")

@@ -1,6 +1,6 @@
 """The trainer interface's reads and writes of Megatron-LM's objects, global ``args`` and functions,
 with no state of its loop: its batch sizes and save directory, its checkpoints, data loaders,
-process groups and writers, a new layout's parts (``relayout``), the bookkeeping a restarted rank
+process groups and writers, a new layout's parts (``resize``), the bookkeeping a restarted rank
 takes from its twin; and what its set-up used (``SETUP``). The loop's part: ``trainer``."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 
 from mindspeed_ha.trainer_state.interface import TrainerInterface
 
-from .relayout import rewrap, unwrap_optimizer
+from .resize import rewrap, unwrap_optimizer
 
 # What Megatron-LM's set-up used and the trainer needs again (recorded by the hooks): how it made its
 # process groups ("init_parallel"), its dataset provider ("train_valid_test") and its optimizer
@@ -64,7 +64,7 @@ class MegatronLMObjects(TrainerInterface):
         return rewrap(ddp)
 
     def _build_optimizer(self):
-        """Megatron-LM's optimizer for the model chunks, made as its set-up made it (relayout)."""
+        """Megatron-LM's optimizer for the model chunks, made as its set-up made it (resize)."""
         from mindspeed_ha.comm.interruptible import alone
         with alone():
             return SETUP["optimizer"](self.model_chunks)

@@ -16,7 +16,7 @@ from mindspeed_ha.events import get_logger
 from .loop import LoopData, LoopFunctions, LoopPosition, keep_pipeline_outputs, own_train_step
 from .objects import MegatronLMObjects
 from .phases import add_grad_sync_point, forward_with_phases
-from .relayout import LoopOptimizer, RampupCheck
+from .resize import LoopOptimizer, RampupCheck
 from .step import StepRecord, UpdateDone
 
 log = get_logger("megatron_lm")
@@ -264,8 +264,8 @@ class MegatronLMTrainer(MegatronLMObjects):
         if hasattr(self.optimizer, "ha_grad_stats"):
             self.optimizer.ha_grad_stats = list(state["grad_stats"])
 
-    # -- elastic resize (the interface's relayout) ----------------------------------------------------
-    def _relaid_out(self, dp: int) -> None:
+    # -- elastic resize (the interface's resize) ------------------------------------------------------
+    def _resized(self, dp: int) -> None:
         """Megatron-LM's ``args`` (its scheduler increment reads the data-parallel size; its own groups
         set rank and world size), the loop's view of the optimizer and its loss scaling, and the
         loop's data iterator: its reads come from a new one at the new data-parallel rank."""

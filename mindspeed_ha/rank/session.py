@@ -53,10 +53,9 @@ def load_ahead() -> None:
     import torch
 
     import mindspeed_ha.control.controller  # noqa: F401
-    import mindspeed_ha.control.rank.processor  # noqa: F401
-    import mindspeed_ha.rank.recovery.elastic  # noqa: F401
+    import mindspeed_ha.rank.processor.processor  # noqa: F401
+    import mindspeed_ha.rank.recovery.engine  # noqa: F401  (repair, elastic, dump: what the orders call)
     import mindspeed_ha.rank.recovery.handlers  # noqa: F401
-    import mindspeed_ha.rank.recovery.repair  # noqa: F401
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1, device="cpu"))])
     gc.collect()
     gc.freeze()
@@ -116,8 +115,8 @@ class RankSession:
         """Called (through the get_megatron_optimizer patch) for every optimizer megatron builds."""
         return self.replicas.on_optimizer_built(optimizer)
 
-    def relaid_out(self) -> None:
-        self.state.relaid_out()
+    def resized(self) -> None:
+        self.state.resized()
 
     def before_param_sync(self) -> None:
         """The parameter all-gather is about to start: this rank's shard update is complete."""
@@ -130,7 +129,7 @@ class RankSession:
     def attach_trainer(self, trainer) -> None:
         st = self.state
         st.trainer = trainer
-        st.relaid_out()
+        st.resized()
         from mindspeed_ha.device.backends import NCCL_DEFAULTS, NCCL_ERROR_HANDLING, NONBLOCKING, stream_ordered
         errors = ({"error_handling": os.environ.get(NCCL_ERROR_HANDLING),
                    "nccl_env": {name: os.environ.get(name) for name in (*dict(NCCL_DEFAULTS), NONBLOCKING)}}
@@ -163,7 +162,7 @@ class RankSession:
     def start_processor(self) -> None:
         """Report to the controller (hosted by rank 0's processor unless one runs elsewhere)."""
         from mindspeed_ha.control.controller import Controller
-        from mindspeed_ha.control.rank.processor import Processor
+        from mindspeed_ha.rank.processor.processor import Processor
         from mindspeed_ha.rank.recovery.handlers import RankRecovery
         st = self.state
         groups = [st.topology.replica_group] if st.topology else []

@@ -15,8 +15,8 @@ from mindspeed_ha.options import HAOptions
 
 if TYPE_CHECKING:
     from mindspeed_ha.comm.stop import Stop
-    from mindspeed_ha.control.rank.processor import Processor
     from mindspeed_ha.inject import Injector
+    from mindspeed_ha.rank.processor.processor import Processor
     from mindspeed_ha.replica.topology import ReplicaTopology
     from mindspeed_ha.trainer_state.interface import TrainerInterface
 
@@ -74,7 +74,7 @@ class RankState:
     def writes_loss(self) -> bool:
         return self._writes_loss
 
-    def relaid_out(self) -> None:
+    def resized(self) -> None:
         """The layout is set (or changed: an elastic resize can make another rank data-parallel rank 0):
         the first data-parallel rank of the last stage and TP rank 0 writes the step losses."""
         from megatron.core import parallel_state as ps

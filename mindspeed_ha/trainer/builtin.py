@@ -69,7 +69,7 @@ class BuiltinTrainer(TrainerInterface):
         self.model_chunks = [self._build_model(replicas, not joining, vp) for vp in ([None] if vpp is None else
                                                                                   range(vpp))]
         timed("model")
-        # (a joiner's alone, as a resize's kept ranks build theirs: see TrainerInterface.relayout)
+        # (a joiner's alone, as a resize's kept ranks build theirs: see TrainerInterface.resize)
         with alone() if joining else contextlib.nullcontext():
             self.optimizer = self._build_optimizer()
         timed("optimizer")
@@ -184,7 +184,7 @@ class BuiltinTrainer(TrainerInterface):
         self.config.grad_scale_func = optimizer.scale_loss  # (as Megatron-LM: the loss scaler's scale, fp16)
         return optimizer
 
-    def _relaid_out(self, dp: int) -> None:
+    def _resized(self, dp: int) -> None:
         self.args.data_parallel_size = dp
         self._data_iter = self.data_iterator(self.consumed_samples)
 

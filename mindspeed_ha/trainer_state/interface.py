@@ -1,7 +1,7 @@
 """The one seam between the fault-tolerance engine and a training loop.
 
 The built-in megatron-core trainer and the Megatron-LM adaptor both implement it; recovery code
-drives training only through it (rank/recovery/handlers.py, rank/recovery/repair.py, rank/recovery/dump.py) and
+drives training only through it (rank/recovery/handlers.py, rank/recovery/restore.py, rank/recovery/dump.py) and
 never reaches into either trainer or into Megatron's objects. Both drive megatron-core's DDP and
 distributed optimizer, so what only those need (cleaning a partial step, re-syncing the weights,
 the counters a restarted rank takes from its twin) has its implementation here.
@@ -128,7 +128,7 @@ class TrainerInterface(abc.ABC):
             m.start_param_sync(force_sync=True)
 
     # -- elastic resize ----------------------------------------------------------------------------
-    def relayout(self, keep: Iterable[Any] = ()) -> None:
+    def resize(self, keep: Iterable[Any] = ()) -> None:
         """The default group is a new layout's now (elastic resize, ``comm.groups.new_epoch``):
         megatron-core's groups again, the same model in a new DDP, a new optimizer (its state is the
         caller's to move in), the scheduler pointed at it, the micro-batch count and the data position
@@ -158,7 +158,7 @@ class TrainerInterface(abc.ABC):
             self.optimizer = self._build_optimizer()
         self.scheduler.optimizer = self.optimizer
         self.scheduler.step(increment=0)  # the current lr and weight decay into the new param groups
-        self._relaid_out(dp)
+        self._resized(dp)
 
     def enter_built_layout(self, order: Sequence[int]) -> bool:
         """A newcomer built ahead (``built_ahead``), the default group now the new layout of the job's
@@ -206,7 +206,7 @@ class TrainerInterface(abc.ABC):
         """A new optimizer over ``model_chunks``, as the trainer's set-up built its first."""
         raise NotImplementedError(f"{type(self).__name__} cannot change its layout")
 
-    def _relaid_out(self, dp: int) -> None:
+    def _resized(self, dp: int) -> None:
         """What else follows the data-parallel size ``dp`` (arguments, the data iterator)."""
 
     # What a restarted worker takes from its twin besides the optimizer shard. Each trainer extends

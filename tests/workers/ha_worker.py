@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_ha.control.controller import Controller
-from mindspeed_ha.control.rank.processor import Processor
 from mindspeed_ha.events import EventLog
 from mindspeed_ha.faults import fault_kind
 from mindspeed_ha.options import HAOptions
+from mindspeed_ha.rank.processor.processor import Processor
 
 PHASES = ("forward", "backward", "grad-sync", "optimizer")
 

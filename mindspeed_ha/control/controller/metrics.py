@@ -7,12 +7,13 @@ the active one. prometheus_client is imported only when metrics are asked for.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
-from ...events import get_logger
+from ...events import EventLog, get_logger
+from ..policy.states import State
 
 log = get_logger("control.metrics")
-STATES = ("init", "normal", "pause", "decide", "repair", "rollback", "dump", "downgrade", "upgrade", "exit", "done")
+STATES = tuple(s.value for s in State)
 
 
 class Metrics:
@@ -72,3 +73,34 @@ class Metrics:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class Served:
+    """The active controller's metrics, once asked for (--ha-metrics-port): from the start, or from a
+    standby's takeover. A port that cannot be served is said in the log and the events, never the end
+    of the job."""
+
+    def __init__(self, host: str, port: int | None, world: int, events: EventLog, state: Callable[[], str]):
+        self.host, self.port, self.world, self.events, self.state = host, port, world, events, state
+        self.metrics: Metrics | None = None
+
+    def serve(self) -> None:
+        if not self.port or self.metrics is not None:
+            return
+        try:
+            self.metrics = Metrics(self.host, self.port, self.world)
+        except OSError as e:  # metrics are for people: a taken port must not take the job down
+            log.error("--ha-metrics-port %d on %s: cannot serve metrics (%s)", self.port, self.host, e)
+            self.events.emit("metrics_failed", port=self.port, host=self.host, error=str(e))
+            return
+        self.metrics.set_state(self.state())
+        self.events.listeners.append(self.metrics.on_event)
+
+    def seen(self, alive: int, iteration: int, checkpoint: int) -> None:
+        if self.metrics is not None:
+            self.metrics.seen(alive, iteration, checkpoint)
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None

@@ -19,6 +19,7 @@ from ..policy.ledger import Fault, FaultLedger
 from ..policy.ranks import Rank, RankTable
 from ..policy.states import State as S
 from ..policy.stragglers import StragglerWatch
+from ..strategies import RECOVER
 from .ports import ControllerPort
 
 log = get_logger("control.controller")
@@ -45,7 +46,7 @@ class Migrations:
             return f"the job is in state {self.port.state.value}; a migration starts only while it trains"
         if self.port.first_step_pending():  # (a planned move can wait for the last recovery to settle)
             return "the last recovery has not completed its first step yet; a migration starts only while it trains"
-        if "recover" not in self.options.strategies:
+        if RECOVER.name not in self.options.strategies:
             return ("migration hands the rank to a spare worker, which the recover strategy provides: start the "
                     "job with --enable-worker-reboot (or HIGH_AVAILABILITY=...,recover)")
         if not info.groups:

@@ -1,12 +1,12 @@
 """Elastic training, the controller's side: when to scale in, when to wait for a node, when to grow.
 
-Scale-in is a strategy (``playbooks.ELASTIC``). With elastic on, ``order`` adjusts the strategy
+Scale-in is a strategy (``strategies/scale_in.py``). With elastic on, ``order`` adjusts the strategy
 preference for a fault: recover only where a spare can take the lost ranks — their agent is alive,
 or, for a lost node, a replacement comes within --ha-spare-wait (``spare_wait``: recover waits for
 it, then switches the episode to elastic, ``switched``); once the job runs scaled in, neither retry
 nor recover (a restarted worker or repaired ranks would meet the original layout).
 
-Scale-out (``playbooks.SCALE_OUT``) has no fault. After a scale-in the ranks left out (``left``) are
+Scale-out (``strategies/scale_out.py``) has no fault. After a scale-in the ranks left out (``left``) are
 neither restarted nor waited for. When a new launcher agent registers for a node that holds some of
 them (``mindspeed-ha run`` started again with that --node-rank: a replacement node), it is told to
 start those ranks as joiners (``offer``). Once every one of them has registered, the controller asks
@@ -31,6 +31,7 @@ from ..policy import quorum
 from ..policy.ledger import FaultLedger, record
 from ..policy.ranks import Agent, RankTable
 from ..policy.states import Outcome as O, State as S
+from ..strategies import RECOVER, RETRY, SCALE_IN
 from ..wire.discovery import JobStore
 from ..wire.hosts import this_host
 from .orders import Orders
@@ -61,18 +62,18 @@ class Scaling:
         """The strategies to try, in order, for the faults of this episode, and why one was dropped."""
         self.spare_wait = None
         if self.dp:
-            return [s for s in ordered if s not in ("retry", "recover")], \
+            return [s for s in ordered if s not in (RETRY.name, RECOVER.name)], \
                 f"the job runs scaled in (data-parallel size {self.dp}): retry and recover not tried"
         cut_off = self.cut_off()
         if cut_off:  # (recover waits for the lost ranks' node as ever, and never scales in)
-            return [s for s in ordered if s != "elastic-training"], cut_off
+            return [s for s in ordered if s != SCALE_IN.name], cut_off
         agents = self.table.live_agents(time.monotonic())
         stranded = sorted(r for r in self.table.lost() if not any(r in a.ranks for a in agents))
-        if stranded and "recover" in ordered:
+        if stranded and RECOVER.name in ordered:
             if self.spare_wait_s > 0:  # a replacement node may come: recover waits, then scales in
                 self.spare_wait = self.spare_wait_s
                 return ordered, ""
-            return [s for s in ordered if s != "recover"], f"no spare for rank(s) {stranded} (their node is lost)"
+            return [s for s in ordered if s != RECOVER.name], f"no spare for rank(s) {stranded} (their node is lost)"
         return ordered, ""
 
     def cut_off(self) -> str:
@@ -102,7 +103,7 @@ class Scaling:
     def switched(self, reason: str) -> None:
         """recover waited out the spare wait: the same episode scales in (the controller plays it)."""
         stranded = self.restarts.no_longer_awaited()
-        self.events.emit("strategy", outcome=O.ELASTIC.value, reason=reason)
+        self.events.emit("strategy", outcome=SCALE_IN.name, reason=reason)
         log.warning("recover: %s", reason)
         self.orders.to_agents("leave", {"ranks": stranded})  # (their agents are gone; a late one must not wait)
 
@@ -194,6 +195,11 @@ class Scaling:
             return False
         self.leave(sorted(waiting), "the job ended before they could join it")
         return True
+
+    def waiting(self) -> set[int]:
+        """Registered newcomers waiting to scale out: they train nothing yet (none unless some ranks
+        were offered a place)."""
+        return self.newcomers() if self.offered else set()
 
     def newcomers(self) -> set[int]:
         """Registered newcomers: no stop for them (they train nothing yet)."""

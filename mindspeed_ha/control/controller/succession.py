@@ -106,6 +106,21 @@ class Succession:
         log.warning("the job store %s is lost: %s; it moves to node %d's agent, %s", here, why, to.node_rank, to.store)
         self.port.push_backups()  # (every answer names the store in use from now on)
 
+    def tick(self, now: float) -> bool:
+        """The controller's clock, for what succession watches: a standby's promotion (False: it only
+        watches), the rank to migrate after a hand-over, and where a job store can move or announce a
+        newer controller (False: superseded). Nothing otherwise."""
+        if self.port.standby:
+            self.maybe_promote(now)
+            return False
+        if self.after is not None:
+            self.migrate_when_ready(now)
+        if self.job_store is not None:
+            if self.superseded():
+                return False
+            self.keep_store(now)
+        return True
+
     def superseded(self) -> bool:
         """A newer controller is announced in the job store: a standby on the store's side of a
         partition took over while this controller was cut off from it. This one retires and sends

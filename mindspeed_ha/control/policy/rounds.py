@@ -124,7 +124,7 @@ class Answers:
 
 
 class Memory(Protocol):
-    """What the runner needs of an episode (playbooks.Episode): the port, and where rounds are timed."""
+    """What the runner needs of an episode (strategies.Episode): the port, and where rounds are timed."""
     port: Port
     phases: dict[str, float]
 

@@ -124,7 +124,7 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "hb": {"rank": (_int, R), "it": (_int, R), "upd": (_bool, R), "health": (_str, R),
            "phase": (_str, O), "progress": (_float, O), "wait": (_bool, O), "pid": (_int, O), "steps": (_int, O),
            "busy": (_float, O), "ckpt": (_int, O), "held": (_str, O),
-           # waited in its collectives past --ha-desync-after: its counts by group (control/rank/long_wait.py)
+           # waited in its collectives past --ha-desync-after: its counts by group (rank/processor/long_wait.py)
            "desync": ("map", O)},
     # A survivor whose training thread left the step's collectives for a stop: the collectives it issued
     # by then, for the peers still waiting in one it never entered (as a faulted rank's report carries them).

@@ -91,7 +91,7 @@ def prepare(trainer: TrainerInterface, abandon_update: bool = False) -> Prepared
     sd = checkpoint.state_dict(trainer)
     size = sum(t.numel() * t.element_size() for t in opt.ha_export_shard().values())
     size += sum(p.numel() * p.element_size() for p, _ in params.values())
-    from mindspeed_ha.rank.recovery.repair import local_status
+    from mindspeed_ha.rank.recovery.restore import local_status
     return Prepared(trainer, local_status(trainer), sd, params, shard, time.perf_counter() - t0, size)
 
 
@@ -133,7 +133,7 @@ def _resync_model_weights(prep: Prepared, plan: DumpPlan, world: World, chunk_by
 
 def _move_weights(views: list[torch.Tensor], sending: bool, peer: int, chunk: int) -> int:
     """Send these tensors' bytes to ``peer`` or receive them into them (as a repair moves a shard)."""
-    from mindspeed_ha.rank.recovery.repair import move_bytes
+    from mindspeed_ha.rank.recovery.restore import move_bytes
     with torch.no_grad():
         return move_bytes(views, sending, peer, chunk)
 

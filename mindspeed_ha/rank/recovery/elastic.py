@@ -8,7 +8,7 @@ scale-in, ``plan_scale_out`` for a scale-out):
 2. the new layout's ranks become the job's default group, in their new order, every old group
    forgotten (``comm.groups.new_epoch``);
 3. megatron-core's groups, DDP and a new optimizer at the new size: a running rank re-wraps the
-   model it has (``relayout``: its weights never move, it keeps its TP/PP position); a newcomer
+   model it has (``resize``: its weights never move, it keeps its TP/PP position); a newcomer
    sets itself up from scratch, without a ``--load`` — a newcomer of the built-in trainer did so
    before it registered, for the job's own layout (``rank.session.build_ahead``), and where the plan
    lays the job out so, its build stands and only its groups connect here
@@ -59,6 +59,12 @@ def resize(trainer: TrainerInterface, plan: ElasticPlan, rank: int, store_host: 
     return move_state(trainer, plan, rank, entered)
 
 
+def parallel_sizes() -> tuple[int, int]:
+    """(pipeline stages, expert-parallel size) of the job's layout: what an elastic plan keeps of it."""
+    from megatron.core import parallel_state as ps
+    return int(ps.get_pipeline_model_parallel_world_size()), int(ps.get_expert_model_parallel_world_size())
+
+
 def holdings(trainer: TrainerInterface) -> dict[str, Any]:
     """Step 1: what this rank brings to a resize — its optimizer shard in parameter coordinates (live
     views of the tensors: they stay valid while the rank re-wraps its model) and Adam's step; a
@@ -89,15 +95,15 @@ def enter_layout(trainer: TrainerInterface, plan: ElasticPlan, rank: int, store_
     if not built and trainer.optimizer is None:
         trainer.setup(joining=True)
     elif not built:
-        trainer.relayout(keep=[t for values in held["old_ranges"].values() for t in values])
-    t["relayout"] = time.perf_counter()
+        trainer.resize(keep=[t for values in held["old_ranges"].values() for t in values])
+    t["resize"] = time.perf_counter()
     return {"t": t, "world": world, "mem": mem, "built_ahead": built, **held}
 
 
 def move_state(trainer: TrainerInterface, plan: ElasticPlan, rank: int, entered: dict[str, Any],
                chunk_bytes: int = CHUNK_BYTES) -> dict[str, Any]:
     """Step 4, with every rank of the new layout, in messages of at most ``chunk_bytes``."""
-    from mindspeed_ha.rank.recovery.repair import transfer_bookkeeping
+    from mindspeed_ha.rank.recovery.restore import transfer_bookkeeping
     t, old_ranges, newcomer = entered["t"], entered["old_ranges"], entered["newcomer"]
     t["built"] = time.perf_counter()  # (a newcomer of Megatron-LM's loop: its model built meanwhile)
     writer = rank in plan.writers.values()

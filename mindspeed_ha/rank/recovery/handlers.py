@@ -20,17 +20,19 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol, Sequence
 
 from mindspeed_ha.events import EventLog, get_logger
-from mindspeed_ha.rank.recovery.tools import LiveTools, RecoveryTools
 
 if TYPE_CHECKING:
+    from mindspeed_ha.comm.groups import World
     from mindspeed_ha.comm.stop import Stop
-    from mindspeed_ha.control.rank.orders import Later
-    from mindspeed_ha.control.rank.processor import Processor
     from mindspeed_ha.options import HAOptions
-    from mindspeed_ha.rank.recovery.dump import Prepared
+    from mindspeed_ha.plan import DumpPlan, ElasticPlan
+    from mindspeed_ha.rank.processor.processor import Processor
+    from mindspeed_ha.rank.processor.serving import Later
+    from mindspeed_ha.rank.recovery.dump import DumpResult, Prepared
+    from mindspeed_ha.replica.optimizer import ReplicaMixin
     from mindspeed_ha.replica.topology import ReplicaTopology
     from mindspeed_ha.trainer_state.interface import TrainerInterface
 
@@ -62,7 +64,7 @@ class Session(Protocol):
     def fire(self, phase: str, iteration: int) -> None: ...
     def loaded(self, iteration: int, path: str, seconds: float) -> None: ...
     def progressed(self) -> None: ...
-    def relaid_out(self) -> None: ...
+    def resized(self) -> None: ...
     def report_fault_in_recovery(self, exc: BaseException) -> None: ...
     def report_unlogged_step(self, iteration: int, loss: Any) -> None: ...
     def log_step_at_dump(self, iteration: int, loss: float) -> None: ...
@@ -70,13 +72,61 @@ class Session(Protocol):
     def resumed(self, lost_steps: int = 0) -> None: ...
 
 
+class PeakMeasure(Protocol):
+    """The peak memory a block reached above its start (None where nothing says)."""
+    bytes: int | None
+
+
+class RecoveryTools(Protocol):
+    """All the orders use beneath the session: the engine's own calls (the ``engine`` module, which
+    names each function so), or in the unit tests a fake that records each call
+    (tests/test_handlers.py), so that every order is tested without a process or a socket."""
+
+    # -- groups (comm.groups, comm.interruptible) ---------------------------------------------------
+    def joining(self, world_size: int, rank: int, backend: str,
+                timeout: datetime.timedelta) -> ContextManager[object]: ...
+    def alone(self) -> ContextManager[None]: ...
+    def reconnect(self, store_host: str, store_port: int, generation: int) -> dict[str, Any]: ...
+    def survivor_world(self, survivors: Sequence[int], rank: int, store_host: str, store_port: int,
+                       generation: int, timeout: datetime.timedelta, backend: str) -> World: ...
+    def job_rank(self, rank: int) -> int: ...
+    # -- the optimizer shard (recovery.restore, device.memory) -----------------------------------------
+    def shard_status(self, trainer: TrainerInterface) -> dict[str, Any]: ...
+    def transfer_shards(self, optimizer: ReplicaMixin, pairs: list[tuple[int, int]], rank: int, iteration: int,
+                        overwriting: Callable[[], None], chunk_bytes: int) -> int: ...
+    def transfer_bookkeeping(self, trainer: TrainerInterface, joiners: dict[int, int],
+                             rank: int) -> dict[str, Any] | None: ...
+    def shard_bytes(self, optimizer: ReplicaMixin) -> int: ...
+    def peak_memory(self) -> ContextManager[PeakMeasure]: ...
+    def resume_at(self, trainer: TrainerInterface, iteration: int) -> str: ...
+    # -- the layout (recovery.elastic) ------------------------------------------------------------------
+    def parallel_sizes(self) -> tuple[int, int]: ...
+    def holdings(self, trainer: TrainerInterface) -> dict[str, Any]: ...
+    def enter_layout(self, trainer: TrainerInterface, plan: ElasticPlan, rank: int, store_host: str,
+                     store_port: int, generation: int, *, backend: str, held: dict[str, Any],
+                     timeout: datetime.timedelta) -> dict[str, Any]: ...
+    def move_state(self, trainer: TrainerInterface, plan: ElasticPlan, rank: int, entered: dict[str, Any],
+                   chunk_bytes: int) -> dict[str, Any]: ...
+    # -- checkpoints (trainer_state.checkpoint_dir, recovery.dump) ---------------------------------------
+    def newest_checkpoint(self, root: str | None) -> tuple[int, str] | None: ...
+    def prepare_dump(self, trainer: TrainerInterface, abandon_update: bool) -> Prepared: ...
+    def write_dump(self, prep: Prepared, plan: DumpPlan, world: World, save_dir: str, events: EventLog,
+                   progress: Callable[[], None], chunk_bytes: int) -> DumpResult: ...
+
+
 class RankRecovery:
     """The rank side of every recovery. ``session``: the rank's session (options, events, the
-    trainer and its hooks); nothing here keeps state across orders except the dump's prepared part."""
+    trainer and its hooks); nothing here keeps state across orders except the dump's prepared part.
+    ``tools``: what the orders call beneath the session (None: the engine's own, ``engine``)."""
 
     def __init__(self, session: Session, tools: RecoveryTools | None = None) -> None:
+        if tools is None:
+            # (the engine and the torch it imports come with the processor's start, ahead of any fault:
+            # not with this module, whose unit tests run on fakes)
+            from mindspeed_ha.rank.recovery import engine
+            tools = engine
         self.s = session
-        self.tools: RecoveryTools = tools if tools is not None else LiveTools()
+        self.tools: RecoveryTools = tools
         self.prepared: Prepared | None = None
         # a resize that did not complete: what the rank held before it (its state)
         self.unfinished: dict[str, dict[str, Any]] | None = None
@@ -207,8 +257,8 @@ class RankRecovery:
         (a peer lost, a stop) leaves ``unfinished`` set — the rank answers the next status with what it
         held before, the controller plans again with every loss known, and the next resize moves
         that state. Only a completed resize clears it."""
-        from mindspeed_ha.control.rank.orders import Later
         from mindspeed_ha.plan import ElasticPlan
+        from mindspeed_ha.rank.processor.serving import Later
         self.s.stop.clear()
         # (a newcomer of Megatron-LM's loop has its groups only, no trainer's counters yet)
         self.s.device_ready(getattr(self.s.trainer, "iteration", -1) + 1)
@@ -219,8 +269,8 @@ class RankRecovery:
             self.unfinished = {"held": self.tools.holdings(self.trainer), "status": {**status, "unfinished": True}}
         plan = ElasticPlan.from_wire(args["plan"])
         entered = self.tools.enter_layout(self.trainer, plan, self.s.rank, args["store_host"], int(args["store_port"]),
-                                          int(args["generation"]), self.s.device.backend, self.unfinished["held"],
-                                          self.collective_timeout)
+                                          int(args["generation"]), backend=self.s.device.backend,
+                                          held=self.unfinished["held"], timeout=self.collective_timeout)
 
         def rest(trainer: TrainerInterface | None = None) -> dict[str, Any]:
             assert plan.iteration is not None  # (an ok plan names its iteration)
@@ -229,7 +279,7 @@ class RankRecovery:
             self.s.events.emit("resized", iteration=plan.iteration, **out)
             self.unfinished = None
             wrote = self.s.writes_loss
-            self.s.relaid_out()
+            self.s.resized()
             if self.s.writes_loss and not wrote:
                 # The writer before may have been lost after its last step ended job-wide and
                 # before it logged that step; this rank's DP-reduced loss of it has the same bits.

@@ -1,4 +1,5 @@
-"""In-place repair of a live job (retry, recover, reload): every process keeps running.
+"""In-place restore of a live job (retry, recover): every process keeps running. "Repair" is one part
+of it, a shard copied from its twin (``transfer_shards``).
 
 The rank handlers (rank/recovery/handlers.py) call these on the training thread for the controller's
 rounds, after every rank has left its collective and the groups have new communicators: the broken
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 log = get_logger("repair")
 
 
-class RepairError(RuntimeError):
+class RestoreError(RuntimeError):
     pass
 
 
@@ -100,7 +101,7 @@ def _byte_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     out = []
     for t in tensors:
         if not t.is_contiguous():
-            raise RepairError(f"a shard tensor of shape {tuple(t.shape)} is not contiguous: it cannot be written in place")
+            raise RestoreError(f"a shard tensor of shape {tuple(t.shape)} is not contiguous: it cannot be written in place")
         out.append(t.reshape(-1).view(torch.uint8))
     return out
 
@@ -163,7 +164,7 @@ def resume_at(trainer: TrainerInterface, iteration: int) -> str:
     if trainer.ended == iteration:
         state = trainer.rng.at(iteration)
         if state is None:
-            raise RepairError(f"no RNG snapshot of iteration {iteration}: cannot recompute step {iteration + 1}")
+            raise RestoreError(f"no RNG snapshot of iteration {iteration}: cannot recompute step {iteration + 1}")
         rng.restore(state)
         trainer.restart_from(iteration)
         return "rollback"
@@ -175,5 +176,5 @@ def resume_at(trainer: TrainerInterface, iteration: int) -> str:
             # has drawn since: the RNG now is the RNG as of its end — the next rollback starts there.
             trainer.rng.record(iteration)
         return "roll-forward"
-    raise RepairError(f"trainer at iteration {trainer.iteration} (last step ended {trainer.ended}) "
+    raise RestoreError(f"trainer at iteration {trainer.iteration} (last step ended {trainer.ended}) "
                       f"cannot resume at {iteration}")

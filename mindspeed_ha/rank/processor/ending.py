@@ -11,8 +11,8 @@ import threading
 from types import FrameType
 from typing import Callable
 
+from ...control.wire import protocol
 from ...events import EventLog, get_logger
-from ..wire import protocol
 
 log = get_logger("control.processor")
 

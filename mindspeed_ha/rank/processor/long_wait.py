@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 def default_group_rank() -> int | None:
     """This process's rank in the default group, where torch.distributed is up (None elsewhere: the
-    control plane imports no torch itself)."""
+    processor imports no torch itself)."""
     dist = sys.modules.get("torch.distributed")
     return int(dist.get_rank()) if dist is not None and dist.is_initialized() else None
 

@@ -2,7 +2,7 @@
 
 The training thread only touches plain attributes through the hooks (``step_start`` ...) and an
 outbox; the processor thread owns the ZeroMQ socket (sockets are not thread-safe) and sends the
-heartbeats. Its parts: the orders, each run where it must and answered (``orders``); the controller
+heartbeats. Its parts: the orders, each run where it must and answered (``serving``); the controller
 the rank may host (``hosting``); a step's own work, for straggler detection (``own_work``); where the
 training thread is held (``held``); how the process ends and the stop signals (``ending``). The
 processor never imports the controller: it is handed a factory (``controller_factory``) and uses
@@ -15,22 +15,22 @@ import queue
 import socket as _socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, SupportsFloat
+from typing import TYPE_CHECKING, Any, Callable, Iterator, SupportsFloat
 
 from ... import exitcodes
+from ...control.wire import protocol, security
+from ...control.wire.board import ProgressBoard, board_path
+from ...control.wire.discovery import JobStore, controller_is_external
+from ...control.wire.hosts import this_host
+from ...control.wire.link import ControllerLink, job_id_from_env
 from ...events import EventLog, get_logger, setup_text_log
 from ...options import HAOptions
-from ..wire import protocol, security
-from ..wire.board import ProgressBoard, board_path
-from ..wire.discovery import JobStore, controller_is_external
-from ..wire.hosts import this_host
-from ..wire.link import ControllerLink, job_id_from_env
 from . import ending
 from .held import HELD_REPORT_S, HeldWatch  # noqa: F401  (HELD_REPORT_S: read here by tests and tools)
 from .hosting import ControllerFactory, ControllerHost
 from .long_wait import LongWait, default_group_rank
-from .orders import Handler, Orders
 from .own_work import OwnWork
+from .serving import Orders
 
 if TYPE_CHECKING:
     from mindspeed_ha.comm.stop import Stop
@@ -104,7 +104,7 @@ class Processor:
         """``controller_factory``: makes the controller this rank may host (``hosting``; None: it hosts
         none). ``stop``: the rank's stop, which the controller's stop orders request and whose evidence
         heartbeats carry (None: the process's, ``comm.interruptible.PROCESS_STOP``, reached when first
-        used: the control plane imports no torch)."""
+        used: the processor imports no torch)."""
         self._stop = stop
         self.rank, self.world, self.local_rank, self.node = rank, world_size, local_rank, node or _socket.gethostname()
         self.options = options
@@ -142,6 +142,9 @@ class Processor:
                                     "entered": lambda a: "taken" if self.stop.entered.take(a.get("entered"))
                                     else "not aligned"},
                              self._send_answer, self.watch, lambda: self.stop.awaiting_orders())
+        # Taking orders (``Orders.serve``) and the training thread's running its next one, parked after a
+        # fault (``Orders.serve_order``), are the orders' own: no call of the processor's in between.
+        self.serve, self.serve_order = self.orders.serve, self.orders.serve_order
 
     @property
     def stop(self) -> Stop:
@@ -198,10 +201,6 @@ class Processor:
         if self.job_store is not None:
             self.job_store.close()
         self._thread = None
-
-    def serve(self, handlers: Mapping[str, Handler], training_thread: bool, at_once: bool = False) -> None:
-        """Take orders (``Orders.serve``)."""
-        self.orders.serve(handlers, training_thread, at_once)
 
     # ---- hooks for the training loop (main thread) -------------------------------------------
     def _mark(self, phase: str) -> None:
@@ -289,10 +288,6 @@ class Processor:
         """The training thread left the step's collectives for a stop: ``entered``, what it issued, as
         ``report_fault`` sends a faulted rank's (the controller hands it to the ranks still waiting)."""
         self._send_answer(protocol.encode("left", rank=self.rank, pid=os.getpid(), entered=entered))
-
-    def serve_order(self, timeout: float) -> str | None:
-        """The training thread, parked after a fault, runs its next order (``Orders.serve_order``)."""
-        return self.orders.serve_order(timeout)
 
     @property
     def held(self) -> str:

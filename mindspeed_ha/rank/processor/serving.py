@@ -14,8 +14,8 @@ import os
 import queue
 from typing import Any, Callable, ContextManager, Mapping
 
+from ...control.wire import protocol
 from ...events import get_logger
-from ..wire import protocol
 from .held import HeldWatch
 
 log = get_logger("control.processor")
