@@ -220,7 +220,8 @@ def cmd_controller(args) -> int:
     from .options import HAOptions
     log_dir = log_dir_from_env(args.log_dir)
     setup_text_log(log_dir)
-    opts = HAOptions(strategies=frozenset({"dump"}), log_dir=log_dir, key_dir=args.ha_key_dir,
+    # (the strategies: the ranks', as they register; the dump until then)
+    opts = HAOptions(strategies=frozenset({"dump"}), source="ranks", log_dir=log_dir, key_dir=args.ha_key_dir,
                      insecure=args.ha_insecure, heartbeat_s=args.ha_heartbeat_interval,
                      hang_timeout_s=args.ha_hang_timeout)
     # MindSpore's names for where an external controller listens, when the flags do not say

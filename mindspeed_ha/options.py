@@ -83,7 +83,9 @@ class HAOptions:
     desync_after_s: float = 5.0    # every rank waiting this long in collectives: their counts say if it is a desync
     spare_wait_s: float = 30.0     # recover + elastic: how long a lost node's replacement is waited for
     metrics_port: int | None = None  # the active controller serves Prometheus metrics here
-    source: str = "flags"          # where the strategies came from: flags | HIGH_AVAILABILITY | MS_ENABLE_TFT
+    # where the strategies came from: flags | HIGH_AVAILABILITY | MS_ENABLE_TFT | ranks (a controller
+    # of its own process: the ranks' registrations say them)
+    source: str = "flags"
 
     @property
     def enabled(self) -> bool:

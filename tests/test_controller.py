@@ -16,7 +16,7 @@ GROUPS = {0: [0, 2], 2: [0, 2], 1: [1, 3], 3: [1, 3]}
 class FakeRanks:
     """Four ranks' sockets: register, heartbeat, answer each order with ``answer(rank, msg)``."""
 
-    def __init__(self, c: Controller, keys, answer, world=4):
+    def __init__(self, c: Controller, keys, answer, world=4, strategies=()):
         self.ctx = zmq.Context()
         self.socks = {}
         self.answer, self.seen = answer, []
@@ -27,7 +27,9 @@ class FakeRanks:
             s.maxmsgsize = protocol.MAX_BYTES + 1024
             security.secure_client(s, keys)
             s.connect(c.endpoint)
-            s.send(protocol.encode("register", rank=r, world=world, node="n0", pid=1000 + r, groups=[GROUPS[r]]))
+            s.send(protocol.encode("register", rank=r, world=world, node="n0", pid=1000 + r, groups=[GROUPS[r]],
+                                   **({"strategies": sorted(strategies(r) if callable(strategies) else strategies)}
+                                      if strategies else {})))
             self.socks[r] = s
 
     def pump(self, seconds: float, until=lambda: False) -> None:
@@ -333,3 +335,29 @@ def test_a_rank_whose_training_thread_runs_an_order_for_long_says_where_it_is(tm
     held = [e for e in read_events(str(tmp_path / "events" / "rank_1.jsonl")) if e["event"] == "held"]
     assert [e["detail"] for e in held] == reports
 
+
+def test_a_controller_of_its_own_process_takes_the_ranks_strategies_and_names_a_rank_that_differs(tmp_path):
+    """``mindspeed-ha controller`` is started without the job's switches: it takes the strategies the
+    ranks register with (here retry), so a memory error is retried, not only dumped. A rank that
+    enables others is named in the log and the events; the first rank's are kept."""
+    keys = security.Keys.load(str(tmp_path), create=True)
+    c = Controller(str(tmp_path), 4, None, keys, host="127.0.0.1").start()
+    assert c.options.strategies == {"dump"} and c.options.source == "ranks"
+    ranks = FakeRanks(c, keys, retry_answers(poisoned={1}),
+                      strategies=lambda r: {"dump", "retry"} if r != 3 else {"dump", "recover"})
+    try:
+        ranks.pump(5, until=lambda: c.machine.state.value == "normal")
+        assert c.options.strategies == {"dump", "retry"} and c.recovery.options is c.options
+        ranks.socks[1].send(protocol.encode("fault", rank=1, kind="memory-error", iteration=6, phase="backward",
+                                            detail="UCE ERROR", at=time.time()))
+        ranks.pump(15, until=lambda: (1, "resume") in ranks.seen)
+        evs = read_events(str(tmp_path / "events" / "controller.jsonl"))
+        assert [(e["rank"], e["strategies"]) for e in evs if e["event"] == "strategies"][:1] in (
+            [(0, ["dump", "retry"])], [(1, ["dump", "retry"])], [(2, ["dump", "retry"])])
+        assert [(e["rank"], e["strategies"], e["job"]) for e in evs if e["event"] == "strategies_differ"] == [
+            (3, ["dump", "recover"], ["dump", "retry"])]
+        assert [e["outcome"] for e in evs if e["event"] == "strategy"] == ["retry"]
+        assert [a for r, a in ranks.seen if r == 1] == ["stop", "ha-status", "rebuild", "repair", "rollback", "resume"]
+    finally:
+        ranks.close()
+        c.close()

@@ -23,6 +23,7 @@ the controller.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -190,6 +191,23 @@ class HelperPort:
     def hand_over(self, rank: int, reason: str) -> str | None:
         return self._c.succession.hand_over(rank, reason)
 
+    def registered_strategies(self, rank: int, names: frozenset[str]) -> None:
+        """A controller whose strategies are the ranks' (``mindspeed-ha controller``: options.source
+        "ranks") takes those of the first rank that says them; a rank whose differ from the job's is
+        named (every rank must enable the same: its flags, or HIGH_AVAILABILITY on its node)."""
+        c = self._c
+        if c.options.source == "ranks":
+            options = dataclasses.replace(c.options, strategies=names, source=f"rank {rank}")
+            for part in (c, c.recovery, c.migrations, c.detection, c.ending):  # (one options object, shared)
+                part.options = options
+            c.events.emit("strategies", rank=rank, strategies=sorted(names))
+            log.info("strategies %s, as rank %d registered them", ", ".join(options.ordered_strategies()), rank)
+        elif names != c.options.strategies:
+            c.events.emit("strategies_differ", rank=rank, strategies=sorted(names), job=sorted(c.options.strategies))
+            log.error("rank %d enables the strategies %s, the job's controller %s: every rank must enable the same "
+                      "(its flags, or HIGH_AVAILABILITY on its node); the controller's are used", rank, sorted(names),
+                      sorted(c.options.strategies))
+
 
 class Controller:
     def __init__(self, log_dir: str, world_size: int, options: HAOptions | None = None,
@@ -199,7 +217,7 @@ class Controller:
                  write_json: bool = True, job_store: discovery.JobStore | None = None,
                  previous: int | None = None, settled: Iterable[str] = ()):
         self.log_dir, self.world = log_dir, int(world_size)
-        self.options = options or HAOptions(strategies=frozenset({"dump"}), log_dir=log_dir)
+        self.options = options or HAOptions(strategies=frozenset({"dump"}), source="ranks", log_dir=log_dir)
         self.job_id = job_id or os.environ.get("MINDSPEED_HA_JOB_ID")
         self.keys = keys if keys is not None else security.Keys.load(log_dir, self.options.key_dir,
                                                                      self.options.insecure, job=self.job_id)

@@ -98,6 +98,8 @@ class Inbox:
                 log.info("rank %d rejoined with pid %d (was %d)", r, info.pid, old.pid)
         self.table.ranks[r] = info
         self.table.by_ident[ident] = r
+        if msg.get("strategies"):
+            self.port.registered_strategies(r, frozenset(msg["strategies"]))
         self.router.send(ident, self.port.ack())
         if old is not None and old.ident != ident and old.pid in (info.pid, 0):  # 0: placeholder of a takeover
             self.orders.resend(r)

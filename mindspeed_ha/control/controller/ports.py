@@ -86,6 +86,9 @@ class ControllerPort(Protocol):
     def request_migration(self, rank: int, reason: str) -> str | None:
         """Move ``rank`` to a spare at the next step boundary; the refusal's reason, or None."""
 
+    def registered_strategies(self, rank: int, names: frozenset[str]) -> None:
+        """The strategies ``rank`` enables, as it registered (adopted, or checked against the job's)."""
+
     def hand_over(self, rank: int, reason: str) -> str | None:
         """``rank`` hosts this controller and is to be migrated: a standby takes over first. The
         refusal's reason, or None."""

@@ -120,7 +120,7 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "register": {"rank": (_int, R), "world": (_int, R), "node": (_str, R), "pid": (_int, R),
                  "local_rank": (_int, O), "groups": ("groups", O), "host": (_str, O), "epoch": (_int, O),
                  "iteration": (_int, O), "standby": (_str, O), "restarts": (_int, O),
-                 "agent_node": (_int, O)},
+                 "agent_node": (_int, O), "strategies": ("strs", O)},
     "hb": {"rank": (_int, R), "it": (_int, R), "upd": (_bool, R), "health": (_str, R),
            "phase": (_str, O), "progress": (_float, O), "wait": (_bool, O), "pid": (_int, O), "steps": (_int, O),
            "busy": (_float, O), "ckpt": (_int, O), "held": (_str, O),

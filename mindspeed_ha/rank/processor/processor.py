@@ -15,7 +15,7 @@ import queue
 import socket as _socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator, SupportsFloat
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, SupportsFloat
 
 from ... import exitcodes
 from ...control.wire import protocol, security
@@ -65,15 +65,16 @@ class Outbox:
 
 
 def register_frame(rank: int, world: int, node: str, local_rank: int, groups: list[list[int]],
-                   iteration: int) -> bytes:
+                   iteration: int, strategies: Iterable[str] = ()) -> bytes:
     """What a rank says to each controller it connects to: who it is, where, its replica groups,
-    how far it trained, how often it was restarted and the node rank of the ``mindspeed-ha run``
-    agent that started it (none: another launcher, which cannot restart it)."""
+    how far it trained, how often it was restarted, the node rank of the ``mindspeed-ha run`` agent
+    that started it (none: another launcher, which cannot restart it) and the strategies it enables
+    (a controller of its own process has them from the ranks only)."""
     agent = os.environ.get("MINDSPEED_HA_AGENT_NODE", "")
     return protocol.encode("register", rank=rank, world=world, node=node, pid=os.getpid(),
                            local_rank=local_rank, groups=groups, host=this_host(), iteration=iteration,
                            restarts=int(os.environ.get("MINDSPEED_HA_RESTART_COUNT", "0") or 0),
-                           **({"agent_node": int(agent)} if agent.isdigit() else {}))
+                           strategies=sorted(strategies), **({"agent_node": int(agent)} if agent.isdigit() else {}))
 
 
 def heartbeat_frame(p: Processor) -> bytes:
@@ -174,7 +175,8 @@ class Processor:
         if self.rank == 0 and in_rank0 and not restarted:
             self.host.start_first()
         self.link = ControllerLink(self.keys, self.log_dir, self.job_id, lambda: register_frame(
-                                       self.rank, self.world, self.node, self.local_rank, self.groups, self.iteration),
+                                       self.rank, self.world, self.node, self.local_rank, self.groups, self.iteration,
+                                       self.options.strategies),
                                    self.options.heartbeat_s, name=f"rank {self.rank}", store=self.job_store)
         self._outbox.link = self.link
         self._thread = threading.Thread(target=self._run, name="mindspeed-ha-processor", daemon=True)
