@@ -201,7 +201,7 @@ def test_slurm_nodes_with_own_log_dirs_node_lost_then_preempted(tmp_path, keys, 
         c.wait(lambda: c.controller("restart"), "the recovery")
         assert c.controller("restart")[0]["awaiting_node"] == [2, 3]
         during = metrics(mport)
-        assert during["mindspeed_ha_ranks_alive"] == 2 and during['mindspeed_ha_state{state="repair"}'] == 1
+        assert during["mindspeed_ha_ranks_alive"] == 2 and during['mindspeed_ha_state{state="recovering"}'] == 1
         # An operator on node 1, whose log dir knows nothing of the controller, asks through the store.
         # (--timeout: the store's answer, not its speed on a loaded host, is what this checks)
         st = subprocess.run(MINDSPEED_HA + ["status", "--log-dir", str(tmp_path / "empty"), "--job-store",

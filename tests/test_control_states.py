@@ -80,6 +80,31 @@ def test_strategy_order_and_fault_class():
     assert strategies.choose(["elastic-training"], {"node-lost"})[0] is strategies.SCALE_IN
 
 
+def test_no_file_of_the_control_plane_but_the_strategies_names_a_strategy_by_its_string():
+    """The controller, the policy and the wire reach a strategy through the registry, never by the
+    string that names it (the state machine's own names are its states': the DUMP state, the
+    SCALE_OUT outcome; a fault kind of the same string is defined once, ``ledger.KIND_SCALE_OUT``)."""
+    import ast
+    import os
+    control = os.path.dirname(strategies.__file__).rsplit(os.sep, 1)[0]
+    names = set(strategies.REGISTRY)
+    found = []
+    for d, _, files in os.walk(control):
+        if os.path.basename(d) == "strategies":
+            continue
+        for f in files:
+            path = os.path.join(d, f)
+            if not f.endswith(".py") or path.endswith(os.path.join("policy", "states.py")):
+                continue
+            tree = ast.parse(open(path).read())
+            kinds = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                     and all(isinstance(t, ast.Name) and t.id.startswith("KIND_") for t in n.targets)}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Constant) and node.value in names and id(node) not in kinds:
+                    found.append(f"{os.path.relpath(path, control)}:{node.lineno} {node.value!r}")
+    assert found == []
+
+
 def test_no_strategy_ends_the_job():
     out, why = strategies.choose(["reload", "mystery"], {"process-exit"})
     assert out is None and why == "reload is not available in this build; mystery is not available in this build"

@@ -40,6 +40,7 @@ from ..policy.standbys import Standbys
 from ..policy.states import TABLE, TIMEOUTS, Machine, Outcome as O, State as S
 from ..wire import discovery, hosts, protocol, security
 from ..wire.router import Router
+from ..strategies import DUMP
 from .detection import Detection
 from .ending import Ending
 from .inbox import Inbox
@@ -217,7 +218,7 @@ class Controller:
                  write_json: bool = True, job_store: discovery.JobStore | None = None,
                  previous: int | None = None, settled: Iterable[str] = ()):
         self.log_dir, self.world = log_dir, int(world_size)
-        self.options = options or HAOptions(strategies=frozenset({"dump"}), source="ranks", log_dir=log_dir)
+        self.options = options or HAOptions(strategies=frozenset({DUMP.name}), source="ranks", log_dir=log_dir)
         self.job_id = job_id or os.environ.get("MINDSPEED_HA_JOB_ID")
         self.keys = keys if keys is not None else security.Keys.load(log_dir, self.options.key_dir,
                                                                      self.options.insecure, job=self.job_id)

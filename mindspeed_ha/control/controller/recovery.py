@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...events import EventLog, get_logger
 from ...options import HAOptions
-from ..policy.ledger import FaultLedger
+from ..policy.ledger import KIND_SCALE_OUT, FaultLedger
 from ..policy.ranks import RankTable
 from ..policy.recurrence import Recurrences
 from ..policy.rounds import Port, RunOutcome, Runner
@@ -55,7 +55,7 @@ class Recovery:
         reason = (f"{fault['kind']} on rank(s) {fault['ranks'][:8]}" if fault else "controller")[:200]
         # Nothing broke for a migration or a scale-out: the ranks park between two steps, no step
         # is interrupted.
-        planned = self.ledger.of_kind("migrate", "scale-out")
+        planned = self.ledger.of_kind("migrate", KIND_SCALE_OUT)
         # The reporters' counts of the collectives they issued: what they never entered, the survivors
         # leave without waiting for it.
         entered = {str(r): f["entered"] for f in self.ledger.active if f.get("entered") for r in f["ranks"]}
@@ -78,11 +78,11 @@ class Recovery:
     def decide(self) -> O:
         self.failure = ""
         kinds = {f["kind"] for f in self.ledger.active}
-        if kinds == {"scale-out"}:
+        if kinds == {KIND_SCALE_OUT}:
             return self._chose(SCALE_OUT, "scale-out onto returned rank(s)", kinds)
-        if "scale-out" in kinds:  # a fault came first: its recovery; the newcomers are asked again after it
-            self.ledger.close_planned("scale-out")
-            kinds.discard("scale-out")
+        if KIND_SCALE_OUT in kinds:  # a fault came first: its recovery; the newcomers are asked again after it
+            self.ledger.close_planned(KIND_SCALE_OUT)
+            kinds.discard(KIND_SCALE_OUT)
         ordered = self.options.ordered_strategies()
         recurs = self.recurrences.refusal(self.ledger.active)
         if recurs:  # not the machine's: no recovery, only the dump (none before a first step: nothing to save)

@@ -28,7 +28,7 @@ from typing import Any, Iterable
 
 from ...events import EventLog, get_logger
 from ..policy import quorum
-from ..policy.ledger import FaultLedger, record
+from ..policy.ledger import KIND_SCALE_OUT, FaultLedger, record
 from ..policy.ranks import Agent, RankTable
 from ..policy.states import Outcome as O, State as S
 from ..strategies import RECOVER, RETRY, SCALE_IN
@@ -176,10 +176,10 @@ class Scaling:
         if (not self.offered or not self.offered <= live or self.port.state != S.NORMAL
                 or self.port.first_step_pending()):
             return
-        if self.ledger.under_way("scale-out"):
+        if self.ledger.under_way(KIND_SCALE_OUT):
             return
         ranks = sorted(self.offered)
-        f = record(ranks, "scale-out", self.table.newest_iteration(), "boundary",
+        f = record(ranks, KIND_SCALE_OUT, self.table.newest_iteration(), "boundary",
                    [self.table.ranks[r].node for r in ranks], detail="returned ranks registered",
                    t_detect=self.at or time.monotonic())
         self.ledger.open_planned(f)  # (no fault: not in the job's faults, nor its diagnosis)

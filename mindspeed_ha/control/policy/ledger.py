@@ -12,6 +12,9 @@ from __future__ import annotations
 import time
 from typing import Any, Hashable, Iterable, TypedDict
 
+# The kind of a planned episode's fault that grows the job (nothing failed: newcomers registered).
+KIND_SCALE_OUT = "scale-out"
+
 
 class Fault(TypedDict):
     ranks: list[int]

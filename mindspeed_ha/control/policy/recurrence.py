@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import re
 
-from .ledger import Fault
+from .ledger import KIND_SCALE_OUT, Fault
 
 # What a fault's detail says that changes from one occurrence to the next without saying anything of
 # its cause: pids, seconds, addresses.
@@ -48,7 +48,7 @@ class Recurrences:
     def count(self, faults: list[Fault]) -> None:
         """A recovery of ``faults`` has mended the state: the ranks go back to training (once per
         recovery: the same fault found twice in it counts once)."""
-        self.recovered.update({signature(f) for f in faults if f["kind"] not in ("scale-out", "migrate")})
+        self.recovered.update({signature(f) for f in faults if f["kind"] not in (KIND_SCALE_OUT, "migrate")})
 
     def limit_of(self, f: Fault) -> int:
         return min(self.limit, 1) if f.get("fault_class") == "software" else self.limit

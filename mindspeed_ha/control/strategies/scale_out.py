@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any
 
 from ... import plan as planner
+from ..policy.ledger import KIND_SCALE_OUT
 from ..policy.rounds import DONE, NEXT, Answers, Fail, Round, Step
 from .retry import RESUME, ROLLBACK, STATUS, then
 from .episode import Episode, log
@@ -104,7 +105,7 @@ def _new_layout(ep: Episode) -> list[int]:
 
 STRATEGY = Strategy(
     "scale-out", "--enable-elastic-training",
-    handles=frozenset({"scale-out"}),
+    handles=frozenset({KIND_SCALE_OUT}),
     stages=(Stage("resize", (STATUS, Round("plan", act=_plan_scale_out, timed=False),
                              Round("scale-out", order="scale-out", to=kept, args=resize_to_plan, decide=_scaled_out,
                                    when=lambda ep: ep.plan.ok),
