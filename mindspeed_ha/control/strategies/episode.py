@@ -58,7 +58,6 @@ class Episode:
                      if rank in (s.get("replica_group") or ())), None)
 
 
-
 def failed(event: str, ep: Episode, reason: str) -> str:
     """Tell of a strategy's failure in its ``event`` (``Strategy.failed_event``); returns the note the
     diagnosis gives."""

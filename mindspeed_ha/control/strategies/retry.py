@@ -134,7 +134,6 @@ RESUME = Round("resume", order="resume", decide=then("resume", DONE),
                args=lambda ep: {"strategy": ep.strategy, "lost_steps": ep.lost_steps})
 
 
-
 STRATEGY = Strategy(
     "retry", "--enable-hbmfault-repair",
     handles=frozenset({"memory-error", "comm-failure"}),
