@@ -82,8 +82,6 @@ TABLE: dict[tuple[State, Outcome], State] = {
 # Seconds an action bound to a state may take before the controller feeds TIMEOUT (RECOVERING and
 # DUMP: the stage's own, control/strategies).
 TIMEOUTS: dict[State, float] = {S.INIT: 600.0, S.PAUSE: 5.0, S.DECIDE: 10.0, S.EXIT: 5.0}
-# The states of old logs (before the strategies' stages): what each was, for ``mindspeed-ha report``.
-OLD_STATES = {"repair": "recovering", "rollback": "recovering", "downgrade": "recovering", "upgrade": "recovering"}
 
 
 class TransitionError(KeyError):
