@@ -114,6 +114,11 @@ def test_a_model_parallel_job_scales_in_to_half_its_replicas(tmp_path, layout, k
     assert scaled == [(2 * len(kept), len(kept), kept, dropped)], scaled
     checks = [e for e in events(tmp_path / "run", f"rank_{kept[0][0]}") if e["event"] == "replica_check"]
     assert [e["iteration"] for e in checks] == list(range(1, LAST + 1)) and all(e["ok"] for e in checks)
+    # A kept replica's own model-parallel groups keep their communicators through the resize.
+    for replica in kept:
+        for r in replica:
+            rebuilt = [e for e in events(tmp_path / "run", f"rank_{r}") if e["event"] == "rebuilt"]
+            assert len(rebuilt) == 1 and sorted(replica) in rebuilt[0]["kept"], (r, rebuilt)
     got, want = losses(tmp_path / "run"), losses(tmp_path / "ref")
     assert sorted(got) == list(range(1, LAST + 1))
     assert {i: got[i] for i in range(1, 4)} == {i: want[i] for i in range(1, 4)}

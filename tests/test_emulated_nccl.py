@@ -518,16 +518,16 @@ def _site(tmp_path, name, code):
 
 
 @pytest.mark.parametrize("aborted_works", ["complete", "raise"])
-def test_every_communicator_is_aborted_at_once_so_survivors_held_in_a_later_group_are_freed(tmp_path, references,
-                                                                                            aborted_works):
+def test_the_stop_aborts_the_communicators_holding_a_collective_and_leaves_the_idle_world_group(tmp_path, references,
+                                                                                                 aborted_works):
     """On the backend whose abort waits for the device to go idle, as NCCL's does: the stop aborts
-    every survivor's communicators at once, each on its own thread, so the idle world group's abort
-    returns once the grad-sync group's is done; every survivor leaves its collective, the retry
-    repairs rank 1 in place, and every loss is the fault-free run's bits. Each rank's stop line
-    times each communicator, and the recovery's phases carry the abort. ``raise``: the aborted
+    the survivors' communicators that hold a collective (the grad-sync groups), at once, each on its own
+    thread, and does not touch the idle world group (the rebuild keeps it); every survivor leaves its
+    collective, the retry repairs rank 1 in place, and every loss is the fault-free run's bits. Each
+    rank's stop line times each communicator, and the recovery's phases carry the abort. ``raise``: the aborted
     collectives fail under their waits (DistBackendError, as torch's can) instead of completing with
     partial outputs: that is each survivor's stop, none is reported as faulted."""
-    from helpers import assert_ok, events, losses, twins_agree
+    from helpers import all_rank_events, assert_ok, events, losses, twins_agree
     raises = {"MINDSPEED_HA_EMULATE_NCCL_ABORT_RAISES": "1"} if aborted_works == "raise" else {}
     proc = _job(tmp_path, HELD_IN_A_LATER_GROUP, RETRY_ONLY, raises)
     assert_ok(proc)
@@ -537,14 +537,18 @@ def test_every_communicator_is_aborted_at_once_so_survivors_held_in_a_later_grou
     assert 0 < rec[0]["phases"]["abort"] < 2.0, rec[0]["phases"]
     stops = [line for line in proc.stderr.splitlines() if "communicator(s) aborted at once in" in line]
     assert sorted(line.split("[rank ")[1][0] for line in stops) == ["0", "2", "3"], stops
-    assert all("default_pg " in line and "DATA_PARALLEL_GROUP " in line for line in stops), stops
+    assert all("1 communicator(s) aborted" in line and "default_pg " not in line for line in stops), stops
+    kept = [e for e in all_rank_events(tmp_path) if e["event"] == "rebuilt" and [0, 1, 2, 3] in e["kept"]]
+    assert sorted(e["rank"] for e in kept) == [0, 1, 2, 3], kept
     twins_agree(tmp_path, rec)
 
 
-# The abort the engine made until now: each group's after the last one's returned, in torch's order
-# (the world group first), bounded by the same deadline so that the drill ends.
+# The abort the engine once made: every group's (the idle ones too), each after the last one's
+# returned, in torch's order (the world group first), bounded by the same deadline so that the drill ends.
 SERIAL_ABORTS = """import threading
 import mindspeed_ha.comm.abort as abort
+import mindspeed_ha.comm.stop as stop
+stop.Stop._pending_groups = lambda self: None
 def one_after_another(communicators, deadline_s=abort.DEADLINE_S):
     communicators = list(communicators)
     def run():
@@ -559,8 +563,9 @@ abort.abort_all = one_after_another
 
 
 def test_aborted_one_after_another_the_same_survivors_stay_held_and_report_it(tmp_path):
-    """The control: the same drill with the aborts made one after another (a sitecustomize). Each
-    survivor's world abort waits for the device, which its grad-sync collective keeps busy: no
+    """The control: the same drill with every group's abort, the idle world group's first, made one
+    after another (a sitecustomize). Each survivor's world abort waits for the device, which its
+    grad-sync collective keeps busy: no
     survivor reaches the recovery, and each reports itself held at the deadline. Retry does not
     replace ranks: the dump follows, and has no one to write rank 1's shard (its twin, rank 3, is
     held): refused, and the job ends naming the checkpoint to resume from (none here)."""

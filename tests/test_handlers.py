@@ -110,9 +110,14 @@ class Tools:
         self._call("alone")
         yield
 
-    def reconnect(self, store_host, store_port, generation):
-        self._call("reconnect", store_host, store_port, generation)
-        return {"groups": 3, "seconds": 0.01}
+    def communicators(self, pending=()):
+        return dict(COMM)
+
+    def reconnect(self, store_host, store_port, generation, remake=None):
+        self._call("reconnect", store_host, store_port, generation, remake)
+        remade = sorted(remake or ["dp", "tp", "world"])
+        return {"groups": len(remade), "seconds": 0.01, "kept": [[0, 2]] if remake else [],
+                "remade": [[0, 1]] * len(remade), "why": [(remake or {}).get(k, "all") for k in remade]}
 
     def survivor_world(self, survivors, rank, store_host, store_port, generation, timeout, backend):
         self._call("survivor_world", list(survivors), rank, generation)
@@ -153,7 +158,8 @@ class Tools:
         self._call("holdings")
         return {"old_ranges": {}, "newcomer": trainer.optimizer is None}
 
-    def enter_layout(self, trainer, plan, rank, store_host, store_port, generation, backend, held, timeout):
+    def enter_layout(self, trainer, plan, rank, store_host, store_port, generation, backend, held, timeout,
+                     remake=None):
         self._call("enter_layout", generation, held)
         return {"entered": generation}
 
@@ -189,11 +195,15 @@ def _elastic_plan(direction: str = "in") -> dict:
                        direction=direction).to_wire()
 
 
+COMM = {"tp": [4, "ok", {}, {}, [0, 1]]}  # (a status's communicators: one idle group)
+
+
 # ---- ha-status ---------------------------------------------------------------------------------------------
 def test_status_reports_the_shard_the_newest_checkpoint_and_the_stops_abort():
     r, s, tools = _recovery()
     assert r.handlers()["ha-status"]({}) == {"replica": True, "iteration": 6, "updating": False, "ended": 6,
-                                             "checkpoint": [4, "/ckpt/iter_0000004"], "poisoned": False}
+                                             "checkpoint": [4, "/ckpt/iter_0000004"], "poisoned": False,
+                                             "comm": COMM}
     assert ("fire", "recovery", 7) in s.calls
     s.stop.abort_summary = lambda: {"seconds": 0.2}  # type: ignore[method-assign]  (an abort happened)
     assert r.ha_status({})["abort"] == {"seconds": 0.2}
@@ -202,7 +212,7 @@ def test_status_reports_the_shard_the_newest_checkpoint_and_the_stops_abort():
 def test_status_without_replicas_names_the_checkpoint_only_and_elastic_adds_the_layout():
     r, s, tools = _recovery()
     s.optimizer = None
-    assert r.ha_status({}) == {"replica": False, "ended": 6, "checkpoint": [4, "/ckpt/iter_0000004"]}
+    assert r.ha_status({}) == {"replica": False, "ended": 6, "checkpoint": [4, "/ckpt/iter_0000004"], "comm": COMM}
     r, s, tools = _recovery(Session(strategies=("elastic-training",)))
     assert r.ha_status({})["layout"] == {"dp_ranks": [11, 13], "global_batch": 16, "micro_batch": 2,
                                          "replica_num": 2, "stages": 2, "experts": 1}
@@ -233,11 +243,21 @@ def test_a_fault_while_answering_the_status_is_reported_and_the_answer_still_sta
 def test_a_survivor_rebuild_clears_the_stop_cleans_the_partial_step_then_reconnects():
     r, s, tools = _recovery()
     s.stop.request("peer faulted")
-    assert r.rebuild(STORE) == "3 groups reconnected in 0.010s"
+    assert r.rebuild(STORE) == "rebuild: 3 communicator(s) remade (all), 0 kept, in 0.010s"
     assert not s.stop.requested()
     assert s.calls == [("device_ready", 7), ("fire", "rebuild", 7)]
     assert s.trainer.calls == [("clean_partial_step",)]
-    assert tools.calls == [("reconnect", "h", 29500, 3)]
+    assert tools.calls == [("reconnect", "h", 29500, 3, None)]
+    assert s.events.named("rebuilt") == [{"kept": [], "remade": [[0, 1]] * 3, "why": ["all"] * 3, "seconds": 0.01}]
+
+
+def test_a_rebuild_remakes_the_communicators_the_order_names_and_says_which_it_kept():
+    r, s, tools = _recovery()
+    s.stop.request("peer faulted")
+    answer = r.rebuild({**STORE, "remake": {"tp": "open"}})
+    assert answer == "rebuild: 1 communicator(s) remade (open), 1 kept, in 0.010s"
+    assert tools.calls == [("reconnect", "h", 29500, 3, {"tp": "open"})]
+    assert s.events.named("rebuilt") == [{"kept": [[0, 2]], "remade": [[0, 1]], "why": ["open"], "seconds": 0.01}]
 
 
 def test_a_joiner_sets_up_alone_in_unconnected_groups_then_connects_them():

@@ -31,7 +31,7 @@ class _Communicators:
     def __init__(self) -> None:
         self.calls: list[float] = []
 
-    def __call__(self, deadline_s: float) -> abort.AbortReport:
+    def __call__(self, deadline_s: float, only: list | None = None) -> abort.AbortReport:
         self.calls.append(deadline_s)
         return abort.AbortReport({"dp": 0.001}, {}, 0.001, deadline_s)
 
@@ -268,7 +268,7 @@ def test_the_held_path_never_asks_a_communicator_whether_a_work_completed():
     began — nothing asks a work whether it completed once the abort began, from any thread."""
     began = threading.Event()
 
-    def stuck_abort(deadline_s: float):
+    def stuck_abort(deadline_s: float, only: list | None = None):
         began.set()
         threading.Event().wait(deadline_s)  # (returns at the deadline, as comm.abort does, without a report)
         return None

@@ -61,6 +61,11 @@ class AbortReport:
             text += f"; {len(self.failed)} raised: " + "; ".join(f"{n}: {e}" for n, e in self.failed.items())
         return text
 
+    def merged(self, later: "AbortReport") -> "AbortReport":
+        """This abort and a later one of the same stop (the rest of the communicators)."""
+        return AbortReport({**self.took, **later.took}, {**self.failed, **later.failed},
+                           self.seconds + later.seconds, self.deadline_s)
+
     def to_wire(self) -> dict:
         """For the recovery's answers (msgpack): the slowest first."""
         return {"seconds": round(self.seconds, 4), "unfinished": self.unfinished,
@@ -103,21 +108,28 @@ def abort_all(communicators: Iterable[tuple[str, object]], deadline_s: float = D
         return AbortReport(dict(took), dict(failed), time.monotonic() - t0, deadline_s)
 
 
-def abort_registered(deadline_s: float = DEADLINE_S) -> AbortReport | None:
+def abort_registered(deadline_s: float = DEADLINE_S, only: list | None = None) -> AbortReport | None:
     """A stop's abort of this process's communicators (``comm.stop``). NCCL (and the emulated NCCL):
-    every communicator of every group torch knows, at once (``abort_all``). HCCL: stop the device
-    (torch_npu's ``stop_device``; a recovery restarts it before anything runs there again:
-    ``device.restart_after_stop``). None before the process group exists."""
+    every communicator of the groups ``only`` (None: of every group torch knows), at once
+    (``abort_all``); one not aborted is not touched. HCCL: stop the device (torch_npu's
+    ``stop_device``; a recovery restarts it before anything runs there again:
+    ``device.restart_after_stop``), which ends every communicator of the device. None before the process
+    group exists."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     registered = compat.registered_groups()
-    report = abort_all([(_group_label(pg), pg) for pg in registered if _abortable(pg)], deadline_s)
+    chosen = registered if only is None else [pg for pg in registered if any(pg is g for g in only)]
+    report = abort_all([(_group_label(pg), pg) for pg in chosen if _abortable(pg)], deadline_s)
     from mindspeed_ha.events import get_logger
     (get_logger("comm").error if report.unfinished or report.failed else get_logger("comm").warning)(
         "stop: %s", report.line())
     if any(_stops_device(pg) for pg in registered):
         from mindspeed_ha import device
         device.stop_device()
+        for pg in registered:  # (every communicator of the device ended with it: a stable group hears so)
+            ended = getattr(pg, "ended_with_device", None)
+            if ended is not None:
+                ended()
     return report
 
 

@@ -35,6 +35,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from mindspeed_ha import compat
+from mindspeed_ha.comm import ledger as _ledger
+from mindspeed_ha.comm.ledger import Ledger
 from mindspeed_ha.device import backends
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # torch's own default for a group
@@ -67,7 +69,8 @@ class GroupRegistry:
         self.sealed = 0                        # len(groups) when set-up ended
         self.joining = False
         self.job: tuple | None = None          # after an elastic resize: each default-group rank's job rank
-        # (resize) old groups whose members all stay, by (description, job ranks, n)
+        # (resize) old groups whose members all stay, by (description, job ranks, n); those the rebuild
+        # keeps hold their communicator until the new layout makes them again (or its seal)
         self.reusable: dict[tuple, StableGroup] = {}
         self.lock = threading.RLock()
         # Communicators aborted already (a stop's abort, or ``end_all``): a retire does not abort them again.
@@ -95,6 +98,12 @@ class GroupRegistry:
     def seal(self) -> None:
         with self.lock:
             self.sealed = len(self.groups)
+            # (a resize: an old group the new layout did not make again gives up the communicator it kept)
+            leftover = [g for g in self.reusable.values() if g._inner is not None]
+            self.reusable.clear()
+            self.end_all(leftover)
+            for g in leftover:
+                g._swap(None)
 
     def made_after_seal(self) -> list["StableGroup"]:
         with self.lock:
@@ -188,6 +197,9 @@ class StableGroup(dist.ProcessGroup):
         self.options = options  # the backend's options it was made with (Megatron's pg_options), every communicator's
         self._inner: dist.ProcessGroup | None = None
         self._inner_gen = -1
+        self.ledger = Ledger()  # what the communicator in place carried (a recovery keeps it or remakes it)
+        self._tracks_works = not backends.stream_ordered(backend)  # (a stream-ordered one's are the stop's)
+        self.carried = ""  # kept through a resize: its communicator is the old layout's ("" : not, or why not)
 
     def rank(self) -> int:
         return self.group_rank
@@ -242,6 +254,11 @@ class StableGroup(dist.ProcessGroup):
         if self._inner is not None:
             self._inner.shutdown()
 
+    def ended_with_device(self) -> None:
+        """The device was stopped (HCCL's abort): the communicator ended with it, it cannot be kept."""
+        if self._inner is not None:
+            _registry.ended.add(self._inner)
+
     def _wait_for_pending_works(self) -> None:
         if self._inner is not None:
             self._inner._wait_for_pending_works()
@@ -261,6 +278,9 @@ class StableGroup(dist.ProcessGroup):
             self._inner = None
             _registry.start_release()
         self._inner, self._inner_gen = new, _registry.gen.serial
+        self.ledger = Ledger()
+        if self.carried == "kept":
+            self.carried = "its members' order changed"
 
     def __repr__(self) -> str:
         return f"StableGroup({self._desc}, ranks={list(self.ranks)[:8]}{'...' if len(self.ranks) > 8 else ''})"
@@ -268,7 +288,9 @@ class StableGroup(dist.ProcessGroup):
 
 def _delegate(name: str):
     def call(self, *args, **kwargs):
-        return getattr(self.inner(), name)(*args, **kwargs)
+        work = getattr(self.inner(), name)(*args, **kwargs)
+        self.ledger.record(name, args, kwargs, work, track=self._tracks_works)
+        return work
     call.__name__ = name
     return call
 
@@ -403,8 +425,12 @@ def new_group(original, ranks=None, timeout=None, backend=None, pg_options=None,
         return c10d.GroupMember.NON_GROUP_MEMBER
     group = _registry.reusable.pop((desc, tuple(job_rank(r) for r in ranks), n), None)
     if group is not None:  # the same members as before a resize: the same object, renumbered
+        if group._inner is not None and ranks.index(me) != group.group_rank:
+            group._swap(None)  # (kept, but its members' order changed: the communicator's numbering would not follow)
         group.key, group.ranks, group.group_rank = _key(desc, ranks, n), tuple(ranks), ranks.index(me)
         group.options = pg_options
+        if group._inner is not None:
+            group._inner_gen = _registry.gen.serial  # (its communicator, kept through the resize)
     else:
         group = StableGroup(_key(desc, ranks, n), ranks, ranks.index(me), _backend_name(backend),
                             timeout or world.timeout, desc, pg_options)
@@ -445,26 +471,74 @@ def made_after_seal() -> list[StableGroup]:
     return _registry.made_after_seal()
 
 
-def reconnect(store_host: str, store_port: int, generation: int,
+def communicators(pending: Iterable[object] = ()) -> dict[str, list[Any]]:
+    """Each group's communicator as this rank sees it, by the group's key (the same on every member):
+    ``Ledger.entry`` with its state, its members and peers as the job's ranks. ``pending``: the groups
+    with a stream-ordered collective in flight (the stop's ``InFlight.pending_groups``)."""
+    pending_ids = {id(g) for g in pending}
+    with _registry.lock:
+        return {g.key: g.ledger.entry(_state(g, pending_ids), [_registry.job_rank(r) for r in g.ranks])
+                for g in _registry.groups}
+
+
+def _state(g: "StableGroup", pending_ids: set[int]) -> str:
+    inner = g._inner
+    if isinstance(inner, _Broken):
+        return _ledger.BROKEN
+    if inner is None or g._inner_gen != _registry.gen.serial:
+        return _ledger.UNCONNECTED
+    if inner in _registry.ended:
+        return _ledger.ABORTED
+    if id(g) in pending_ids:
+        return _ledger.PENDING
+    return _ledger.OPEN if g.ledger.open_works() else _ledger.OK
+
+
+class KeptAborted(RuntimeError):
+    """A group the rebuild keeps was aborted here after this rank said it was idle: its peers keep
+    theirs, so the recovery cannot go on with it."""
+
+
+def reconnect(store_host: str, store_port: int, generation: int, remake: dict[str, str] | None = None,
               store_timeout: datetime.timedelta = STORE_TIMEOUT) -> dict:
-    """New communicators for every group of this process, over the controller's store. Every
-    member calls it for the same generation; returns timings for the recovery's log."""
+    """New communicators over the controller's store for the groups in ``remake`` (key -> why; None:
+    every group), and for every group with none in place (a restarted worker's); every other group
+    keeps its communicator. Every member calls it for the same generation with the same ``remake``;
+    returns timings, and the groups kept and remade (each as its members' job ranks: the default
+    group's until a resize renumbers it), for the recovery's log."""
     t0 = time.perf_counter()
     store = dist.TCPStore(store_host, store_port, None, False, timeout=store_timeout)
     reg = _registry
     with reg.lock:
+        old = reg.gen.serial
+        doomed = [g for g in reg.groups
+                  if remake is None or g.key in remake or g._inner is None or g._inner_gen != old
+                  or isinstance(g._inner, _Broken)]
+        kept = [g for g in reg.groups if g not in doomed]
+        aborted = [g for g in kept if g._inner in reg.ended]
+        if aborted:
+            raise KeptAborted(f"{len(aborted)} group(s) to keep were aborted here after the status: "
+                              + ", ".join(repr(g) for g in aborted[:4]))
         reg.gen.enter(generation, store)
+        for g in kept:
+            g._inner_gen = reg.gen.serial
         eager = reg.eager()
-        reg.end_all(reg.groups)  # (every old one at once, before any is replaced)
-        for g in reg.groups:  # lazy ones drop theirs now: nothing may run on the old generation
+        reg.end_all(doomed)  # (every doomed one at once, before any is replaced)
+        for g in doomed:  # lazy ones drop theirs now: nothing may run on the old generation
             if g not in eager and g._inner is not None:
                 g._swap(None)
-        # One after another, in creation order. Gloo's groups connected from a thread each (a store
-        # client each) took 15 s for 21 groups of 4 ranks here, against 0.07 s one after another;
-        # NCCL's initialisation from several threads has not been run on a device.
-        for g in eager:
+        # One after another, in creation order (the same in every member). Gloo's groups connected from
+        # a thread each (a store client each) took 15 s for 21 groups of 4 ranks here, against 0.07 s one
+        # after another; NCCL's initialisation from several threads has not been run on a device.
+        remade = [g for g in eager if g in doomed]
+        for g in remade:
             g.inner()
-    return {"groups": len(eager), "lazy": len(reg.groups) - len(eager), "seconds": round(time.perf_counter() - t0, 4)}
+    why = remake or {}
+    return {"groups": len(remade), "lazy": len(reg.groups) - len(eager),
+            "seconds": round(time.perf_counter() - t0, 4),
+            "kept": [[reg.job_rank(r) for r in g.ranks] for g in kept],
+            "remade": [[reg.job_rank(r) for r in g.ranks] for g in doomed],
+            "why": [why.get(g.key, "all" if remake is None else "none in place") for g in doomed]}
 
 
 class _Broken:
@@ -547,30 +621,42 @@ def survivor_world(survivors: Sequence[int], rank: int, store_host: str, store_p
 
 def new_epoch(kept: Sequence[int], rank: int, store_host: str, store_port: int, generation: int,
               timeout: datetime.timedelta = DEFAULT_TIMEOUT, backend: str = "gloo",
-              host_rank: int | None = None) -> World:
+              host_rank: int | None = None, remake: dict[str, str] | None = None) -> World:
     """A new layout (elastic resize): the default group becomes ``kept`` (job ranks) in that order,
-    and every group of the old layout is released and unregistered. The groups made next
-    (megatron-core's, initialised again, with ``timeout``: the job's collective timeout, which they take
-    from the default group) are the new layout's set-up; ``seal`` ends it. One of them
-    with the same description and the same members as an old one (a TP group of a kept replica)
-    *is* that old object, renumbered: the model's layers hold it and keep working, nothing has to
-    find and re-point them. Call before ``parallel_state.destroy_model_parallel`` (which then
+    and every group of the old layout is unregistered. The groups made next (megatron-core's,
+    initialised again, with ``timeout``: the job's collective timeout, which they take from the default
+    group) are the new layout's set-up; ``seal`` ends it. One of them with the same description and the
+    same members as an old one (a TP group of a kept replica) *is* that old object, renumbered: the
+    model's layers hold it and keep working, nothing has to find and re-point them; unless ``remake``
+    (key -> why; None: every group) names it, it keeps its communicator too. Every other old group's
+    communicator is released. Call before ``parallel_state.destroy_model_parallel`` (which then
     destroys nothing: the old groups are no longer registered, and destroying one would connect it)."""
     kept_set = set(int(r) for r in kept)
     reg = _registry
     with reg.lock:
         seen: dict[tuple, int] = {}
         reg.reusable.clear()
-        reg.end_all(reg.groups)  # (every old one at once, before any is replaced)
+        holding = []
         for g in reg.groups:
-            if g._inner is not None:
-                g._swap(None)
-            compat.unregister_group(g)
             members = tuple(job_rank(r) for r in g.ranks)
             n = seen.get((g._desc, members), 0)
             seen[(g._desc, members)] = n + 1
+            g.carried = ""
             if g._desc not in ("default_pg", "survivors") and set(members) <= kept_set:
                 reg.reusable[(g._desc, members, n)] = g
+                if remake is not None and g.key not in remake and g._inner is not None:
+                    if not _keepable(g):
+                        raise KeptAborted(f"{g!r}: the resize keeps its communicator, aborted here after the status")
+                    holding.append(g)
+                    g.carried = "kept"
+                else:
+                    g.carried = "all" if remake is None else remake.get(g.key, "none in place")
+        doomed = [g for g in reg.groups if g not in holding]
+        reg.end_all(doomed)  # (every old one at once, before any is replaced)
+        for g in reg.groups:
+            if g._inner is not None and g not in holding:
+                g._swap(None)
+            compat.unregister_group(g)
         reg.groups.clear()
         reg.counts.clear()
         reg.sealed = 0
@@ -579,6 +665,23 @@ def new_epoch(kept: Sequence[int], rank: int, store_host: str, store_port: int, 
         reg.add(compat.default_group(), first=True)
         reg.job = tuple(int(r) for r in kept)
     return world
+
+
+def _keepable(g: StableGroup) -> bool:
+    """``g`` has a communicator of the current generation, not aborted and not broken."""
+    return (g._inner is not None and g._inner_gen == _registry.gen.serial and not isinstance(g._inner, _Broken)
+            and g._inner not in _registry.ended)
+
+
+def layout_communicators() -> dict:
+    """After a resize's set-up: the new layout's groups whose communicator was kept through it and those
+    made anew, each as its members' job ranks (``reconnect``'s answer, for the ``rebuilt`` event)."""
+    with _registry.lock:
+        kept = [g for g in _registry.groups if g.carried == "kept"]
+        made = [g for g in _registry.groups if g.carried != "kept"]
+        return {"kept": [[job_rank(r) for r in g.ranks] for g in kept],
+                "remade": [[job_rank(r) for r in g.ranks] for g in made],
+                "why": [g.carried or "a group of the new layout" for g in made]}
 
 
 def job_rank(rank: int) -> int:

@@ -528,13 +528,14 @@ def _stream_collective(fn: Callable, args: tuple, kwargs: dict, want_async: bool
     if work is None:  # not a member of the group
         return None
     tag = stop.issued.issue(group, fn.__name__, _caller())
-    block = _blocks().get(compat.resolve_group(group))
+    resolved = compat.resolve_group(group)
+    block = _blocks().get(resolved)
     if block is not None:
         block.tags.append(tag)
     if compat.is_placeholder_work(work):  # inside a coalescing block: the block's work is tracked
         return work if want_async else None
     work = _unwrap(work)
-    stop.in_flight.issued(work, tag)
+    stop.in_flight.issued(work, tag, resolved)
     if want_async:
         return PollingWork(work, stop, stream=kind)
     try:
@@ -602,7 +603,7 @@ def _p2p_work(work, group, tensor, stop: Stop) -> PollingWork:
     kind = _stream_kind(group, tensor)
     if kind is None:
         return PollingWork(work, stop, p2p=True)
-    stop.in_flight.issued(work)
+    stop.in_flight.issued(work, group=group)
     return PollingWork(work, stop, stream=kind)
 
 
@@ -650,7 +651,7 @@ def make_interruptible_coalescing_manager(orig_cm: Callable, stop: Stop) -> Call
             _blocks().pop(resolved, None)
         if kind is not None:
             for w in _works_of(cm):
-                stop.in_flight.issued(w, block.tag())
+                stop.in_flight.issued(w, block.tag(), resolved)
         if not async_ops:
             _wait_all(cm, block, stop, kind)
 

@@ -221,6 +221,7 @@ class InFlight:
         self._lock = threading.Lock()
         self._works: list = []
         self._tags: dict[int, Tag] = {}
+        self._groups: dict[int, object] = {}  # each work's group (what a stop's abort aborts)
         self._waits: dict[str, HostWaits | EventWaits] = {}
         self._frozen: int | None = None  # works pending as the abort began (None: no abort since forget)
 
@@ -233,14 +234,17 @@ class InFlight:
                 self._frozen = len(self._works)
             return self._frozen
 
-    def issued(self, work, tag: Tag | None = None) -> None:
+    def issued(self, work, tag: Tag | None = None, group: object = None) -> None:
+        """``work`` was issued on ``group`` (None: not known; a stop's abort then aborts every group)."""
         self.used = True
         with self._lock:
+            self._groups[id(work)] = group
             if self._frozen is not None:  # (after an abort began: kept, never asked)
                 self._works.append(work)
                 return
             self._works = [w for w in self._works if not w.is_completed()] + [work]
             self._tags = {id(w): self._tags[id(w)] for w in self._works if id(w) in self._tags}
+            self._groups = {id(w): self._groups[id(w)] for w in self._works}
             if tag is not None:
                 self._tags[id(work)] = tag
 
@@ -250,6 +254,21 @@ class InFlight:
             if self._frozen is None:
                 self._works = [w for w in self._works if not w.is_completed()]
             return [self._tags.get(id(w)) for w in self._works]
+
+    def groups_to_abort(self) -> list | None:
+        """The groups with a stream-ordered collective pending, once each (None: a work of an unknown
+        group among them, or none: a stop's abort then aborts every group)."""
+        groups = self.pending_groups()
+        if not groups or any(g is None for g in groups):
+            return None
+        return list({id(g): g for g in groups}.values())
+
+    def pending_groups(self) -> list:
+        """The groups of the stream-ordered works issued and not complete (None where not known)."""
+        with self._lock:
+            if self._frozen is None:
+                self._works = [w for w in self._works if not w.is_completed()]
+            return [self._groups.get(id(w)) for w in self._works]
 
     def waits(self, kind: str) -> HostWaits | EventWaits:
         if kind not in self._waits:
@@ -280,6 +299,7 @@ class InFlight:
         with self._lock:
             self._works = []
             self._tags = {}
+            self._groups = {}
             self._frozen = None
 
 
@@ -322,11 +342,11 @@ class Park:
 
 
 class Stop:
-    """One rank's stop. ``abort_communicators(deadline_s)`` aborts the process's stream-ordered
-    communicators and says what it did (``comm.abort.abort_registered``); the grace periods are the
-    module's constants, kept per stop so a drill can shorten its own."""
+    """One rank's stop. ``abort_communicators(deadline_s, groups)`` aborts the process's stream-ordered
+    communicators (those of ``groups``; None: all) and says what it did (``comm.abort.abort_registered``);
+    the grace periods are the module's constants, kept per stop so a drill can shorten its own."""
 
-    def __init__(self, abort_communicators: Callable[[float], _abort.AbortReport | None] | None = None,
+    def __init__(self, abort_communicators: Callable[[float, list | None], _abort.AbortReport | None] | None = None,
                  identify_group: Callable[[object], tuple[str, frozenset]] | None = None):
         """``identify_group(group)``: a group's key and members (ranks of the default group), for the
         counts of ``issued`` (None: no counts, and every collective waits out its grace)."""
@@ -339,14 +359,12 @@ class Stop:
         self._abort_communicators = abort_communicators
         self._held_hooks: list[Callable[[str], None]] = []
         self._set = threading.Event()
-        self._reason = ""
-        self._stopped_at = 0.0
+        self._reason, self._stopped_at = "", 0.0
         self._thread = threading.local()  # .uncovered: this thread runs code no recovery covers
         self._uncovered = False  # the training thread does (what the aborter reads)
         self._deferred: BaseException | None = None  # a collective's failure there, for the next hooked call
         self._loop_alone = False  # the uncovered code's collectives are answered alone until the next hooked call
-        # Stream-ordered communicators were aborted since the last clear: a result read now may be partial.
-        self._aborted = False
+        self._aborted = False  # communicators were aborted since the last clear: a result read now may be partial
         self._aborter: tuple[threading.Thread, int] | None = None  # the aborter, and the stop it serves
         # The training thread has waited for the controller's orders (``awaiting_orders``) since the stop:
         # it left the step, and serves the recovery until ``left_recovery``: not held in a step, however
@@ -415,11 +433,11 @@ class Stop:
 
     # ---- the abort -----------------------------------------------------------------------------
     def _abort_when_due(self, stop: int) -> None:
-        """A stop's communicator abort, once its grace has passed, when a stream-ordered collective
-        issued before it is still pending (at once when none pending can complete: ``never_entered``),
-        or (``backstop_s`` later) when the training thread has still
-        not reached the recovery. Otherwise no abort: the next collective raises at its entry, and every
-        result read meanwhile was whole. ``stop``: the stop this thread serves (stops cleared before it)."""
+        """A stop's abort of the communicators with a stream-ordered collective pending, once its grace
+        has passed (at once when none pending can complete: ``never_entered``); of every one when the
+        training thread has still not reached the recovery ``backstop_s`` later. Otherwise no abort: the
+        next collective raises at its entry, and every result read meanwhile was whole. ``stop``: the stop
+        this thread serves (stops cleared before it)."""
         logged = False
         while True:
             with self._abort_lock:
@@ -427,7 +445,7 @@ class Stop:
                     return
                 grace = self.uncovered_grace_s if self._uncovered else self.grace_s
                 since = time.monotonic() - self._stopped_at
-                why = ""
+                why, only = "", self.in_flight.groups_to_abort()
                 never = self.entered.none_can_complete(self.in_flight.pending_tags())
                 if since >= grace and self.in_flight.pending():
                     why = "a stream-ordered collective was still pending"
@@ -435,28 +453,34 @@ class Stop:
                     why = "every pending collective was one a faulted rank never entered"
                     self.entered.aborted_for = never
                 elif since >= grace + self.backstop_s and not self._reached.is_set():
-                    why = "the training thread had not reached the recovery (held on the device?)"
+                    why, only = "the training thread had not reached the recovery (held on the device?)", None
                 if why:
-                    _log().warning("stop: %s %.2fs after the stop: aborting this rank's communicators (%s)",
-                                   why, since, self._reason or "-")
+                    what = "every communicator" if only is None else f"the {len(only)} communicator(s) holding it"
+                    _log().warning("stop: %s %.2fs after the stop: aborting %s (%s)", why, since, what, self._reason)
                     began = time.monotonic()
-                    self.abort_now(why=why)
+                    self.abort_now(why=why, only=only)
                     break
             if since >= grace and not logged:
                 _log().info("stop: no stream-ordered collective pending after the %.1fs grace: no abort, unless "
                             "the training thread has not reached the recovery %.0fs later", grace, self.backstop_s)
                 logged = True
             time.sleep(WAIT_SLICE_S)
-        self._watch_held(stop, began)
+        self._watch_held(stop, began, rest=only is not None)
 
-    def _watch_held(self, stop: int, began: float) -> None:
+    def _watch_held(self, stop: int, began: float, rest: bool = False) -> None:
         """After a stop's abort (begun at ``began``): a training thread that has not reached the recovery
-        within the deadline will not reach it. The held hooks are told why (once)."""
+        within the deadline will not reach it. The held hooks are told why (once). ``rest``: only the
+        groups with a collective pending were aborted; ``backstop_s`` later, every other one is too."""
         def over() -> bool:
             return self._reached.is_set() or not self._set.is_set() or self._cleared != stop
         while time.monotonic() - began < self.deadline_s:
             if over():
                 return
+            if rest and time.monotonic() - began >= self.backstop_s:
+                rest, began = False, time.monotonic()
+                with self._abort_lock:
+                    if not over():
+                        self.abort_now(why="the training thread had not reached the recovery after the first abort")
             time.sleep(WAIT_SLICE_S)
         if over():
             return
@@ -471,18 +495,19 @@ class Stop:
                 _log().exception("a held hook failed")
         _log().error("stop: %s; %s", why, self.report())
 
-    def abort_now(self, why: str = "") -> None:
-        """Abort every stream-ordered communicator of this process now, at once and within the deadline
-        (``comm.abort``). A commit point refuses from here until ``clear()``."""
+    def abort_now(self, why: str = "", only: list | None = None) -> None:
+        """Abort the stream-ordered communicators of this process (``only`` those groups'; None: every
+        one) now, at once and within the deadline (``comm.abort``): a communicator not aborted is not
+        touched, and a recovery can keep it. A commit point refuses from here until ``clear()``."""
         self._aborted = True  # (first: a commit point that sees the abort's effect sees this too)
         self.in_flight.freeze()
         t0 = time.monotonic()
         began = t0 - self._stopped_at if self._set.is_set() else 0.0
         self._abort_info = (began, None, why or "asked")
         if self._abort_communicators is not None:
-            report = self._abort_communicators(self.deadline_s)
+            report = self._abort_communicators(self.deadline_s, only)
             if report is not None:
-                self._abort_report = report
+                self._abort_report = report if self._abort_report is None else self._abort_report.merged(report)
         self._abort_info = (began, time.monotonic() - t0, why or "asked")
 
     def aborted(self) -> bool:
@@ -503,12 +528,7 @@ class Stop:
             return "no stop in force"
         text = f"stopped {time.monotonic() - self._stopped_at:.1f}s ago ({self._reason or '-'})"
         if self._abort_info is not None:
-            began, took, why = self._abort_info
-            text += (f"; communicators aborted {began:.2f}s after the stop, in {took:.2f}s ({why})"
-                     if took is not None else
-                     f"; the communicators' abort began {began:.2f}s after the stop and has not returned ({why})")
-            if self._abort_report is not None and self._abort_report.unfinished:
-                text += f"; abort not returned: {', '.join(self._abort_report.unfinished)}"
+            text += _abort_text(self._abort_info, self._abort_report)
         elif self.in_flight.used:
             text += "; no communicator aborted"
         pending = self.in_flight.pending_count()
@@ -621,6 +641,16 @@ class Stop:
     def remove_held_hook(self, fn: Callable[[str], None]) -> None:
         if fn in self._held_hooks:
             self._held_hooks.remove(fn)
+
+
+def _abort_text(info: tuple[float, float | None, str], report: _abort.AbortReport | None) -> str:
+    """A stop's abort in its report: (seconds after the stop it began, seconds it took or None, why)."""
+    began, took, why = info
+    text = (f"; communicators aborted {began:.2f}s after the stop, in {took:.2f}s ({why})" if took is not None else
+            f"; the communicators' abort began {began:.2f}s after the stop and has not returned ({why})")
+    if report is not None and report.unfinished:
+        text += f"; abort not returned: {', '.join(report.unfinished)}"
+    return text
 
 
 def as_stop(stop: Stop, exc: BaseException) -> BaseException:

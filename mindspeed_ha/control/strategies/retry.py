@@ -6,7 +6,7 @@ alive, is mended in place.
 
 Every rank reports where its optimizer shard is (``status``); the controller picks the newest
 iteration every shard has a healthy holder for (``plan``, the dump's own planner); every rank builds
-new communicators (``rebuild``); broken or lagging shards are copied from their twins and the weights
+new communicators where the fault reached (``rebuild``: the others are kept); broken or lagging shards are copied from their twins and the weights
 re-gathered (``repair``), or, where no twin can serve, every rank reloads the newest periodic
 checkpoint (``reload``); every rank goes back to the start of the failed step, or finishes it if its
 update had completed everywhere (``rollback``); training resumes. After the last stage the job trains
@@ -21,6 +21,7 @@ import dataclasses
 from typing import Any, Callable
 
 from ... import plan as planner
+from ..policy import communicators
 from ..policy.rounds import DONE, NEXT, Answers, Fail, Round, Step
 from . import migration, reload
 from .episode import Episode, log
@@ -84,9 +85,24 @@ def _plan(ep: Episode) -> Step:
     return reload.plan(ep, why)
 
 
+def remake_args(ep: Episode) -> dict[str, Any]:
+    """Which groups get a new communicator: those the fault reached (``policy.communicators``); every
+    other group keeps its own. ``{}``: every group (a rank said nothing of its communicators)."""
+    remake = communicators.to_remake(ep.statuses, ep.joiners)
+    groups = len({key for st in ep.statuses.values() for key in (st.get("comm") or {})})
+    if remake is None:
+        log.info("%s: every communicator is remade (a rank said nothing of its own)", ep.strategy)
+    else:
+        log.info("%s: %d of %d communicator(s) remade, the others kept: %s", ep.strategy, len(remake), groups,
+                 "; ".join(sorted(set(remake.values())))[:300] or "-")
+    ep.port.emit("rebuild_plan", generation=ep.generation, groups=groups,
+                 remake=None if remake is None else len(remake))
+    return {} if remake is None else {"remake": remake}
+
+
 def _rebuild_args(ep: Episode) -> dict[str, Any]:
     host, port = ep.port.store()
-    return {"store_host": host, "store_port": port, "generation": ep.generation}
+    return {"store_host": host, "store_port": port, "generation": ep.generation, **remake_args(ep)}
 
 
 def then(name: str, step: Step, how: str = "") -> Callable[[Episode, Answers], Step]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from ... import plan as planner
 from ..policy.rounds import DONE, NEXT, Answers, Fail, Round, Step
-from .retry import RESUME, ROLLBACK, STATUS, then
+from .retry import RESUME, ROLLBACK, STATUS, remake_args, then
 from .episode import Episode, log
 from .strategy import Stage, Strategy
 
@@ -70,7 +70,8 @@ def _plan_elastic(ep: Episode) -> Step:
 
 def resize_args(ep: Episode, plan: planner.ElasticPlan) -> dict[str, Any]:
     host, port = ep.port.store()
-    return {"plan": plan.to_wire(), "store_host": host, "store_port": port, "generation": ep.generation}
+    return {"plan": plan.to_wire(), "store_host": host, "store_port": port, "generation": ep.generation,
+            **remake_args(ep)}
 
 
 def resize_to_plan(ep: Episode) -> dict[str, Any]:

@@ -77,9 +77,11 @@ def holdings(trainer: TrainerInterface) -> dict[str, Any]:
 
 def enter_layout(trainer: TrainerInterface, plan: ElasticPlan, rank: int, store_host: str, store_port: int,
                  generation: int, backend: str = "gloo", host_store: bool = False,
-                 held: dict[str, Any] | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> dict[str, Any]:
+                 held: dict[str, Any] | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+                 remake: dict[str, str] | None = None) -> dict[str, Any]:
     """Steps 1-3 (``held``: ``holdings`` taken before an earlier resize that did not complete;
-    ``timeout``: the job's collective timeout, every group of the new layout's). A
+    ``timeout``: the job's collective timeout, every group of the new layout's; ``remake``: the old
+    groups whose communicators the new layout may not keep, None: all). A
     newcomer whose loop builds its own model (Megatron-LM's) has only its groups afterwards (no
     optimizer yet): ``move_state`` follows once its loop has built them."""
     from mindspeed_ha.comm import groups
@@ -88,7 +90,7 @@ def enter_layout(trainer: TrainerInterface, plan: ElasticPlan, rank: int, store_
     mem = PeakExtra().start()  # (to the end of move_state: the new layout's allocations and the move's)
     held = held or holdings(trainer)
     world = groups.new_epoch(plan.order, rank, store_host, store_port, generation, timeout=timeout, backend=backend,
-                             host_rank=plan.order[0] if host_store else None)
+                             host_rank=plan.order[0] if host_store else None, remake=remake)
     t["group"] = time.perf_counter()
     # A newcomer built ahead for this very layout: its model, DDP and optimizer stand in its groups.
     built = getattr(trainer, "built_ahead", None) is not None and trainer.enter_built_layout(plan.order)
@@ -97,7 +99,8 @@ def enter_layout(trainer: TrainerInterface, plan: ElasticPlan, rank: int, store_
     elif not built:
         trainer.resize(keep=[t for values in held["old_ranges"].values() for t in values])
     t["resize"] = time.perf_counter()
-    return {"t": t, "world": world, "mem": mem, "built_ahead": built, **held}
+    return {"t": t, "world": world, "mem": mem, "built_ahead": built, "communicators": groups.layout_communicators(),
+            **held}
 
 
 def move_state(trainer: TrainerInterface, plan: ElasticPlan, rank: int, entered: dict[str, Any],

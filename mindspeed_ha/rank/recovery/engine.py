@@ -3,7 +3,7 @@ orders use: the functions themselves, no call passes through this module (mypy c
 the protocol). ``RankRecovery`` is handed it when the rank's processor starts, ahead of any fault; its
 unit tests hand it a fake in its place (tests/test_handlers.py).
 """
-from mindspeed_ha.comm.groups import job_rank, joining, reconnect, survivor_world
+from mindspeed_ha.comm.groups import communicators, job_rank, joining, reconnect, survivor_world
 from mindspeed_ha.comm.interruptible import alone
 from mindspeed_ha.device.memory import PeakExtra as peak_memory
 from mindspeed_ha.rank.recovery.dump import prepare as prepare_dump
@@ -15,7 +15,7 @@ from mindspeed_ha.trainer_state.checkpoint_dir import newest_checkpoint
 
 __all__ = [
     # the groups
-    "joining", "alone", "reconnect", "survivor_world", "job_rank",
+    "joining", "alone", "communicators", "reconnect", "survivor_world", "job_rank",
     # the optimizer shard
     "shard_status", "transfer_shards", "transfer_bookkeeping", "shard_bytes", "peak_memory", "resume_at",
     # the layout (elastic)

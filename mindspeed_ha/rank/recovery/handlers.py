@@ -1,11 +1,12 @@
 """What a rank does for the controller's recovery orders: one method per order, in one table.
 
-The controller's playbooks (control/playbooks.py) send these orders round by round; each runs here
+The controller's strategies (control/strategies/) send these orders round by round; each runs here
 on the rank's training thread, parked after the fault (``RankSession.report_fault`` serves them), and
 answers with a msgpack tree — an exception is a failed answer.
 
     ha-status  where this rank's optimizer shard is (or, without replicas, its newest checkpoint)
-    rebuild    new communicators for every group (a restarted rank: its set-up, then the same)
+    rebuild    new communicators for the groups the fault reached, the others kept (a restarted rank: its
+               set-up, then every group of its own)
     repair     shards from their twins; a restarted rank's counters and RNG; weights re-gathered
     reload     without replicas: the newest periodic checkpoint, in process
     rollback   back to the start of the failed step, or finish it
@@ -20,7 +21,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Protocol, Sequence
 
 from mindspeed_ha.events import EventLog, get_logger
 
@@ -86,7 +87,9 @@ class RecoveryTools(Protocol):
     def joining(self, world_size: int, rank: int, backend: str,
                 timeout: datetime.timedelta) -> ContextManager[object]: ...
     def alone(self) -> ContextManager[None]: ...
-    def reconnect(self, store_host: str, store_port: int, generation: int) -> dict[str, Any]: ...
+    def communicators(self, pending: Iterable[object] = ()) -> dict[str, list[Any]]: ...
+    def reconnect(self, store_host: str, store_port: int, generation: int,
+                  remake: dict[str, str] | None = None) -> dict[str, Any]: ...
     def survivor_world(self, survivors: Sequence[int], rank: int, store_host: str, store_port: int,
                        generation: int, timeout: datetime.timedelta, backend: str) -> World: ...
     def job_rank(self, rank: int) -> int: ...
@@ -104,7 +107,7 @@ class RecoveryTools(Protocol):
     def holdings(self, trainer: TrainerInterface) -> dict[str, Any]: ...
     def enter_layout(self, trainer: TrainerInterface, plan: ElasticPlan, rank: int, store_host: str,
                      store_port: int, generation: int, *, backend: str, held: dict[str, Any],
-                     timeout: datetime.timedelta) -> dict[str, Any]: ...
+                     timeout: datetime.timedelta, remake: dict[str, str] | None = None) -> dict[str, Any]: ...
     def move_state(self, trainer: TrainerInterface, plan: ElasticPlan, rank: int, entered: dict[str, Any],
                    chunk_bytes: int) -> dict[str, Any]: ...
     # -- checkpoints (trainer_state.checkpoint_dir, recovery.dump) ---------------------------------------
@@ -165,7 +168,9 @@ class RankRecovery:
         aborted = self.s.stop.abort_summary()  # (the stop's abort of this rank's communicators: the phases')
         # (stopped, not parked between two steps: a planned pause's grace passed with this rank inside one)
         stopped = {"stopped_in_step": True} if self.s.stop.requested() else {}
-        return {**self._status(), **({"abort": aborted} if aborted else {}), **stopped}
+        # (after the abort above has returned: what the controller reads to keep or remake each group)
+        comm = self.tools.communicators(self.s.stop.in_flight.pending_groups())
+        return {**self._status(), **({"abort": aborted} if aborted else {}), **stopped, "comm": comm}
 
     def _status(self) -> dict[str, Any]:
         # The newest periodic checkpoint, for when no twin can serve (no replicas, or both lost).
@@ -199,15 +204,25 @@ class RankRecovery:
                     self.tools.alone():
                 self.trainer.setup(joining=True)
             setup_s = time.perf_counter() - t0
-            got = self.tools.reconnect(*store)
+            got = self.tools.reconnect(*store, remake=args.get("remake"))
             self.s.joined(setup_s, getattr(self.trainer, "setup_seconds", None) or {}, got)
+            self._rebuilt(got)
             return f"joined and set up in {time.perf_counter() - t0:.3f}s ({got['groups']} groups)"
         self.s.stop.clear()
         self.s.device_ready(self.trainer.iteration + 1)
         self.s.fire("rebuild", self.trainer.iteration + 1)
         self.trainer.clean_partial_step()
-        got = self.tools.reconnect(*store)
-        return f"{got['groups']} groups reconnected in {got['seconds']:.3f}s"
+        got = self.tools.reconnect(*store, remake=args.get("remake"))
+        return self._rebuilt(got)
+
+    def _rebuilt(self, got: dict[str, Any]) -> str:
+        """The ``rebuilt`` event and the log line: the communicators kept and remade (each as its
+        members' default-group ranks), and why each was remade."""
+        self.s.events.emit("rebuilt", kept=got.get("kept", []), remade=got.get("remade", []), why=got.get("why", []),
+                           seconds=got["seconds"])
+        reasons = sorted(set(got.get("why", [])))
+        return (f"rebuild: {len(got.get('remade', []))} communicator(s) remade ({', '.join(reasons) or '-'}), "
+                f"{len(got.get('kept', []))} kept, in {got['seconds']:.3f}s")
 
     def repair(self, args: dict[str, Any]) -> dict[str, Any]:
         flat = list(args.get("pairs", []))
@@ -270,7 +285,12 @@ class RankRecovery:
         plan = ElasticPlan.from_wire(args["plan"])
         entered = self.tools.enter_layout(self.trainer, plan, self.s.rank, args["store_host"], int(args["store_port"]),
                                           int(args["generation"]), backend=self.s.device.backend,
-                                          held=self.unfinished["held"], timeout=self.collective_timeout)
+                                          held=self.unfinished["held"], timeout=self.collective_timeout,
+                                          remake=args.get("remake"))
+        if entered.get("communicators"):
+            t = entered["t"]
+            log.info("resize: %s", self._rebuilt({**entered["communicators"],
+                                                 "seconds": round(t["resize"] - t["start"], 4)}))
 
         def rest(trainer: TrainerInterface | None = None) -> dict[str, Any]:
             assert plan.iteration is not None  # (an ok plan names its iteration)

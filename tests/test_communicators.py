@@ -1,0 +1,119 @@
+"""A recovery remakes only the communicators the fault reached (comm/ledger.py,
+control/policy/communicators.py, comm/groups.reconnect): the controller's choice from the members'
+counts, and whole jobs where a fault on one rank keeps every communicator it did not reach, with
+every loss bit-identical."""
+from collections import Counter
+
+import pytest
+from helpers import all_rank_events, events, on
+from test_in_job_recovery import TP2, check_recovered, check_rejoined, job
+
+from mindspeed_ha.control.policy.communicators import to_remake
+
+
+def _entry(ops, state="ok", sent=None, received=None, members=(0, 1)):
+    return [ops, state, sent or {}, received or {}, list(members)]
+
+
+def _statuses(**by_rank):
+    """rank_N=comm -> the statuses a controller holds."""
+    return {int(k.split("_")[1]): {"replica": True, "comm": v} for k, v in by_rank.items()}
+
+
+# ---- the controller's choice ---------------------------------------------------------------------------
+def test_idle_groups_with_equal_counts_are_kept_and_a_fresh_members_are_remade():
+    st = _statuses(rank_0={"tp": _entry(5), "dp": _entry(3, members=(0, 2))},
+                   rank_1={"tp": _entry(5)},
+                   rank_2={"dp": _entry(3, members=(0, 2))})
+    assert to_remake(st, fresh=[]) == {}
+    assert to_remake(st, fresh=[1]) == {"tp": "rank(s) [1] restarted, replaced or lost"}
+
+
+def test_a_group_is_remade_for_each_sign_that_the_fault_reached_it():
+    def why(a, b):
+        return to_remake(_statuses(rank_0={"g": a}, rank_1={"g": b}), fresh=[]).get("g", "")
+
+    assert why(_entry(5, "open"), _entry(5)) == "open on rank 0"
+    assert why(_entry(5), _entry(5, "pending")) == "pending on rank 1"
+    assert why(_entry(5, "aborted"), _entry(5, "aborted")) == "aborted on rank 0; aborted on rank 1"
+    assert why(_entry(5, "broken"), _entry(5)) == "broken on rank 0"
+    assert why(_entry(6), _entry(5)).startswith("collective counts differ (rank 0: 6, rank 1: 5)")
+    assert why(_entry(5, "unconnected"), _entry(5)) == "unconnected on rank 0"
+    assert why(_entry(0, "unconnected"), _entry(0, "unconnected")) == ""  # (made on first use, not used since)
+    # A message sent and never received would be taken by the peer's next receive.
+    assert why(_entry(5, sent={"1": 3}), _entry(5, received={"0": 2})) == \
+        "rank 0 sent rank 1 3 message(s), which received 2"
+    assert why(_entry(5, sent={"1": 3}), _entry(5, received={"0": 3})) == ""
+    assert why(_entry(5), _entry(5, received={"any": 1})).startswith("rank 1 received from any source")
+
+
+def test_a_member_that_said_nothing_of_a_group_has_it_remade_and_one_that_said_nothing_at_all_remakes_all():
+    st = _statuses(rank_0={"g": _entry(5)}, rank_1={})
+    assert to_remake(st, fresh=[]) == {"g": "rank(s) [1] said nothing of it"}
+    st[1] = {"replica": True}  # (a rank of a release before this one)
+    assert to_remake(st, fresh=[]) is None
+    st[1] = {"replica": True, "joining": True}  # (a restarted rank: fresh, its groups new)
+    assert to_remake(st, fresh=[1]) == {"g": "rank(s) [1] restarted, replaced or lost"}
+
+
+# ---- whole jobs -----------------------------------------------------------------------------------------
+def rebuilt(log_dir) -> dict[int, list[dict]]:
+    """rank -> its `rebuilt` events, in order."""
+    out: dict[int, list[dict]] = {}
+    for e in all_rank_events(log_dir):
+        if e["event"] == "rebuilt":
+            out.setdefault(e["rank"], []).append(e)
+    return out
+
+
+def check_scope(log_dir, faulted: int, nproc: int = 8) -> dict[int, dict]:
+    """Each rank's one rebuild: the members of every group agree on keeping or remaking it; every group
+    remade without the faulted rank among its members has a reason other than "all"; returns each
+    rank's event."""
+    per_rank = rebuilt(log_dir)
+    survivors = [r for r in range(nproc)]
+    assert sorted(per_rank) == survivors, per_rank.keys()
+    last = {r: evs[-1] for r, evs in per_rank.items()}
+    for r, e in last.items():
+        for members, why in zip(e["remade"], e["why"]):
+            assert why != "all", (r, members)
+            if faulted not in members:
+                assert why, (r, members)
+    # Agreement: a member keeps as many groups of the same members as every other member keeps.
+    for r, e in last.items():
+        kept = Counter(tuple(m) for m in e["kept"])
+        for members, n in kept.items():
+            for peer in members:
+                assert Counter(tuple(m) for m in last[peer]["kept"])[members] == n, (r, peer, members)
+    return last
+
+
+@pytest.mark.parametrize("backend", [on("gloo"), on("emulated_nccl")])
+def test_a_memory_error_on_rank_1_keeps_every_communicator_it_did_not_reach(tmp_path, references, backend):
+    """8 ranks, TP=2 x DP=4 (TP pairs [0, 1] ... [6, 7], DP groups [0, 2, 4, 6] and [1, 3, 5, 7]): a memory
+    error on rank 1 in its forward, retried. Rank 0 waits for it in a TP all-reduce: that pair's groups
+    are remade. No collective of the even ranks' DP group was under way: it is kept on all four, and
+    so is every group of the other TP pairs that held nothing open."""
+    ref = references.tiny_layouts()
+    proc = job(tmp_path, 8, inject="uce:rank=1:step=3:phase=forward", extra=TP2, backend=backend)
+    check_recovered(proc, tmp_path, ref["tp2"], nproc=8)
+    last = check_scope(tmp_path, faulted=1)
+    for r in (0, 2, 4, 6):
+        assert [0, 2, 4, 6] in last[r]["kept"], last[r]
+    remade_without_1 = sum(1 for e in last.values() for m in e["remade"] if 1 not in m)
+    kept = sum(len(e["kept"]) for e in last.values())
+    assert kept > remade_without_1, (kept, remade_without_1)
+    plan = [e for e in events(tmp_path, "controller") if e["event"] == "rebuild_plan"]
+    assert len(plan) == 1 and 0 < plan[0]["remake"] < plan[0]["groups"], plan
+
+
+def test_a_killed_rank_1_is_recovered_with_only_its_groups_and_those_it_reached_remade(tmp_path, references):
+    """The same job, rank 1 killed in its forward and restarted (recover): the restarted rank's groups are
+    new everywhere; the even ranks' DP group is kept."""
+    ref = references.tiny_layouts()
+    proc = job(tmp_path, 8, inject="kill:rank=1:step=3:phase=forward", extra=TP2 + ["--enable-worker-reboot"])
+    check_rejoined(proc, tmp_path, ref["tp2"], [1], n=1, nproc=8)
+    last = check_scope(tmp_path, faulted=1)
+    assert all(1 in m for m in last[1]["remade"]) and last[1]["kept"] == []
+    for r in (0, 2, 4, 6):
+        assert [0, 2, 4, 6] in last[r]["kept"], last[r]
