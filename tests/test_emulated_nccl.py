@@ -548,7 +548,7 @@ def test_the_stop_aborts_the_communicators_holding_a_collective_and_leaves_the_i
 SERIAL_ABORTS = """import threading
 import mindspeed_ha.comm.abort as abort
 import mindspeed_ha.comm.stop as stop
-stop.Stop._pending_groups = lambda self: None
+stop.InFlight.groups_to_abort = lambda self: None
 def one_after_another(communicators, deadline_s=abort.DEADLINE_S):
     communicators = list(communicators)
     def run():

@@ -113,7 +113,7 @@ class Tools:
     def communicators(self, pending=()):
         return dict(COMM)
 
-    def reconnect(self, store_host, store_port, generation, remake=None):
+    def reconnect(self, store_host, store_port, generation, *, remake=None):
         self._call("reconnect", store_host, store_port, generation, remake)
         remade = sorted(remake or ["dp", "tp", "world"])
         return {"groups": len(remade), "seconds": 0.01, "kept": [[0, 2]] if remake else [],

@@ -499,8 +499,8 @@ class KeptAborted(RuntimeError):
     theirs, so the recovery cannot go on with it."""
 
 
-def reconnect(store_host: str, store_port: int, generation: int, remake: dict[str, str] | None = None,
-              store_timeout: datetime.timedelta = STORE_TIMEOUT) -> dict:
+def reconnect(store_host: str, store_port: int, generation: int,
+              store_timeout: datetime.timedelta = STORE_TIMEOUT, *, remake: dict[str, str] | None = None) -> dict:
     """New communicators over the controller's store for the groups in ``remake`` (key -> why; None:
     every group), and for every group with none in place (a restarted worker's); every other group
     keeps its communicator. Every member calls it for the same generation with the same ``remake``;

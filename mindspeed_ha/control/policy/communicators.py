@@ -36,7 +36,8 @@ def to_remake(statuses: dict[int, dict[str, Any]], fresh: Iterable[int]) -> dict
         assert comm is not None  # (checked above: every rank said a dict)
         for key, entry in comm.items():
             groups.setdefault(key, {})[rank] = entry
-            members.setdefault(key, [int(m) for m in entry[4]])
+            if key not in members:  # (once a group: the world's members are every rank)
+                members[key] = [int(m) for m in entry[4]]
     remake: dict[str, str] = {}
     for key, entries in groups.items():
         why = _why(members[key], entries, fresh, said)

@@ -88,7 +88,7 @@ class RecoveryTools(Protocol):
                 timeout: datetime.timedelta) -> ContextManager[object]: ...
     def alone(self) -> ContextManager[None]: ...
     def communicators(self, pending: Iterable[object] = ()) -> dict[str, list[Any]]: ...
-    def reconnect(self, store_host: str, store_port: int, generation: int,
+    def reconnect(self, store_host: str, store_port: int, generation: int, *,
                   remake: dict[str, str] | None = None) -> dict[str, Any]: ...
     def survivor_world(self, survivors: Sequence[int], rank: int, store_host: str, store_port: int,
                        generation: int, timeout: datetime.timedelta, backend: str) -> World: ...
@@ -221,8 +221,10 @@ class RankRecovery:
         self.s.events.emit("rebuilt", kept=got.get("kept", []), remade=got.get("remade", []), why=got.get("why", []),
                            seconds=got["seconds"])
         reasons = sorted(set(got.get("why", [])))
-        return (f"rebuild: {len(got.get('remade', []))} communicator(s) remade ({', '.join(reasons) or '-'}), "
+        line = (f"rebuild: {len(got.get('remade', []))} communicator(s) remade ({', '.join(reasons) or '-'}), "
                 f"{len(got.get('kept', []))} kept, in {got['seconds']:.3f}s")
+        log.info("%s", line)
+        return line
 
     def repair(self, args: dict[str, Any]) -> dict[str, Any]:
         flat = list(args.get("pairs", []))
@@ -289,8 +291,7 @@ class RankRecovery:
                                           remake=args.get("remake"))
         if entered.get("communicators"):
             t = entered["t"]
-            log.info("resize: %s", self._rebuilt({**entered["communicators"],
-                                                 "seconds": round(t["resize"] - t["start"], 4)}))
+            self._rebuilt({**entered["communicators"], "seconds": round(t["resize"] - t["start"], 4)})
 
         def rest(trainer: TrainerInterface | None = None) -> dict[str, Any]:
             assert plan.iteration is not None  # (an ok plan names its iteration)
