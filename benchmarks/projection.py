@@ -150,6 +150,7 @@ def main() -> None:
     p.add_argument("--control-json", help="controller_scale figures to use: {ranks: {rounds_s, ...}} (else measured)")
     p.add_argument("--measure", default="1024,16384", help="sizes controller_scale.py runs at (with --recovery)")
     p.add_argument("--step-s", type=float, default=10.0, help="one training step, recomputed by every strategy")
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="the GPU counts projected")
     a = p.parse_args()
     if a.control_json:
         with open(a.control_json) as f:
@@ -158,7 +159,7 @@ def main() -> None:
         measured = measure_control([int(x) for x in a.measure.split(",")])
     rows = []
     for layout, (tp, pp) in LAYOUTS.items():
-        for n in SIZES:
+        for n in [int(x) for x in a.sizes.split(",")]:
             faulted = n // 2 + 1  # (a rank inside the job: every kind of group it is in has peers)
             groups = groups_of_a_rank(n, tp, pp, faulted)
             control_s, how = control_at(n, measured)
@@ -178,7 +179,7 @@ def main() -> None:
         print(f"{r['layout']:16} {r['gpus']:>7} {r['strategy']:18} {len(r['remade']):>2} ({sizes[:36]:36}) "
               f"{'>=' if r['floor'] else '  '}{r['rebuild_s']:>6.1f}s {r['control_s']:>7.2f}s {r['repair_s']:>6.2f}s "
               f"{'>=' if r['floor'] else '  '}{r['mttr_s']:>6.1f}s")
-    ettr = {r["strategy"]: round(1 - r["mttr_s"] / 1800, 4) for r in rows
+    ettr = {r["strategy"]: round(max(0.0, 1 - r["mttr_s"] / 1800), 4) for r in rows
             if r["gpus"] == 16384 and r["layout"] == "16k TP=8 PP=8"}
     print("ETTR at 16,384 GPUs (16k TP=8 PP=8), a failure every 30 minutes (at most, where the MTTR is a floor):",
           ", ".join(f"{k} {v:.1%}" for k, v in ettr.items()))

@@ -65,6 +65,24 @@ def test_controller_scale_recovery_smoke():
     assert set(result["recovery_phases"]) >= {"stop", "status", "rebuild", "repair", "rollback", "resume"}
 
 
+def test_the_projection_counts_the_communicators_with_the_controllers_own_policy(tmp_path):
+    """benchmarks/projection.py at 1,024 GPUs (its control-plane figures given): a memory error in a forward
+    remakes the faulted rank's tensor- and pipeline-parallel groups only (none with TP=1 and no pipeline),
+    a recover every group of the restarted rank, the world's included; every MTTR adds its parts."""
+    control = tmp_path / "control.json"
+    control.write_text(json.dumps({"1024": {"rounds_s": 0.5}}))
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "projection.py"), "--control-json", str(control),
+                           "--sizes", "1024"], env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {(r["layout"], r["strategy"]): r for r in json.loads(proc.stdout.strip().splitlines()[-1])["rows"]}
+    assert rows[("16k TP=8 PP=8", "retry (forward)")]["remade"] == {"tp": 8, "pp": 8}
+    assert rows[("7B TP=1", "retry (forward)")]["remade"] == {}
+    recover = rows[("70B TP=8 PP=2", "recover")]["remade"]
+    assert recover["world"] == 1024 and recover == rows[("70B TP=8 PP=2", "before")]["remade"]
+    for r in rows.values():
+        assert abs(r["mttr_s"] - (r["control_s"] + r["rebuild_s"] + r["repair_s"] + r["step_s"])) < 0.2, r
+
+
 def test_controller_scale_says_which_round_failed_and_why():
     """A recovery that fails names its round and why: here the odd simulated ranks refuse the rebuild."""
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "controller_scale.py"), "--ranks", "64",
