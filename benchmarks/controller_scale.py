@@ -69,6 +69,25 @@ def limits(ranks: int, heartbeat: float) -> dict:
             "dead_after_s": max(1.8 * heartbeat, 3.0) + ranks * PER_RANK_S}
 
 
+def communicators(r: int, world: int) -> dict:
+    """A rank's ``comm`` status section (``comm.ledger``) as megatron-core's groups make it on nodes of
+    8 ranks with TP=8: the world and the groups that span it, its node's (TP, TP-PP, model-parallel),
+    the data-parallel ones across nodes (its optimizer instance's half too) and the pair across
+    instances; every one idle with equal counts (so the rebuild keeps them all). A group's first
+    member says its members."""
+    node, local = divmod(r, 8)
+    dp = list(range(local, world, 8))
+    mine = dp.index(r)
+    half = max(len(dp) // 2, 1)
+    groups = {"world": range(world), "tp-dp": range(world), "tp-dp-cp": range(world),
+              "tp": range(8 * node, 8 * node + 8), "tp-pp": range(8 * node, 8 * node + 8),
+              "mp": range(8 * node, 8 * node + 8), "dp": dp, "dp-cp": dp,
+              "dp-instance": dp[:half] if mine < half else dp[half:],
+              "across": sorted({r, dp[(mine + half) % len(dp)]})}
+    return {key: [12, "ok", {}, {}, list(members) if members[0] == r else None]
+            for key, members in groups.items() if len(members) > 1}
+
+
 def simulate(a) -> None:
     """A simulator process: ranks [lo, hi) of the world; commands on stdin, reports on stdout."""
     from mindspeed_ha.control.wire import protocol, security
@@ -143,11 +162,13 @@ def simulate(a) -> None:
     bad_action = ACTIONS.get(bad_action, bad_action)  # (a round's name, or its order's)
 
     def answer(r, msg):
-        """Recovery mode: what a real rank's handler would answer (a DP=world layout)."""
+        """Recovery mode: what a real rank's handler would answer (a DP=world layout), with what its
+        communicators carried (``communicators``)."""
         action, data = msg["action"], None
         if action == "ha-status":
             data = {"replica": True, "rank": r, "iteration": 10, "updating": False, "touched": True,
-                    "replica_group": sorted([r, (r + half) % a.world]), "trainer_iteration": 10, "ended": 10}
+                    "replica_group": sorted([r, (r + half) % a.world]), "trainer_iteration": 10, "ended": 10,
+                    **({} if a.no_comm else {"comm": communicators(r, a.world)})}
         elif action in ("stop", "rebuild", "repair", "rollback", "resume"):
             data = {"rollback": "rollback", "repair": {"received": 0}}.get(action, "ok")
         else:
@@ -462,6 +483,8 @@ def main() -> None:
     p.add_argument("--insecure", action="store_true", help="without CurveZMQ")
     p.add_argument("--recovery", action="store_true",
                    help="a memory error instead of a silenced rank: the whole retry playbook at this scale")
+    p.add_argument("--no-comm", action="store_true",
+                   help="the status without its communicators' section (as before stop 66: every group remade)")
     p.add_argument("--keep", action="store_true", help="keep the log dir (it is kept anyway when a recovery fails)")
     p.add_argument("--misbehave", metavar="ACTION:HOW",
                    help="--recovery: the simulated odd ranks refuse ACTION (HOW=refuse), never answer it "
@@ -507,6 +530,8 @@ def main() -> None:
             cmd.append("--insecure")
         if a.recovery:
             cmd.append("--respond")
+        if a.no_comm:
+            cmd.append("--no-comm")
         if a.misbehave:
             cmd += ["--misbehave", a.misbehave]
         sims.append(Sim(cmd))

@@ -100,7 +100,7 @@ def statuses_for(groups: dict[str, list[int]], faulted: int, scenario: str) -> d
     for key, members in groups.items():
         for r in members:
             ahead = key in stuck and r != faulted
-            entry = [11 if ahead else 10, "aborted" if ahead else "ok", {}, {}, members]
+            entry = [11 if ahead else 10, "aborted" if ahead else "ok", {}, {}, members if r == members[0] else None]
             out.setdefault(r, {"replica": True, "comm": {}})["comm"][key] = entry
     return out
 

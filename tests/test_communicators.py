@@ -47,6 +47,15 @@ def test_a_group_is_remade_for_each_sign_that_the_fault_reached_it():
     assert why(_entry(5), _entry(5, received={"any": 1})).startswith("rank 1 received from any source")
 
 
+def test_the_members_come_from_the_groups_first_member_and_without_it_the_group_is_remade():
+    """Only a group's first member says its members (the world's, said by each rank, would be the
+    square of the job's size): the others' entries carry None."""
+    st = _statuses(rank_0={"g": _entry(5)}, rank_1={"g": _entry(5)[:4] + [None]})
+    assert to_remake(st, fresh=[]) == {}
+    st = _statuses(rank_1={"g": _entry(5)[:4] + [None]})  # (rank 0, its first member, lost)
+    assert to_remake(st, fresh=[]) == {"g": "its first member said nothing of it"}
+
+
 def test_a_member_that_said_nothing_of_a_group_has_it_remade_and_one_that_said_nothing_at_all_remakes_all():
     st = _statuses(rank_0={"g": _entry(5)}, rank_1={})
     assert to_remake(st, fresh=[]) == {"g": "rank(s) [1] said nothing of it"}

@@ -473,12 +473,13 @@ def made_after_seal() -> list[StableGroup]:
 
 def communicators(pending: Iterable[object] = ()) -> dict[str, list[Any]]:
     """Each group's communicator as this rank sees it, by the group's key (the same on every member):
-    ``Ledger.entry`` with its state, its members and peers as the job's ranks. ``pending``: the groups
+    ``Ledger.entry`` with its state, its members (said by its first member only) and peers as the
+    job's ranks. ``pending``: the groups
     with a stream-ordered collective in flight (the stop's ``InFlight.pending_groups``)."""
     pending_ids = {id(g) for g in pending}
     with _registry.lock:
-        return {g.key: g.ledger.entry(_state(g, pending_ids), [_registry.job_rank(r) for r in g.ranks])
-                for g in _registry.groups}
+        return {g.key: g.ledger.entry(_state(g, pending_ids), [_registry.job_rank(r) for r in g.ranks],
+                                      with_members=g.group_rank == 0) for g in _registry.groups}
 
 
 def _state(g: "StableGroup", pending_ids: set[int]) -> str:

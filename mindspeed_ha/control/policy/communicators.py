@@ -2,7 +2,7 @@
 
 Each rank's status answer says, for every group it is a member of (by the group's key, the same on
 every member), what its communicator carried: ``[collectives, state, sent, received, members]``
-(``comm.ledger``). A group is remade when
+(``comm.ledger``; the members are said by the group's first member only). A group is remade when
 
 - a member says it is not idle: a collective open or pending, aborted, broken;
 - it is connected on some members and not on others;
@@ -36,17 +36,17 @@ def to_remake(statuses: dict[int, dict[str, Any]], fresh: Iterable[int]) -> dict
         assert comm is not None  # (checked above: every rank said a dict)
         for key, entry in comm.items():
             groups.setdefault(key, {})[rank] = entry
-            if key not in members:  # (once a group: the world's members are every rank)
+            if entry[4] is not None and key not in members:  # (its first member says them)
                 members[key] = [int(m) for m in entry[4]]
     remake: dict[str, str] = {}
     for key, entries in groups.items():
-        why = _why(members[key], entries, fresh, said)
+        why = _why(members[key], entries, fresh) if key in members else "its first member said nothing of it"
         if why:
             remake[key] = why
     return remake
 
 
-def _why(members: list[int], entries: dict[int, list[Any]], fresh: set[int], said: dict[int, Any]) -> str:
+def _why(members: list[int], entries: dict[int, list[Any]], fresh: set[int]) -> str:
     """Why one group is remade ('' : it is kept). ``entries``: each answering member's entry."""
     new = sorted(fresh & set(members))
     if new:
