@@ -74,18 +74,26 @@ def communicators(r: int, world: int) -> dict:
     8 ranks with TP=8: the world and the groups that span it, its node's (TP, TP-PP, model-parallel),
     the data-parallel ones across nodes (its optimizer instance's half too) and the pair across
     instances; every one idle with equal counts (so the rebuild keeps them all). A group's first
-    member says its members."""
+    member says its members (only those lists are built: the simulators share the controller's CPU)."""
     node, local = divmod(r, 8)
-    dp = list(range(local, world, 8))
-    mine = dp.index(r)
-    half = max(len(dp) // 2, 1)
-    groups = {"world": range(world), "tp-dp": range(world), "tp-dp-cp": range(world),
-              "tp": range(8 * node, 8 * node + 8), "tp-pp": range(8 * node, 8 * node + 8),
-              "mp": range(8 * node, 8 * node + 8), "dp": dp, "dp-cp": dp,
-              "dp-instance": dp[:half] if mine < half else dp[half:],
-              "across": sorted({r, dp[(mine + half) % len(dp)]})}
-    return {key: [12, "ok", {}, {}, list(members) if members[0] == r else None]
-            for key, members in groups.items() if len(members) > 1}
+    dp_size = world // 8
+    mine, half = r // 8, max(dp_size // 2, 1)
+    first_half = mine < half
+    twin = ((mine + half) % dp_size) * 8 + local
+    groups = {  # key: (first member, its members when this rank is it)
+        "world": (0, lambda: list(range(world))), "tp-dp": (0, lambda: list(range(world))),
+        "tp-dp-cp": (0, lambda: list(range(world))),
+        "tp": (8 * node, lambda: list(range(8 * node, 8 * node + 8))),
+        "tp-pp": (8 * node, lambda: list(range(8 * node, 8 * node + 8))),
+        "mp": (8 * node, lambda: list(range(8 * node, 8 * node + 8))),
+        "dp": (local, lambda: list(range(local, world, 8))), "dp-cp": (local, lambda: list(range(local, world, 8))),
+        "dp-instance": (local if first_half else local + 8 * half,
+                        lambda: list(range(local, 8 * half, 8)) if first_half else list(range(local + 8 * half, world, 8))),
+    }
+    if twin != r:
+        groups["across"] = (min(r, twin), lambda: sorted([r, twin]))
+    return {"keys": list(groups), "ops": [12] * len(groups), "odd": {},
+            "members": {key: members() for key, (first, members) in groups.items() if first == r}}
 
 
 def simulate(a) -> None:

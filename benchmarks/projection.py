@@ -100,8 +100,13 @@ def statuses_for(groups: dict[str, list[int]], faulted: int, scenario: str) -> d
     for key, members in groups.items():
         for r in members:
             ahead = key in stuck and r != faulted
-            entry = [11 if ahead else 10, "aborted" if ahead else "ok", {}, {}, members if r == members[0] else None]
-            out.setdefault(r, {"replica": True, "comm": {}})["comm"][key] = entry
+            comm = out.setdefault(r, {"replica": True, "comm": {"keys": [], "ops": [], "odd": {}, "members": {}}})["comm"]
+            comm["keys"].append(key)
+            comm["ops"].append(11 if ahead else 10)
+            if ahead:
+                comm["odd"][key] = ["aborted", {}, {}]
+            if r == members[0]:
+                comm["members"][key] = members
     return out
 
 

@@ -16,8 +16,20 @@ def _entry(ops, state="ok", sent=None, received=None, members=(0, 1)):
 
 
 def _statuses(**by_rank):
-    """rank_N=comm -> the statuses a controller holds."""
-    return {int(k.split("_")[1]): {"replica": True, "comm": v} for k, v in by_rank.items()}
+    """rank_N={key: _entry(...)} -> the statuses a controller holds, each section as a rank says it
+    (``comm.ledger``)."""
+    out = {}
+    for k, groups in by_rank.items():
+        comm = {"keys": [], "ops": [], "odd": {}, "members": {}}
+        for key, (ops, state, sent, received, members) in groups.items():
+            comm["keys"].append(key)
+            comm["ops"].append(ops)
+            if state != "ok" or sent or received:
+                comm["odd"][key] = [state, sent, received]
+            if members is not None:
+                comm["members"][key] = members
+        out[int(k.split("_")[1])] = {"replica": True, "comm": comm}
+    return out
 
 
 # ---- the controller's choice ---------------------------------------------------------------------------

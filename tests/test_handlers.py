@@ -195,7 +195,7 @@ def _elastic_plan(direction: str = "in") -> dict:
                        direction=direction).to_wire()
 
 
-COMM = {"tp": [4, "ok", {}, {}, [0, 1]]}  # (a status's communicators: one idle group)
+COMM = {"keys": ["tp"], "ops": [4], "odd": {}, "members": {"tp": [0, 1]}}  # (a status's communicators: one idle group)
 
 
 # ---- ha-status ---------------------------------------------------------------------------------------------

@@ -471,15 +471,18 @@ def made_after_seal() -> list[StableGroup]:
     return _registry.made_after_seal()
 
 
-def communicators(pending: Iterable[object] = ()) -> dict[str, list[Any]]:
+def communicators(pending: Iterable[object] = ()) -> dict[str, Any]:
     """Each group's communicator as this rank sees it, by the group's key (the same on every member):
-    ``Ledger.entry`` with its state, its members (said by its first member only) and peers as the
-    job's ranks. ``pending``: the groups
-    with a stream-ordered collective in flight (the stop's ``InFlight.pending_groups``)."""
+    its count of collectives, its state where not idle, its messages to and from each peer, and its
+    members (said by its first member only), peers and members as the job's ranks (``Ledger.said``).
+    ``pending``: the groups with a stream-ordered collective in flight (``InFlight.pending_groups``)."""
     pending_ids = {id(g) for g in pending}
+    out = _ledger.section()
     with _registry.lock:
-        return {g.key: g.ledger.entry(_state(g, pending_ids), [_registry.job_rank(r) for r in g.ranks],
-                                      with_members=g.group_rank == 0) for g in _registry.groups}
+        for g in _registry.groups:
+            g.ledger.said(g.key, _state(g, pending_ids), [_registry.job_rank(r) for r in g.ranks],
+                          g.group_rank == 0, out)
+    return out
 
 
 def _state(g: "StableGroup", pending_ids: set[int]) -> str:

@@ -79,15 +79,25 @@ class Ledger:
             self._open = [w for w in self._open if not _completed(w)]
             return len(self._open)
 
-    def entry(self, state: str, ranks: list[int], with_members: bool) -> list:
-        """For the status answer: [collectives, state, sent, received, members]; ``ranks``: the members'
-        ranks (the group's rank i is ``ranks[i]``); sent and received by peer, as text (msgpack's map
-        keys). ``with_members``: this rank says the members (one member of each group does: the world's
-        16,384 ranks said by each of them would be 268 M numbers a status round), the others None."""
+    def said(self, key: str, state: str, ranks: list[int], with_members: bool, into: dict[str, Any]) -> None:
+        """Add this group (``key``) to a status answer's section ``into`` (``communicators``): its count
+        of collectives in ``ops`` (in ``keys``' order); under ``odd``, [state, sent, received] only where
+        it is not idle or sent point to point (peers as text: msgpack's map keys); under ``members``
+        its members, said by one member (``with_members``: the world's 16,384 ranks said by each of
+        them would be 268 M numbers a status round). ``ranks``: the group's rank i is ``ranks[i]``."""
         with self._lock:
-            return [self.ops, state, {str(ranks[p]) if p >= 0 else "any": n for p, n in self.sent.items()},
-                    {str(ranks[p]) if p >= 0 else "any": n for p, n in self.received.items()},
-                    list(ranks) if with_members else None]
+            into["keys"].append(key)
+            into["ops"].append(self.ops)
+            if state != OK or self.sent or self.received:
+                into["odd"][key] = [state, {str(ranks[p]) if p >= 0 else "any": n for p, n in self.sent.items()},
+                                    {str(ranks[p]) if p >= 0 else "any": n for p, n in self.received.items()}]
+            if with_members:
+                into["members"][key] = list(ranks)
+
+
+def section() -> dict[str, Any]:
+    """An empty ``comm`` section of a status answer (``Ledger.said`` fills it)."""
+    return {"keys": [], "ops": [], "odd": {}, "members": {}}
 
 
 def _peer(name: str, args: tuple, kwargs: dict[str, Any]) -> int:
