@@ -38,7 +38,10 @@ def _ha_status(ep: Episode, ans: Answers) -> Step:
     # A rank restarted by an earlier round of this recovery (a new fault came while it was joining)
     # holds nothing yet.
     ep.joiners = sorted(set(ep.joiners) | {r for r, st in ans.ok.items() if st.get("joining")})
-    ep.statuses = {r: st for r, st in ans.ok.items() if not st.get("joining")}
+    # A migrating rank answers too, parked between two steps like the others, so that it is ended
+    # there and not inside a step; what it holds does not count: its place takes its state from twins.
+    moving = migration.moving(ep)
+    ep.statuses = {r: st for r, st in ans.ok.items() if not st.get("joining") and r not in moving}
     aborts = [float(st["abort"]["seconds"]) for st in ans.ok.values() if isinstance(st.get("abort"), dict)]
     if aborts:  # (the stop's abort of the survivors' communicators: the slowest rank's, before this round)
         ep.phases["abort"] = round(max(aborts), 4)
@@ -56,7 +59,7 @@ def replaced(ep: Episode) -> set[int]:
 
 
 STATUS = Round("status", order="ha-status", decide=_ha_status, wait_s=ROUND_WAIT_S,
-               to=lambda ep: sorted(ep.port.live() - replaced(ep)))
+               to=lambda ep: sorted(ep.port.live() - hung(ep)))
 # recover: a rank that stops answering is hung: replaced like a dead one
 STATUS_OR_HUNG = dataclasses.replace(STATUS, silent_is_hung=True)
 
