@@ -566,3 +566,42 @@ def test_the_inbox_routes_answers_and_requests_to_the_helper_they_concern():
     assert job.router.sent[-1][1]["body"]["detail"] == "delivered"
     handlers["inject"](b"cli", {"t": "inject", "rank": 1, "kind": "meteor"})
     assert "unknown fault 'meteor'" in job.router.sent[-1][1]["reason"]
+
+
+def test_orders_go_through_a_relaying_agent_once_and_directly_after_its_silence(monkeypatch):
+    """Node 0's agent relays for ranks 0 and 1 (their current processes connected to it); node 1's does
+    not relay. An order goes once to agent 0 naming ranks 0 and 1, and directly to ranks 2 and 3; an
+    exit always directly. The agent's batch answers for both; one from a process declared lost is
+    dropped. Silent past the relay limit, what agent 0 still owes goes directly (and a later order
+    too); a rank whose new process has not said hello to the relay yet is sent to directly."""
+    job = Job()
+    handlers = job.inbox().handlers()
+    a0 = job.agent(0, [0, 1])
+    a0.relay, a0.relayed = True, {0: 100, 1: 101}
+    job.agent(1, [2, 3])
+    oid = job.orders.send("ha-status", [0, 1, 2, 3])
+    sent = [(i, m.get("ranks")) for i, m in job.router.sent if m["t"] == "do"]
+    assert sent == [(bytes([2]), None), (bytes([3]), None), (b"agent0", [0, 1])]
+    item = {"v": protocol.VERSION, "t": "result", "action": "ha-status", "id": oid, "ok": True, "data": {}}
+    job.table.retired[1] = {99}
+    handlers["results"](b"agent0", {"t": "results", "node_rank": 0, "items": [
+        {**item, "rank": 0, "pid": 100}, {**item, "rank": 1, "pid": 99}]})
+    assert job.orders.waiting(oid) == {1, 2, 3} and job.router.drops.counts["stale"] == 1
+    job.router.sent.clear()
+    job.orders.reroute(time.monotonic())  # (agent 0 heard just now: nothing moves)
+    assert job.router.sent == []
+    a0.seen -= job.orders.relay_silence + 0.1
+    job.orders.reroute(time.monotonic())
+    assert [(i, m["action"], m["id"]) for i, m in job.router.sent] == [(bytes([1]), "ha-status", oid)]
+    job.orders.reroute(time.monotonic())  # (sent once)
+    assert len(job.router.sent) == 1
+    job.router.sent.clear()
+    job.orders.send("rollback", [0, 1])
+    assert [i for i, _ in job.router.sent] == [bytes([0]), bytes([1])]
+    a0.seen = time.monotonic()
+    job.table.ranks[1].pid = 201  # (restarted: its new process is not connected to the relay yet)
+    job.router.sent.clear()
+    job.orders.send("resume", [0, 1])
+    job.orders.send("exit", [0, 1])
+    assert [(i, m["action"], m.get("ranks")) for i, m in job.router.sent] == [
+        (bytes([1]), "resume", None), (b"agent0", "resume", [0]), (bytes([1]), "exit", None)]

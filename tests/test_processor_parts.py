@@ -110,3 +110,19 @@ def test_a_processor_handed_no_stop_imports_no_torch_until_its_stop_is_used(tmp_
             f"assert p.stop.report() == 'no stop in force' and 'torch' in sys.modules\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_an_answer_goes_back_the_way_its_order_came_and_again_directly_when_the_order_does():
+    """``relay.Routes``: an order that came through the agent's relay is answered there (the answer
+    kept); the same order coming on the link later (its agent went silent) has that answer sent again
+    on the link, and any answer after that goes there too. Orders that came directly are answered
+    directly."""
+    from mindspeed_ha.rank.processor.relay import Routes
+    routes, resent = Routes(), []
+    routes.came(7, True, resent.append)
+    assert routes.relayed(7, b"answer-7") and not routes.relayed(8, b"answer-8")
+    routes.came(7, False, resent.append)
+    assert resent == [b"answer-7"] and not routes.relayed(7, b"again")
+    routes.came(9, True, resent.append)
+    routes.came(9, False, resent.append)  # (not answered yet: nothing to send again; it answers directly)
+    assert resent == [b"answer-7"] and not routes.relayed(9, b"answer-9")

@@ -28,7 +28,7 @@ from ..control.wire import discovery, protocol, security
 from ..control.wire.announcement import read_controller_json
 from ..control.wire.board import ProgressBoard
 from ..control.wire.discovery import JobStore
-from ..control.wire.link import ControllerLink
+from ..control.wire.link import RELAY_ENV, ControllerLink
 from ..events import EventLog, get_logger, log_dir_from_env, setup_text_log
 from ..options import JOINS_AS_ENV, HAConfigError, check_directory, check_writable, from_script_args
 from . import network, rendezvous, spare
@@ -36,6 +36,7 @@ from .args import Launch, LaunchError, build_parser, resolve
 from .devices import DeviceHealth
 from .health import HealthHook
 from .logs import WorkerLogs
+from .relay import RelayHub
 from .rendezvous import ranks_of
 
 log = get_logger("launcher.agent")
@@ -106,6 +107,7 @@ class Agent:
         self._signal = 0
         self._preempted = 0.0        # when a preemption signal was passed on to the controller
         self._running_said = False   # our job-store record says the job has trained
+        self.relay: RelayHub | None = None   # --relay: the controller's orders to our ranks pass here
 
     # ---- workers ------------------------------------------------------------------------------
     def _env(self, rank: int, local_rank: int, restarts: int) -> dict:
@@ -126,6 +128,8 @@ class Agent:
                    MINDSPEED_HA_RESTART_COUNT=str(restarts), MINDSPEED_HA_HEARTBEAT=str(self.hb),
                    MINDSPEED_HA_PROGRESS_DIR=self.board_dir,
                    MINDSPEED_HA_TERM_SIGNALS=",".join(s.name for s in a.term_signals))
+        if self.relay is not None:
+            env[RELAY_ENV] = self.relay.endpoint
         if self.insecure:
             env["MINDSPEED_HA_INSECURE"] = "1"
         else:
@@ -220,17 +224,27 @@ class Agent:
                 how = f"signal {w.sig}" if w.sig else f"exit code {w.code}"
                 log.warning("worker rank %d (pid %d) ended with %s", w.rank, w.popen.pid, how)
             self._killpg(w, signal.SIGKILL)  # its own children, if any, go with it
+            if self.relay is not None:
+                self.relay.forget(w.rank)
 
     def _hello(self) -> bytes:
         ranks = ranks_of(self.a.node_rank, self.a.nproc_per_node)
         # (a replacement node's ranks have no worker until the controller orders their restart: pid 0)
         pids = [self.workers[r].popen.pid if r in self.workers else 0 for r in ranks]
         offer = {"store": self.store_offer} if self.store_offer else {}
+        relay = {"relay": True, **self.relay.relayed()} if self.relay is not None else {}
         return protocol.encode("agent", node=self.node, node_rank=self.a.node_rank, nnodes=self.a.nnodes,
-                               pid=os.getpid(), ranks=ranks, pids=pids, **offer)
+                               pid=os.getpid(), ranks=ranks, pids=pids, **offer, **relay)
 
     # ---- controller orders --------------------------------------------------------------------
     def _on_do(self, msg: dict) -> None:
+        if "ranks" in msg:  # an order for some of our ranks, to pass on (--relay)
+            if self.relay is not None:
+                missing = self.relay.pass_on(msg)
+                if missing:
+                    log.warning("agent %d: order %s for rank(s) %s not connected here", self.a.node_rank,
+                                msg["action"], missing)
+            return
         action, args = msg["action"], msg.get("args", {})
         self.events.emit("order", action=action, args={k: v for k, v in args.items() if k != "diagnosis"})
         if action == "reconnect":  # the active controller handed over
@@ -318,6 +332,8 @@ class Agent:
 
     def _run(self) -> int:
         a = self.a
+        if a.relay and self.ha:
+            self.relay = RelayHub(a.node_rank)
         # recover: workers started ahead of time that a restart hands a lost rank to; on a CPU node the
         # same template starts the first workers (spare.py)
         self.spares = spare.Pool(spare.wanted(self.script_args), self.a.cmd + self.script_args,
@@ -340,6 +356,8 @@ class Agent:
                 os.unlink(os.path.join(self.log_dir, "controller.json"))  # a previous job's
         self.link = ControllerLink(keys, self.log_dir, self.job_id, self._hello, self.hb,
                                    name=f"agent {a.node_rank}", store=self.store)
+        if self.relay is not None:
+            self.link.also_poll(self.relay.sock)
         old = {s: signal.signal(s, self._on_signal) for s in set(a.term_signals) | {signal.SIGINT, signal.SIGTERM}}
         log.info("agent %d/%d: %d workers of %d, master %s:%d, job %s, log dir %s", a.node_rank, a.nnodes,
                  a.nproc_per_node, self.world, a.master_addr, a.master_port, self.job_id, self.log_dir)
@@ -360,6 +378,10 @@ class Agent:
                 except subprocess.TimeoutExpired:
                     pass
             self.spares.close()
+            if self.relay is not None:
+                log.info("agent %d: relayed %d order(s) and %d answer(s)", a.node_rank, self.relay.passed,
+                         self.relay.answered)
+                self.relay.close()
             for h in self.health:
                 h.close()
             self.link.close()
@@ -418,10 +440,19 @@ class Agent:
             for msg in self.link.receive(20):
                 if msg["t"] == "do":
                     self._on_do(msg)
+            relayed = {}
+            if self.relay is not None:
+                items = self.relay.collect()
+                if items:  # (what came this turn: the rest goes in the next)
+                    self.link.send(self.relay.results_frame(items))
+                if self.relay.changed:  # a rank connected or ended: the controller knows at once
+                    self.relay.changed, next_hb = False, 0.0
+                relayed = self.relay.relayed()
             now = time.monotonic()
             if now >= next_hb and self.link.sock is not None:
                 next_hb = now + self.hb
-                self.link.send(protocol.encode("agent_hb", node_rank=self.a.node_rank, spares=self.spares.warm()))
+                self.link.send(protocol.encode("agent_hb", node_rank=self.a.node_rank, spares=self.spares.warm(),
+                                               **relayed))
                 self._say_running()
             self._poll_workers()
             if self.exit_order is None and not self._signal:

@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for the controller after a worker failed before acting alone")
     g.add_argument("--exit-grace", type=float, default=3.0,
                    help="seconds workers get to exit after an exit order before SIGTERM (+2s SIGKILL)")
+    g.add_argument("--relay", action="store_true",
+                   help="the controller's orders to this node's ranks and their answers go through this agent: "
+                        "one frame each way per node and round, not one per rank (what a job of thousands of "
+                        "ranks needs; its ranks are still heard directly, and get directly what a lost agent owed)")
     return p
 
 
@@ -56,6 +60,7 @@ class Launch:
     decision_timeout: float
     monitor_interval: float
     script_args: list
+    relay: bool = False          # --relay: the controller's orders and their answers go through the agent
 
 
 def _from_env(name: str, env) -> bool:
@@ -132,4 +137,4 @@ def resolve(a: argparse.Namespace, env=os.environ) -> Launch:
                   log_dir=a.log_dir, redirects=str(a.redirects), tee=str(a.tee),
                   local_ranks_filter=str(a.local_ranks_filter or ""), role=str(a.role or "default"),
                   term_signals=tuple(signals), exit_grace=grace, decision_timeout=float(a.decision_timeout),
-                  monitor_interval=float(a.monitor_interval), script_args=script_args)
+                  monitor_interval=float(a.monitor_interval), script_args=script_args, relay=bool(a.relay))

@@ -325,6 +325,7 @@ class Controller:
             if now - self._last_scan >= self.hb / 10:
                 self._last_scan = now
                 self.detection.scan(now)
+                self.orders.reroute(now)
             self._progress(now)
         except Exception as e:  # the work of the state raised: its FAILED outcome, where the table has one
             st = self.machine.state

@@ -42,7 +42,7 @@ class Inbox:
         fenced = {"register": self.register, "hb": self.heartbeat, "fault": self.fault, "left": self.left,
                   "result": self.result, "bye": self.bye}
         return {**{t: self._fenced(fn) for t, fn in fenced.items()}, "agent": self.agent,
-                "agent_hb": self.agent_heartbeat, "exit": self.exit, "status?": self.status, "inject": self.inject,
+                "agent_hb": self.agent_heartbeat, "results": self.results, "exit": self.exit, "status?": self.status, "inject": self.inject,
                 "migrate": self.migrate, "health": self.health, "preempt": self.preempt}
 
     def _fenced(self, handle: Handler) -> Handler:
@@ -162,6 +162,19 @@ class Inbox:
                 "ok": msg["ok"], "rank": r, "action": msg["action"], "data": msg.get("data"),
                 "error": msg.get("error", "")}))
 
+    def results(self, ident: bytes, msg: Msg) -> None:
+        """An agent's batch of its ranks' answers: each taken as if its rank had sent it. One from a
+        process declared lost is dropped here (its own link's next message has it told to exit)."""
+        a = self.table.agents.get(msg["node_rank"])
+        if a is not None:
+            a.seen = time.monotonic()
+        for item in msg["items"]:
+            r = item["rank"]
+            if not 0 <= r < self.table.world or self.table.stale(r, item.get("pid")):
+                self.router.drops.drop("stale", f"rank {r} pid {item.get('pid')}: result via agent {msg['node_rank']}")
+                continue
+            self.result(ident, item)
+
     def bye(self, ident: bytes, msg: Msg) -> None:
         r = self.table.check(msg["rank"])
         if r in self.table.ranks:
@@ -174,7 +187,8 @@ class Inbox:
         # (the same agent, silent past the loss limit until now: its node's link was cut, and healed)
         returned = old is not None and old.pid == msg["pid"] and time.monotonic() - old.seen > self.table.dead_after
         self.table.agents[n] = Agent(n, ident, msg["node"], list(msg["ranks"]), list(msg["pids"]), seen=time.monotonic(),
-                                 pid=msg["pid"], store=msg.get("store", ""))
+                                 pid=msg["pid"], store=msg.get("store", ""), relay=bool(msg.get("relay")),
+                                 relayed=dict(zip(msg.get("relayed", ()), msg.get("relayed_pids", ()))))
         self.router.send(ident, self.port.ack())
         # A node started again (a new agent), or an agent with no worker for a rank we think alive
         # (a standby that took over never knew the old node): those processes are gone.
@@ -222,6 +236,8 @@ class Inbox:
         # (heartbeats queued while the node's link was cut can arrive before its agent registers again)
         returned = now - a.seen > self.table.dead_after
         a.ident, a.seen, a.spares = ident, now, msg.get("spares", a.spares)
+        if "relayed" in msg:
+            a.relayed = dict(zip(msg["relayed"], msg.get("relayed_pids", ())))
         self.router.send(ident, self.port.ack())
         if returned:
             self._start_due(ident, a, returned)

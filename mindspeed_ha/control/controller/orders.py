@@ -5,6 +5,12 @@ until no rank owes one (``answers``). A rank that dies owes nothing (``excuse``)
 back on a new connection gets the orders it still owes again (``resend``: it drops by id what it did
 receive). Agents get one-way orders (``to_agents``): restart, leave, reconnect, exit. Every order
 carries the controller's epoch, so that a rank obeys only the newest controller.
+
+Where a node's agent relays (``mindspeed-ha run --relay``), an order for its ranks goes to the agent
+once, naming them, and their answers come back in its batches (``Inbox.results``): a round at N ranks
+is N / ranks-per-node frames each way through this thread. Only ranks whose current process is
+connected to the agent's relay go that way; the rest, and every rank of an agent gone silent
+(``reroute``), get the order directly: a lost agent costs a resend, never the round.
 """
 from __future__ import annotations
 
@@ -17,6 +23,11 @@ from ..policy.ranks import RankTable
 from ..wire.router import Router
 
 Answer = tuple[bool, Any]   # (ok, the handler's data, or its error text)
+# An agent that relays heartbeats every half second: silent this long, it is taken for lost as a relay
+# (its ranks, heard directly, may be well).
+RELAY_SILENCE_S = 2.0
+# Orders that always go directly: the rank ends right after its answer (exit), or the controller moves.
+DIRECT = frozenset({"exit", "standby", "takeover", "reconnect", "inject"})
 
 
 @dataclasses.dataclass
@@ -27,6 +38,7 @@ class Pending:
     cli: bytes | None = None          # a CLI's socket identity: it gets each answer as it comes
     results: dict[int, Answer] = dataclasses.field(default_factory=dict)
     sent: float = dataclasses.field(default_factory=time.monotonic)
+    via: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> the node whose agent relayed it
 
 
 class Orders:
@@ -46,11 +58,53 @@ class Orders:
         skip = self.host_rank if action == "exit" else None
         ranks_ = self.table.ranks
         targets = [ranks_[r] for r in ranks if r in ranks_ and ranks_[r].alive and r != skip]
-        self.router.fan_out((i.ident for i in targets), data)
-        self.pending[oid] = Pending(action, {i.rank for i in targets}, data, cli)
+        relays = self._relays()
+        direct: list[bytes] = []
+        by_agent: dict[int, list[int]] = {}
+        via: dict[int, int] = {}
+        for i in targets:
+            agent = relays.get(i.rank) if action not in DIRECT else None
+            if agent is not None and agent.relayed.get(i.rank) == i.pid:
+                by_agent.setdefault(agent.node_rank, []).append(i.rank)
+                via[i.rank] = agent.node_rank
+            else:
+                direct.append(i.ident)
+        self.router.fan_out(direct, data)
+        for n, rs in by_agent.items():
+            self.router.send(self.table.agents[n].ident, protocol.encode(
+                "do", action=action, id=oid, args=args or {}, epoch=self.epoch(), ranks=rs))
+        self.pending[oid] = Pending(action, {i.rank for i in targets}, data, cli, via=via)
         if not targets:
             self.answered[oid] = self.pending.pop(oid).results
         return oid
+
+    def _relays(self) -> dict[int, Any]:
+        """rank -> the live agent that relays for it (none: every order goes directly)."""
+        now = time.monotonic()
+        return {r: a for a in self.table.agents.values() if a.relay and a.relayed and now - a.seen <= self.relay_silence
+                for r in a.relayed}
+
+    @property
+    def relay_silence(self) -> float:
+        """An agent silent this long relays nothing more: what it still owes is sent directly."""
+        return min(self.table.dead_after, RELAY_SILENCE_S)
+
+    def reroute(self, now: float) -> None:
+        """The orders relayed by an agent now silent, or gone: sent again directly to the ranks that owe
+        an answer (a rank drops by id an order it did take, and answers directly what it answered)."""
+        for pend in self.pending.values():
+            if not pend.via:
+                continue
+            lost = {r for r in pend.waiting if r in pend.via and self._silent(pend.via[r], now)}
+            for r in sorted(lost):
+                del pend.via[r]
+                info = self.table.ranks.get(r)
+                if info is not None:
+                    self.router.send(info.ident, pend.data)
+
+    def _silent(self, node: int, now: float) -> bool:
+        a = self.table.agents.get(node)
+        return a is None or not a.relay or now - a.seen > self.relay_silence
 
     def to_agents(self, action: str, args: dict[str, Any]) -> None:
         data = protocol.encode("do", action=action, id=0, args=args, epoch=self.epoch())

@@ -60,6 +60,8 @@ class Agent:
     spares: int = 0              # spare workers ready to take a rank (as of its last heartbeat)
     pid: int = 0                 # the agent's own process: a new one for a node means the node was replaced
     store: str = ""              # host:port of the job store it serves or stands ready to serve
+    relay: bool = False          # it passes orders to its ranks and their answers back (``mindspeed-ha run --relay``)
+    relayed: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> pid connected to its relay
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,11 @@ RECONNECT_IVL_MS = 50
 REPLAY_MAX = 64  # reports kept for a successor
 
 
+# The endpoint of the node agent's relay (``mindspeed-ha run --relay``), set for the workers it starts:
+# the controller's orders to them and their answers pass there.
+RELAY_ENV = "MINDSPEED_HA_RELAY"
+
+
 def job_id_from_env() -> str | None:
     return os.environ.get("MINDSPEED_HA_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or None
 
@@ -75,6 +80,14 @@ class ControllerLink:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._poller: zmq.Poller | None = None
+        self._also: list[zmq.Socket[bytes]] = []   # the owner's other sockets that end ``receive``'s wait
+
+    def also_poll(self, sock: zmq.Socket[bytes]) -> None:
+        """``receive`` returns as soon as ``sock`` has a message too (the owner reads it itself): a
+        rank's agent relay, whose orders must not wait for the link's timeout."""
+        self._also.append(sock)
+        if self._poller is not None:
+            self._poller.register(sock, zmq.POLLIN)
 
     def _connect(self, ep: str) -> None:
         self._close_sockets(linger=0)
@@ -93,6 +106,8 @@ class ControllerLink:
         self._poller = zmq.Poller()
         self._poller.register(s, zmq.POLLIN)
         self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        for other in self._also:
+            self._poller.register(other, zmq.POLLIN)
         self.answered = self.active = False
         self._t_connect = time.monotonic()
         self._standby_since = 0.0
@@ -202,10 +217,8 @@ class ControllerLink:
                 data = self.sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            try:
-                msg = protocol.decode(data)
-            except protocol.ProtocolError as e:
-                self.drops.drop("malformed", str(e))
+            msg = self.drops.decoded(data)
+            if msg is None:
                 continue
             now = time.monotonic()
             t = msg["t"]

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import msgpack
 
-VERSION = 2
+VERSION = 3
 MAX_BYTES = 64 * 1024 * 1024    # one frame: the status of 16,384 ranks is about 4 MB
 MAX_LIST = 1 << 20              # any list: ranks of the job (pairs of them), shards, status rows
 MAX_STR = 1 << 20               # any string (a diagnosis, a path, an error with its causes)
@@ -71,6 +71,17 @@ def _is_ints(v: object) -> bool:
     return _list_of(v, _is_index)
 
 
+def _is_result(v: object) -> bool:
+    """One rank's answer inside an agent's ``results``: a whole ``result`` message."""
+    if not isinstance(v, dict) or v.get("t") != "result":
+        return False
+    try:
+        validate(v)
+    except ProtocolError:
+        return False
+    return True
+
+
 _KINDS: dict[str, Any] = {
     _int: _is_int,
     _str: _is_str,
@@ -81,6 +92,7 @@ _KINDS: dict[str, Any] = {
     "strs": lambda v: _list_of(v, _is_str),
     "map": lambda v: isinstance(v, dict) and _tree(v, MAX_DEPTH),  # order arguments, status reports
     "tree": lambda v: _tree(v, MAX_DEPTH),  # a handler's result: any tree
+    "results": lambda v: _list_of(v, _is_result),
 }
 
 
@@ -146,9 +158,16 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     # agent -> controller
     # ``store``: host:port of the job store this agent serves, or stands ready to (the job store
     # moves there should the one in use be lost)
+    # ``relay``: the agent passes the controller's orders to its ranks and their answers back
+    # (``relayed``: the ranks whose process is connected to it, by ``relayed_pids``)
     "agent": {"node": (_str, R), "node_rank": (_int, R), "nnodes": (_int, R), "pid": (_int, R),
-              "ranks": ("ints", R), "pids": ("ints", R), "store": (_str, O)},
-    "agent_hb": {"node_rank": (_int, R), "spares": (_int, O)},
+              "ranks": ("ints", R), "pids": ("ints", R), "store": (_str, O), "relay": (_bool, O),
+              "relayed": ("ints", O), "relayed_pids": ("ints", O)},
+    "agent_hb": {"node_rank": (_int, R), "spares": (_int, O), "relayed": ("ints", O), "relayed_pids": ("ints", O)},
+    # the answers of its ranks to the controller's orders, as many as came in one turn of its loop
+    "results": {"node_rank": (_int, R), "items": ("results", R)},
+    # processor -> its agent's relay: this process takes its orders there too
+    "relay_hello": {"rank": (_int, R), "pid": (_int, R)},
     "health": {"node_rank": (_int, R), "ranks": ("ints", R), "detail": (_str, O)},
     "exit": {"node_rank": (_int, R), "rank": (_int, R), "pid": (_int, R), "code": (_int, O),
              "signal": (_int, O), "at": (_float, O), "iteration": (_int, O), "phase": (_str, O),
@@ -161,7 +180,8 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     # ``store``: host:port of the job store in use (it moved from --master-addr when that one was lost)
     "ack": {"epoch": (_int, R), "state": (_str, R), "standby": (_bool, O), "backups": ("strs", O),
             "store": (_str, O)},
-    "do": {"action": (_str, R), "id": (_int, R), "args": ("map", O), "epoch": (_int, R)},
+    # ``ranks``: to an agent that relays, for those of its ranks (each gets the order without it)
+    "do": {"action": (_str, R), "id": (_int, R), "args": ("map", O), "epoch": (_int, R), "ranks": ("ints", O)},
     "status": {"body": ("map", R)},
     "settled": {"rids": ("strs", R)},  # reports whose fault a recovery has dealt with: never re-send them
     "refused": {"reason": (_str, R)},
@@ -185,6 +205,14 @@ class DropCounter:
     @property
     def total(self) -> int:
         return sum(self.counts.values())
+
+    def decoded(self, frame: bytes) -> dict[str, Any] | None:
+        """``decode(frame)``, or None with the frame counted as malformed."""
+        try:
+            return decode(frame)
+        except ProtocolError as e:
+            self.drop("malformed", str(e))
+            return None
 
 
 # (each type's required fields, once)

@@ -30,6 +30,7 @@ from .held import HELD_REPORT_S, HeldWatch  # noqa: F401  (HELD_REPORT_S: read h
 from .hosting import ControllerFactory, ControllerHost
 from .long_wait import LongWait, default_group_rank
 from .own_work import OwnWork
+from .relay import RELAYED, AgentRelay
 from .serving import Orders
 
 if TYPE_CHECKING:
@@ -45,18 +46,19 @@ class Outbox:
     heartbeat that ends a recovery's MTTR: each waited up to 20 ms)."""
 
     def __init__(self) -> None:
-        self._items: queue.SimpleQueue[tuple[bytes, str | None]] = queue.SimpleQueue()
+        self._items: queue.SimpleQueue[tuple[bytes, str | None, bool]] = queue.SimpleQueue()
         self.link: ControllerLink | None = None   # (the processor's, once it started)
 
-    def put(self, data: bytes, rid: str | None = None) -> None:
-        self._items.put((data, rid))
+    def put(self, data: bytes, rid: str | None = None, relay: bool = False) -> None:
+        """``relay``: an answer to an order that came through the agent's relay, to go back there."""
+        self._items.put((data, rid, relay))
         self.wake()
 
     def wake(self) -> None:
         if self.link is not None:
             self.link.wake()
 
-    def drain(self) -> Iterator[tuple[bytes, str | None]]:
+    def drain(self) -> Iterator[tuple[bytes, str | None, bool]]:
         while True:
             try:
                 yield self._items.get_nowait()
@@ -113,21 +115,18 @@ class Processor:
         self.log_dir = options.log_dir
         self.job_id = job_id_from_env()
         self.host = ControllerHost(controller_factory, rank)  # the controller hosted here (rank 0, a standby)
-        self.iteration = -1
-        self.updating = False
-        self.phase = "startup"
-        self.health = "ok"
+        self.iteration, self.updating, self.phase, self.health = -1, False, "startup", "ok"
         self.loss: float | None = None
         self.checkpoint = -1   # the newest iteration this rank saved
         self.progress = 0.0    # when training last moved (a step's phase, an update's end)
         self._reports = 0      # fault reports made (each one's rid)
         self._outbox = Outbox()
         self._hb_on_step = self._hb_now = False
-        self._closing = threading.Event()
-        self._sent = threading.Event()
+        self._closing, self._sent = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
         self._worker: threading.Thread | None = None
         self.link: ControllerLink | None = None
+        self.relay: AgentRelay | None = None   # its agent's relay, under mindspeed-ha run --relay
         self.job_store: JobStore | None = None
         self.events: EventLog | None = events  # the rank's event log, when the caller has one open
         self.board: ProgressBoard | None = None
@@ -179,6 +178,7 @@ class Processor:
                                        self.options.strategies),
                                    self.options.heartbeat_s, name=f"rank {self.rank}", store=self.job_store)
         self._outbox.link = self.link
+        self.relay = AgentRelay.from_env(self.rank, self.link)
         self._thread = threading.Thread(target=self._run, name="mindspeed-ha-processor", daemon=True)
         self._worker = threading.Thread(target=self.orders.work_loop, name="mindspeed-ha-handlers", daemon=True)
         self._t_start = time.monotonic()
@@ -324,15 +324,15 @@ class Processor:
         while not self._closing.is_set():
             try:
                 self.link.maintain()
-                for data, rid in self._outbox.drain():
-                    self.link.send(data, rid=rid)
+                for data, rid, relayed in self._outbox.drain():
+                    self.relay.send(data) if relayed and self.relay else self.link.send(data, rid=rid)
                     self._sent.set()
                 now = time.monotonic()
                 self._check_held(now)
                 if now >= next_hb or self._hb_now:
                     next_hb, self._hb_now = now + hb, False
                     self.link.send(heartbeat_frame(self))
-                for msg in self.link.receive(20):
+                for msg in self.link.receive(20) + (self.relay.receive() if self.relay is not None else []):
                     if msg["t"] == "do":
                         self._dispatch(msg)
                     elif msg["t"] == "settled":
@@ -349,13 +349,18 @@ class Processor:
                 log.exception("processor loop error (continuing)")
                 time.sleep(0.1)
         self.link.close()
+        if self.relay is not None:
+            self.relay.close()
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
         action, aid, args = msg["action"], msg["id"], msg.get("args", {})
+        if self.relay is not None and self.link is not None and aid:  # (which way its answer goes)
+            self.relay.routes.came(aid, msg.get(RELAYED, False), self.link.send)
         if not self.orders.first_time(msg["epoch"], aid):
-            return  # re-sent after a reconnection, already taken
+            return  # re-sent after a reconnection (or by the controller itself, its agent silent): taken
         assert self.events is not None  # (start() opened it)
-        self.events.emit("action", action=action, id=aid, args={k: v for k, v in args.items() if k != "diagnosis"})
+        self.events.emit("action", action=action, id=aid, args={k: v for k, v in args.items() if k != "diagnosis"},
+                         **({RELAYED: True} if msg.get(RELAYED) else {}))
         if action == "exit":
             if not aid and args.get("diagnosis"):  # (aid 0: an order to this process alone, e.g. fenced)
                 log.error("%s", args["diagnosis"])
@@ -364,8 +369,10 @@ class Processor:
         else:
             self.orders.route(action, aid, args)
 
-    def _send_answer(self, msg: bytes) -> None:
-        if threading.current_thread() is self._thread:
+    def _send_answer(self, msg: bytes, aid: int = 0) -> None:
+        if self.relay is not None and self.relay.routes.relayed(aid, msg):  # (back the way it came)
+            self._outbox.put(msg, relay=True)
+        elif threading.current_thread() is self._thread:
             assert self.link is not None  # (its thread runs only with it)
             self.link.send(msg)
         else:

@@ -48,7 +48,7 @@ class Orders:
     thread); ``send(frame)``: an answer to the controller, from any thread; ``awaiting()``: the rank's
     stop's ``awaiting_orders`` (the training thread waits for its orders inside)."""
 
-    def __init__(self, rank: int, inline: Mapping[str, Handler], send: Callable[[bytes], None],
+    def __init__(self, rank: int, inline: Mapping[str, Handler], send: Callable[[bytes, int], None],
                  watch: HeldWatch, awaiting: Callable[[], ContextManager[None]]) -> None:
         self.rank, self._inline, self._send, self.watch = rank, dict(inline), send, watch
         self._awaiting = awaiting
@@ -113,7 +113,7 @@ class Orders:
         except protocol.ProtocolError as e:  # a handler's answer that is not a msgpack tree
             msg = protocol.encode("result", rank=self.rank, action=action, id=aid, ok=False,
                                   error=f"rank {self.rank} could not send its answer to {action}: {e}")
-        self._send(msg)
+        self._send(msg, aid)
 
     def serve_order(self, timeout: float) -> str | None:
         """The training thread, parked after a fault: run the next order meant for it and send the
