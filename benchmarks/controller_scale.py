@@ -19,10 +19,14 @@ With ``--recovery`` so does the controller's loss limit (MINDSPEED_HA_DEAD_AFTER
 simulator's ranks answer each round in turn, and at 16,384 ranks on a loaded 2-core host the default
 1.8 heartbeats declared hundreds of answering ranks lost — faults retry cannot take, so no recovery.
 
-    python benchmarks/controller_scale.py --ranks 16384 [--recovery]
+With ``--relay`` the ranks sit on nodes of 8 behind agents that relay (``mindspeed-ha run --relay``): each
+node's agent is a socket of its own, the controller's orders come to it naming its ranks, and it answers
+for them in one frame (the ranks still register and heartbeat on their own sockets).
+
+    python benchmarks/controller_scale.py --ranks 16384 [--recovery] [--relay]
 Last line: JSON with ranks, detect_s, decide_ms, heartbeat_s (and more; with --recovery also
 recovery_ok, recovery_s, recovery_round / recovery_round_s — the slowest round —, status_ok and,
-when it failed, recovery_failure).
+when it failed, recovery_failure; orders_via: the orders the simulated ranks got directly and through agents).
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ import jobs  # noqa: E402  (how every benchmark starts a job)
 PER_RANK_S = 2e-3
 # The retry playbook's timed steps: stop, status, rebuild, repair, rollback, resume, first step.
 RECOVERY_STEPS = 7
+NODE = 8  # ranks a node (--relay: behind one agent)
 
 
 def limits(ranks: int, heartbeat: float) -> dict:
@@ -114,16 +119,30 @@ def simulate(a) -> None:
             unsent[what] += 1
             return False
 
-    for r in ranks:
+    def connected():
+        """A simulated process's socket to the controller (a rank's, an agent's)."""
         s = ctx.socket(zmq.DEALER)
         s.linger = 0
         s.rcvhwm = s.sndhwm = 10000
         s.handshake_ivl = 300_000
         security.secure_client(s, keys)
         s.connect(a.endpoint)
-        socks[r] = s
+        return s
+
+    for r in ranks:
+        socks[r] = connected()
         send(r, protocol.encode("register", rank=r, world=a.world, node=f"sim{r // 8}", pid=100000 + r,
-                                groups=[[r, (r + a.world // 2) % a.world]]), "register")
+                                groups=[[r, (r + a.world // 2) % a.world]], agent_node=r // NODE), "register")
+    # --relay: each node's agent (a real socket of its own, registered as a relaying agent for its 8
+    # ranks, all connected to it): the controller's orders come to it naming its ranks, and it answers
+    # for them in one frame
+    agents = {}
+    for n in range(a.lo // NODE, -(-a.hi // NODE)) if a.relay else ():
+        agents[n] = s = connected()
+        node_ranks = list(range(n * NODE, min(a.hi, (n + 1) * NODE)))
+        pids = [100000 + r for r in node_ranks]
+        s.send(protocol.encode("agent", node=f"sim{n}", node_rank=n, nnodes=-(-a.world // NODE), pid=200000 + n,
+                               ranks=node_ranks, pids=pids, relay=True, relayed=node_ranks, relayed_pids=pids))
     print(json.dumps({"ready": len(ranks)}), flush=True)
     hb = a.heartbeat
     n = len(ranks)
@@ -158,6 +177,9 @@ def simulate(a) -> None:
     for r, s in socks.items():
         by_fd[s.getsockopt(zmq.FD)] = r
         ep.register(s.getsockopt(zmq.FD), select.EPOLLIN)
+    for n, s in agents.items():
+        by_fd[s.getsockopt(zmq.FD)] = ("agent", n)
+        ep.register(s.getsockopt(zmq.FD), select.EPOLLIN)
     os.set_blocking(stdin, False)
     report_at = None
     stop_after = None
@@ -170,8 +192,23 @@ def simulate(a) -> None:
     bad_action = ACTIONS.get(bad_action, bad_action)  # (a round's name, or its order's)
 
     def answer(r, msg):
+        """Recovery mode: a real rank's answer, sent on its own socket."""
+        data = answer_data(r, msg)
+        if data is None:
+            return
+        action = msg["action"]
+        if send(r, protocol.encode("result", rank=r, action=action, id=msg["id"], ok=True, data=data), f"result:{action}"):
+            answered[action].add(r)
+        if action == "resume":  # the next step ends at once: the controller's MTTR stops there
+            resumed(r)
+
+    def resumed(r):
+        iteration.update(it=11, phase="step")
+        send(r, protocol.encode("hb", rank=r, it=11, upd=False, health="ok", phase="step", progress=2.0), "hb")
+
+    def answer_data(r, msg):
         """Recovery mode: what a real rank's handler would answer (a DP=world layout), with what its
-        communicators carried (``communicators``)."""
+        communicators carried (``communicators``); None: an order it does not answer."""
         action, data = msg["action"], None
         if action == "ha-status":
             data = {"replica": True, "rank": r, "iteration": 10, "updating": False, "touched": True,
@@ -179,15 +216,49 @@ def simulate(a) -> None:
                     **({} if a.no_comm else {"comm": communicators(r, a.world)})}
         elif action in ("stop", "rebuild", "repair", "rollback", "resume"):
             data = {"rollback": "rollback", "repair": {"received": 0}}.get(action, "ok")
-        else:
-            return
-        if send(r, protocol.encode("result", rank=r, action=action, id=msg["id"], ok=True, data=data), f"result:{action}"):
-            answered[action].add(r)
-        if action == "resume":  # the next step ends at once: the controller's MTTR stops there
-            iteration.update(it=11, phase="step")
-            send(r, protocol.encode("hb", rank=r, it=11, upd=False, health="ok", phase="step", progress=2.0), "hb")
+        return data
+
+    def relay(n, msg):
+        """--relay: agent ``n`` got an order for some of its ranks: each answers as above (or misbehaves
+        as asked), and the agent sends their answers in one frame."""
+        action, items = msg["action"], []
+        via["agents"] += len(msg["ranks"])
+        for r in msg["ranks"]:
+            if action == bad_action and bad_how in ("lost", "silent") and r % 2:
+                if bad_how == "silent":
+                    received[action].add(r)
+                continue
+            received[action].add(r)
+            if action == "stop" and r not in got_stop:
+                got_stop[r] = time.time()
+            if action == bad_action and bad_how == "refuse" and r % 2:
+                items.append({"v": protocol.VERSION, "t": "result", "rank": r, "action": action, "id": msg["id"],
+                              "ok": False, "error": f"simulated refusal of {action}", "pid": 100000 + r})
+                continue
+            data = answer_data(r, msg) if a.respond else None
+            if data is not None:
+                items.append({"v": protocol.VERSION, "t": "result", "rank": r, "action": action, "id": msg["id"],
+                              "ok": True, "data": data, "pid": 100000 + r})
+        if items:
+            try:
+                agents[n].send(protocol.encode("results", node_rank=n, items=items), zmq.NOBLOCK)
+                answered[action].update(i["rank"] for i in items)
+            except zmq.Again:
+                unsent[f"result:{action}"] += len(items)
+        if action == "resume" and a.respond:
+            for r in msg["ranks"]:
+                resumed(r)
+
+    def drain_agent(n):
+        s = agents[n]
+        while s.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            msg = protocol.decode(s.recv(zmq.NOBLOCK))
+            if msg["t"] == "do" and "ranks" in msg:
+                relay(n, msg)
 
     def drain(r):
+        if isinstance(r, tuple):
+            return drain_agent(r[1])
         s = socks[r]
         while s.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # also re-arms ZMQ_FD
             data = s.recv(zmq.NOBLOCK)
@@ -196,6 +267,7 @@ def simulate(a) -> None:
             msg = protocol.decode(data)
             if msg["t"] != "do":
                 continue
+            via["direct"] += 1
             if msg["action"] == bad_action and bad_how == "lost" and r % 2:
                 continue  # (--misbehave: as if it never came)
             received[msg["action"]].add(r)
@@ -221,17 +293,26 @@ def simulate(a) -> None:
                        "answered": {k: len(v) for k, v in answered.items()}, "unsent": dict(unsent),
                        "missed": {k: sorted(set(ranks) - v)[:8] for k, v in received.items() if len(v) < n},
                        "hb_gap_s": round(hb_gap[0], 3), "hb_gap_rank": hb_gap[1], "hb_gap_at": hb_gap[2],
-                       "loop_gap_s": round(loop_gap, 3)}, f)
+                       "loop_gap_s": round(loop_gap, 3), "orders_via": dict(via)}, f)
         os.replace(summary_path + ".tmp", summary_path)
 
     beaten: list[int] = []  # sockets a heartbeat went out on: a send can consume the FD's edge
+    via: collections.Counter = collections.Counter()  # orders a rank got through its agent, and directly
+    agent_hb_at = 0.0
 
     def beat():
         """The heartbeats that are due. A real rank's heartbeat thread does not wait while its rank
         answers an order; here thousands of ranks answer in turn, so this runs between their answers
         too (else a round's orders hold every heartbeat back for seconds on a loaded host)."""
-        nonlocal nxt
+        nonlocal nxt, agent_hb_at
         now = time.monotonic()
+        if agents and now >= agent_hb_at:  # (one a node per half interval: they are few)
+            agent_hb_at = now + hb / 2
+            for node, sock in agents.items():
+                try:
+                    sock.send(protocol.encode("agent_hb", node_rank=node), zmq.NOBLOCK)
+                except zmq.Again:
+                    unsent["agent_hb"] += 1
         k = 0
         while due[nxt] <= now + 0.01 and k < n:
             r = ranks[nxt]
@@ -249,6 +330,8 @@ def simulate(a) -> None:
 
     for r in ranks:
         drain(r)
+    for node in agents:
+        drain_agent(node)
     while True:
         now = time.monotonic()
         loop_gap, loop_at = max(loop_gap, now - loop_at), now
@@ -258,6 +341,8 @@ def simulate(a) -> None:
         beat()
         while beaten:
             drain(beaten.pop())
+        for node in agents if agents and nxt % 64 == 0 else ():  # (a send can consume an agent's edge too)
+            drain_agent(node)
         wait = max(0.0, min(0.02, due[nxt] - time.monotonic()))
         for i, (fd, _) in enumerate(ep.poll(wait)):
             drain(by_fd[fd])
@@ -293,7 +378,7 @@ def simulate(a) -> None:
         if stop_after is not None:
             break
     summarize()
-    for s in socks.values():
+    for s in [*socks.values(), *agents.values()]:
         s.close()
     ctx.term()
 
@@ -497,6 +582,9 @@ def main() -> None:
     p.add_argument("--misbehave", metavar="ACTION:HOW",
                    help="--recovery: the simulated odd ranks refuse ACTION (HOW=refuse), never answer it "
                         "(silent) or never receive it (lost), e.g. rebuild:refuse — a failed recovery, explained")
+    p.add_argument("--relay", action="store_true",
+                   help="nodes of 8 ranks behind agents that relay (mindspeed-ha run --relay): the controller's "
+                        "orders go to each node's agent and come back answered in one frame a node")
     p.add_argument("--respond", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sim", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--lo", type=int), p.add_argument("--hi", type=int), p.add_argument("--world", type=int)
@@ -528,9 +616,12 @@ def main() -> None:
         c.store()  # (a controller hosted by rank 0 has torch imported already; this one would pay it in rebuild)
     t0 = time.time()
     per = -(-a.ranks // a.procs)
+    per = -(-per // NODE) * NODE  # (a node's ranks in one simulator)
     sims = []
     for i in range(a.procs):
         lo, hi = i * per, min(a.ranks, (i + 1) * per)
+        if lo >= hi:
+            break
         cmd = [sys.executable, __file__, "--sim", "--lo", str(lo), "--hi", str(hi), "--world", str(a.ranks),
                "--endpoint", c.endpoint, "--log-dir", log_dir, "--heartbeat", str(a.heartbeat),
                "--report-s", str(lim["report_s"])]
@@ -540,6 +631,8 @@ def main() -> None:
             cmd.append("--respond")
         if a.no_comm:
             cmd.append("--no-comm")
+        if a.relay:
+            cmd.append("--relay")
         if a.misbehave:
             cmd += ["--misbehave", a.misbehave]
         sims.append(Sim(cmd))
@@ -565,6 +658,8 @@ def main() -> None:
                 summaries.append(json.load(f))
         except (OSError, ValueError):
             pass
+    result["orders_via"] = dict(sum((collections.Counter(s.get("orders_via", {})) for s in summaries),
+                                    collections.Counter()))
     if a.recovery and not result["recovery_ok"]:
         result["recovery_failure"] = explain(events.all, result.pop("_injected"), c, summaries, a.ranks,
                                              result.pop("_waited"))
@@ -606,7 +701,8 @@ def run(a, c, events: Events, sims: list[Sim], lim: dict, t0: float, log_dir: st
     last_hb = None
     if not a.recovery:
         reports = [s.report("silenced", lim["round_s"]) for s in sims]
-        last_hb = (reports[victim // -(-a.ranks // len(sims))] or {}).get("last_hb")
+        per = -(-a.ranks // len(sims) // NODE) * NODE
+        last_hb = (reports[victim // per] or {}).get("last_hb")
     # The fault we caused (a rank's loss found meanwhile is reported as what it is: a new fault).
     kind = "memory-error" if a.recovery else "heartbeat-lost"
     fault = events.wait(lambda e: e["event"] == "fault", lim["round_s"] + 10 * a.heartbeat)

@@ -53,16 +53,22 @@ def test_chaos_schedule_covers_every_kind_at_every_phase():
     assert chaos.schedule(7) == chaos.schedule(7) != chaos.schedule(8)
 
 
-def test_controller_scale_recovery_smoke():
+@pytest.mark.parametrize("relay", [False, True], ids=["direct", "relay"])
+def test_controller_scale_recovery_smoke(relay):
     """benchmarks/controller_scale.py at 64 simulated ranks: its simulators answer every round as real ranks
-    do today (a changed answer would turn its figure into a failed recovery), and status reads the job."""
+    do today (a changed answer would turn its figure into a failed recovery), and status reads the job.
+    With --relay every round's order reaches the ranks through their node's agent (the standby orders
+    directly), and the agents' batches of answers carry the recovery."""
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "controller_scale.py"), "--ranks", "64",
-                           "--recovery"], env=clean_env(), capture_output=True, text=True, timeout=300)
+                           "--recovery", *(["--relay"] if relay else [])], env=clean_env(), capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["recovery_ok"] and result["status_ok"], proc.stdout[-3000:]
     assert result["stop_received"] == 64 and result["dropped"] == 0
     assert set(result["recovery_phases"]) >= {"stop", "status", "rebuild", "repair", "rollback", "resume"}
+    rounds = 6 * 64  # (stop, status, rebuild, repair, rollback, resume)
+    assert result["orders_via"].get("agents", 0) == (rounds if relay else 0), result["orders_via"]
 
 
 def test_the_projection_counts_the_communicators_with_the_controllers_own_policy(tmp_path):

@@ -80,8 +80,8 @@ class Orders:
 
     def _relays(self) -> dict[int, Any]:
         """rank -> the live agent that relays for it (none: every order goes directly)."""
-        now = time.monotonic()
-        return {r: a for a in self.table.agents.values() if a.relay and a.relayed and now - a.seen <= self.relay_silence
+        now, silence = time.monotonic(), self.relay_silence
+        return {r: a for a in self.table.agents.values() if a.relay and a.relayed and now - a.seen <= silence
                 for r in a.relayed}
 
     @property
@@ -92,19 +92,20 @@ class Orders:
     def reroute(self, now: float) -> None:
         """The orders relayed by an agent now silent, or gone: sent again directly to the ranks that owe
         an answer (a rank drops by id an order it did take, and answers directly what it answered)."""
-        for pend in self.pending.values():
-            if not pend.via:
-                continue
-            lost = {r for r in pend.waiting if r in pend.via and self._silent(pend.via[r], now)}
+        relayed = [pend for pend in self.pending.values() if pend.via]
+        if not relayed:
+            return
+        silence = self.relay_silence
+        silent = {n for n, a in self.table.agents.items() if not a.relay or now - a.seen > silence}
+        if not silent:
+            return
+        for pend in relayed:
+            lost = {r for r, n in pend.via.items() if n in silent and r in pend.waiting}
             for r in sorted(lost):
                 del pend.via[r]
                 info = self.table.ranks.get(r)
                 if info is not None:
                     self.router.send(info.ident, pend.data)
-
-    def _silent(self, node: int, now: float) -> bool:
-        a = self.table.agents.get(node)
-        return a is None or not a.relay or now - a.seen > self.relay_silence
 
     def to_agents(self, action: str, args: dict[str, Any]) -> None:
         data = protocol.encode("do", action=action, id=0, args=args, epoch=self.epoch())
