@@ -595,6 +595,18 @@ def test_orders_go_through_a_relaying_agent_once_and_directly_after_its_silence(
     assert [(i, m["action"], m["id"]) for i, m in job.router.sent] == [(bytes([1]), "ha-status", oid)]
     job.orders.reroute(time.monotonic())  # (sent once)
     assert len(job.router.sent) == 1
+    a0.seen = time.monotonic()  # heard again; its relay now lists rank 0 only (rank 1's hello never came)
+    a0.relayed = {0: 100}
+    oid = job.orders.send("rebuild", [0, 1])
+    job.orders.reroute(time.monotonic())  # (rank 1 went directly from the start: nothing moves)
+    assert [(i, m.get("ranks")) for i, m in job.router.sent[1:]] == [(bytes([1]), None), (b"agent0", [0])]
+    job.router.sent.clear()
+    a0.relayed = {}  # (rank 0's process ended, or its hello was lost: the agent could not pass the order on)
+    job.orders.reroute(time.monotonic())
+    assert [(i, m["action"], m["id"]) for i, m in job.router.sent] == [(bytes([0]), "rebuild", oid)]
+    a0.relayed = {0: 100, 1: 101}
+    a0.seen -= job.orders.relay_silence + 0.1
+    job.router.sent.clear()
     job.router.sent.clear()
     job.orders.send("rollback", [0, 1])
     assert [i for i, _ in job.router.sent] == [bytes([0]), bytes([1])]

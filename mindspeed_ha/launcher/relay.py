@@ -51,15 +51,16 @@ class RelayHub:
             self.changed = True
 
     def pass_on(self, msg: dict[str, Any]) -> list[int]:
-        """An order for some of this node's ranks: to each of them; returns those not connected (the
+        """An order for some of this node's ranks: to each of them; returns those it could not reach (the
         controller sends it to them directly once this agent's heartbeat says they are not here)."""
         data = protocol.encode("do", action=msg["action"], id=msg["id"], args=msg.get("args") or {},
                                epoch=msg["epoch"])
         missing = []
         for r in msg["ranks"]:
             ident = self._ident.get(r)
-            if ident is None:
+            if ident is None:  # (the next heartbeat, at once, lists it as not here: the controller sends directly)
                 missing.append(r)
+                self.changed = True
                 continue
             try:
                 self.sock.send_multipart([ident, data], zmq.NOBLOCK)
@@ -67,6 +68,7 @@ class RelayHub:
             except zmq.ZMQError as e:
                 self.drops.drop("relay send", f"rank {r}: {e}")
                 missing.append(r)
+                self.forget(r)
         return missing
 
     def collect(self) -> list[dict[str, Any]]:

@@ -90,17 +90,18 @@ class Orders:
         return min(self.table.dead_after, RELAY_SILENCE_S)
 
     def reroute(self, now: float) -> None:
-        """The orders relayed by an agent now silent, or gone: sent again directly to the ranks that owe
-        an answer (a rank drops by id an order it did take, and answers directly what it answered)."""
+        """The orders relayed by an agent now silent, or that no longer lists the rank as connected
+        (its process ended, or never said hello: the agent could not pass the order on): sent again
+        directly to the ranks that owe an answer (a rank drops by id an order it did take, and answers
+        directly what it answered)."""
         relayed = [pend for pend in self.pending.values() if pend.via]
         if not relayed:
             return
-        silence = self.relay_silence
-        silent = {n for n, a in self.table.agents.items() if not a.relay or now - a.seen > silence}
-        if not silent:
-            return
+        silence, agents = self.relay_silence, self.table.agents
+        silent = {n for n, a in agents.items() if not a.relay or now - a.seen > silence}
         for pend in relayed:
-            lost = {r for r, n in pend.via.items() if n in silent and r in pend.waiting}
+            lost = {r for r, n in pend.via.items()
+                    if r in pend.waiting and (n in silent or n not in agents or r not in agents[n].relayed)}
             for r in sorted(lost):
                 del pend.via[r]
                 info = self.table.ranks.get(r)
