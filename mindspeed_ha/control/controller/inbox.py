@@ -42,8 +42,8 @@ class Inbox:
         fenced = {"register": self.register, "hb": self.heartbeat, "fault": self.fault, "left": self.left,
                   "result": self.result, "bye": self.bye}
         return {**{t: self._fenced(fn) for t, fn in fenced.items()}, "agent": self.agent,
-                "agent_hb": self.agent_heartbeat, "results": self.results, "exit": self.exit, "status?": self.status, "inject": self.inject,
-                "migrate": self.migrate, "health": self.health, "preempt": self.preempt}
+                "agent_hb": self.agent_heartbeat, "results": self.results, "exit": self.exit, "status?": self.status,
+                "inject": self.inject, "migrate": self.migrate, "health": self.health, "preempt": self.preempt}
 
     def _fenced(self, handle: Handler) -> Handler:
         """A rank's message from a process this controller declared lost — a partition that healed, a
@@ -169,9 +169,10 @@ class Inbox:
         if a is not None:
             a.seen = time.monotonic()
         for item in msg["items"]:
-            r = item["rank"]
-            if not 0 <= r < self.table.world or self.table.stale(r, item.get("pid")):
-                self.router.drops.drop("stale", f"rank {r} pid {item.get('pid')}: result via agent {msg['node_rank']}")
+            r, pid = item["rank"], item.get("pid")
+            why = "invalid" if not 0 <= r < self.table.world else "stale" if self.table.stale(r, pid) else ""
+            if why:
+                self.router.drops.drop(why, f"rank {r} pid {pid}: result via agent {msg['node_rank']}")
                 continue
             self.result(ident, item)
 

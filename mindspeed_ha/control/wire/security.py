@@ -37,8 +37,8 @@ class SecurityError(RuntimeError):
 # What each role may send (the controller drops the rest): ranks and agents speak for the job, the
 # operator's CLI asks and drills.
 MAY_SEND = {
-    "job": frozenset({"register", "hb", "fault", "left", "result", "bye", "agent", "agent_hb", "results", "exit", "status?",
-                          "health", "preempt"}),
+    "job": frozenset({"register", "hb", "fault", "left", "result", "bye", "agent", "agent_hb", "results", "exit",
+                      "status?", "health", "preempt"}),
     "operator": frozenset({"status?", "inject", "migrate"}),
 }
 
