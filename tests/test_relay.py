@@ -15,8 +15,9 @@ MINDSPEED_HA = [sys.executable, "-m", "mindspeed_ha.cli"]
 ROUNDS = ("ha-status", "rebuild", "repair", "rollback", "resume")
 
 
-def command(log_dir, nproc=4):
-    return MINDSPEED_HA + ["run", "--standalone", "--relay", "--nproc-per-node", str(nproc), PRETRAIN, *TINY,
+def command(log_dir, nproc=4, relay=True):
+    return MINDSPEED_HA + ["run", "--standalone", "--relay" if relay else "--no-relay", "--nproc-per-node", str(nproc),
+                           PRETRAIN, *TINY,
                            "--train-iters", str(TINY_ITERS), "--enable-hbmfault-repair", "--enable-worker-reboot",
                            "--ha-log-dir", str(log_dir), "--ha-verify-replicas-interval", "1"]
 
@@ -30,12 +31,14 @@ def round_orders(log_dir) -> list[dict]:
     return [e for e in all_rank_events(log_dir) if e["event"] == "action" and e["action"] in ROUNDS]
 
 
-def test_retry_and_recover_with_the_rounds_through_the_agent(tmp_path, ref):
+@pytest.mark.parametrize("relay", [True, False], ids=["relay", "no-relay"])
+def test_retry_and_recover_with_the_rounds_through_the_agent(tmp_path, ref, relay):
     """A memory error (retry), then a killed worker (recover): every loss equals the fault-free run's;
-    every round's order to a rank whose process was connected to the agent came through the agent, and
-    the restarted worker's too once it had said hello there."""
+    every round's order to a rank whose process was connected to the agent came through the agent (the
+    default), or, with --no-relay, every order came directly."""
     env = clean_env({"MINDSPEED_HA_INJECT": "uce:rank=2:step=4:phase=backward,kill:rank=1:step=7:phase=optimizer"})
-    proc = subprocess.run(command(tmp_path), env=env, capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
+    proc = subprocess.run(command(tmp_path, relay=relay), env=env, capture_output=True, text=True, timeout=240,
+                          cwd=str(tmp_path))
     assert_ok(proc)
     assert losses(tmp_path) == ref
     rec = [e for e in events(tmp_path, "controller") if e["event"] == "recovered"]
@@ -45,7 +48,9 @@ def test_retry_and_recover_with_the_rounds_through_the_agent(tmp_path, ref):
     first_pid = {e["rank"]: e["pid"] for e in all_rank_events(tmp_path) if e["event"] == "start" and e["rank"] != 1}
     survivors = [e for e in orders if e["pid"] == first_pid.get(e["rank"])]
     direct = [(e["rank"], e["action"]) for e in survivors if not e.get("relayed")]
-    assert survivors and not direct, direct
+    assert survivors and (not direct if relay else len(direct) == len(survivors)), direct
+    if not relay:
+        assert not any(e.get("relayed") for e in all_rank_events(tmp_path) if e["event"] == "action")
 
 
 def test_an_agent_stopped_during_a_retry_the_controller_sends_directly(tmp_path, ref):

@@ -31,10 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for the controller after a worker failed before acting alone")
     g.add_argument("--exit-grace", type=float, default=3.0,
                    help="seconds workers get to exit after an exit order before SIGTERM (+2s SIGKILL)")
-    g.add_argument("--relay", action="store_true",
+    g.add_argument("--relay", action=argparse.BooleanOptionalAction, default=True,
                    help="the controller's orders to this node's ranks and their answers go through this agent: "
                         "one frame each way per node and round, not one per rank (what a job of thousands of "
-                        "ranks needs; its ranks are still heard directly, and get directly what a lost agent owed)")
+                        "ranks needs; its ranks are still heard directly, and get directly what a lost agent owed). "
+                        "On by default; --no-relay: every order to the ranks directly")
     return p
 
 
@@ -60,7 +61,7 @@ class Launch:
     decision_timeout: float
     monitor_interval: float
     script_args: list
-    relay: bool = False          # --relay: the controller's orders and their answers go through the agent
+    relay: bool = True           # --relay (--no-relay): the controller's orders and their answers go through the agent
 
 
 def _from_env(name: str, env) -> bool:
