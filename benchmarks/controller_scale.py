@@ -104,6 +104,7 @@ def communicators(r: int, world: int) -> dict:
 def simulate(a) -> None:
     """A simulator process: ranks [lo, hi) of the world; commands on stdin, reports on stdout."""
     from mindspeed_ha.control.wire import protocol, security
+    from mindspeed_ha.launcher.relay import results_frame  # (as a real agent batches its ranks' answers)
     keys = security.Keys.load(a.log_dir, insecure=a.insecure, timeout=10)
     ctx = zmq.Context(io_threads=1)
     ctx.max_sockets = 65536
@@ -129,13 +130,12 @@ def simulate(a) -> None:
         s.connect(a.endpoint)
         return s
 
-    for r in ranks:
-        socks[r] = connected()
-        send(r, protocol.encode("register", rank=r, world=a.world, node=f"sim{r // 8}", pid=100000 + r,
-                                groups=[[r, (r + a.world // 2) % a.world]], agent_node=r // NODE), "register")
     # --relay: each node's agent (a real socket of its own, registered as a relaying agent for its 8
-    # ranks, all connected to it): the controller's orders come to it naming its ranks, and it answers
-    # for them in one frame
+    # ranks, all connected to it): the controller's orders come to it naming its ranks, it answers for
+    # them in one frame, and it carries their heartbeats in its own. Its ranks register on its socket:
+    # a real rank registers on its own, but that is once a job, and afterwards a rank behind a relaying
+    # agent that is heard sends its controller nothing directly (what the controller does with a
+    # registration is the same either way); so 131,072 ranks need 16,384 sockets, not 131,072.
     agents = {}
     for n in range(a.lo // NODE, -(-a.hi // NODE)) if a.relay else ():
         agents[n] = s = connected()
@@ -143,6 +143,10 @@ def simulate(a) -> None:
         pids = [100000 + r for r in node_ranks]
         s.send(protocol.encode("agent", node=f"sim{n}", node_rank=n, nnodes=-(-a.world // NODE), pid=200000 + n,
                                ranks=node_ranks, pids=pids, relay=True, relayed=node_ranks, relayed_pids=pids))
+    for r in ranks:
+        socks[r] = agents[r // NODE] if a.relay else connected()
+        send(r, protocol.encode("register", rank=r, world=a.world, node=f"sim{r // 8}", pid=100000 + r,
+                                groups=[[r, (r + a.world // 2) % a.world]], agent_node=r // NODE), "register")
     print(json.dumps({"ready": len(ranks)}), flush=True)
     hb = a.heartbeat
     n = len(ranks)
@@ -158,7 +162,10 @@ def simulate(a) -> None:
     line, buf = buf.split(b"\n", 1)
     assert line.strip() == b"go", line
     start = time.monotonic()
-    due = [start + hb * (i / n) for i in range(n)]
+    # What beats on its own: each rank, or (--relay) each node's agent with its ranks' heartbeats
+    units: list = sorted(agents) if a.relay else ranks
+    n_units = len(units)
+    due = [start + hb * (i / n_units) for i in range(n_units)]
     nxt = 0
     silenced, last_hb = None, {}
     got_stop: dict[int, float] = {}
@@ -174,7 +181,7 @@ def simulate(a) -> None:
     # 4096-entry poll set every time and steal the CPU the controller is measured on.
     ep = select.epoll()
     by_fd = {}
-    for r, s in socks.items():
+    for r, s in socks.items() if not a.relay else ():
         by_fd[s.getsockopt(zmq.FD)] = r
         ep.register(s.getsockopt(zmq.FD), select.EPOLLIN)
     for n, s in agents.items():
@@ -205,6 +212,21 @@ def simulate(a) -> None:
     def resumed(r):
         iteration.update(it=11, phase="step")
         send(r, protocol.encode("hb", rank=r, it=11, upd=False, health="ok", phase="step", progress=2.0), "hb")
+
+    def heartbeat(r) -> dict:
+        return {"v": protocol.VERSION, "t": "hb", "rank": r, "it": iteration["it"], "upd": False, "health": "ok",
+                "phase": iteration["phase"], "progress": 1.0 if iteration["it"] < 11 else 2.0, "pid": 100000 + r,
+                "age": 0.0}
+
+    def agent_beats(node, node_ranks) -> bool:
+        """--relay: agent ``node``'s heartbeat, carrying its ranks' (``node_ranks``)."""
+        try:
+            agents[node].send(protocol.encode("agent_hb", node_rank=node, beats=[
+                heartbeat(r) for r in node_ranks if r != silenced]), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            unsent["hb"] += len(node_ranks)
+            return False
 
     def answer_data(r, msg):
         """Recovery mode: what a real rank's handler would answer (a DP=world layout), with what its
@@ -241,13 +263,13 @@ def simulate(a) -> None:
                               "ok": True, "data": data, "pid": 100000 + r})
         if items:
             try:
-                agents[n].send(protocol.encode("results", node_rank=n, items=items), zmq.NOBLOCK)
+                agents[n].send(results_frame(n, items), zmq.NOBLOCK)
                 answered[action].update(i["rank"] for i in items)
             except zmq.Again:
                 unsent[f"result:{action}"] += len(items)
-        if action == "resume" and a.respond:
-            for r in msg["ranks"]:
-                resumed(r)
+        if action == "resume" and a.respond:  # (the next step ends at once: its heartbeats, passed on at once)
+            iteration.update(it=11, phase="step")
+            agent_beats(n, msg["ranks"])
 
     def drain_agent(n):
         s = agents[n]
@@ -296,39 +318,37 @@ def simulate(a) -> None:
                        "loop_gap_s": round(loop_gap, 3), "orders_via": dict(via)}, f)
         os.replace(summary_path + ".tmp", summary_path)
 
-    beaten: list[int] = []  # sockets a heartbeat went out on: a send can consume the FD's edge
+    beaten: list = []  # sockets a heartbeat went out on: a send can consume the FD's edge
     via: collections.Counter = collections.Counter()  # orders a rank got through its agent, and directly
-    agent_hb_at = 0.0
 
     def beat():
         """The heartbeats that are due. A real rank's heartbeat thread does not wait while its rank
         answers an order; here thousands of ranks answer in turn, so this runs between their answers
         too (else a round's orders hold every heartbeat back for seconds on a loaded host)."""
-        nonlocal nxt, agent_hb_at
+        nonlocal nxt
         now = time.monotonic()
-        if agents and now >= agent_hb_at:  # (one a node per half interval: they are few)
-            agent_hb_at = now + hb / 2
-            for node, sock in agents.items():
-                try:
-                    sock.send(protocol.encode("agent_hb", node_rank=node), zmq.NOBLOCK)
-                except zmq.Again:
-                    unsent["agent_hb"] += 1
         k = 0
-        while due[nxt] <= now + 0.01 and k < n:
-            r = ranks[nxt]
-            if r != silenced:
-                send(r, protocol.encode("hb", rank=r, it=iteration["it"], upd=False, health="ok",
+        while due[nxt] <= now + 0.01 and k < n_units:
+            u = units[nxt]
+            if a.relay:
+                node_ranks = range(u * NODE, min(a.hi, (u + 1) * NODE))
+                if agent_beats(u, node_ranks):
+                    beaten.append(("agent", u))
+            elif u != silenced:
+                send(u, protocol.encode("hb", rank=u, it=iteration["it"], upd=False, health="ok",
                                         phase=iteration["phase"], progress=1.0), "hb")
-                last_hb[r] = time.time()
-                if r in sent_at and now - sent_at[r] > hb_gap[0]:
-                    hb_gap[:] = [now - sent_at[r], r, time.time()]
-                sent_at[r] = now
-                beaten.append(r)
+                beaten.append(u)
+            for r in node_ranks if a.relay else (u,):
+                if r != silenced:
+                    last_hb[r] = time.time()
+                    if r in sent_at and now - sent_at[r] > hb_gap[0]:
+                        hb_gap[:] = [now - sent_at[r], r, time.time()]
+                    sent_at[r] = now
             due[nxt] += hb
-            nxt = (nxt + 1) % n
+            nxt = (nxt + 1) % n_units
             k += 1
 
-    for r in ranks:
+    for r in ranks if not a.relay else ():
         drain(r)
     for node in agents:
         drain_agent(node)
@@ -378,7 +398,7 @@ def simulate(a) -> None:
         if stop_after is not None:
             break
     summarize()
-    for s in [*socks.values(), *agents.values()]:
+    for s in {*socks.values(), *agents.values()}:
         s.close()
     ctx.term()
 

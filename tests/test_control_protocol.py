@@ -23,19 +23,25 @@ SAMPLES = {
     "bye": dict(rank=2),
     "preempt": dict(signal=15, rank=2, pid=7),
     "agent": dict(node="n", node_rank=0, nnodes=1, pid=5, ranks=[0, 1], pids=[7, 8]),
-    "agent_hb": dict(node_rank=0, spares=1, relayed=[0, 1], relayed_pids=[7, 8]),
+    "agent_hb": dict(node_rank=0, spares=1, relayed=[0, 1], relayed_pids=[7, 8],
+                     beats=[{"v": protocol.VERSION, "t": "hb", "rank": 1, "it": 5, "upd": False, "health": "ok",
+                             "pid": 8, "age": 0.012}]),
     "results": dict(node_rank=0, items=[{"v": protocol.VERSION, "t": "result", "rank": 1, "action": "stop", "id": 3,
-                                         "ok": True, "pid": 8, "data": "park requested"}]),
+                                         "ok": True, "pid": 8, "data": "park requested"}],
+                    same=[{"v": protocol.VERSION, "t": "answers", "action": "stop", "id": 3, "ok": True, "data": "ok",
+                           "ranks": [2, 3], "pids": [9, 0]}]),
+    "answers": dict(action="rebuild", id=4, ok=False, error="x", ranks=[0, 1], pids=[7, 8]),
     "relay_hello": dict(rank=1, pid=8),
     "health": dict(node_rank=0, ranks=[2], detail="health check: ECC"),
     "exit": dict(node_rank=0, rank=1, pid=9, code=0, signal=9, at=2.0, iteration=4, phase="backward"),
     "status?": {},
     "inject": dict(kind="kill", rank=1, step=3, phase="forward"),
     "migrate": dict(rank=2, reason="operator"),
-    "ack": dict(epoch=1, state="normal", standby=False, backups=["tcp://127.0.0.1:1"]),
+    "ack": dict(epoch=1, state="normal", standby=False, backups=["tcp://127.0.0.1:1"], endpoint="tcp://127.0.0.1:2"),
     "do": dict(action="exit", id=4, args={"code": 1, "diagnosis": "d"}, epoch=1, ranks=[0, 1]),
     "status": dict(body={"state": "normal", "ranks": [{"rank": 0}]}),
     "refused": dict(reason="no"),
+    "unheard": dict(ranks=[1]),
     "settled": dict(rids=["12.fault.1", "5.exit.9"]),
 }
 
@@ -136,6 +142,10 @@ KIND_OK = {
     # (an agent's batch of its ranks' answers: each a whole result message)
     "results": lambda v: type(v) is list and all(type(x) is dict and x.get("t") == "result" and not refusals(x)
                                                  for x in v),
+    # (an agent's heartbeat: its ranks' heartbeats, each a whole hb message)
+    "answers": lambda v: type(v) is list and all(type(x) is dict and x.get("t") == "answers" and not refusals(x)
+                                                 for x in v),
+    "beats": lambda v: type(v) is list and all(type(x) is dict and x.get("t") == "hb" and not refusals(x) for x in v),
 }
 
 

@@ -500,9 +500,9 @@ def test_a_restarted_worker_that_registers_before_its_agent_lists_it_is_taken_wh
     handlers["register"](b"new3", _register(3, 707))
     assert not job.table.ranks[3].alive and 3 in job.restarts.restarting
     agent_hello = {"t": "agent", "node_rank": 1, "node": "n1", "ranks": [2, 3], "pid": 900}
-    inbox.agent(b"agent1", {**agent_hello, "pids": [102, 808]})   # another process: not this one
+    inbox.agents.agent(b"agent1", {**agent_hello, "pids": [102, 808]})   # another process: not this one
     assert not job.table.ranks[3].alive and not job.events.named("rejoined")
-    inbox.agent(b"agent1", {**agent_hello, "pids": [102, 707]})
+    inbox.agents.agent(b"agent1", {**agent_hello, "pids": [102, 707]})
     assert job.table.ranks[3].alive and 3 not in job.restarts.restarting
     assert job.events.named("rejoined") == [{"rank": 3, "pid": 707, "old_pid": 0}]
 
@@ -617,3 +617,55 @@ def test_orders_go_through_a_relaying_agent_once_and_directly_after_its_silence(
     job.orders.send("exit", [0, 1])
     assert [(i, m["action"], m.get("ranks")) for i, m in job.router.sent] == [
         (bytes([1]), "resume", None), (b"agent0", "resume", [0]), (bytes([1]), "exit", None)]
+
+
+def test_heartbeats_through_an_agent_are_the_ranks_own_from_when_they_came_to_it():
+    """Agent 0 passes on its ranks' heartbeats: each is taken as its rank's own, as heard when it came
+    to the agent (``age`` before), without touching the rank's own link (orders sent directly still go
+    there). One older than what was heard directly since changes nothing; one of a process declared
+    lost, or of a rank not registered, is named back (``unheard``); one outside the world is dropped."""
+    job = Job(world=5)
+    del job.table.ranks[4]
+    handlers = job.inbox().handlers()
+    a0 = job.agent(0, [0, 1, 4])
+    a0.relay = True
+    beat = {"v": protocol.VERSION, "t": "hb", "upd": False, "health": "ok", "phase": "forward"}
+    job.table.retired[1] = {99}
+    for info in job.table.ranks.values():
+        info.seen -= 1.0
+    before = time.monotonic()
+    handlers["agent_hb"](b"agent0", {"t": "agent_hb", "node_rank": 0, "beats": [
+        {**beat, "rank": 0, "it": 7, "pid": 100, "age": 0.5}, {**beat, "rank": 1, "it": 7, "pid": 99},
+        {**beat, "rank": 4, "it": 7, "pid": 104}, {**beat, "rank": 9, "it": 7}]})
+    r0 = job.table.ranks[0]
+    assert r0.it == 7 and r0.ident == bytes([0]) and before - 0.5 <= r0.seen <= time.monotonic() - 0.5
+    assert job.table.ranks[1].it == 5 and job.router.drops.counts["invalid"] == 1
+    assert [(i, m["t"], m.get("ranks")) for i, m in job.router.sent] == [(b"agent0", "ack", None),
+                                                                         (b"agent0", "unheard", [1, 4])]
+    handlers["hb"](bytes([0]), {**beat, "rank": 0, "it": 8})   # directly, meanwhile
+    handlers["agent_hb"](b"agent0", {"t": "agent_hb", "node_rank": 0, "beats": [
+        {**beat, "rank": 0, "it": 7, "pid": 100, "age": 0.3}]})  # (sent before that)
+    assert job.table.ranks[0].it == 8
+
+
+def test_answers_given_alike_go_once_naming_their_ranks_and_count_as_each_ranks_own():
+    """An agent's batch: ranks 0–2 answered the rebuild alike ("ok"), rank 3 failed it. The frame holds
+    the alike answer once with its three ranks, and rank 3's on its own; the controller takes each as
+    its rank's own, and drops one of a process declared lost."""
+    from mindspeed_ha.launcher.relay import results_frame
+    job = Job()
+    handlers = job.inbox().handlers()
+    a0 = job.agent(0, [0, 1, 2, 3])
+    a0.relay, a0.relayed = True, {r: 100 + r for r in range(4)}
+    oid = job.orders.send("rebuild", [0, 1, 2, 3])
+    item = {"v": protocol.VERSION, "t": "result", "action": "rebuild", "id": oid}
+    items = [{**item, "rank": r, "pid": 100 + r, "ok": True, "data": "ok"} for r in range(3)]
+    items.append({**item, "rank": 3, "pid": 103, "ok": False, "error": "boom"})
+    msg = protocol.decode(results_frame(0, items))
+    assert [i["rank"] for i in msg["items"]] == [3]
+    assert [(s["ranks"], s["pids"], s["data"]) for s in msg["same"]] == [([0, 1, 2], [100, 101, 102], "ok")]
+    job.table.retired[2] = {102}
+    handlers["results"](b"agent0", msg)
+    pend = job.orders.pending[oid]
+    assert pend.results == {0: (True, "ok"), 1: (True, "ok"), 3: (False, "boom")} and pend.waiting == {2}
+    assert job.router.drops.counts["stale"] == 1

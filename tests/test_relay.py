@@ -2,6 +2,7 @@
 node's ranks to its agent once, the agent passes it on and sends their answers back in batches. The
 recoveries are the same bit for bit; an agent that goes silent costs a resend, never the recovery."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -51,6 +52,10 @@ def test_retry_and_recover_with_the_rounds_through_the_agent(tmp_path, ref, rela
     assert survivors and (not direct if relay else len(direct) == len(survivors)), direct
     if not relay:
         assert not any(e.get("relayed") for e in all_rank_events(tmp_path) if e["event"] == "action")
+    # The ranks' heartbeats went through the agent once their links were answered (or never, --no-relay)
+    beats = [int(n) for n in re.findall(r"agent 0: relayed \d+ order\(s\), \d+ answer\(s\) and (\d+) heartbeat",
+                                        text_log(tmp_path))]
+    assert (beats and beats[0] > 0) if relay else not beats, beats
 
 
 def test_an_agent_stopped_during_a_retry_the_controller_sends_directly(tmp_path, ref):
@@ -91,3 +96,101 @@ def test_an_agent_stopped_during_a_retry_the_controller_sends_directly(tmp_path,
     assert stopped_at < rec["time"] < continued_at, "the recovery did not happen while the agent was stopped"
     orders = [e for e in round_orders(tmp_path) if stopped_at < e["time"] < continued_at]
     assert {e["action"] for e in orders} == set(ROUNDS) and not any(e.get("relayed") for e in orders), orders
+    # The ranks' heartbeats went through the agent, then directly while it was stopped (no rank was
+    # taken for lost), then through it again
+    log = text_log(tmp_path)
+    for r in range(4):
+        went = [m.group(1) for m in re.finditer(rf"rank {r}: (heartbeats go through the agent|no ack through the "
+                                                 rf"agent)", log)]
+        assert went[:1] == ["heartbeats go through the agent"] and "no ack through the agent" in went, (r, went)
+        assert went[-1] == "heartbeats go through the agent", (r, went)
+    assert [e["kind"] for e in events(tmp_path, "controller") if e["event"] == "fault"] == ["memory-error"]
+
+
+def text_log(log_dir) -> str:
+    with open(os.path.join(log_dir, "ttp_log.log")) as f:
+        return f.read()
+
+
+class Link:
+    """What the rank's relay end needs of its ``ControllerLink``: answered by an active controller at
+    ``endpoint``; the acks and the re-registrations it is handed, recorded."""
+
+    def __init__(self, endpoint):
+        self.active, self.endpoint, self.acks, self.registered = True, endpoint, [], 0
+
+    def acked_through_agent(self, msg):
+        if msg.get("endpoint") != self.endpoint:
+            return False
+        self.acks.append(msg)
+        return True
+
+    def register_again(self):
+        self.registered += 1
+
+
+def _received(relays, link, until=lambda: False, timeout=5.0):
+    """The relays take what came (for ``link``) until ``until()`` holds, or for ``timeout``."""
+    t0 = time.monotonic()
+    while not until() and time.monotonic() - t0 < timeout:
+        for r in relays:
+            assert r.receive(link) == []   # (no order came)
+        time.sleep(0.005)
+
+
+def test_heartbeats_go_through_the_agent_together_and_directly_when_its_acks_stop():
+    """Two ranks' heartbeats come to their agent's relay (real sockets): they go on together once both
+    came (one alone waits up to BATCH_S; one marked ``now`` does not), each with the time it waited.
+    Until the controller's ack comes back through the agent, each also goes directly; after, only
+    through the agent; an ack from another controller than the link's is not taken. No ack within
+    ack_wait: directly again, said once. The controller not knowing them: they register again."""
+    from mindspeed_ha.control.wire import protocol
+    from mindspeed_ha.launcher.relay import BATCH_S, RelayHub
+    from mindspeed_ha.rank.processor.relay import AgentRelay
+    hub = RelayHub(0)
+    relays = [AgentRelay(hub.endpoint, r, 0.5) for r in (0, 1)]
+    link = Link("tcp://10.0.0.1:5000")
+    try:
+        t0 = time.monotonic()
+        while len(hub.pids) < 2 and time.monotonic() - t0 < 5:
+            hub.collect()
+        beat = dict(upd=False, health="ok", it=3)
+        assert relays[0].next_beat(7.0) == relays[1].next_beat(7.0) > 7.0  # (one place in the interval a node)
+        assert relays[0].beat(protocol.encode("hb", rank=0, **beat), link, time.monotonic())  # (both ways)
+        time.sleep(0.05)
+        hub.collect()
+        assert not hub.beats_due(time.monotonic() - BATCH_S + 0.02)   # (waits for rank 1's)
+        assert relays[1].beat(protocol.encode("hb", rank=1, **beat), link, time.monotonic())
+        time.sleep(0.05)
+        hub.collect()
+        now = time.monotonic()
+        assert hub.beats_due(now)
+        taken = hub.take_beats(now)
+        assert sorted(b["rank"] for b in taken) == [0, 1] and all(0 < b["age"] < 1 for b in taken)
+        ack = protocol.decode(protocol.encode("ack", epoch=2, state="normal"))
+        hub.pass_ack(ack, "tcp://10.0.0.2:5000")   # (another controller than the links': not taken)
+        _received(relays, link, timeout=0.3)
+        assert link.acks == [] and relays[0].direct
+        hub.pass_ack(ack, link.endpoint)   # (nothing owed now)
+        relays[0].beat(protocol.encode("hb", rank=0, **beat), link, time.monotonic())
+        relays[1].beat(protocol.encode("hb", rank=1, now=True, **beat), link, time.monotonic())
+        time.sleep(0.05)
+        hub.collect()
+        hub.take_beats(time.monotonic())
+        hub.pass_ack(ack, link.endpoint)
+        _received(relays, link, lambda: len(link.acks) == 2)
+        _received(relays, link, timeout=0.1)
+        assert len(link.acks) == 2 and not relays[0].direct and not relays[1].direct
+        now = time.monotonic()
+        assert not relays[0].beat(protocol.encode("hb", rank=0, **beat), link, now)   # (through the agent only)
+        assert not relays[0].fell_silent(now + relays[0].ack_wait - 0.1)
+        assert relays[0].fell_silent(now + relays[0].ack_wait + 0.1)
+        assert not relays[0].fell_silent(now + relays[0].ack_wait + 0.2) and relays[0].direct  # (once)
+        hub.collect()
+        hub.pass_unheard([1])
+        _received(relays, link, lambda: link.registered, timeout=2.0)
+        assert link.registered == 1 and relays[1].direct
+    finally:
+        for r in relays:
+            r.close()
+        hub.close()

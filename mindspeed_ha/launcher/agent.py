@@ -379,8 +379,8 @@ class Agent:
                     pass
             self.spares.close()
             if self.relay is not None:
-                log.info("agent %d: relayed %d order(s) and %d answer(s)", a.node_rank, self.relay.passed,
-                         self.relay.answered)
+                log.info("agent %d: relayed %d order(s), %d answer(s) and %d heartbeat(s)", a.node_rank,
+                         self.relay.passed, self.relay.answered, self.relay.beats)
                 self.relay.close()
             for h in self.health:
                 h.close()
@@ -432,6 +432,7 @@ class Agent:
 
     def _loop(self) -> int:
         next_hb = 0.0
+        acks_seen = 0   # (the controller's acks that came: each passed on to the ranks whose heartbeats we carried)
         sig_deadline = 0.0
         termed = False
         all_gone_at = 0.0
@@ -440,17 +441,26 @@ class Agent:
             for msg in self.link.receive(20):
                 if msg["t"] == "do":
                     self._on_do(msg)
-            relayed = {}
+                elif msg["t"] == "unheard" and self.relay is not None:
+                    self.relay.pass_unheard(msg["ranks"])
+            relayed: dict = {}
+            now = time.monotonic()
             if self.relay is not None:
+                if self.link.acks != acks_seen and self.link.last_ack is not None and self.link.endpoint:
+                    acks_seen = self.link.acks
+                    self.relay.pass_ack(self.link.last_ack, self.link.endpoint)
                 items = self.relay.collect()
                 if items:  # (what came this turn: the rest goes in the next)
                     self.link.send(self.relay.results_frame(items))
                 if self.relay.changed:  # a rank connected or ended: the controller knows at once
                     self.relay.changed, next_hb = False, 0.0
                 relayed = self.relay.relayed()
-            now = time.monotonic()
+                if self.relay.beats_due(now) and self.link.active:  # (our heartbeat carries them)
+                    relayed["beats"], next_hb = self.relay.take_beats(now), 0.0
             if now >= next_hb and self.link.sock is not None:
-                next_hb = now + self.hb
+                # (while our ranks' heartbeats come, ours goes with them: the beats of a node come
+                # together once every interval, and our own would be a second frame in it)
+                next_hb = now + (1.5 * self.hb if "beats" in relayed else self.hb)
                 self.link.send(protocol.encode("agent_hb", node_rank=self.a.node_rank, spares=self.spares.warm(),
                                                **relayed))
                 self._say_running()

@@ -2,6 +2,13 @@
 ranks once, naming them; the agent passes it to each of their processes and sends their answers back
 in one ``results`` frame per turn of its loop (whatever came in that turn: it never waits for the rest).
 
+Their heartbeats come here too (once their link is answered) and go on in the agent's own heartbeat,
+one frame for the node: a beat the rank wants passed on at once (``now``) goes at once with whatever
+came with it; the others when every connected rank has beaten, or ``BATCH_S`` after the first (the
+ranks of a node beat on one shared clock, ``rank.processor.relay``). The controller's ack to that frame
+is passed back to the ranks that beat, naming the controller it came from: their links take it as
+their own ack (a rank whose acks stop coming through here beats directly again).
+
 The ranks connect to an ``ipc://`` socket in a fresh directory of mode 0700 (the job's user only), and
 say who they are (``relay_hello``). Which of them are connected, with their pids, goes to the
 controller with the agent's heartbeats: it relays only to the processes it knows are connected, and
@@ -12,14 +19,18 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from typing import Any
 
+import msgpack
 import zmq
 
 from ..control.wire import protocol
 from ..events import get_logger
 
 log = get_logger("launcher")
+
+BATCH_S = 0.05   # the longest a heartbeat waits here for its node's others (none waits when it says ``now``)
 
 
 class RelayHub:
@@ -38,6 +49,10 @@ class RelayHub:
         self.changed = False                 # a rank connected since the last heartbeat
         self.passed = 0                      # orders passed on, answers passed back (the agent's log)
         self.answered = 0
+        self._beats: dict[int, tuple[dict[str, Any], float]] = {}   # rank -> its newest heartbeat, when it came
+        self._urgent = False                 # one of them is to go on at once
+        self._ack_owed: set[int] = set()     # ranks whose heartbeats went on, waiting for the controller's ack
+        self.beats = 0                       # heartbeats passed on (the agent's log)
 
     def relayed(self) -> dict[str, Any]:
         """The heartbeat's fields: the ranks connected here, and their pids."""
@@ -48,6 +63,7 @@ class RelayHub:
         """Its process ended: nothing more goes to it here."""
         if self.pids.pop(rank, None) is not None:
             self._ident.pop(rank, None)
+            self._beats.pop(rank, None)
             self.changed = True
 
     def pass_on(self, msg: dict[str, Any]) -> list[int]:
@@ -91,10 +107,75 @@ class RelayHub:
             elif msg["t"] == "result":
                 items.append(msg)
                 self.answered += 1
+            elif msg["t"] == "hb" and self._ident.get(msg["rank"]) == ident:
+                self._beats[msg["rank"]] = (msg, time.monotonic())
+                self._urgent = self._urgent or msg.get("now", False)
+
+    def beats_due(self, now: float) -> bool:
+        """Whether the heartbeats that came go on now (``take_beats``)."""
+        if not self._beats:
+            return False
+        return (self._urgent or len(self._beats) >= len(self._ident)
+                or now - min(at for _, at in self._beats.values()) >= BATCH_S)
+
+    def take_beats(self, now: float) -> list[dict[str, Any]]:
+        """The heartbeats to pass on, each with how long it waited here; their ranks get the next ack."""
+        out = []
+        for r, (msg, at) in self._beats.items():
+            msg.pop("now", None)
+            msg["age"] = round(max(0.0, now - at), 4)
+            out.append(msg)
+            self._ack_owed.add(r)
+        self._beats.clear()
+        self._urgent = False
+        self.beats += len(out)
+        return out
+
+    def pass_ack(self, ack: dict[str, Any], endpoint: str) -> None:
+        """The controller's ack, from ``endpoint``, to the ranks whose heartbeats went on before it."""
+        if not self._ack_owed:
+            return
+        fields = {k: v for k, v in ack.items() if k not in ("v", "t")}
+        self._to(self._ack_owed, protocol.encode("ack", **fields, endpoint=endpoint))
+        self._ack_owed.clear()
+
+    def pass_unheard(self, ranks: list[int]) -> None:
+        """The controller did not take these ranks' heartbeats: each registers on its own link."""
+        self._to(ranks, protocol.encode("refused", reason="register first"))
+
+    def _to(self, ranks: Any, data: bytes) -> None:
+        for r in ranks:
+            ident = self._ident.get(r)
+            if ident is not None:
+                try:
+                    self.sock.send_multipart([ident, data], zmq.NOBLOCK)
+                except zmq.ZMQError as e:
+                    self.drops.drop("relay send", f"rank {r}: {e}")
 
     def results_frame(self, items: list[dict[str, Any]]) -> bytes:
-        return protocol.encode("results", node_rank=self.node_rank, items=items)
+        return results_frame(self.node_rank, items)
 
     def close(self) -> None:
         self.sock.close(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+ALIKE = ("action", "id", "ok", "data", "error")
+
+
+def results_frame(node_rank: int, items: list[dict[str, Any]]) -> bytes:
+    """The ``results`` frame of a node's answers: those given alike by several ranks (the same order,
+    outcome and data: most rounds' "ok") once, naming the ranks; the others (a status) one by one."""
+    alike: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for item in items:
+        key = tuple(msgpack.packb(item.get(k)) for k in ALIKE)
+        alike.setdefault(key, []).append(item)
+    single, same = [], []
+    for group in alike.values():
+        if len(group) == 1:
+            single.append(group[0])
+            continue
+        same.append({"v": protocol.VERSION, "t": "answers", **{k: group[0][k] for k in ALIKE if k in group[0]},
+                     "ranks": [i["rank"] for i in group], "pids": [i.get("pid") or 0 for i in group]})
+    return protocol.encode("results", node_rank=node_rank, items=single, **({"same": same} if same else {}))
+

@@ -9,10 +9,11 @@ from typing import Any, Callable
 
 from ...events import EventLog, get_logger
 from ...faults import PROCESS_FATAL_EXIT
-from ..policy.ranks import Agent, Rank, RankTable
+from ..policy.ranks import Rank, RankTable
 from ..policy.states import Outcome as O, State as S
 from ..wire import protocol
 from ..wire.router import Router
+from .agent_inbox import AgentInbox
 from .migration import Migrations
 from .orders import Orders
 from .ports import ControllerPort
@@ -37,13 +38,14 @@ class Inbox:
         self.restarts, self.events = restarts, events
         self.scaling, self.migrations, self.succession = scaling, migrations, succession
         self.fenced_once: set[int] = set()
+        self.agents = AgentInbox(port, router, table, restarts, events, scaling, migrations)
 
     def handlers(self) -> dict[str, Handler]:
         fenced = {"register": self.register, "hb": self.heartbeat, "fault": self.fault, "left": self.left,
                   "result": self.result, "bye": self.bye}
-        return {**{t: self._fenced(fn) for t, fn in fenced.items()}, "agent": self.agent,
-                "agent_hb": self.agent_heartbeat, "results": self.results, "exit": self.exit, "status?": self.status,
-                "inject": self.inject, "migrate": self.migrate, "health": self.health, "preempt": self.preempt}
+        return {**{t: self._fenced(fn) for t, fn in fenced.items()}, **self.agents.handlers(),
+                "results": self.results, "exit": self.exit, "status?": self.status,
+                "inject": self.inject, "migrate": self.migrate, "preempt": self.preempt}
 
     def _fenced(self, handle: Handler) -> Handler:
         """A rank's message from a process this controller declared lost — a partition that healed, a
@@ -168,7 +170,11 @@ class Inbox:
         a = self.table.agents.get(msg["node_rank"])
         if a is not None:
             a.seen = time.monotonic()
-        for item in msg["items"]:
+        items = list(msg["items"])
+        for alike in msg.get("same", ()):  # (one answer for several ranks: each its own again)
+            answer = {k: v for k, v in alike.items() if k not in ("ranks", "pids")}
+            items += [{**answer, "rank": r, "pid": pid or None} for r, pid in zip(alike["ranks"], alike["pids"])]
+        for item in items:
             r, pid = item["rank"], item.get("pid")
             why = "invalid" if not 0 <= r < self.table.world else "stale" if self.table.stale(r, pid) else ""
             if why:
@@ -181,67 +187,6 @@ class Inbox:
         if r in self.table.ranks:
             self.table.ranks[r].done = True
             self.table.ranks[r].seen = time.monotonic()
-
-    def agent(self, ident: bytes, msg: Msg) -> None:
-        n = msg["node_rank"]
-        old = self.table.agents.get(n)
-        # (the same agent, silent past the loss limit until now: its node's link was cut, and healed)
-        returned = old is not None and old.pid == msg["pid"] and time.monotonic() - old.seen > self.table.dead_after
-        self.table.agents[n] = Agent(n, ident, msg["node"], list(msg["ranks"]), list(msg["pids"]), seen=time.monotonic(),
-                                 pid=msg["pid"], store=msg.get("store", ""), relay=bool(msg.get("relay")),
-                                 relayed=dict(zip(msg.get("relayed", ()), msg.get("relayed_pids", ()))))
-        self.router.send(ident, self.port.ack())
-        # A node started again (a new agent), or an agent with no worker for a rank we think alive
-        # (a standby that took over never knew the old node): those processes are gone.
-        replaced = old is not None and old.pid and old.pid != msg["pid"]
-        live = self.table.live()
-        gone = sorted(r for r, pid in zip(msg["ranks"], msg["pids"])
-                      if r in live and (replaced or not pid) and r not in self.restarts.restarting)
-        if gone:
-            info = self.table.ranks[gone[0]]
-            self.port.fault(gone, "node-lost", info.it, info.phase,
-                            detail=f"node {n} came back as a new agent (pid {msg['pid']}) without these ranks' processes",
-                            key=("node-replaced", n, msg["pid"]))
-        self._start_due(ident, self.table.agents[n], returned)
-        self._vouch(self.table.agents[n])
-
-    def _vouch(self, agent: Agent) -> None:
-        """A restarted worker that registered before its agent said it had started it (a fork is that
-        quick): where this controller never knew its predecessor's pid (it took over after that one
-        died), its registration was not taken as the restarted worker's (``register``). The agent's
-        list now names that pid as the worker it started: it is."""
-        for r, pid in zip(agent.ranks, agent.pids):
-            info = self.table.ranks.get(r)
-            if (info is not None and not info.alive and pid and info.pid == pid and not self.table.stale(r, pid)
-                    and r in self.restarts.restarting and r not in self.restarts.awaiting):
-                info.alive = True
-                self.restarts.came_back(r)
-                self.events.emit("rejoined", rank=r, pid=pid, old_pid=0)
-                log.info("rank %d rejoined with pid %d (its agent says so)", r, pid)
-
-    def _start_due(self, ident: bytes, agent: Agent, returned: bool) -> None:
-        """The ranks this agent is to start now: those the recovery under way waits for, and a
-        scale-out's newcomers (the offer counts them in) — its node new, or back from a silence."""
-        self.scaling.offer(agent, returned)
-        due = self.restarts.due(agent.ranks, agent.pids)
-        if due:  # (a scale-out's newcomers are named: each builds itself before it registers)
-            args = {"ranks": due, "scale_out": sorted(set(due) & self.scaling.offered)}
-            self.router.send(ident, protocol.encode("do", action="restart", id=0, args=args, epoch=self.port.epoch))
-
-    def agent_heartbeat(self, ident: bytes, msg: Msg) -> None:
-        a = self.table.agents.get(msg["node_rank"])
-        if a is None:
-            self.router.send(ident, protocol.encode("refused", reason="register first"))
-            return
-        now = time.monotonic()
-        # (heartbeats queued while the node's link was cut can arrive before its agent registers again)
-        returned = now - a.seen > self.table.dead_after
-        a.ident, a.seen, a.spares = ident, now, msg.get("spares", a.spares)
-        if "relayed" in msg:
-            a.relayed = dict(zip(msg["relayed"], msg.get("relayed_pids", ())))
-        self.router.send(ident, self.port.ack())
-        if returned:
-            self._start_due(ident, a, returned)
 
     def exit(self, ident: bytes, msg: Msg) -> None:
         r = self.table.check(msg["rank"])
@@ -315,7 +260,3 @@ class Inbox:
         self.port.fault(ranks, "preempted", self.table.newest_iteration(), "step",
                         detail=f"{name} to {who}", key=("preempted",))
 
-    def health(self, ident: bytes, msg: Msg) -> None:
-        """An agent's health hook named ranks of its node sub-healthy."""
-        for r in msg["ranks"]:
-            self.migrations.sub_healthy(self.table.check(r), msg.get("detail") or "health check")

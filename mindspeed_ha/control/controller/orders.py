@@ -23,8 +23,8 @@ from ..policy.ranks import RankTable
 from ..wire.router import Router
 
 Answer = tuple[bool, Any]   # (ok, the handler's data, or its error text)
-# An agent that relays heartbeats every half second: silent this long, it is taken for lost as a relay
-# (its ranks, heard directly, may be well).
+# An agent that heartbeats every half second (the default): silent this long, or two of its intervals
+# if longer, it is taken for lost as a relay (its ranks, heard directly, may be well).
 RELAY_SILENCE_S = 2.0
 # Orders that always go directly: the rank ends right after its answer (exit), or the controller moves.
 DIRECT = frozenset({"exit", "standby", "takeover", "reconnect", "inject"})
@@ -87,7 +87,7 @@ class Orders:
     @property
     def relay_silence(self) -> float:
         """An agent silent this long relays nothing more: what it still owes is sent directly."""
-        return min(self.table.dead_after, RELAY_SILENCE_S)
+        return min(self.table.dead_after, max(RELAY_SILENCE_S, self.table.fresh_s))
 
     def reroute(self, now: float) -> None:
         """The orders relayed by an agent now silent, or that no longer lists the rank as connected

@@ -118,15 +118,18 @@ class RankTable:
     def live_agents(self, now: float) -> list[Agent]:
         return [a for a in self.agents.values() if now - a.seen <= self.dead_after]
 
-    def heard(self, ident: bytes, msg: dict[str, Any], now: float) -> Rank | None:
-        """A heartbeat. None: the rank is unknown (it must register first)."""
+    def heard(self, ident: bytes | None, msg: dict[str, Any], now: float) -> Rank | None:
+        """A heartbeat (``ident`` None: passed on by its agent, sent at ``now``). None: the rank is
+        unknown (it must register first)."""
         r = msg["rank"]
         info = self.ranks.get(r)
         if info is None:
             return None
-        if info.ident != ident:  # the rank reconnected (new socket) without re-registering
+        if ident is not None and info.ident != ident:  # the rank reconnected (new socket) without re-registering
             info.ident = ident
             self.by_ident[ident] = r
+        if ident is None and now < info.seen:
+            return info  # (sent before what was heard since: directly, while its agent was slow)
         info.seen = now
         phase, prog = msg.get("phase", info.phase), msg.get("progress", info.progress)
         if msg["it"] != info.it or phase != info.phase or prog != info.progress or msg["upd"] != info.upd:

@@ -50,7 +50,7 @@ class ControllerLink:
                  heartbeat_s: float, name: str = "processor", ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
                  store: JobStore | None = None):
         self.ctx = ctx or zmq.Context.instance()
-        self.keys, self.hello, self.name = keys, hello, name
+        self.keys, self.hello, self.name, self.heartbeat_s = keys, hello, name, heartbeat_s
         self.cands = Candidates(log_dir, job_id, answer_wait=max(1.0, 2 * heartbeat_s),
                                          standby_wait=max(4.0, 8 * heartbeat_s), store=store)
         if store is not None:
@@ -73,6 +73,8 @@ class ControllerLink:
         self.ever_active = False
         self.active_at = 0.0         # when an active controller last answered (monotonic)
         self.state = ""              # the controller's state in its last ack
+        self.last_ack: dict[str, Any] | None = None   # (an agent passes it on to the ranks it relays for)
+        self.acks = 0
         # Another thread wakes ``receive`` (``wake``) when it has something to send: the owner's loop
         # sends it then, not after its wait for the controller runs out (every answer of a recovery's
         # rounds, its fault report and the heartbeat that ends its MTTR waited up to that long).
@@ -223,27 +225,10 @@ class ControllerLink:
             now = time.monotonic()
             t = msg["t"]
             if t == "ack":
-                self._last_heard = now
-                if not self.answered:
-                    self.answered = True
-                if msg.get("standby"):
-                    if not self._standby_since:
-                        self._standby_since = now
-                    self.active = False
-                else:
-                    if not self.active:
-                        log.info("%s connected to controller %s (epoch %d)", self.name, self.endpoint, msg["epoch"])
-                    self.active = self.ever_active = True
-                    self.active_at = now
-                    self.epoch = msg["epoch"]
-                    self.state = msg["state"]
-                    self.cands.connected(self.endpoint, msg["epoch"])
-                    self._follow_store(msg.get("store"))
-                if msg.get("backups"):
-                    self.cands.backups = list(msg["backups"])
+                self._acked(msg, now)
             elif t == "refused":
                 self._last_heard = now
-                self._send_raw(self.hello())
+                self.register_again()
             elif t == "do":
                 self._last_heard = now
                 out.append(msg)
@@ -254,6 +239,40 @@ class ControllerLink:
             else:
                 out.append(msg)
         return out
+
+    def _acked(self, msg: dict[str, Any], now: float) -> None:
+        self._last_heard = now
+        self.last_ack, self.acks = msg, self.acks + 1
+        if not self.answered:
+            self.answered = True
+        if msg.get("standby"):
+            if not self._standby_since:
+                self._standby_since = now
+            self.active = False
+        else:
+            if not self.active:
+                log.info("%s connected to controller %s (epoch %d)", self.name, self.endpoint, msg["epoch"])
+            self.active = self.ever_active = True
+            self.active_at = now
+            self.epoch = msg["epoch"]
+            self.state = msg["state"]
+            self.cands.connected(self.endpoint, msg["epoch"])
+            self._follow_store(msg.get("store"))
+        if msg.get("backups"):
+            self.cands.backups = list(msg["backups"])
+
+    def register_again(self) -> None:
+        """The controller does not know this process (it took over meanwhile): say who it is."""
+        if self.sock is not None:
+            self._send_raw(self.hello())
+
+    def acked_through_agent(self, msg: dict[str, Any]) -> bool:
+        """An ack the node agent passed on (this rank's heartbeats went through it): taken as this
+        link's own when it came from the active controller this link is connected to."""
+        if not self.active or msg.get("endpoint") != self.endpoint or msg.get("standby"):
+            return False
+        self._acked(msg, time.monotonic())
+        return True
 
     def _follow_store(self, text: str | None) -> None:
         """The active controller names the job store in use: it moved there when the first was lost."""

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import msgpack
 
-VERSION = 3
+VERSION = 4
 MAX_BYTES = 64 * 1024 * 1024    # one frame: the status of 16,384 ranks is about 4 MB
 MAX_LIST = 1 << 20              # any list: ranks of the job (pairs of them), shards, status rows
 MAX_STR = 1 << 20               # any string (a diagnosis, a path, an error with its causes)
@@ -71,15 +71,17 @@ def _is_ints(v: object) -> bool:
     return _list_of(v, _is_index)
 
 
-def _is_result(v: object) -> bool:
-    """One rank's answer inside an agent's ``results``: a whole ``result`` message."""
-    if not isinstance(v, dict) or v.get("t") != "result":
-        return False
-    try:
-        validate(v)
-    except ProtocolError:
-        return False
-    return True
+def _whole(t: str) -> Callable[[object], bool]:
+    """One rank's message of type ``t`` inside an agent's batch (an answer, a heartbeat): whole."""
+    def ok(v: object) -> bool:
+        if not isinstance(v, dict) or v.get("t") != t:
+            return False
+        try:
+            validate(v)
+        except ProtocolError:
+            return False
+        return True
+    return ok
 
 
 _KINDS: dict[str, Any] = {
@@ -92,7 +94,9 @@ _KINDS: dict[str, Any] = {
     "strs": lambda v: _list_of(v, _is_str),
     "map": lambda v: isinstance(v, dict) and _tree(v, MAX_DEPTH),  # order arguments, status reports
     "tree": lambda v: _tree(v, MAX_DEPTH),  # a handler's result: any tree
-    "results": lambda v: _list_of(v, _is_result),
+    "results": lambda v: _list_of(v, _whole("result")),
+    "beats": lambda v: _list_of(v, _whole("hb")),
+    "answers": lambda v: _list_of(v, _whole("answers")),
 }
 
 
@@ -137,7 +141,10 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
            "phase": (_str, O), "progress": (_float, O), "wait": (_bool, O), "pid": (_int, O), "steps": (_int, O),
            "busy": (_float, O), "ckpt": (_int, O), "held": (_str, O),
            # waited in its collectives past --ha-desync-after: its counts by group (rank/processor/long_wait.py)
-           "desync": ("map", O)},
+           "desync": ("map", O),
+           # through its agent's relay: ``now``, to be passed on at once (it ends a recovery, says the
+           # rank is held); ``age``, the seconds it waited at the agent (the controller's clock of it)
+           "now": (_bool, O), "age": (_float, O)},
     # A survivor whose training thread left the step's collectives for a stop: the collectives it issued
     # by then, for the peers still waiting in one it never entered (as a faulted rank's report carries them).
     "left": {"rank": (_int, R), "pid": (_int, O), "entered": ("map", R)},
@@ -163,9 +170,15 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "agent": {"node": (_str, R), "node_rank": (_int, R), "nnodes": (_int, R), "pid": (_int, R),
               "ranks": ("ints", R), "pids": ("ints", R), "store": (_str, O), "relay": (_bool, O),
               "relayed": ("ints", O), "relayed_pids": ("ints", O)},
-    "agent_hb": {"node_rank": (_int, R), "spares": (_int, O), "relayed": ("ints", O), "relayed_pids": ("ints", O)},
-    # the answers of its ranks to the controller's orders, as many as came in one turn of its loop
-    "results": {"node_rank": (_int, R), "items": ("results", R)},
+    # ``beats``: its ranks' heartbeats that came to its relay since its last one (each as the rank sent it)
+    "agent_hb": {"node_rank": (_int, R), "spares": (_int, O), "relayed": ("ints", O), "relayed_pids": ("ints", O),
+                 "beats": ("beats", O)},
+    # the answers of its ranks to the controller's orders, as many as came in one turn of its loop;
+    # ``same``: those that several of them gave alike, each once with their ranks (most rounds' "ok")
+    "results": {"node_rank": (_int, R), "items": ("results", R), "same": ("answers", O)},
+    # (inside ``results`` only: not a message of its own) one answer, given alike by ``ranks`` (``pids``; 0: not said)
+    "answers": {"action": (_str, R), "id": (_int, R), "ok": (_bool, R), "data": ("tree", O), "error": (_str, O),
+                "ranks": ("ints", R), "pids": ("ints", R)},
     # processor -> its agent's relay: this process takes its orders there too
     "relay_hello": {"rank": (_int, R), "pid": (_int, R)},
     "health": {"node_rank": (_int, R), "ranks": ("ints", R), "detail": (_str, O)},
@@ -178,13 +191,18 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "migrate": {"rank": (_int, R), "reason": (_str, O)},
     # controller -> peers
     # ``store``: host:port of the job store in use (it moved from --master-addr when that one was lost)
+    # ``endpoint``: passed on by a relaying agent to the ranks whose heartbeats it carried, naming the
+    # controller it came from (the rank takes it only from the controller its own link is connected to)
     "ack": {"epoch": (_int, R), "state": (_str, R), "standby": (_bool, O), "backups": ("strs", O),
-            "store": (_str, O)},
+            "store": (_str, O), "endpoint": (_str, O)},
     # ``ranks``: to an agent that relays, for those of its ranks (each gets the order without it)
     "do": {"action": (_str, R), "id": (_int, R), "args": ("map", O), "epoch": (_int, R), "ranks": ("ints", O)},
     "status": {"body": ("map", R)},
     "settled": {"rids": ("strs", R)},  # reports whose fault a recovery has dealt with: never re-send them
     "refused": {"reason": (_str, R)},
+    # to a relaying agent: the heartbeats it passed on for these ranks were not taken (not registered
+    # here, or from a process declared lost): each is to register on its own link
+    "unheard": {"ranks": ("ints", R)},
 }
 
 class DropCounter:

@@ -79,16 +79,29 @@ def register_frame(rank: int, world: int, node: str, local_rank: int, groups: li
                            strategies=sorted(strategies), **({"agent_node": int(agent)} if agent.isdigit() else {}))
 
 
-def heartbeat_frame(p: Processor) -> bytes:
+def heartbeat_frame(p: Processor, now: bool = False) -> bytes:
     """What a rank tells its controller at each heartbeat: how far it trained, where in its step it
     is and when it last moved, its health, whether it waits in a collective, its steps' own work (for
-    straggler detection), where its training thread is held, its newest checkpoint."""
+    straggler detection), where its training thread is held, its newest checkpoint. ``now``: one
+    its agent is to pass on at once (it ends a recovery, says where the rank is held)."""
     busy, stalled = p.work.take(), p.long_wait.report()
     return protocol.encode("hb", rank=p.rank, it=p.iteration, upd=p.updating, health=p.health, phase=p.phase,
                            progress=p.progress, wait=p.in_collective(), pid=os.getpid(), steps=p.work.steps_done,
+                           **({"now": True} if now else {}),
                            **({"busy": busy} if busy is not None else {}), **({"held": p.held} if p.held else {}),
                            **({"ckpt": p.checkpoint} if p.checkpoint >= 0 else {}),
                            **({"desync": stalled} if stalled is not None else {}))
+
+
+def send_heartbeat(p: Processor, now: float) -> float:
+    """Sends the rank's heartbeat: through its agent, directly, or both ways (``AgentRelay.beat``);
+    returns when the next is due."""
+    assert p.link is not None
+    beat = heartbeat_frame(p, now=p._hb_now and p.relay is not None)
+    p._hb_now = False
+    if p.relay is None or p.relay.beat(beat, p.link, now):
+        p.link.send(beat)
+    return p.relay.next_beat(now) if p.relay is not None else now + p.options.heartbeat_s
 
 
 def fault_frame(rank: int, kind: str, detail: str, iteration: int, phase: str, rid: str,
@@ -318,7 +331,6 @@ class Processor:
     # ---- processor thread ---------------------------------------------------------------------
     def _run(self) -> None:
         assert self.link is not None and self.events is not None  # (start() made them before this thread)
-        hb = self.options.heartbeat_s
         next_hb = 0.0
         was_active = False
         while not self._closing.is_set():
@@ -329,10 +341,9 @@ class Processor:
                     self._sent.set()
                 now = time.monotonic()
                 self._check_held(now)
-                if now >= next_hb or self._hb_now:
-                    next_hb, self._hb_now = now + hb, False
-                    self.link.send(heartbeat_frame(self))
-                for msg in self.link.receive(20) + (self.relay.receive() if self.relay is not None else []):
+                if now >= next_hb or self._hb_now or (self.relay is not None and self.relay.fell_silent(now)):
+                    next_hb = send_heartbeat(self, now)
+                for msg in self.link.receive(20) + (self.relay.receive(self.link) if self.relay else []):
                     if msg["t"] == "do":
                         self._dispatch(msg)
                     elif msg["t"] == "settled":
