@@ -29,7 +29,7 @@ SAMPLES = {
     "results": dict(node_rank=0, items=[{"v": protocol.VERSION, "t": "result", "rank": 1, "action": "stop", "id": 3,
                                          "ok": True, "pid": 8, "data": "park requested"}],
                     same=[{"v": protocol.VERSION, "t": "answers", "action": "stop", "id": 3, "ok": True, "data": "ok",
-                           "ranks": [2, 3], "pids": [9, 0]}]),
+                           "ranks": [2, 3], "pids": [9, 0]}], shared={"iteration": 3}),
     "answers": dict(action="rebuild", id=4, ok=False, error="x", ranks=[0, 1], pids=[7, 8]),
     "relay_hello": dict(rank=1, pid=8),
     "health": dict(node_rank=0, ranks=[2], detail="health check: ECC"),
@@ -333,3 +333,28 @@ def test_live_controller_survives_fuzz(live):
     while time.time() < deadline and not any(r["rank"] == 1 and r["pid"] == 12 for r in _status(s)["ranks"]):
         time.sleep(0.05)
     assert any(r["rank"] == 1 for r in _status(s)["ranks"])
+
+
+# Trees as a status holds them: maps in maps, a few keys (often the same ones), scalars of every type.
+_leaf = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from([0.0, 1.0, 1.5]), st.sampled_from("ab"))
+_datas = st.recursive(_leaf, lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.sampled_from("abcd"), c,
+                                                                                           max_size=4)), max_leaves=12)
+
+
+def _exact(v):
+    """``v`` with every type said (True is not 1, 1 is not 1.0) and maps in key order: equal iff the same."""
+    if isinstance(v, dict):
+        return ("map", sorted((k, _exact(x)) for k, x in v.items()))
+    if isinstance(v, list):
+        return ("list", [_exact(x) for x in v])
+    return (type(v).__name__, repr(v))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.dictionaries(st.sampled_from("abcd"), _datas, max_size=4), min_size=2, max_size=5))
+def test_what_answers_share_is_sent_once_and_each_answer_is_put_back_exactly(datas):
+    """``folding``: the parts every answer has alike, once; each answer's own parts; merged back, each is
+    exactly what its rank sent (types too: a shared True never stands for a 1)."""
+    from mindspeed_ha.control.wire.folding import merged, split_common
+    common, own = split_common(datas)
+    assert [_exact(merged(common, mine)) for mine in own] == [_exact(d) for d in datas]

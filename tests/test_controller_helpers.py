@@ -669,3 +669,15 @@ def test_answers_given_alike_go_once_naming_their_ranks_and_count_as_each_ranks_
     pend = job.orders.pending[oid]
     assert pend.results == {0: (True, "ok"), 1: (True, "ok"), 3: (False, "boom")} and pend.waiting == {2}
     assert job.router.drops.counts["stale"] == 1
+    # A status: each rank's own; what they have alike (the iteration, the communicators' keys) goes once
+    sid = job.orders.send("ha-status", [0, 1])
+    statuses = {r: {"rank": r, "iteration": 10, "comm": {"keys": ["dp", "tp"], "ops": [3, 3],
+                                                        **({"members": {"dp": [0, 2]}} if r == 0 else {})}}
+                for r in (0, 1)}
+    msg = protocol.decode(results_frame(0, [{"v": protocol.VERSION, "t": "result", "action": "ha-status", "id": sid,
+                                             "rank": r, "pid": 100 + r, "ok": True, "data": st}
+                                            for r, st in statuses.items()]))
+    assert msg["shared"] == {"iteration": 10, "comm": {"keys": ["dp", "tp"], "ops": [3, 3]}}
+    assert [i["data"] for i in msg["items"]] == [{"rank": 0, "comm": {"members": {"dp": [0, 2]}}}, {"rank": 1}]
+    handlers["results"](b"agent0", msg)
+    assert job.orders.answered[sid] == {r: (True, st) for r, st in statuses.items()}

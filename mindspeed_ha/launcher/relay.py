@@ -26,6 +26,7 @@ import msgpack
 import zmq
 
 from ..control.wire import protocol
+from ..control.wire.folding import split_common
 from ..events import get_logger
 
 log = get_logger("launcher")
@@ -165,7 +166,8 @@ ALIKE = ("action", "id", "ok", "data", "error")
 
 def results_frame(node_rank: int, items: list[dict[str, Any]]) -> bytes:
     """The ``results`` frame of a node's answers: those given alike by several ranks (the same order,
-    outcome and data: most rounds' "ok") once, naming the ranks; the others (a status) one by one."""
+    outcome and data: most rounds' "ok") once, naming the ranks; the others (a status) one by one,
+    each with only what is its own when they answer one order (``shared``: what they have alike)."""
     alike: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for item in items:
         key = tuple(msgpack.packb(item.get(k)) for k in ALIKE)
@@ -177,5 +179,12 @@ def results_frame(node_rank: int, items: list[dict[str, Any]]) -> bytes:
             continue
         same.append({"v": protocol.VERSION, "t": "answers", **{k: group[0][k] for k in ALIKE if k in group[0]},
                      "ranks": [i["rank"] for i in group], "pids": [i.get("pid") or 0 for i in group]})
-    return protocol.encode("results", node_rank=node_rank, items=single, **({"same": same} if same else {}))
+    fields: dict[str, Any] = {"same": same} if same else {}
+    if len(single) > 1 and len({(i["action"], i["id"], i["ok"]) for i in single}) == 1 \
+            and all(isinstance(i.get("data"), dict) for i in single):
+        shared, own = split_common([i["data"] for i in single])
+        if shared:
+            single = [{**i, "data": mine} for i, mine in zip(single, own)]
+            fields["shared"] = shared
+    return protocol.encode("results", node_rank=node_rank, items=single, **fields)
 

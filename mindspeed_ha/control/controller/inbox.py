@@ -12,6 +12,7 @@ from ...faults import PROCESS_FATAL_EXIT
 from ..policy.ranks import Rank, RankTable
 from ..policy.states import Outcome as O, State as S
 from ..wire import protocol
+from ..wire.folding import merged
 from ..wire.router import Router
 from .agent_inbox import AgentInbox
 from .migration import Migrations
@@ -170,7 +171,9 @@ class Inbox:
         a = self.table.agents.get(msg["node_rank"])
         if a is not None:
             a.seen = time.monotonic()
-        items = list(msg["items"])
+        shared = msg.get("shared")
+        items = [{**i, "data": merged(shared, i.get("data") or {})} for i in msg["items"]] if shared \
+            else list(msg["items"])
         for alike in msg.get("same", ()):  # (one answer for several ranks: each its own again)
             answer = {k: v for k, v in alike.items() if k not in ("ranks", "pids")}
             items += [{**answer, "rank": r, "pid": pid or None} for r, pid in zip(alike["ranks"], alike["pids"])]

@@ -175,7 +175,8 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
                  "beats": ("beats", O)},
     # the answers of its ranks to the controller's orders, as many as came in one turn of its loop;
     # ``same``: those that several of them gave alike, each once with their ranks (most rounds' "ok")
-    "results": {"node_rank": (_int, R), "items": ("results", R), "same": ("answers", O)},
+    # ``shared``: the part of ``data`` every one of ``items`` has alike (a status), sent once (folding.py)
+    "results": {"node_rank": (_int, R), "items": ("results", R), "same": ("answers", O), "shared": ("map", O)},
     # (inside ``results`` only: not a message of its own) one answer, given alike by ``ranks`` (``pids``; 0: not said)
     "answers": {"action": (_str, R), "id": (_int, R), "ok": (_bool, R), "data": ("tree", O), "error": (_str, O),
                 "ranks": ("ints", R), "pids": ("ints", R)},

@@ -41,10 +41,11 @@ class AgentRelay:
     def __init__(self, endpoint: str, rank: int, heartbeat_s: float = 0.5,
                  ctx: zmq.Context[zmq.Socket[bytes]] | None = None):
         self.endpoint, self.rank, self.heartbeat_s = endpoint, rank, heartbeat_s
-        # The controller declares a rank lost after this silence (its default, or the job's setting);
-        # a heartbeat the agent did not answer for within 0.4 of it has this rank beat directly.
+        # The controller declares a rank lost after this silence (its default, or the job's setting),
+        # counted from the last beat it heard: one interval before the beat now unanswered, at worst.
+        # Half of what is left then is how long that beat's ack may take before this rank beats directly.
         loss = float(os.environ.get("MINDSPEED_HA_DEAD_AFTER", 0) or 0) or max(1.8 * heartbeat_s, 3.0)
-        self.ack_wait = 0.4 * loss
+        self.ack_wait = max(0.5 * (loss - heartbeat_s), 0.2)
         # Where in each interval this node's ranks beat: one place for the node (its agent's relay).
         self.offset = heartbeat_s * (zlib.crc32(endpoint.encode()) % 1000) / 1000
         self.direct = True          # heartbeats go on the link too (until an ack comes back through here)
