@@ -3,9 +3,11 @@
 What a recovery costs on a cluster is the sum of its parts, each of which grows with something else:
 
 - **the control plane's rounds** (stop, status, rebuild, repair, rollback, resume through the
-  controller): measured here by ``controller_scale.py --recovery`` at each size it can run on this
-  machine (its MTTR less the first step, which the simulated ranks end at once); a size it cannot run
-  is extrapolated linearly per rank from the largest one measured, and marked so;
+  controller): measured here by ``controller_scale.py --recovery --relay`` at each size (its MTTR less
+  the first step, which the simulated ranks end at once), through node agents of 8 ranks as
+  ``mindspeed-ha run`` does by default (``--no-relay``: every rank directly); at 131,072 ranks with a
+  10 s heartbeat (at 2 s the simulators' 65,536 heartbeats a second alone fill this 2-core machine); a
+  size not measured is extrapolated linearly per rank from the largest one measured, and marked so;
 - **the communicators the fault remakes**: which groups, of what size, each rank remakes for each
   strategy, counted for the layouts of docs/scale.md from megatron-core's own rank generator and the
   rules the 8-rank drills measured (docs/concepts.md, "Which communicators a recovery remakes"); a rank
@@ -129,17 +131,24 @@ def remade(strategy: str, groups: dict[str, list[int]], faulted: int) -> dict[st
     return {k: len(groups[k]) for k in groups if k in chosen}
 
 
-def measure_control(sizes: list[int]) -> dict[int, dict]:
+LARGE = 65536          # from this many ranks the simulation heartbeats every
+LARGE_HEARTBEAT_S = 10.0   # (a real job of that size would not beat every 2 s either: 65,536 a second)
+
+
+def measure_control(sizes: list[int], relay: bool = True) -> dict[int, dict]:
     """controller_scale.py --recovery at each size: its MTTR less the first step, and its slowest round."""
     out = {}
     for n in sizes:
         proc = subprocess.run([sys.executable, os.path.join(HERE, "controller_scale.py"), "--ranks", str(n),
-                               "--recovery"], capture_output=True, text=True)
+                               "--recovery", *(["--relay"] if relay else []),
+                               *(["--heartbeat", str(LARGE_HEARTBEAT_S)] if n >= LARGE else [])],
+                              capture_output=True, text=True)
         last = json.loads(proc.stdout.strip().splitlines()[-1])
         phases = last.get("recovery_phases") or {}
         out[n] = {"rounds_s": round(sum(v for k, v in phases.items() if k != "first_step"), 3),
                   "slowest_round": last.get("recovery_round"), "slowest_round_s": last.get("recovery_round_s"),
-                  "ok": last.get("recovery_ok"), "measured": True}
+                  "ok": last.get("recovery_ok"), "measured": True, "relay": relay,
+                  "heartbeat_s": last.get("heartbeat_s")}
     return out
 
 
@@ -153,7 +162,10 @@ def control_at(n: int, measured: dict[int, dict]) -> tuple[float, str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--control-json", help="controller_scale figures to use: {ranks: {rounds_s, ...}} (else measured)")
-    p.add_argument("--measure", default="1024,16384", help="sizes controller_scale.py runs at (with --recovery)")
+    p.add_argument("--measure", default="1024,16384,131072",
+                   help="sizes controller_scale.py runs at (with --recovery)")
+    p.add_argument("--relay", action=argparse.BooleanOptionalAction, default=True,
+                   help="the rounds through node agents of 8 ranks (mindspeed-ha run's default); --no-relay: direct")
     p.add_argument("--step-s", type=float, default=10.0, help="one training step, recomputed by every strategy")
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="the GPU counts projected")
     a = p.parse_args()
@@ -161,7 +173,7 @@ def main() -> None:
         with open(a.control_json) as f:
             measured = {int(k): v for k, v in json.load(f).items()}
     else:
-        measured = measure_control([int(x) for x in a.measure.split(",")])
+        measured = measure_control([int(x) for x in a.measure.split(",")], a.relay)
     rows = []
     for layout, (tp, pp) in LAYOUTS.items():
         for n in [int(x) for x in a.sizes.split(",")]:
