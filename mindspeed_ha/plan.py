@@ -123,38 +123,49 @@ def plan_dump(holders: Holders, fallback: tuple[int, str] | None = None) -> Dump
     """``holders``: rank -> {"iteration", "updating", "replica_group", "alive"[, "touched"]} for every
     rank of the job (dead ones included: their replica group says which shard is at stake).
     ``fallback``: (iteration, path) of the newest periodic checkpoint, for the refusal message."""
+    return _plan_dump(holders, fallback)[0]
+
+
+def _plan_dump(holders: Holders, fallback: tuple[int, str] | None = None
+               ) -> tuple[DumpPlan, dict[int, Shard], dict[int, set[int]]]:
+    """``plan_dump``, with each rank's shard and the iterations it can serve (``plan_repair`` reads them
+    again: each is worked out once a rank, which counts at 16,384 of them)."""
     shards: dict[Shard, list[int]] = {}
+    shard_of: dict[int, Shard] = {}
     for rank, h in holders.items():
         group = tuple(sorted(int(r) for r in h["replica_group"]))
         if rank not in group:
             raise ValueError(f"rank {rank} is not in its own replica group {list(group)}")
         shards.setdefault(group, []).append(rank)
+        shard_of[rank] = group
     for group, members in shards.items():
         if sorted(members) != list(group) and any(r in holders for r in group if r not in members):
             raise ValueError(f"replica group {list(group)} is not reported consistently by its ranks")
+    serves = {r: servable(h) for r, h in holders.items()}
 
-    missing = tuple(sorted(g for g in shards if not any(servable(holders[r]) for r in shards[g] if r in holders)))
+    missing = tuple(sorted(g for g in shards if not any(serves[r] for r in shards[g])))
     if missing:
         lost = ", ".join(str(list(g)) for g in missing)
         return DumpPlan(False, missing=missing, fallback=fallback,
-                        reason=f"no live holder for shard(s) with replica group {lost} (every replica lost)")
+                        reason=f"no live holder for shard(s) with replica group {lost} (every replica lost)"), \
+            shard_of, serves
 
-    per_shard = {g: set().union(*(servable(holders[r]) for r in shards[g] if r in holders)) for g in shards}
+    per_shard = {g: set().union(*(serves[r] for r in shards[g])) for g in shards}
     common = set.intersection(*per_shard.values()) if per_shard else set()
     if not common:
         detail = "; ".join(f"{list(g)}: {sorted(v)}" for g, v in sorted(per_shard.items()))
         return DumpPlan(False, fallback=fallback,
-                        reason=f"the live holders cannot be brought to one iteration ({detail})")
+                        reason=f"the live holders cannot be brought to one iteration ({detail})"), shard_of, serves
     target = max(common)
     writers, at_target = {}, []
     for g in sorted(shards):
-        able = [r for r in sorted(shards[g]) if r in holders and target in servable(holders[r])]
+        able = [r for r in sorted(shards[g]) if target in serves[r]]
         at_target += able
         # Prefer a holder already at rest at the target (nothing to wait for), then the lowest rank.
         writers[g] = min(able, key=lambda r: (bool(holders[r].get("updating")), r))
     finishing = tuple(sorted(r for r, h in holders.items()
                              if h.get("alive", True) and h.get("updating") and h.get("touched", True)))
-    return DumpPlan(True, target, writers, tuple(sorted(at_target)), finishing, fallback=fallback)
+    return DumpPlan(True, target, writers, tuple(sorted(at_target)), finishing, fallback=fallback), shard_of, serves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,15 +193,13 @@ def plan_repair(holders: Holders, joiners: Iterable[int] = ()) -> RepairPlan:
     holder whose shard is past the iteration: its replica got through a step that the others' did
     not (a pipeline stage's instance whose grad-norm all-reduce completed while its twin's was cut
     short), and it goes back to the iteration with its twin's scheduler, counters and RNG."""
-    plan = plan_dump(holders)
+    plan, shard_of, serves = _plan_dump(holders)
     if not plan.ok:
         return RepairPlan(False, reason=plan.reason)
-    copies = tuple((plan.writers[tuple(sorted(h["replica_group"]))], r) for r, h in sorted(holders.items())
-                   if plan.iteration not in servable(h))
+    copies = tuple((plan.writers[shard_of[r]], r) for r in sorted(holders) if plan.iteration not in serves[r])
     assert plan.iteration is not None  # (a plan that is ok has one)
     ahead = {r for r, h in holders.items() if int(h["iteration"]) > plan.iteration}
-    sources = tuple((r, plan.writers[tuple(sorted(holders[r]["replica_group"]))])
-                    for r in sorted(set(joiners) | ahead))
+    sources = tuple((r, plan.writers[shard_of[r]]) for r in sorted(set(joiners) | ahead))
     return RepairPlan(True, plan.iteration, copies, sources)
 
 

@@ -358,3 +358,18 @@ def test_what_answers_share_is_sent_once_and_each_answer_is_put_back_exactly(dat
     from mindspeed_ha.control.wire.folding import merged, split_common
     common, own = split_common(datas)
     assert [_exact(merged(common, mine)) for mine in own] == [_exact(d) for d in datas]
+
+
+def test_one_message_to_many_is_each_ones_own_message_with_the_rest_packed_once():
+    """``encode_each``: what ``encode`` gives for each value of the one field that differs, and a bad
+    value is refused like ``encode`` refuses it."""
+    args = {"pairs": list(range(64)), "iteration": 7}
+    frames = protocol.encode_each("do", "ranks", [[0, 1], [8, 9, 10]], action="repair", id=5, args=args, epoch=2)
+    assert [protocol.decode(f) for f in frames] == [
+        protocol.decode(protocol.encode("do", action="repair", id=5, args=args, epoch=2, ranks=r))
+        for r in ([0, 1], [8, 9, 10])]
+    assert protocol.encode_each("do", "ranks", [], action="stop", id=1, epoch=1) == []
+    with pytest.raises(protocol.ProtocolError):
+        protocol.encode_each("do", "ranks", [[0], [-1]], action="stop", id=1, epoch=1)
+    with pytest.raises(protocol.ProtocolError):
+        protocol.encode_each("do", "ranks", [[0]], action="stop", id=1, epoch=1, junk=2)

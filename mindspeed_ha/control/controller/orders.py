@@ -70,9 +70,9 @@ class Orders:
             else:
                 direct.append(i.ident)
         self.router.fan_out(direct, data)
-        for n, rs in by_agent.items():
-            self.router.send(self.table.agents[n].ident, protocol.encode(
-                "do", action=action, id=oid, args=args or {}, epoch=self.epoch(), ranks=rs))
+        for n, frame in zip(by_agent, protocol.encode_each("do", "ranks", list(by_agent.values()), action=action,
+                                                           id=oid, args=args or {}, epoch=self.epoch())):
+            self.router.send(self.table.agents[n].ident, frame)
         self.pending[oid] = Pending(action, {i.rank for i in targets}, data, cli, via=via)
         if not targets:
             self.answered[oid] = self.pending.pop(oid).results

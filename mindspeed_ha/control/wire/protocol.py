@@ -246,6 +246,25 @@ def encode(t: str, **fields: Any) -> bytes:
     return data
 
 
+def encode_each(t: str, key: str, values: list[Any], **fields: Any) -> list[bytes]:
+    """``encode(t, **fields, key=value)`` for each of ``values``, the other fields validated and packed
+    once: one order to each node's agent, naming its ranks (its arguments can be a whole job's plan)."""
+    if not values:
+        return []
+    validate({"v": VERSION, "t": t, **fields, key: values[0]})
+    ok = _KINDS[SCHEMAS[t][key][0]]
+    packer = msgpack.Packer(use_bin_type=True)
+    head = {"v": VERSION, "t": t, **fields}
+    shared = packer.pack_map_header(len(head) + 1) + b"".join(packer.pack(k) + packer.pack(v)
+                                                              for k, v in head.items()) + packer.pack(key)
+    out = []
+    for value in values:
+        if not ok(value):
+            raise ProtocolError(f"field {key!r}: bad {SCHEMAS[t][key][0]}")
+        out.append(shared + packer.pack(value))
+    return out
+
+
 def decode(frame: bytes) -> dict[str, Any]:
     if not isinstance(frame, (bytes, bytearray, memoryview)):
         raise ProtocolError("not bytes")
