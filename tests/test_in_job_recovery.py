@@ -207,7 +207,11 @@ def test_no_replica_fallback_reloads_in_process(tmp_path):
     run = tmp_path / "run"
     assert sorted(e["rank"] for e in all_rank_events(run) if e["event"] == "start") == [0, 1, 1, 2, 3]
     assert losses(run) == losses(tmp_path / "ref")
-    assert recomputed(run) == [4, 7]  # run twice each, with the same loss bits
+    # Steps 4 and 7 run twice each, with the same loss bits; but where rank 0 (which logs the loss) was
+    # still inside one when the stop came (a loaded host: it left a collective of that step that the
+    # faulted rank had passed), that step's first run ended in the stop, not in a loss.
+    cut = {e["iteration"] for e in events(run, "rank_0") if e["event"] == "left_collective"}
+    assert recomputed(run) == [s for s in (4, 7) if s not in cut], cut
     rec = [e for e in events(run, "controller") if e["event"] == "recovered"]
     assert [(e["strategy"], e["how"], e["iteration"], e["lost_steps"]) for e in rec] == [
         ("retry", "reload", 3, 1), ("recover", "reload", 6, 1)]
