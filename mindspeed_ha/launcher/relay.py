@@ -187,4 +187,3 @@ def results_frame(node_rank: int, items: list[dict[str, Any]]) -> bytes:
             single = [{**i, "data": mine} for i, mine in zip(single, own)]
             fields["shared"] = shared
     return protocol.encode("results", node_rank=node_rank, items=single, **fields)
-
