@@ -126,3 +126,31 @@ def test_an_answer_goes_back_the_way_its_order_came_and_again_directly_when_the_
     routes.came(9, True, resent.append)
     routes.came(9, False, resent.append)  # (not answered yet: nothing to send again; it answers directly)
     assert resent == [b"answer-7"] and not routes.relayed(9, b"answer-9")
+
+
+def test_an_order_a_stop_came_after_is_answered_not_run_and_the_next_one_runs():
+    """The controller sent a rebuild, then (a new fault) a stop, and both came before the training
+    thread took the rebuild: the rebuild is of a round the controller gave up, so it is answered as not
+    run (run, it would clear the stop and wait on peers the stop let go); the status sent after the
+    stop runs. An order queued after every stop runs as ever."""
+    import contextlib
+
+    from mindspeed_ha.control.wire import protocol
+    from mindspeed_ha.rank.processor.held import HeldWatch
+    from mindspeed_ha.rank.processor.serving import Orders
+    ran, stops, sent = [], [], []
+    orders = Orders(0, {"stop": lambda a: stops.append(a) or "stop requested"},
+                    lambda frame, aid: sent.append(protocol.decode(frame)), HeldWatch(lambda: ""),
+                    contextlib.nullcontext)
+    orders.serve({"rebuild": lambda a: ran.append("rebuild") or "ok",
+                  "ha-status": lambda a: ran.append("ha-status") or {}}, training_thread=True)
+    orders.route("rebuild", 7, {})
+    orders.route("stop", 8, {})
+    orders.route("ha-status", 9, {})
+    assert orders.serve_order(timeout=1.0) == "" and ran == [] and len(stops) == 1
+    assert orders.serve_order(timeout=1.0) == "ha-status" and ran == ["ha-status"]
+    assert [(m["action"], m["id"], m["ok"]) for m in sent] == [("stop", 8, True), ("rebuild", 7, False),
+                                                             ("ha-status", 9, True)]
+    assert "a stop came after this order" in sent[1]["error"]
+    orders.route("rebuild", 10, {})
+    assert orders.serve_order(timeout=1.0) == "rebuild" and ran == ["ha-status", "rebuild"]

@@ -53,7 +53,12 @@ class Orders:
         self.rank, self._inline, self._send, self.watch = rank, dict(inline), send, watch
         self._awaiting = awaiting
         self.handlers: dict[str, Handler] = {}
-        self._main: queue.SimpleQueue[tuple[str, int, dict[str, Any]]] = queue.SimpleQueue()  # the training thread's
+        # the training thread's, each with the stops taken before it came
+        self._main: queue.SimpleQueue[tuple[str, int, dict[str, Any], int]] = queue.SimpleQueue()
+        # Stop orders taken. An order of the training thread's that a stop came after, before that thread
+        # began it, is of a round the controller gave up (a new fault): it is answered, not run — run,
+        # it would clear that stop (a rebuild begins so) and wait on peers that the stop let go.
+        self._stops = 0
         self._main_actions: set[str] = set()
         self._work: queue.SimpleQueue[tuple[str, int, dict[str, Any]] | None] = queue.SimpleQueue()
         self._done_ids: collections.deque[tuple[int, int]] = collections.deque(maxlen=256)
@@ -83,10 +88,11 @@ class Orders:
     def route(self, action: str, aid: int, args: dict[str, Any]) -> None:
         """(processor thread) Run it now, or queue it for the thread that runs it."""
         if action in self._inline:
+            self._stops += action == "stop"
             self.run(action, aid, args)
         elif action in self._main_actions:
             self.watch.queued()
-            self._main.put((action, aid, args))
+            self._main.put((action, aid, args, self._stops))
         else:
             self._work.put((action, aid, args))
 
@@ -117,13 +123,20 @@ class Orders:
 
     def serve_order(self, timeout: float) -> str | None:
         """The training thread, parked after a fault: run the next order meant for it and send the
-        result. Returns the action's name, None on timeout."""
+        result. Returns the action's name ("" for one a stop came after: answered, not run), None on
+        timeout."""
         self.watch.on_training_thread()
         try:
             with self._awaiting():
-                action, aid, args = self._main.get(timeout=timeout)
+                action, aid, args, stops = self._main.get(timeout=timeout)
         except queue.Empty:
             return None
+        if stops < self._stops:
+            self.watch.taken(action, more_waiting=not self._main.empty())
+            self.watch.ended()
+            log.info("rank %d: %s (order %d) not run: the controller's stop came after it", self.rank, action, aid)
+            self.answer(action, aid, False, error=f"rank {self.rank}: a stop came after this order; not run")
+            return ""
         line = self.watch.taken(action, more_waiting=not self._main.empty())
         if line:
             log.warning("rank %d: %s", self.rank, line)
