@@ -205,9 +205,15 @@ def simulate(a) -> None:
             return
         action = msg["action"]
         if send(r, protocol.encode("result", rank=r, action=action, id=msg["id"], ok=True, data=data), f"result:{action}"):
-            answered[action].add(r)
-        if action == "resume":  # the next step ends at once: the controller's MTTR stops there
+            for x in chain(msg):
+                answered[x].add(r)
+        if "resume" in chain(msg):  # the next step ends at once: the controller's MTTR stops there
             resumed(r)
+
+    def chain(msg) -> list:
+        """The orders a message carries: its own, and the next round's played with it (``then``)."""
+        then = (msg.get("args") or {}).get("then")
+        return [msg["action"], then[0]] if then else [msg["action"]]
 
     def resumed(r):
         iteration.update(it=11, phase="step")
@@ -229,9 +235,15 @@ def simulate(a) -> None:
             return False
 
     def answer_data(r, msg):
-        """Recovery mode: what a real rank's handler would answer (a DP=world layout), with what its
-        communicators carried (``communicators``); None: an order it does not answer."""
-        action, data = msg["action"], None
+        """Recovery mode: what a real rank's handlers would answer (a DP=world layout), with what its
+        communicators carried (``communicators``), both answers where the order carries the next
+        round's (as a rank's ``serving`` runs them); None: an order it does not answer."""
+        first = one_answer(r, msg["action"])
+        actions = chain(msg)
+        return first if len(actions) == 1 or first is None else [first, one_answer(r, actions[1])]
+
+    def one_answer(r, action):
+        data = None
         if action == "ha-status":
             data = {"replica": True, "rank": r, "iteration": 10, "updating": False, "touched": True,
                     "replica_group": sorted([r, (r + half) % a.world]), "trainer_iteration": 10, "ended": 10,
@@ -243,19 +255,20 @@ def simulate(a) -> None:
     def relay(n, msg):
         """--relay: agent ``n`` got an order for some of its ranks: each answers as above (or misbehaves
         as asked), and the agent sends their answers in one frame."""
-        action, items = msg["action"], []
+        action, items, actions = msg["action"], [], chain(msg)
         via["agents"] += len(msg["ranks"])
         for r in msg["ranks"]:
-            if action == bad_action and bad_how in ("lost", "silent") and r % 2:
+            if bad_action in actions and bad_how in ("lost", "silent") and r % 2:
                 if bad_how == "silent":
                     received[action].add(r)
                 continue
-            received[action].add(r)
+            for x in actions:
+                received[x].add(r)
             if action == "stop" and r not in got_stop:
                 got_stop[r] = time.time()
-            if action == bad_action and bad_how == "refuse" and r % 2:
+            if bad_action in actions and bad_how == "refuse" and r % 2:
                 items.append({"v": protocol.VERSION, "t": "result", "rank": r, "action": action, "id": msg["id"],
-                              "ok": False, "error": f"simulated refusal of {action}", "pid": 100000 + r})
+                              "ok": False, "error": f"simulated refusal of {bad_action}", "pid": 100000 + r})
                 continue
             data = answer_data(r, msg) if a.respond else None
             if data is not None:
@@ -264,10 +277,11 @@ def simulate(a) -> None:
         if items:
             try:
                 agents[n].send(results_frame(n, items), zmq.NOBLOCK)
-                answered[action].update(i["rank"] for i in items)
+                for x in actions:
+                    answered[x].update(i["rank"] for i in items)
             except zmq.Again:
                 unsent[f"result:{action}"] += len(items)
-        if action == "resume" and a.respond:  # (the next step ends at once: its heartbeats, passed on at once)
+        if "resume" in actions and a.respond:  # (the next step ends at once: its heartbeats, passed on at once)
             iteration.update(it=11, phase="step")
             agent_beats(n, msg["ranks"])
 
@@ -290,15 +304,17 @@ def simulate(a) -> None:
             if msg["t"] != "do":
                 continue
             via["direct"] += 1
-            if msg["action"] == bad_action and bad_how == "lost" and r % 2:
+            actions = chain(msg)
+            if bad_action in actions and bad_how == "lost" and r % 2:
                 continue  # (--misbehave: as if it never came)
-            received[msg["action"]].add(r)
+            for x in actions:
+                received[x].add(r)
             if msg["action"] == "stop" and r not in got_stop:
                 got_stop[r] = time.time()
-            if msg["action"] == bad_action and bad_how == "silent" and r % 2:
+            if bad_action in actions and bad_how == "silent" and r % 2:
                 continue
-            if msg["action"] == bad_action and bad_how == "refuse" and r % 2:
-                if send(r, protocol.encode("result", rank=r, action=bad_action, id=msg["id"], ok=False,
+            if bad_action in actions and bad_how == "refuse" and r % 2:
+                if send(r, protocol.encode("result", rank=r, action=msg["action"], id=msg["id"], ok=False,
                                            error=f"simulated refusal of {bad_action}"), f"result:{bad_action}"):
                     answered[bad_action].add(r)
                 continue
@@ -390,9 +406,11 @@ def simulate(a) -> None:
                 report_at = time.monotonic() + a.report_s
             elif cmd and cmd[0] == "quit":
                 stop_after = time.monotonic()
-        live = [r for r in ranks if r != silenced]
-        if report_at and (len([r for r in live if r in got_stop]) == len(live) or time.monotonic() > report_at):
-            print(json.dumps({"stop_received": len(got_stop), "of": len(live),
+        # (counted only while a report is due: this loop turns hundreds of times a second, on the CPU
+        # the controller is measured on)
+        live = n - (silenced is not None)
+        if report_at and (len(got_stop) - (silenced in got_stop) == live or time.monotonic() > report_at):
+            print(json.dumps({"stop_received": len(got_stop), "of": live,
                               "last_stop": max(got_stop.values()) if got_stop else None}), flush=True)
             report_at = None
         if stop_after is not None:
@@ -479,10 +497,18 @@ class Sim:
                 return msg
 
 
-# The retry playbook's rounds, in order; each fails as "<round> failed (...)".
-ROUNDS = ("stop", "status", "plan", "rebuild", "repair", "rollback", "resume", "first_step")
+# The retry playbook's rounds, in order; each fails as "<round> failed (...)" (a merged one, "a+b": its
+# failure is a new fault of the ranks that failed it, "other" in phase "recovery", with that detail).
+ROUNDS = ("stop", "status", "plan", "rebuild+repair", "rollback+resume", "rebuild", "repair", "rollback", "resume",
+          "first_step")
 ACTIONS = {"stop": "stop", "status": "ha-status", "rebuild": "rebuild", "repair": "repair", "rollback": "rollback",
-           "resume": "resume"}
+           "resume": "resume", "rebuild+repair": "rebuild", "rollback+resume": "rollback"}
+
+
+def round_failed(e: dict) -> bool:
+    """A fault that is a merged round's failure (the ranks that answered it had gone on)."""
+    return e["event"] == "fault" and e.get("phase") == "recovery" and e["kind"] == "other" \
+        and (e.get("detail") or "").split(" failed", 1)[0] in ROUNDS
 
 
 def explain(events: list[dict], injected: dict | None, controller, summaries: list[dict], world: int,
@@ -499,8 +525,8 @@ def explain(events: list[dict], injected: dict | None, controller, summaries: li
     states = [e for e in after if e["event"] == "state"]
     moves = [f"{e['from']}-({e['outcome']})->{e['to']} after {e['seconds']}s" for e in states
              if e["from"] != e["to"]]
-    others = [e for e in after if e["event"] == "fault" and e is not injected]
-    failed = next((e for e in after if e["event"] in ("strategy_failed", "dump_refused")), None)
+    failed = next((e for e in after if e["event"] in ("strategy_failed", "dump_refused") or round_failed(e)), None)
+    others = [e for e in after if e["event"] == "fault" and e is not injected and e is not failed]
     timeouts = [e for e in states if e["outcome"] == "timeout"]
     state = states[-1]["to"] if states else "normal"
     # What the controller was doing when the benchmark gave up (read from it, where it exposes it).
@@ -521,7 +547,7 @@ def explain(events: list[dict], injected: dict | None, controller, summaries: li
         out["simulators"] = {"received": dict(received), "answered": dict(answered), "unsent": dict(unsent),
                              "hb_gap_s": max(s.get("hb_gap_s", 0) for s in summaries),
                              "loop_gap_s": max(s.get("loop_gap_s", 0) for s in summaries)}
-    reason = failed and (failed.get("reason") or failed.get("message") or "")
+    reason = failed and (failed.get("reason") or failed.get("message") or failed.get("detail") or "")
     round_ = current
     if reason:
         head = reason.split(" failed", 1)[0].strip()
@@ -747,8 +773,8 @@ def run(a, c, events: Events, sims: list[Sim], lim: dict, t0: float, log_dir: st
            "stop_received": received, "register_s": round(t_reg, 1), "secure": not a.insecure}
     if a.recovery:
         t_wait = time.monotonic()
-        end = events.wait(lambda e: e["event"] in ("recovered", "strategy_failed", "dump_refused", "diagnosis"),
-                          lim["recovery_s"])
+        end = events.wait(lambda e: e["event"] in ("recovered", "strategy_failed", "dump_refused", "diagnosis")
+                          or round_failed(e), lim["recovery_s"])
         recovered = end if end is not None and end["event"] == "recovered" else None
         status_ok = status_json(log_dir, a.ranks, a.insecure, lim["status_s"])
         phases = (recovered or {}).get("phases", {})

@@ -22,6 +22,7 @@ class FakePort:
         self.generation = 0
         self.note = ""
         self.hangs: list = []
+        self.failures: list = []
         self.held_reports: dict[int, str] = {}
 
     # rounds.Port
@@ -65,6 +66,9 @@ class FakePort:
 
     def hung(self, ranks, detail):
         self.hangs.append((list(ranks), detail))
+
+    def failed(self, ranks, detail):
+        self.failures.append((list(ranks), detail))
 
     def condemn(self, ranks):
         self._live -= set(ranks)
@@ -161,11 +165,10 @@ def test_elastic_every_round_in_order():
     done = port.event("scaled_in")[0]
     assert (done["old_dp"], done["dp"], done["bytes"], done["seconds"]) == (4, 2, 24, 0.3)
     runner, out = play(strategies.SCALE_IN, "last", ep)
-    assert out is None and port.last()[1:] == ("rollback", [0, 3], {"iteration": 5, "fresh_data": True})
-    port.answer({0: "rollback", 3: "rollback"})
-    assert runner.tick() is None and port.last()[1:3] == ("resume", [0, 3])
-    port.answer({0: "resumed", 3: "resumed"})
-    assert runner.tick() == "ok"
+    resume = ["resume", {"strategy": "elastic-training", "lost_steps": 0}]
+    assert out is None and port.last()[1:] == ("rollback", [0, 3], {"iteration": 5, "fresh_data": True, "then": resume})
+    port.answer({0: ["rollback", "resumed"], 3: ["rollback", "resumed"]})
+    assert runner.tick() == "ok" and "rollback+resume" in ep.phases
 
 
 @pytest.mark.parametrize("live,lost,layout,why", [
@@ -248,10 +251,9 @@ def test_scale_out_every_round_in_order():
     assert runner.tick() == "ok"
     assert port.event("scaled")[0]["dp"] == 4 and not hasattr(port, "left")
     runner, out = play(strategies.SCALE_OUT, "last", ep)
-    assert port.last()[1:] == ("rollback", [0, 1, 2, 3], {"iteration": 9, "fresh_data": True})
-    port.answer({r: "rollback" for r in range(4)})
-    assert runner.tick() is None and port.last()[1:3] == ("resume", [0, 1, 2, 3])
-    port.answer({r: "resumed" for r in range(4)})
+    resume = ["resume", {"strategy": "scale-out", "lost_steps": 0}]
+    assert port.last()[1:] == ("rollback", [0, 1, 2, 3], {"iteration": 9, "fresh_data": True, "then": resume})
+    port.answer({r: ["rollback", "resumed"] for r in range(4)})
     assert runner.tick() == "ok"
     assert FirstStep(ep, [SCALE], 100.0).check(101.0, True)
     done = port.event("scaled_out")[0]
@@ -271,7 +273,8 @@ def test_scale_out_refused_leaves_the_newcomers_out_and_trains_on():
     assert port.event("scale_out_refused")[0]["newcomers"] == [2]
     assert not [o for o in port.orders if o[1] == "scale-out"]
     runner, _ = play(strategies.SCALE_OUT, "last", ep)
-    assert port.last()[1:] == ("rollback", [0, 1], {"iteration": 9, "fresh_data": True})
+    assert port.last()[1:] == ("rollback", [0, 1], {"iteration": 9, "fresh_data": True,
+                                                    "then": ["resume", {"strategy": "scale-out", "lost_steps": 0}]})
 
 
 def test_a_refused_scale_out_enters_the_layout_again_when_a_rank_was_stopped_inside_a_step():
@@ -292,7 +295,8 @@ def test_a_refused_scale_out_enters_the_layout_again_when_a_rank_was_stopped_ins
     assert runner.tick() == "ok"
     assert port.event("scaled")[0]["dp"] == 2 and not port.event("scaled_in") and not port.event("scaled_out")
     runner, _ = play(strategies.SCALE_OUT, "last", ep)
-    assert port.last()[1:] == ("rollback", [0, 1], {"iteration": 9, "fresh_data": True})
+    assert port.last()[1:] == ("rollback", [0, 1], {"iteration": 9, "fresh_data": True,
+                                                    "then": ["resume", {"strategy": "scale-out", "lost_steps": 0}]})
 
 
 # ---- retry -------------------------------------------------------------------------------------------
@@ -305,23 +309,36 @@ def test_retry_every_round_in_order():
     assert runner.tick() is None  # plan (controller alone) then the rebuild order
     oid, action, ranks, args = port.last()
     assert action == "rebuild" and ranks == [0, 1, 2, 3]
-    assert args == {"store_host": "127.0.0.1", "store_port": 4242, "generation": 1}
+    # (one order: each rank rebuilds, then repairs)
+    assert args == {"store_host": "127.0.0.1", "store_port": 4242, "generation": 1,
+                    "then": ["repair", {"pairs": [0, 2], "iteration": 5, "joiners": []}]}
     assert port.event("restore_plan") == [{"iteration": 5, "pairs": [0, 2], "joiners": [], "generation": 1}]
-    port.answer({r: "reconnected" for r in range(4)})
-    assert runner.tick() is None
-    assert port.last()[1] == "repair" and port.last()[3] == {"pairs": [0, 2], "iteration": 5, "joiners": []}
-    port.answer({r: {"received": 0} for r in range(4)})
-    assert runner.tick() == "ok"  # REPAIR is over
+    port.answer({r: ["reconnected", {"received": 64 * (r == 2)}] for r in range(4)})
+    assert runner.tick() == "ok" and ep.moved_bytes == 64  # REPAIR is over
     runner, out = play(strategies.RETRY, "last", ep)
     # (every rank had ended step 5 before the fault: one in the step's end could not have run the loop's
     # code after it, which a peer stopped there passed alone — that rank answers it alone too)
-    assert out is None and port.last()[1:] == ("rollback", [0, 1, 2, 3], {"iteration": 5, "ended_elsewhere": True})
-    port.answer({r: "rollback" for r in range(4)})
-    assert runner.tick() is None and port.last()[1] == "resume"
-    port.answer({r: "resumed" for r in range(4)})
+    resume = ["resume", {"strategy": "retry", "lost_steps": 0}]
+    assert out is None and port.last()[1:] == ("rollback", [0, 1, 2, 3],
+                                               {"iteration": 5, "ended_elsewhere": True, "then": resume})
+    port.answer({r: ["rollback", "resumed"] for r in range(4)})
     assert runner.tick() == "ok" and ep.how == "rollback"
-    assert [o[1] for o in port.orders] == ["ha-status", "rebuild", "repair", "rollback", "resume"]
-    assert set(ep.phases) == {"status", "rebuild", "repair", "rollback", "resume"}
+    assert [o[1] for o in port.orders] == ["ha-status", "rebuild", "rollback"]
+    assert set(ep.phases) == {"status", "rebuild+repair", "rollback+resume"}
+
+
+def test_the_rebuild_and_the_repair_are_two_rounds_where_a_rank_joins():
+    """A restarted rank (recover) builds its model after the rebuild (Megatron-LM's loop): the repair
+    is an order of its own then."""
+    port = FakePort(live=(0, 2, 3), lost=(1,))
+    ep = episode(port, "recover", faults=[KILL1])
+    runner, _ = play(strategies.RETRY, "first", ep)
+    ep.joiners = [1]
+    port._live.add(1)
+    port.answer({r: s for r, s in statuses(6).items() if r != 1})
+    assert runner.tick() is None and port.last()[1] == "rebuild" and "then" not in port.last()[3]
+    port.answer({r: "ok" for r in range(4)})
+    assert runner.tick() is None and port.last()[1] == "repair"
 
 
 def test_retry_lagging_twin_is_copied_too():
@@ -337,22 +354,46 @@ def test_retry_lagging_twin_is_copied_too():
     assert ep.plan.iteration == 6 and list(ep.plan.copies) == [(0, 2)]
 
 
-@pytest.mark.parametrize("round_,reply,why", [
-    ("status", RuntimeError("boom"), "status failed (rank 1: boom)"),
-    ("rebuild", RuntimeError("store gone"), "rebuild failed (rank 1: store gone)"),
-    ("repair", RuntimeError("bad shard"), "repair failed (rank 1: bad shard)"),
-])
-def test_retry_a_failed_answer_fails_the_state(round_, reply, why):
+def test_retry_a_failed_status_fails_the_state():
     port = FakePort()
     runner, _ = play(strategies.RETRY, "first", episode(port, faults=[UCE2]))
-    for name, good in (("status", statuses()), ("rebuild", {r: "ok" for r in range(4)}),
-                       ("repair", {r: {} for r in range(4)})):
-        if name == round_:
-            port.answer({**good, 1: reply})
-            assert runner.tick() == ("failed", why)
-            return
-        port.answer(good)
+    port.answer({**statuses(), 1: RuntimeError("boom")})
+    assert runner.tick() == ("failed", "status failed (rank 1: boom)")
+
+
+@pytest.mark.parametrize("stage,error", [("first", "rebuild: RuntimeError: store gone"),
+                                         ("first", "repair: RuntimeError: bad shard"),
+                                         ("last", "rollback: RuntimeError: no RNG snapshot")])
+def test_a_failed_answer_to_a_merged_round_is_a_new_fault_at_once(stage, error):
+    """The ranks that answered went on (into the repair's collectives, or training): the round does
+    not wait for the others, which may wait on the failed rank, and it does not end the state. The
+    failure is a new fault, so the controller stops every survivor (PAUSE) before it plans again."""
+    port = FakePort()
+    ep = episode(port, faults=[UCE2])
+    runner, _ = play(strategies.RETRY, "first", ep)
+    if stage == "last":
+        port.answer(statuses())
+        runner.tick()
+        port.answer({r: ["ok", {"received": 0}] for r in range(4)})
+        assert runner.tick() == "ok"
+        runner, _ = play(strategies.RETRY, "last", ep)
+    else:
+        port.answer(statuses())
         assert runner.tick() is None
+    merged = port.last()[1] + "+" + port.last()[3]["then"][0]
+    port.answer({0: ["ok", "ok"], 1: RuntimeError(error)})  # (ranks 2 and 3 still at work)
+    assert runner.tick() is None
+    assert port.failures == [([1], f"{merged} failed (rank 1: {error})")]
+    assert merged not in ep.phases
+
+
+def test_a_merged_answer_without_both_parts_is_a_failure():
+    port = FakePort()
+    runner, _ = play(strategies.RETRY, "first", episode(port))
+    port.answer(statuses())
+    runner.tick()
+    port.answer({0: ["ok", {"received": 0}], 1: "ok", 2: ["ok", {}], 3: ["ok", {}]})
+    assert runner.tick() is None and port.failures == [([1], "rebuild+repair failed (rank 1: did not run both)")]
 
 
 def test_retry_a_silent_rank_times_the_round_out():
@@ -375,14 +416,28 @@ def test_a_silent_ranks_own_report_of_where_it_is_held_is_in_the_failure_whole()
     assert runner.tick() == ("failed", f"status failed (rank 3: no answer ({where}))")
 
 
-def test_retry_a_rank_lost_meanwhile_fails_the_round():
+def test_retry_a_rank_lost_meanwhile_in_a_merged_round_is_a_fault():
     port = FakePort()
     runner, _ = play(strategies.RETRY, "first", episode(port))
     port.answer(statuses())
     runner.tick()
+    port.answer({0: ["ok", {}], 1: ["ok", {}], 2: ["ok", {}]})
+    port._live.discard(3)
+    assert runner.tick() is None and port.failures == [([3], "rebuild+repair failed (rank 3: lost)")]
+
+
+def test_a_rank_lost_in_a_round_of_its_own_fails_it():
+    """Where a rank joins, the rebuild is a round of its own: nobody went on, and a rank lost in it
+    fails the state as before."""
+    port = FakePort()
+    ep = episode(port, "recover")
+    runner, _ = play(strategies.RETRY, "first", ep)
+    ep.joiners = [1]
+    port.answer(statuses())
+    runner.tick()
     port.answer({0: "ok", 1: "ok", 2: "ok"})
     port._live.discard(3)
-    assert runner.tick() == ("failed", "rebuild failed (rank 3: lost)")
+    assert runner.tick() == ("failed", "rebuild failed (rank 3: lost)") and not port.failures
 
 
 def test_retry_refused_when_a_shard_has_no_healthy_holder_and_no_checkpoint():
@@ -425,17 +480,15 @@ def test_both_twins_lost_falls_back_to_the_periodic_checkpoint():
     assert runner.tick() == "ok" and ep.source == "checkpoint" and ep.how == "reload"
 
 
-def test_rollback_and_resume_failures():
-    for failing in ("rollback", "resume"):
-        port = FakePort()
-        ep = episode(port)
-        ep.plan, ep.source = planner.plan_repair(planner.holders(4, statuses(), GROUPS)), "twins"
-        runner, _ = play(strategies.RETRY, "last", ep)
-        if failing == "resume":
-            port.answer({r: "roll-forward" for r in range(4)})
-            runner.tick()
-        port.answer({0: RuntimeError("no RNG snapshot"), 1: "x", 2: "x", 3: "x"})
-        assert runner.tick() == ("failed", f"{failing} failed (rank 0: no RNG snapshot)")
+def test_a_resume_of_its_own_that_fails_fails_the_state():
+    """After a reload there is no rollback (every rank is at the checkpoint): the resume is alone."""
+    port = FakePort()
+    ep = episode(port)
+    ep.source = "checkpoint"
+    runner, _ = play(strategies.RETRY, "last", ep)
+    assert port.last()[1] == "resume" and "then" not in port.last()[3]
+    port.answer({0: RuntimeError("no RNG snapshot"), 1: "x", 2: "x", 3: "x"})
+    assert runner.tick() == ("failed", "resume failed (rank 0: no RNG snapshot)")
 
 
 def test_failed_reports_and_notes():
@@ -566,12 +619,12 @@ def test_recover_a_rank_silent_in_a_round_is_hung_and_the_recovery_starts_over()
     port, clock = FakePort(), Clock()
     runner, _ = play(strategies.RECOVER, "first", episode(port, "recover"), clock)
     port.answer(statuses(6))
-    runner.tick()  # rebuild sent
-    port.answer({0: "ok", 1: "ok", 3: "ok"})
+    runner.tick()  # rebuild (with the repair) sent
+    port.answer({0: ["ok", {}], 1: ["ok", {}], 3: ["ok", {}]})
     port.held_reports = {2: "it is in synchronize (streams.py:90)"}
     clock.t += retry.ROUND_WAIT_S + 1
     assert runner.tick() is None
-    assert port.hangs == [([2], f"no answer to rebuild within {retry.ROUND_WAIT_S:g}s; "
+    assert port.hangs == [([2], f"no answer to rebuild+repair within {retry.ROUND_WAIT_S:g}s; "
                                 "rank 2: it is in synchronize (streams.py:90)")]
 
 

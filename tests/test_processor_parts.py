@@ -154,3 +154,37 @@ def test_an_order_a_stop_came_after_is_answered_not_run_and_the_next_one_runs():
     assert "a stop came after this order" in sent[1]["error"]
     orders.route("rebuild", 10, {})
     assert orders.serve_order(timeout=1.0) == "rebuild" and ran == ["ha-status", "rebuild"]
+
+
+def test_an_order_that_carries_the_next_runs_both_and_answers_once():
+    """Two rounds in one order (``then``): the rank rolls back, then resumes, and answers both; the
+    training thread's loop sees the resume. If the first fails, the second is not run and the answer
+    says which failed; a ``then`` of another thread (or unknown here) is refused without running either."""
+    import contextlib
+
+    from mindspeed_ha.control.wire import protocol
+    from mindspeed_ha.rank.processor.held import HeldWatch
+    from mindspeed_ha.rank.processor.serving import Orders
+    ran, sent = [], []
+    orders = Orders(0, {}, lambda frame, aid: sent.append(protocol.decode(frame)), HeldWatch(lambda: ""),
+                    contextlib.nullcontext)
+
+    def rollback(args):
+        ran.append(("rollback", args))
+        if args.get("fail"):
+            raise RuntimeError("no RNG snapshot")
+        return "rollback"
+    orders.serve({"rollback": rollback, "resume": lambda a: ran.append(("resume", a)) or "resumed"}, training_thread=True)
+    orders.serve({"log": lambda a: "logged"}, training_thread=False)
+    orders.route("rollback", 4, {"iteration": 5, "then": ["resume", {"lost_steps": 0}]})
+    assert orders.serve_order(timeout=1.0) == "resume"
+    assert ran == [("rollback", {"iteration": 5}), ("resume", {"lost_steps": 0})]
+    assert (sent[-1]["id"], sent[-1]["ok"], sent[-1]["data"]) == (4, True, ["rollback", "resumed"])
+    orders.route("rollback", 5, {"fail": True, "then": ["resume", {}]})
+    assert orders.serve_order(timeout=1.0) == "rollback" and ran[-1][0] == "rollback"
+    assert (sent[-1]["ok"], sent[-1]["error"]) == (False, "rollback: RuntimeError: no RNG snapshot")
+    for then in ("log", "reshape"):
+        ran.clear()
+        orders.route("rollback", 6, {"then": [then, {}]})
+        assert orders.serve_order(timeout=1.0) == "rollback" and ran == []
+        assert not sent[-1]["ok"] and f"no handler for {then!r} after 'rollback'" in sent[-1]["error"]

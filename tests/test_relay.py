@@ -29,7 +29,13 @@ def ref(references):
 
 
 def round_orders(log_dir) -> list[dict]:
-    return [e for e in all_rank_events(log_dir) if e["event"] == "action" and e["action"] in ROUNDS]
+    """Each round's order as a rank took it (one that carried the next round's, ``then``: both)."""
+    out = []
+    for e in all_rank_events(log_dir):
+        if e["event"] == "action" and e["action"] in ROUNDS:
+            then = (e.get("args") or {}).get("then")
+            out += [e] + ([{**e, "action": then[0]}] if then else [])
+    return out
 
 
 @pytest.mark.parametrize("relay", [True, False], ids=["relay", "no-relay"])

@@ -116,9 +116,15 @@ class PlaybookPort:
         return self._c.generation
 
     def hung(self, ranks: list[int], detail: str) -> None:
+        self._fault_in_recovery(ranks, "hang", detail)
+
+    def failed(self, ranks: list[int], detail: str) -> None:
+        self._fault_in_recovery(ranks, "other", detail)
+
+    def _fault_in_recovery(self, ranks: list[int], kind: str, detail: str) -> None:
         c = self._c
-        c.detection.fault(list(ranks), "hang", c.table.newest_iteration(), "recovery", detail=detail,
-                          key=("hang-in-recovery", tuple(ranks), c.generation))
+        c.detection.fault(list(ranks), kind, c.table.newest_iteration(), "recovery", detail=detail,
+                          key=(f"{kind}-in-recovery", tuple(ranks), c.generation))
 
     def emit(self, event: str, **fields: Any) -> None:
         self._c.events.emit(event, **fields)

@@ -10,6 +10,12 @@ hands the answers to the round's ``decide``, which says what comes next:
     DONE          the list is through: the state's outcome is OK
     Fail(reason)  the state's outcome is FAILED (the table says where that leads)
 
+Two rounds can be one order (``with_next``): each rank runs the first's order and then the next's,
+and answers both at once, a round trip fewer (rebuild with repair, rollback with resume). The ranks
+that answered have gone on (into the next's collectives, or training), so a rank that fails it is not
+the end of the state but a new fault (``Port.failed``): the controller stops every survivor (PAUSE),
+as for any fault while the job trains, before it plans again.
+
 It sees the job only through a ``Port`` (what a playbook may ask of the controller), so a fake port
 drives every playbook in unit tests without processes.
 """
@@ -66,6 +72,10 @@ class Port(Protocol):
     # ---- what happened
     def hung(self, ranks: list[int], detail: str) -> None:
         """Live ranks that stopped answering: a new fault (the recovery starts over with it)."""
+
+    def failed(self, ranks: list[int], detail: str) -> None:
+        """Ranks whose answer to a merged round failed while others went on: a new fault (the survivors
+        are stopped, and the recovery starts over with it)."""
 
     def emit(self, event: str, **fields: Any) -> None:
         """An event in the controller's event log."""
@@ -153,6 +163,9 @@ class Round:
     ready: Callable[[Any], bool] | None = None    # controller-only: the round ends when this holds (or at wait_s)
     timed: bool = True                            # counted in the recovery's phases
     when: Callable[[Any], bool] | None = None     # skipped (not even timed) unless this holds
+    # Where this holds and the next round of the list is played too, to the same ranks: one order for
+    # both (its arguments carry the next's as ``then``; the next's must not need this one's answers).
+    with_next: Callable[[Any], bool] | None = None
 
 
 class Runner:
@@ -170,6 +183,7 @@ class Runner:
         self.waiting: set[int] = set()
         self.t0 = 0.0
         self.stopped_for: set[int] = set()
+        self.merged: Round | None = None   # the next round, played within the current one's order
 
     def start(self) -> RunOutcome | None:
         return self._enter(0)
@@ -186,7 +200,11 @@ class Runner:
                 continue
             if r.order is not None:
                 self.waiting = set(r.to(self.ep))
-                self.order_id = self.ep.port.order(r.order, sorted(self.waiting), r.args(self.ep))
+                args = r.args(self.ep)
+                self.merged = self._mergeable(index)
+                if self.merged is not None:
+                    args = {**args, "then": [self.merged.order, self.merged.args(self.ep)]}
+                self.order_id = self.ep.port.order(r.order, sorted(self.waiting), args)
                 return None
             step = r.act(self.ep) if r.act is not None else None
             if step is None and r.ready is not None:
@@ -199,11 +217,21 @@ class Runner:
                 continue
             return out
 
-    def _follow(self, step: Step) -> int | RunOutcome:
-        """A decision -> the next round's index, or the state's outcome."""
+    def _mergeable(self, index: int) -> Round | None:
+        """The round after ``index``, where the two are to be one order."""
+        r = self.rounds[index]
+        if r.with_next is None or index + 1 >= len(self.rounds) or not r.with_next(self.ep):
+            return None
+        nxt = self.rounds[index + 1]
+        if nxt.order is None or (nxt.when is not None and not nxt.when(self.ep)) or set(nxt.to(self.ep)) != self.waiting:
+            return None
+        return nxt
+
+    def _follow(self, step: Step, name: str = "") -> int | RunOutcome:
+        """A decision -> the next round's index, or the state's outcome (``name``: the phase timed)."""
         r = self.current
         if r.timed:
-            self.ep.phases[r.name] = round(self.clock() - self.t0, 4)
+            self.ep.phases[name or r.name] = round(self.clock() - self.t0, 4)
         if step is NEXT:
             if self.index + 1 >= len(self.rounds):
                 return "ok"
@@ -236,12 +264,17 @@ class Runner:
                 self.stopped_for |= lost
                 if working:
                     self.ep.port.order("stop", sorted(working), {"reason": f"rank(s) {sorted(lost)} lost during {r.name}"})
+            name = f"{r.name}+{self.merged.name}" if self.merged is not None else r.name
+            if self.merged is not None and (failed_now := self._failed_now(got, lost)):
+                # (at once: the others may wait on it in the next one's collectives, or train on)
+                self.ep.port.failed(sorted(failed_now), f"{name} failed ({Answers({}, failed_now, 0.0).why()})")
+                return None
             if working and not late:
                 return None
             silent = sorted(working) if late else []
             held = {q: text for q in silent if (text := self.ep.port.held(q))}
-            if silent and r.silent_is_hung:
-                self.ep.port.hung(silent, f"no answer to {r.name} within {r.wait_s:g}s"
+            if silent and (r.silent_is_hung or self.merged is not None):
+                self.ep.port.hung(silent, f"no answer to {name} within {r.wait_s:g}s"
                                   + "".join(f"; rank {q}: {text}" for q, text in held.items()))
                 return None  # (a new fault: the controller starts the recovery over)
             ok: dict[int, Any] = {}
@@ -257,8 +290,37 @@ class Runner:
                         failed[q] = data or "failed"
                 elif not r.partial:
                     failed[q] = "no answer"
+            if self.merged is not None:
+                return self._decide_merged(ok, now - self.t0)
             step = r.decide(self.ep, Answers(ok, failed, now - self.t0, held))
         out = self._follow(step)
+        if isinstance(out, int):
+            return self._enter(out)
+        return out
+
+    def _failed_now(self, got: dict[int, tuple[bool, Any]], lost: set[int]) -> dict[int, Any]:
+        """The ranks whose answer to a merged round failed (or did not hold both answers), or lost."""
+        out = {q: "lost" for q in lost}
+        for q in self.waiting & set(got):
+            good, data = got[q]
+            if not good:
+                out[q] = data or "failed"
+            elif not (isinstance(data, list) and len(data) == 2):
+                out[q] = "did not run both"
+        return out
+
+    def _decide_merged(self, ok: dict[int, Any], seconds: float) -> RunOutcome | None:
+        """Every rank answered both rounds (its answer: [the first's, the next's]): each round decides
+        on its own part, timed as one phase."""
+        r, nxt = self.current, self.merged
+        assert nxt is not None
+        name = f"{r.name}+{nxt.name}"
+        step = r.decide(self.ep, Answers({q: d[0] for q, d in ok.items()}, {}, seconds))
+        if step is NEXT:
+            self.index, self.current = self.index + 1, nxt
+            step = nxt.decide(self.ep, Answers({q: d[1] for q, d in ok.items()}, {}, seconds))
+        self.merged = None
+        out = self._follow(step, name)
         if isinstance(out, int):
             return self._enter(out)
         return out

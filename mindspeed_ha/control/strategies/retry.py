@@ -1,15 +1,16 @@
 """retry (``--enable-hbmfault-repair``; MindSpeed's UCE): a memory or communication fault, every process
 alive, is mended in place.
 
-    restore  status -> plan -> rebuild -> repair | reload
-    resume   rollback -> resume
+    restore  status -> plan -> rebuild+repair | rebuild -> reload
+    resume   rollback+resume | resume
 
 Every rank reports where its optimizer shard is (``status``); the controller picks the newest
 iteration every shard has a healthy holder for (``plan``, the dump's own planner); every rank builds
 new communicators where the fault reached (``rebuild``: the others are kept); broken or lagging shards are copied from their twins and the weights
 re-gathered (``repair``), or, where no twin can serve, every rank reloads the newest periodic
 checkpoint (``reload``); every rank goes back to the start of the failed step, or finishes it if its
-update had completed everywhere (``rollback``); training resumes. After the last stage the job trains
+update had completed everywhere (``rollback``); training resumes. ``a+b``: one order, each rank does
+``a`` then ``b`` (``Round.with_next``); the rebuild and the repair are two where a restarted rank joins. After the last stage the job trains
 again, and the first step every rank completes closes the recovery (``episode.FirstStep``).
 
 recover plays these rounds too (with its restart), and the resizes their status, rollback and resume.
@@ -119,7 +120,10 @@ def then(name: str, step: Step, how: str = "") -> Callable[[Episode, Answers], S
 
 
 PLAN = Round("plan", act=_plan, timed=False)
-REBUILD = Round("rebuild", order="rebuild", args=_rebuild_args, decide=then("rebuild", NEXT))
+# With the repair, one order (a rank rebuilds, then copies its shards), unless a restarted rank joins:
+# Megatron-LM's loop builds a joiner's model itself after the rebuild, before it can repair.
+REBUILD = Round("rebuild", order="rebuild", args=_rebuild_args, decide=then("rebuild", NEXT),
+                with_next=lambda ep: not ep.joiners)
 
 
 def _repaired(ep: Episode, ans: Answers) -> Step:
@@ -148,7 +152,8 @@ def _rollback_args(ep: Episode) -> dict[str, Any]:
 
 
 ROLLBACK = Round("rollback", order="rollback", args=_rollback_args, decide=_rolled,
-                 when=lambda ep: ep.source == "twins")  # (a reload put every rank at the checkpoint already)
+                 when=lambda ep: ep.source == "twins",  # (a reload put every rank at the checkpoint already)
+                 with_next=lambda ep: True)  # (with the resume: a rank rolls back, then trains on)
 RESUME = Round("resume", order="resume", decide=then("resume", DONE),
                args=lambda ep: {"strategy": ep.strategy, "lost_steps": ep.lost_steps})
 

@@ -6,6 +6,10 @@ training thread, parked after a fault (``serve_order``); a handler that only rec
 run at once too (``at_once``: it takes effect before any order sent after it); the rest run on a
 handler thread, so heartbeats go on meanwhile. A handler returns its answer (any msgpack tree, or a ``Later``) or
 raises: the exception is the failed answer.
+
+An order's arguments may carry ``then``: [action, its arguments], an order of the same thread run
+right after it (the controller plays two rounds as one, ``policy.rounds``). The answer is both
+answers, in a list; if the first fails, that is the answer and the second is not run.
 """
 from __future__ import annotations
 
@@ -96,21 +100,49 @@ class Orders:
         else:
             self._work.put((action, aid, args))
 
-    def run(self, action: str, aid: int, args: dict[str, Any]) -> None:
+    def run(self, action: str, aid: int, args: dict[str, Any]) -> str | None:
+        """Run the order and answer it; returns the last action that ran through (None: it failed)."""
         fn = self.handlers.get(action) or self._inline.get(action)
         if fn is None:
             self.answer(action, aid, False, error=f"no handler for {action!r} on rank {self.rank}")
-            return
+            return None
+        if args.get("then"):
+            return self._run_both(action, aid, fn, args)
         try:
             answer = fn(args)
         except Exception as e:
             log.exception("handler %s failed", action)
             self.answer(action, aid, False, error=f"{type(e).__name__}: {e}")
-            return
+            return None
         if isinstance(answer, Later):
             answer._send = lambda ok, data=None, error="": self.answer(action, aid, ok, data=data, error=error)
-            return
+            return action
         self.answer(action, aid, True, data=answer)
+        return action
+
+    def _run_both(self, action: str, aid: int, fn: Handler, args: dict[str, Any]) -> str | None:
+        """``action``, then the order its arguments carry (``then``, on the same thread): one answer."""
+        then, then_args = str(args["then"][0]), args["then"][1]
+        follow = self.handlers.get(then)
+        if follow is None or (then in self._main_actions) != (action in self._main_actions):
+            self.answer(action, aid, False, error=f"no handler for {then!r} after {action!r}, on the same thread, "
+                                                  f"on rank {self.rank}")
+            return None
+        answers = []
+        for name, handler, its_args in ((action, fn, {k: v for k, v in args.items() if k != "then"}),
+                                        (then, follow, then_args)):
+            try:
+                answer = handler(its_args)
+            except Exception as e:
+                log.exception("handler %s failed", name)
+                self.answer(action, aid, False, error=f"{name}: {type(e).__name__}: {e}")
+                return None
+            if isinstance(answer, Later):
+                self.answer(action, aid, False, error=f"{name} answers later: it cannot be played with another")
+                return None
+            answers.append(answer)
+        self.answer(action, aid, True, data=answers)
+        return then
 
     def answer(self, action: str, aid: int, ok: bool, data: object = None, error: str = "") -> None:
         fields = {"data": data} if ok and data is not None else {"error": error} if not ok else {}
@@ -123,8 +155,8 @@ class Orders:
 
     def serve_order(self, timeout: float) -> str | None:
         """The training thread, parked after a fault: run the next order meant for it and send the
-        result. Returns the action's name ("" for one a stop came after: answered, not run), None on
-        timeout."""
+        result. Returns the action's name (the one it carried, ``then``, where both ran through; "" for
+        one a stop came after: answered, not run), None on timeout."""
         self.watch.on_training_thread()
         try:
             with self._awaiting():
@@ -141,12 +173,12 @@ class Orders:
         if line:
             log.warning("rank %d: %s", self.rank, line)
         try:
-            self.run(action, aid, args)
+            ran = self.run(action, aid, args)
         finally:
             line = self.watch.ended()
             if line:
                 log.warning("rank %d: %s", self.rank, line)
-        return action
+        return ran or action
 
     def work_loop(self) -> None:
         """The handler thread: the orders that need neither the processor's thread nor the training one."""
