@@ -149,7 +149,7 @@ def simulate(a) -> None:
                                 groups=[[r, (r + a.world // 2) % a.world]], agent_node=r // NODE), "register")
     print(json.dumps({"ready": len(ranks)}), flush=True)
     hb = a.heartbeat
-    n = len(ranks)
+    n_ranks = len(ranks)
     # Heartbeats go out in 20 ms batches, each rank on its own phase of the interval.
     stdin = sys.stdin.fileno()  # (read raw: commands come in lines, and an empty read is the benchmark's end)
     os.set_blocking(stdin, True)
@@ -329,7 +329,7 @@ def simulate(a) -> None:
         with open(summary_path + ".tmp", "w") as f:
             json.dump({"ranks": [a.lo, a.hi], "received": {k: len(v) for k, v in received.items()},
                        "answered": {k: len(v) for k, v in answered.items()}, "unsent": dict(unsent),
-                       "missed": {k: sorted(set(ranks) - v)[:8] for k, v in received.items() if len(v) < n},
+                       "missed": {k: sorted(set(ranks) - v)[:8] for k, v in received.items() if len(v) < n_ranks},
                        "hb_gap_s": round(hb_gap[0], 3), "hb_gap_rank": hb_gap[1], "hb_gap_at": hb_gap[2],
                        "loop_gap_s": round(loop_gap, 3), "orders_via": dict(via)}, f)
         os.replace(summary_path + ".tmp", summary_path)
@@ -408,7 +408,7 @@ def simulate(a) -> None:
                 stop_after = time.monotonic()
         # (counted only while a report is due: this loop turns hundreds of times a second, on the CPU
         # the controller is measured on)
-        live = n - (silenced is not None)
+        live = n_ranks - (silenced is not None)
         if report_at and (len(got_stop) - (silenced in got_stop) == live or time.monotonic() > report_at):
             print(json.dumps({"stop_received": len(got_stop), "of": live,
                               "last_stop": max(got_stop.values()) if got_stop else None}), flush=True)

@@ -100,23 +100,27 @@ def holders(world: int, statuses: Mapping[int, Mapping[str, Any]],
     answer. ``unusable``: ranks that answered but hold nothing usable otherwise.
     Every other rank is lost; its replica group is the known one, or the survivors' group that
     names it, or just itself (a whole replica group lost: its shard is reported missing)."""
-    known = {int(r): list(g) for r, g in (groups or {}).items() if g}
-    s: Mapping[str, Any] | None
-    for s in statuses.values():
-        for m in s.get("replica_group") or ():
-            known.setdefault(int(m), list(s["replica_group"]))
     unusable = set(unusable)
     out: Holders = {}
+    s: Mapping[str, Any] | None
     for r in range(world):
         s = statuses.get(r)
         if s is not None and "iteration" in s:
             out[r] = {"iteration": int(s["iteration"]), "updating": bool(s.get("updating", False)),
                       "touched": bool(s.get("touched", True)), "replica_group": list(s["replica_group"]),
                       "alive": r not in unusable and not s.get("poisoned", False)}
-        else:
+    if len(out) == world:
+        return out
+    # (the lost ranks' groups: as registered, else as a survivor of the same group says)
+    known = {int(r): list(g) for r, g in (groups or {}).items() if g}
+    for s in statuses.values():
+        for m in s.get("replica_group") or ():
+            known.setdefault(int(m), list(s["replica_group"]))
+    for r in range(world):
+        if r not in out:
             out[r] = {"iteration": -1, "updating": False, "touched": False, "alive": False,
                       "replica_group": known.get(r, [r])}
-    return out
+    return {r: out[r] for r in range(world)}
 
 
 def plan_dump(holders: Holders, fallback: tuple[int, str] | None = None) -> DumpPlan:
@@ -133,7 +137,7 @@ def _plan_dump(holders: Holders, fallback: tuple[int, str] | None = None
     shards: dict[Shard, list[int]] = {}
     shard_of: dict[int, Shard] = {}
     for rank, h in holders.items():
-        group = tuple(sorted(int(r) for r in h["replica_group"]))
+        group = tuple(sorted(map(int, h["replica_group"])))
         if rank not in group:
             raise ValueError(f"rank {rank} is not in its own replica group {list(group)}")
         shards.setdefault(group, []).append(rank)
@@ -141,7 +145,14 @@ def _plan_dump(holders: Holders, fallback: tuple[int, str] | None = None
     for group, members in shards.items():
         if sorted(members) != list(group) and any(r in holders for r in group if r not in members):
             raise ValueError(f"replica group {list(group)} is not reported consistently by its ranks")
-    serves = {r: servable(h) for r, h in holders.items()}
+    # (most holders are alike — at rest at one iteration — and each alike holder gets the same set,
+    # which nothing changes)
+    alike: dict[tuple[Any, ...], set[int]] = {}
+    serves = {}
+    for r, h in holders.items():
+        key = (h.get("alive", True), h["iteration"], h.get("updating", False), h.get("touched", True))
+        got = alike.get(key)
+        serves[r] = got if got is not None else alike.setdefault(key, servable(h))
 
     missing = tuple(sorted(g for g in shards if not any(serves[r] for r in shards[g])))
     if missing:

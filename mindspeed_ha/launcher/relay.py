@@ -170,7 +170,9 @@ def results_frame(node_rank: int, items: list[dict[str, Any]]) -> bytes:
     each with only what is its own when they answer one order (``shared``: what they have alike)."""
     alike: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for item in items:
-        key = tuple(msgpack.packb(item.get(k)) for k in ALIKE)
+        # (action, id, ok and error are a str, an int, a bool and a str or None, as decoded: equal
+        # values are alike; data is compared by its msgpack encoding, so that True is not 1)
+        key = (item["action"], item["id"], item["ok"], item.get("error"), msgpack.packb(item.get("data")))
         alike.setdefault(key, []).append(item)
     single, same = [], []
     for group in alike.values():

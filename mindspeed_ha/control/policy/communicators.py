@@ -58,6 +58,13 @@ def to_remake(statuses: dict[int, dict[str, Any]], fresh: Iterable[int]) -> dict
     return remake
 
 
+def count_groups(statuses: dict[int, dict[str, Any]]) -> int:
+    """How many groups the ranks said they are members of (each list of keys read once: the ranks of a
+    node that answered through their agent share one)."""
+    lists = {id(keys): keys for st in statuses.values() if isinstance(keys := (st.get("comm") or {}).get("keys"), list)}
+    return len({key for keys in lists.values() for key in keys})
+
+
 def _why(members: list[int], counts: dict[int, int], odd: dict[int, list[Any]], fresh: set[int]) -> str:
     """Why one group is remade ('' : it is kept). ``counts``: each answering member's count of
     collectives; ``odd``: [state, sent, received] of the members that said more than that."""

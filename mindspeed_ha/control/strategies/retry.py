@@ -93,7 +93,7 @@ def remake_args(ep: Episode) -> dict[str, Any]:
     """Which groups get a new communicator: those the fault reached (``policy.communicators``); every
     other group keeps its own. ``{}``: every group (a rank said nothing of its communicators)."""
     remake = communicators.to_remake(ep.statuses, ep.joiners)
-    groups = len({key for st in ep.statuses.values() for key in (st.get("comm") or {}).get("keys", ())})
+    groups = communicators.count_groups(ep.statuses)
     if remake is None:
         log.info("%s: every communicator is remade (a rank said nothing of its own)", ep.strategy)
     else:

@@ -68,7 +68,12 @@ def _list_of(v: object, ok: Callable[[object], bool]) -> bool:
 
 
 def _is_ints(v: object) -> bool:
-    return _list_of(v, _is_index)
+    if not isinstance(v, list) or len(v) > MAX_LIST:
+        return False
+    for x in v:  # (ranks and pids: ints as decoded, judged inline; anything else by _is_index)
+        if not (type(x) is int and 0 <= x < MAX_INT) and not _is_index(x):
+            return False
+    return True
 
 
 def _whole(t: str) -> Callable[[object], bool]:
