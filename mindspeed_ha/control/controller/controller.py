@@ -41,6 +41,7 @@ from ..policy.states import TABLE, TIMEOUTS, Machine, Outcome as O, State as S
 from ..wire import discovery, hosts, protocol, security
 from ..wire.router import Router
 from ..strategies import DUMP
+from .collector import CollectorHold
 from .detection import Detection
 from .ending import Ending
 from .inbox import Inbox
@@ -271,6 +272,7 @@ class Controller:
         self.handlers = self.inbox.handlers()
         # the strategies played (what the playbooks see of this controller: PlaybookPort), their faults
         # found, and the job's end
+        self.collector = CollectorHold()
         self.recovery = Recovery(PlaybookPort(self), self.options, self.world, self.table, self.orders, self.ledger,
                                  self.restarts, recurrences, self.scaling, self.events)
         self.detection = Detection(helper_port, self.options, self.table, self.ledger, self.orders, self.restarts,
@@ -295,6 +297,7 @@ class Controller:
         if self._thread and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self.metrics.close()
+        self.collector.release()
 
     def retire(self) -> None:
         """Handed over to a standby: stop controlling (the router flushes what was sent as it closes)."""
@@ -346,6 +349,10 @@ class Controller:
                                      "seconds": round(seconds, 4)})
         log.info("state %s -(%s)-> %s after %.3fs", old.value, outcome.value, new.value, seconds)
         self.refresh_ack()
+        if new == S.PAUSE:  # (a fault, or a planned pause: a recovery begins)
+            self.collector.hold()
+        elif new in (S.EXIT, S.DONE):
+            self.collector.release()
 
     def feed(self, outcome: O) -> None:
         """The state machine's next outcome; the new state's work runs at once."""
@@ -388,6 +395,8 @@ class Controller:
         st = self.machine.state
         if st == S.NORMAL:  # first: the last step may also end the job
             self.recovery.check_first_step(now, self.scaling.waiting())
+            if self.recovery.first_step is None:  # (the recovery is over: the collector runs again)
+                self.collector.release()
         if st == S.NORMAL and self.scaling.offered and self.scaling.ended_without():
             return
         if st in (S.NORMAL, S.INIT) and self.table.ranks and self.table.all_over() and not self.ledger.active:
