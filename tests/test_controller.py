@@ -124,7 +124,8 @@ def test_answers_of_any_size_travel_whole(tmp_path, controller):
         ranks.pump(5, until=lambda: c.machine.state.value == "normal")
         ranks.socks[3].send(protocol.encode("fault", rank=3, kind="other", iteration=6, phase="backward",
                                             detail="RuntimeError: boom", at=time.time()))
-        ranks.pump(15, until=lambda: c.machine.state.value in ("exit", "done"))
+        # (EXIT's work, the diagnosis, runs just after the state is entered)
+        ranks.pump(15, until=lambda: c.machine.state.value in ("exit", "done") and c.ending.last_diagnosis)
         assert ("dump", "exit", "ok") in states(tmp_path), states(tmp_path)
         cp = [e for e in read_events(str(tmp_path / "events" / "controller.jsonl")) if e["event"] == "checkpoint"]
         assert cp and cp[0]["path"] == save + "/iter_0000005"

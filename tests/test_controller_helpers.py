@@ -681,3 +681,25 @@ def test_answers_given_alike_go_once_naming_their_ranks_and_count_as_each_ranks_
     assert [i["data"] for i in msg["items"]] == [{"rank": 0, "comm": {"members": {"dp": [0, 2]}}}, {"rank": 1}]
     handlers["results"](b"agent0", msg)
     assert job.orders.answered[sid] == {r: (True, st) for r, st in statuses.items()}
+
+
+def test_an_order_is_quiet_while_a_live_rank_owes_it_and_nothing_went_wrong():
+    """``Orders.quiet``, what lets a round wait without looking at all its answers: true while a live
+    rank still owes one and no answer failed, no rank that owed one died; false once any of that is so."""
+    job = Job()
+    oid = job.orders.send("rebuild", [0, 1, 2, 3])
+    assert job.orders.quiet(oid)
+    for r in (0, 1, 2):
+        job.orders.answer(r, oid, True, "ok")
+    assert job.orders.quiet(oid)  # (rank 3 owes it)
+    job.table.ranks[3].done = True  # (it ended its job: it owes nothing a round can wait for)
+    assert not job.orders.quiet(oid)
+    job.table.ranks[3].done = False
+    job.orders.answer(3, oid, True, "ok")
+    assert not job.orders.quiet(oid)  # (answered by all)
+    failed = job.orders.send("rollback", [0, 1, 2, 3])
+    job.orders.answer(1, failed, False, "boom")
+    assert not job.orders.quiet(failed)
+    lost = job.orders.send("resume", [0, 1, 2, 3])
+    job.orders.excuse([2])
+    assert not job.orders.quiet(lost) and job.orders.waiting(lost) == {0, 1, 3}

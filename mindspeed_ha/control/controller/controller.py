@@ -85,6 +85,9 @@ class PlaybookPort:
     def answers(self, order_id: int) -> dict[int, Answer]:
         return self._c.orders.answers(order_id)
 
+    def quiet(self, order_id: int) -> bool:
+        return self._c.orders.quiet(order_id)
+
     def live(self) -> set[int]:
         return self._c.table.live()
 

@@ -39,6 +39,8 @@ class Pending:
     results: dict[int, Answer] = dataclasses.field(default_factory=dict)
     sent: float = dataclasses.field(default_factory=time.monotonic)
     via: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> the node whose agent relayed it
+    failed: bool = False              # an answer so far was a failure
+    excused: bool = False             # a rank that owed one died
 
 
 class Orders:
@@ -119,6 +121,7 @@ class Orders:
             return None
         pend.waiting.discard(r)
         pend.results[r] = (ok, data)
+        pend.failed = pend.failed or not ok
         if not pend.waiting:
             self.answered[oid] = self.pending.pop(oid).results
         return pend
@@ -127,6 +130,20 @@ class Orders:
         """rank -> (ok, data or error text) for every rank that has answered so far."""
         pend = self.pending.get(oid)
         return dict(pend.results) if pend else self.answered.get(oid, {})
+
+    def quiet(self, oid: int) -> bool:
+        """A live rank still owes its answer to order ``oid``, and nothing went wrong so far (no
+        answer failed, no rank that owed one died): the round has nothing to decide yet. Cheap at
+        any size (it stops at the first such rank), where the answers so far are as many as ranks."""
+        pend = self.pending.get(oid)
+        if pend is None or pend.failed or pend.excused:
+            return False
+        ranks = self.table.ranks
+        for r in pend.waiting:
+            info = ranks.get(r)
+            if info is not None and info.alive and not info.done:
+                return True
+        return False
 
     def waiting(self, oid: int | None) -> set[int]:
         """The ranks that still owe an answer to order ``oid``."""
@@ -137,6 +154,7 @@ class Orders:
         """These ranks are dead (or condemned): they owe no answers, nor do their successors."""
         gone = set(ranks)
         for pend in self.pending.values():
+            pend.excused = pend.excused or bool(pend.waiting & gone)
             pend.waiting -= gone
 
     def resend(self, r: int) -> None:
