@@ -242,10 +242,15 @@ def simulate(a) -> None:
         actions = chain(msg)
         return first if len(actions) == 1 or first is None else [first, one_answer(r, actions[1])]
 
+    statuses: dict = {}  # (a rank's status, made once: a real rank makes its own on its own host)
+
     def one_answer(r, action):
         data = None
         if action == "ha-status":
-            data = {"replica": True, "rank": r, "iteration": 10, "updating": False, "touched": True,
+            data = statuses.get(r)
+            if data is None:
+                data = statuses[r] = {
+                    "replica": True, "rank": r, "iteration": 10, "updating": False, "touched": True,
                     "replica_group": sorted([r, (r + half) % a.world]), "trainer_iteration": 10, "ended": 10,
                     **({} if a.no_comm else {"comm": communicators(r, a.world)})}
         elif action in ("stop", "rebuild", "repair", "rollback", "resume"):
