@@ -23,6 +23,7 @@ from mindspeed_ha.events import read_events
 END_EVENTS = ("recovered", "scaled_out", "diagnosis")
 PHASE_COLORS = {"detect": "tab:gray", "stop": "tab:orange", "status": "tab:olive", "rebuild": "tab:red",
                 "repair": "tab:purple", "reload": "tab:purple", "rollback": "tab:pink", "resume": "tab:cyan",
+                "rebuild+repair": "tab:purple", "rollback+resume": "tab:pink",  # (two rounds as one order)
                 "first_step": "tab:blue", "scale-in": "tab:brown", "scale-out": "tab:brown"}
 
 
