@@ -387,3 +387,21 @@ def test_the_cyclic_collector_is_held_through_a_recovery_and_runs_again_after_it
     finally:
         ranks.close()
         gc.enable()
+
+
+def test_the_collector_hold_leaves_a_collector_that_was_off_as_it_was():
+    from mindspeed_ha.control.controller.collector import CollectorHold
+    hold = CollectorHold()
+    try:
+        hold.entered("pause")
+        assert hold.held and not gc.isenabled()
+        hold.entered("recovering")
+        assert not gc.isenabled()
+        hold.entered("exit")
+        assert not hold.held and gc.isenabled()
+        gc.disable()  # (the job's own choice, e.g. Megatron-LM's --manual-gc)
+        hold.entered("pause")
+        hold.release()
+        assert not hold.held and not gc.isenabled()
+    finally:
+        gc.enable()

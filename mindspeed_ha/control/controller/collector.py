@@ -17,6 +17,14 @@ class CollectorHold:
     def __init__(self) -> None:
         self.held = False
 
+    def entered(self, state: str) -> None:
+        """The controller's state machine moved: a pause begins a recovery (a fault's, or a planned
+        one's); the job's end ends it. Its first step's end is told by ``release``."""
+        if state == "pause":
+            self.hold()
+        elif state in ("exit", "done"):
+            self.release()
+
     def hold(self) -> None:
         if not self.held and gc.isenabled():
             gc.disable()

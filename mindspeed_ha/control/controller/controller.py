@@ -352,10 +352,7 @@ class Controller:
                                      "seconds": round(seconds, 4)})
         log.info("state %s -(%s)-> %s after %.3fs", old.value, outcome.value, new.value, seconds)
         self.refresh_ack()
-        if new == S.PAUSE:  # (a fault, or a planned pause: a recovery begins)
-            self.collector.hold()
-        elif new in (S.EXIT, S.DONE):
-            self.collector.release()
+        self.collector.entered(new.value)
 
     def feed(self, outcome: O) -> None:
         """The state machine's next outcome; the new state's work runs at once."""
@@ -398,7 +395,7 @@ class Controller:
         st = self.machine.state
         if st == S.NORMAL:  # first: the last step may also end the job
             self.recovery.check_first_step(now, self.scaling.waiting())
-            if self.recovery.first_step is None:  # (the recovery is over: the collector runs again)
+            if self.recovery.first_step is None:  # (the recovery is over)
                 self.collector.release()
         if st == S.NORMAL and self.scaling.offered and self.scaling.ended_without():
             return
