@@ -9,9 +9,11 @@ iteration every shard has a healthy holder for (``plan``, the dump's own planner
 new communicators where the fault reached (``rebuild``: the others are kept); broken or lagging shards are copied from their twins and the weights
 re-gathered (``repair``), or, where no twin can serve, every rank reloads the newest periodic
 checkpoint (``reload``); every rank goes back to the start of the failed step, or finishes it if its
-update had completed everywhere (``rollback``); training resumes. ``a+b``: one order, each rank does
-``a`` then ``b`` (``Round.with_next``); the rebuild and the repair are two where a restarted rank joins. After the last stage the job trains
+update had completed everywhere (``rollback``); training resumes. After the last stage the job trains
 again, and the first step every rank completes closes the recovery (``episode.FirstStep``).
+
+``a+b``: one order, each rank does ``a`` then ``b`` (``Round.with_next``); the rebuild and the repair
+are two orders where a restarted rank joins.
 
 recover plays these rounds too (with its restart), and the resizes their status, rollback and resume.
 What each round asks of a rank is in ``mindspeed_ha.rank.recovery.handlers`` (same names).
