@@ -138,3 +138,61 @@ def test_a_killed_rank_1_is_recovered_with_only_its_groups_and_those_it_reached_
     assert all(1 in m for m in last[1]["remade"]) and last[1]["kept"] == []
     for r in (0, 2, 4, 6):
         assert [0, 2, 4, 6] in last[r]["kept"], last[r]
+
+
+# ---- the connection's gate (comm/groups._await_members) -------------------------------------------------
+class _Stopped(Exception):
+    pass
+
+
+def _member(store, rank, size, leave, timeout_s=5.0):
+    """One member's wait for the others: "connect", or why it left (``leave``: raises its stop)."""
+    import datetime
+
+    from mindspeed_ha.comm.groups import _await_members
+    try:
+        _await_members(store, rank, size, datetime.timedelta(seconds=timeout_s), f"group of {size}", leave)
+        return "connect"
+    except (_Stopped, TimeoutError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _stopped_at(n, before=lambda: None):
+    """A stop that comes at the member's ``n``-th look for it (``before`` runs first)."""
+    looks = []
+
+    def leave():
+        looks.append(1)
+        if len(looks) >= n:
+            before()
+            raise _Stopped("stopped")
+    return leave
+
+
+def test_a_member_that_leaves_on_a_stop_before_the_others_came_keeps_them_all_out_of_the_connect():
+    """Rank 0 comes and is stopped before rank 1 comes: rank 1 finds both here, but the gate is closed,
+    so it does not connect to a rank that has gone; it leaves at its own stop (or, never stopped, at
+    the group's timeout, saying why)."""
+    import torch.distributed as dist
+    store = dist.HashStore()
+    assert _member(store, 0, 2, _stopped_at(2)) == "_Stopped: stopped"
+    assert store.get("gate") == b"closed" and store.check(["here/0"])
+    assert _member(store, 1, 2, _stopped_at(2)) == "_Stopped: stopped"
+    late = _member(store, 1, 2, lambda: None, timeout_s=0.2)
+    assert late.startswith("TimeoutError") and "a member left its connection on a stop" in late, late
+
+
+def test_once_every_member_is_here_each_connects_even_one_stopped_since():
+    """Rank 1 comes while rank 0 waits, finds both here and opens the gate; rank 0's stop comes just
+    after: it connects all the same (rank 1 is connecting to it), and leaves at its next wait. A member
+    stopped before it came is never known here: it leaves without a word."""
+    import torch.distributed as dist
+    store = dist.HashStore()
+
+    def rank1_comes():
+        store.set("here/1", b"1")
+        assert store.compare_set("gate", "", "open") == b"open"
+    assert _member(store, 0, 2, _stopped_at(2, rank1_comes)) == "connect"
+    assert _member(dist.HashStore(), 0, 2, _stopped_at(1)) == "_Stopped: stopped"
+    alone = _member(dist.HashStore(), 0, 2, lambda: None, timeout_s=0.05)
+    assert alone == "TimeoutError: 'group of 2': member(s) [1] did not come within 0 s", alone

@@ -438,6 +438,29 @@ def test_a_rank_lost_while_the_others_rebuild_their_communicators(tmp_path, ref)
     assert rec[0]["mttr_s"] < 20, rec[0]  # not the rebuild's 60 s timeout
 
 
+def test_a_rank_whose_rebuild_fails_in_the_merged_order_is_rebuilt_again_and_nobody_waits_for_it(tmp_path, ref):
+    """A memory error on rank 2 in step 5; rank 1's rebuild raises (rebuild and repair are one order).
+    Its failed answer is a new fault at once, and the others leave their rebuild at the stop. Rank 2
+    comes to its rebuild 0.3 s late (``slow``), so ranks 0 and 3 are waiting for it in a connect when
+    the stop comes, and leave; rank 2 then finds them named in that connect's rendezvous, but not
+    coming: it must not connect (it sat in gloo's connect for 30 s, until the hang limit had it
+    restarted). The recovery starts over with both faults; recover takes a fault of kind "other", and
+    rank 1's process is alive, so it is rebuilt in place, not restarted. Every loss the same."""
+    proc = job(tmp_path, inject="uce:rank=2:step=5:phase=backward,exception:rank=1:step=5:phase=rebuild,"
+               "slow:rank=2:step=5:phase=rebuild:factor=4,slow:rank=2:step=6:phase=forward:factor=1", extra=ARF)
+    assert_ok(proc)
+    assert losses(tmp_path) == ref["dp4"]
+    assert sorted(e["rank"] for e in all_rank_events(tmp_path) if e["event"] == "start") == [0, 1, 2, 3]
+    faults = [e for e in events(tmp_path, "controller") if e["event"] == "fault"]
+    assert [(e["ranks"], e["kind"], e["phase"]) for e in faults] == \
+        [([2], "memory-error", "backward"), ([1], "other", "recovery")], faults
+    assert faults[1]["detail"].startswith("rebuild+repair failed (rank 1: rebuild: InjectedError"), faults[1]
+    rec = [e for e in events(tmp_path, "controller") if e["event"] == "recovered"]
+    assert [(e["strategy"], e["lost_steps"]) for e in rec] == [("recover", 0)], rec
+    assert rec[0]["time"] - faults[0]["time"] < 10, (rec, faults)  # (not a connect's 30 s timeout)
+    twins_agree(tmp_path, rec)
+
+
 @extended_test
 def test_twelve_repairs_leave_fds_and_threads_flat(tmp_path):
     """Twelve in-place repairs in one job (memory errors on every rank at every phase, and broken

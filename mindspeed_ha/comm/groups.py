@@ -28,7 +28,7 @@ import hashlib
 import threading
 import time
 import weakref
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -343,10 +343,21 @@ def make_communicator(store, rank: int, size: int, backend: str, timeout: dateti
 _EAGER_S, _EAGER_PAUSE_S, _PATIENT_PAUSE_S = 0.05, 0.001, 0.005
 
 
-def _await_members(store, rank: int, size: int, timeout: datetime.timedelta, group: StableGroup) -> None:
-    """Wait until every member has come to connect, leaving on a stop as a collective would: the
-    backends' own connect blocks in C++ until its timeout when a member never comes (lost during the
-    rebuild), and the controller, replanning with that loss, would wait in vain for this rank.
+def _await_members(store, rank: int, size: int, timeout: datetime.timedelta, group: StableGroup,
+                   leave: Callable[[], None] | None = None) -> None:
+    """Wait until every member has come to connect, leaving on a stop (``leave`` raises it) as a
+    collective would: the backends' own connect blocks in C++ until its timeout when a member never
+    comes (lost during the rebuild), and the controller, replanning with that loss, would wait in vain
+    for this rank.
+
+    A member that leaves must not leave another in that connect: one that came after it would find
+    every member here and connect to a rank that has gone (a survivor of a rebuild whose peer failed
+    its order sat there for the backend's whole timeout, deaf to the controller). So the connect has
+    a gate in the store, opened by the first member to find all the others here, closed by the first
+    that leaves before that; whichever comes first holds (``compare_set``): once it is open, every
+    member connects (one stopped since connects too, its peers are connecting to it, and leaves at
+    its next wait); once closed, none does, and each leaves at its own stop.
+
     Polled from 0.25 ms up to 1 ms between looks for the first 50 ms, then up to 5 ms: members
     arrive within a millisecond or two of one another, and every look past the last one's arrival
     is on the critical path of the whole layout, group after group (a rank that slept up to 5 ms
@@ -354,15 +365,30 @@ def _await_members(store, rank: int, size: int, timeout: datetime.timedelta, gro
     longer (a joiner still building) is looked for less often. (The store's own wait with a short
     timeout logs two warnings from C++ at every expiry.)"""
     from mindspeed_ha.comm.interruptible import PROCESS_STOP
+    leave = leave or PROCESS_STOP.raise_if_stopped
+    leave()  # (before it is known here: nobody may connect to a rank that never came)
     store.set(f"here/{rank}", b"1")
     keys = [f"here/{r}" for r in range(size)]
     now = time.monotonic()
     deadline, patient = now + timeout.total_seconds(), now + _EAGER_S
     pause = 0.00025
-    while not store.check(keys):
-        PROCESS_STOP.raise_if_stopped()
+    gate = b""  # (as this rank last saw it: b"", b"open" or b"closed")
+    while True:
+        if not gate and store.check(keys):
+            gate = store.compare_set("gate", "", "open")
+            if gate == b"open":
+                return
+        try:
+            leave()
+        except BaseException:
+            if gate or store.compare_set("gate", "", "closed") == b"closed":
+                raise
+            return  # (it opened meanwhile: connect, then leave)
         now = time.monotonic()
         if now > deadline:
+            if gate:
+                raise TimeoutError(f"{group!r}: a member left its connection on a stop, and none came here "
+                                   f"within {timeout.total_seconds():.0f} s")
             missing = [r for r in range(size) if not store.check([f"here/{r}"])]
             raise TimeoutError(f"{group!r}: member(s) {missing} did not come within {timeout.total_seconds():.0f} s")
         time.sleep(pause)
