@@ -242,17 +242,19 @@ def simulate(a) -> None:
         actions = chain(msg)
         return first if len(actions) == 1 or first is None else [first, one_answer(r, actions[1])]
 
-    statuses: dict = {}  # (a rank's status, made once: a real rank makes its own on its own host)
+    def status(r) -> dict:
+        return {"replica": True, "rank": r, "iteration": 10, "updating": False, "touched": True,
+                "replica_group": sorted([r, (r + half) % a.world]), "trainer_iteration": 10, "ended": 10,
+                **({} if a.no_comm else {"comm": communicators(r, a.world)})}
+
+    # Each rank's status, made before the fault: a real rank makes its own on its own host, all at once;
+    # here thousands would be made in turn, inside the round, on the cores the controller is measured on.
+    statuses = {r: status(r) for r in ranks} if a.respond else {}
 
     def one_answer(r, action):
         data = None
         if action == "ha-status":
-            data = statuses.get(r)
-            if data is None:
-                data = statuses[r] = {
-                    "replica": True, "rank": r, "iteration": 10, "updating": False, "touched": True,
-                    "replica_group": sorted([r, (r + half) % a.world]), "trainer_iteration": 10, "ended": 10,
-                    **({} if a.no_comm else {"comm": communicators(r, a.world)})}
+            data = statuses[r]
         elif action in ("stop", "rebuild", "repair", "rollback", "resume"):
             data = {"rollback": "rollback", "repair": {"received": 0}}.get(action, "ok")
         return data
