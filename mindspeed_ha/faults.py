@@ -66,26 +66,28 @@ CUDA_STICKY_MARKERS = (
 )
 
 
-def _chain(exc: BaseException | None) -> Iterator[BaseException]:
-    seen = set()
+def _chain(exc: BaseException | None, handling: BaseException | None = None) -> Iterator[BaseException]:
+    seen = {id(handling)} if handling is not None else set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         yield exc
         exc = exc.__cause__ or exc.__context__
 
 
-def _text(exc: BaseException) -> str:
-    return " | ".join(f"{type(e).__name__}: {e}" for e in _chain(exc)).lower()
+def _text(exc: BaseException, handling: BaseException | None = None) -> str:
+    return " | ".join(f"{type(e).__name__}: {e}" for e in _chain(exc, handling)).lower()
 
 
-def classify(exc: BaseException) -> str:
-    """``"memory"`` | ``"comm"`` | ``"other"`` for an exception raised in a training step."""
+def classify(exc: BaseException, handling: BaseException | None = None) -> str:
+    """``"memory"`` | ``"comm"`` | ``"other"`` for an exception raised in a training step (``handling``:
+    the exception that was being handled where ``exc`` was raised, which Python chains to it as its
+    context: it and what it chains are not ``exc``'s, and are left out)."""
     import torch
 
-    chain = list(_chain(exc))
+    chain = list(_chain(exc, handling))
     if any(isinstance(e, MemoryFault) for e in chain):
         return "memory"
-    text = _text(exc)
+    text = _text(exc, handling)
     if any(m in text for m in MEMORY_MARKERS):
         return "memory"
     if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text:
@@ -100,9 +102,9 @@ def classify(exc: BaseException) -> str:
     return "other"
 
 
-def fault_kind(exc: BaseException) -> str:
+def fault_kind(exc: BaseException, handling: BaseException | None = None) -> str:
     """The fault's kind as the controller names it: memory-error, comm-failure or other."""
-    return {"memory": "memory-error", "comm": "comm-failure"}.get(classify(exc), "other")
+    return {"memory": "memory-error", "comm": "comm-failure"}.get(classify(exc, handling), "other")
 
 
 # The exceptions a user's step raises that are its own software's errors, not the machine's: a retry on

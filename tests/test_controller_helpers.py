@@ -703,3 +703,28 @@ def test_an_order_is_quiet_while_a_live_rank_owes_it_and_nothing_went_wrong():
     lost = job.orders.send("resume", [0, 1, 2, 3])
     job.orders.excuse([2])
     assert not job.orders.quiet(lost) and job.orders.waiting(lost) == {0, 1, 3}
+
+
+def test_a_failed_answers_fault_kind_travels_through_the_agent_alike_or_alone():
+    """Ranks 0 and 1 failed the rebuild alike with a memory error, rank 2 with a communication error,
+    rank 3 with an error of no kind: the agent's frame keeps each kind (the alike ones once), and the
+    controller files each rank's (``Orders.kind``; "other" where none was named, or one no strategy
+    knows)."""
+    from mindspeed_ha.launcher.relay import results_frame
+    job = Job()
+    handlers = job.inbox().handlers()
+    a0 = job.agent(0, [0, 1, 2, 3])
+    a0.relay, a0.relayed = True, {r: 100 + r for r in range(4)}
+    oid = job.orders.send("rebuild", [0, 1, 2, 3])
+    item = {"v": protocol.VERSION, "t": "result", "action": "rebuild", "id": oid, "ok": False}
+    uce = {"error": "rebuild: MemoryFault: UCE", "kind": "memory-error"}
+    items = [{**item, "rank": r, "pid": 100 + r, **uce} for r in (0, 1)]
+    items += [{**item, "rank": 2, "pid": 102, "error": "rebuild: CommFault: down", "kind": "comm-failure"},
+              {**item, "rank": 3, "pid": 103, "error": "rebuild: ValueError: bad"}]
+    msg = protocol.decode(results_frame(0, items))
+    assert [(s["ranks"], s["kind"]) for s in msg["same"]] == [([0, 1], "memory-error")]
+    handlers["results"](b"agent0", msg)
+    assert [job.orders.kind(oid, r) for r in range(4)] == ["memory-error", "memory-error", "comm-failure", "other"]
+    other = job.orders.send("repair", [0])
+    job.orders.answer(0, other, False, "boom", "process-exit")  # (not a kind a failed answer can name)
+    assert job.orders.kind(other, 0) == "other"

@@ -461,6 +461,22 @@ def test_a_rank_whose_rebuild_fails_in_the_merged_order_is_rebuilt_again_and_nob
     twins_agree(tmp_path, rec)
 
 
+def test_a_memory_error_in_a_ranks_rebuild_is_retried_with_the_first(tmp_path, ref):
+    """A memory error on rank 2 in step 5, and another on rank 1 in its rebuild for that recovery (in
+    the merged rebuild+repair order). Rank 1's failed answer names its fault's kind, so the new fault
+    is a memory error, which retry takes: the recovery starts over with both, each shard comes back
+    from its twin, nobody restarts, every loss the same (a failure of kind "other" would leave only
+    the dump, under retry alone)."""
+    proc = job(tmp_path, inject="uce:rank=2:step=5:phase=backward,uce:rank=1:step=5:phase=rebuild")
+    rec = check_recovered(proc, tmp_path, ref["dp4"])
+    faults = [e for e in events(tmp_path, "controller") if e["event"] == "fault"]
+    assert [(e["ranks"], e["kind"], e["phase"]) for e in faults] == \
+        [([2], "memory-error", "backward"), ([1], "memory-error", "recovery")], faults
+    assert {(tuple(f["ranks"]), f["kind"]) for f in rec[0]["faults"]} == {((2,), "memory-error"), ((1,), "memory-error")}
+    repaired = {e["rank"]: e["sources"] for e in all_rank_events(tmp_path) if e["event"] == "repaired"}
+    assert repaired[1] == [TWIN[1]] and repaired[2] == [TWIN[2]], repaired
+
+
 @extended_test
 def test_twelve_repairs_leave_fds_and_threads_flat(tmp_path):
     """Twelve in-place repairs in one job (memory errors on every rank at every phase, and broken

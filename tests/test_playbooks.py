@@ -70,7 +70,7 @@ class FakePort:
     def hung(self, ranks, detail):
         self.hangs.append((list(ranks), detail))
 
-    def failed(self, ranks, detail):
+    def failed(self, ranks, detail, order_id):
         self.failures.append((list(ranks), detail))
 
     def condemn(self, ranks):

@@ -188,3 +188,45 @@ def test_an_order_that_carries_the_next_runs_both_and_answers_once():
         orders.route("rollback", 6, {"then": [then, {}]})
         assert orders.serve_order(timeout=1.0) == "rollback" and ran == []
         assert not sent[-1]["ok"] and f"no handler for {then!r} after 'rollback'" in sent[-1]["error"]
+
+
+def test_a_failed_answer_names_its_faults_kind_where_the_handler_raised_a_memory_or_communication_error():
+    """A handler that raised a memory error (alone, or the first or second of a merged order) or a
+    communication error: the failed answer says its kind, so the controller's new fault is one that
+    retry takes. Any other error names none (the controller counts it as "other")."""
+    import contextlib
+
+    from mindspeed_ha.control.wire import protocol
+    from mindspeed_ha.faults import CollectiveStopped, CommFault, MemoryFault
+    from mindspeed_ha.rank.processor.held import HeldWatch
+    from mindspeed_ha.rank.processor.serving import Orders
+    sent = []
+    orders = Orders(0, {}, lambda frame, aid: sent.append(protocol.decode(frame)), HeldWatch(lambda: ""),
+                    contextlib.nullcontext)
+    errors = {"uce": MemoryFault("UCE ERROR: page 7"), "link": CommFault("link down"), "bug": ValueError("bad")}
+
+    def raising(args):
+        if args.get("raise"):
+            raise errors[args["raise"]]
+        return "ok"
+    orders.serve({"rebuild": raising, "repair": raising}, training_thread=True)
+    cases = [({"raise": "uce"}, "memory-error"), ({"raise": "link"}, "comm-failure"), ({"raise": "bug"}, None),
+             ({"then": ["repair", {"raise": "uce"}]}, "memory-error"),
+             ({"raise": "uce", "then": ["repair", {}]}, "memory-error")]
+    for aid, (args, kind) in enumerate(cases, 1):
+        orders.route("rebuild", aid, args)
+        orders.serve_order(timeout=1.0)
+        assert (sent[-1]["id"], sent[-1]["ok"], sent[-1].get("kind")) == (aid, False, kind), (args, sent[-1])
+    # The training thread serves orders while it handles its step's fault (a collective it left on the
+    # stop, a memory error): Python chains that to whatever a handler raises, as its context; it is not
+    # the handler's fault, and does not name its kind.
+    for step_fault in (CollectiveStopped("stopped by request"), MemoryFault("UCE ERROR: the step's")):
+        for n, (args, kind) in enumerate([({"raise": "bug"}, None), ({"raise": "uce"}, "memory-error"),
+                                          ({"then": ["repair", {"raise": "bug"}]}, None)]):
+            aid = 10 + n
+            try:
+                raise step_fault
+            except type(step_fault):
+                orders.route("rebuild", aid, args)
+                orders.serve_order(timeout=1.0)
+            assert (sent[-1]["id"], sent[-1]["ok"], sent[-1].get("kind")) == (aid, False, kind), (step_fault, args)

@@ -161,7 +161,7 @@ class RelayHub:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-ALIKE = ("action", "id", "ok", "data", "error")
+ALIKE = ("action", "id", "ok", "data", "error", "kind")
 
 
 def results_frame(node_rank: int, items: list[dict[str, Any]]) -> bytes:
@@ -170,9 +170,10 @@ def results_frame(node_rank: int, items: list[dict[str, Any]]) -> bytes:
     each with only what is its own when they answer one order (``shared``: what they have alike)."""
     alike: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for item in items:
-        # (action, id, ok and error are a str, an int, a bool and a str or None, as decoded: equal
+        # (action, id, ok, error and kind are a str, an int, a bool and a str or None, as decoded: equal
         # values are alike; data is compared by its msgpack encoding, so that True is not 1)
-        key = (item["action"], item["id"], item["ok"], item.get("error"), msgpack.packb(item.get("data")))
+        key = (item["action"], item["id"], item["ok"], item.get("error"), item.get("kind"),
+               msgpack.packb(item.get("data")))
         alike.setdefault(key, []).append(item)
     single, same = [], []
     for group in alike.values():

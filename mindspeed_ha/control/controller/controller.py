@@ -122,8 +122,12 @@ class PlaybookPort:
     def hung(self, ranks: list[int], detail: str) -> None:
         self._fault_in_recovery(ranks, "hang", detail)
 
-    def failed(self, ranks: list[int], detail: str) -> None:
-        self._fault_in_recovery(ranks, "other", detail)
+    def failed(self, ranks: list[int], detail: str, order_id: int) -> None:
+        by_kind: dict[str, list[int]] = {}
+        for r in ranks:
+            by_kind.setdefault(self._c.orders.kind(order_id, r), []).append(r)
+        for kind, theirs in by_kind.items():
+            self._fault_in_recovery(theirs, kind, detail)
 
     def _fault_in_recovery(self, ranks: list[int], kind: str, detail: str) -> None:
         c = self._c

@@ -148,7 +148,8 @@ class Inbox:
 
     def result(self, ident: bytes, msg: Msg) -> None:
         r = self.table.check(msg["rank"])
-        pend = self.orders.answer(r, msg["id"], msg["ok"], msg.get("data") if msg["ok"] else msg.get("error", ""))
+        pend = self.orders.answer(r, msg["id"], msg["ok"], msg.get("data") if msg["ok"] else msg.get("error", ""),
+                                  msg.get("kind", ""))
         if pend is None:
             return
         if msg["action"] == "stop" and r in self.table.ranks:

@@ -48,6 +48,7 @@ class Orders:
         self.router, self.table, self.epoch, self.host_rank = router, table, epoch, host_rank
         self.pending: dict[int, Pending] = {}
         self.answered: dict[int, dict[int, Answer]] = {}   # order id -> answers, once none is owed
+        self.kinds: dict[tuple[int, int], str] = {}        # (order id, rank) -> its failed answer's fault kind
         self._next_id = 1
 
     def send(self, action: str, ranks: Iterable[int], args: dict[str, Any] | None = None,
@@ -114,17 +115,26 @@ class Orders:
         data = protocol.encode("do", action=action, id=0, args=args, epoch=self.epoch())
         self.router.fan_out((a.ident for a in self.table.agents.values()), data)
 
-    def answer(self, r: int, oid: int, ok: bool, data: Any) -> Pending | None:
-        """Rank ``r`` answered order ``oid``; returns the order (None: not one that waits)."""
+    def answer(self, r: int, oid: int, ok: bool, data: Any, kind: str = "") -> Pending | None:
+        """Rank ``r`` answered order ``oid`` (``kind``: a failure's fault kind, where the rank named one);
+        returns the order (None: not one that waits)."""
         pend = self.pending.get(oid)
         if pend is None:
             return None
+        if not ok and kind:
+            self.kinds[(oid, r)] = kind
         pend.waiting.discard(r)
         pend.results[r] = (ok, data)
         pend.failed = pend.failed or not ok
         if not pend.waiting:
             self.answered[oid] = self.pending.pop(oid).results
         return pend
+
+    def kind(self, oid: int, r: int) -> str:
+        """The fault kind of rank ``r``'s failed answer to order ``oid``: a memory or communication
+        error its handler raised, or "other" (any other error, or none named)."""
+        kind = self.kinds.get((oid, r), "")
+        return kind if kind in ("memory-error", "comm-failure") else "other"
 
     def answers(self, oid: int) -> dict[int, Answer]:
         """rank -> (ok, data or error text) for every rank that has answered so far."""

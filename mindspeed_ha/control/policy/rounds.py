@@ -77,9 +77,10 @@ class Port(Protocol):
     def hung(self, ranks: list[int], detail: str) -> None:
         """Live ranks that stopped answering: a new fault (the recovery starts over with it)."""
 
-    def failed(self, ranks: list[int], detail: str) -> None:
-        """Ranks whose answer to a merged round failed while others went on: a new fault (the survivors
-        are stopped, and the recovery starts over with it)."""
+    def failed(self, ranks: list[int], detail: str, order_id: int) -> None:
+        """Ranks whose answer to a merged round (order ``order_id``) failed while others went on: a new
+        fault (the survivors are stopped, and the recovery starts over with it), of the kind each
+        rank's answer named (a memory error in its rebuild is one: "other" where it named none)."""
 
     def emit(self, event: str, **fields: Any) -> None:
         """An event in the controller's event log."""
@@ -275,7 +276,8 @@ class Runner:
             name = f"{r.name}+{self.merged.name}" if self.merged is not None else r.name
             if self.merged is not None and (failed_now := self._failed_now(got, lost)):
                 # (at once: the others may wait on it in the next one's collectives, or train on)
-                self.ep.port.failed(sorted(failed_now), f"{name} failed ({Answers({}, failed_now, 0.0).why()})")
+                self.ep.port.failed(sorted(failed_now), f"{name} failed ({Answers({}, failed_now, 0.0).why()})",
+                                    self.order_id)
                 return None
             if working and not late:
                 return None

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import msgpack
 
-VERSION = 4
+VERSION = 5
 MAX_BYTES = 64 * 1024 * 1024    # one frame: the status of 16,384 ranks is about 4 MB
 MAX_LIST = 1 << 20              # any list: ranks of the job (pairs of them), shards, status rows
 MAX_STR = 1 << 20               # any string (a diagnosis, a path, an error with its causes)
@@ -195,8 +195,9 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
               "entered": ("map", O),
               # software (an error of the job's own code) or fault; where it was raised in that code
               "class": (_str, O), "frame": (_str, O)},
+    # ``kind``: a failed answer's fault kind, where its handler raised a fault (a memory or communication error)
     "result": {"rank": (_int, R), "action": (_str, R), "id": (_int, R), "ok": (_bool, R),
-               "data": ("tree", O), "error": (_str, O), "pid": (_int, O)},
+               "data": ("tree", O), "error": (_str, O), "kind": (_str, O), "pid": (_int, O)},
     "bye": {"rank": (_int, R), "pid": (_int, O)},
     # the scheduler preempts the job (a signal to a rank or an agent): dying gasp, then exit
     "preempt": {"signal": (_int, R), "rank": (_int, O), "node_rank": (_int, O), "pid": (_int, O),
@@ -218,7 +219,7 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "results": {"node_rank": (_int, R), "items": ("results", R), "same": ("answers", O), "shared": ("map", O)},
     # (inside ``results`` only: not a message of its own) one answer, given alike by ``ranks`` (``pids``; 0: not said)
     "answers": {"action": (_str, R), "id": (_int, R), "ok": (_bool, R), "data": ("tree", O), "error": (_str, O),
-                "ranks": ("ints", R), "pids": ("ints", R)},
+                "kind": (_str, O), "ranks": ("ints", R), "pids": ("ints", R)},
     # processor -> its agent's relay: this process takes its orders there too
     "relay_hello": {"rank": (_int, R), "pid": (_int, R)},
     "health": {"node_rank": (_int, R), "ranks": ("ints", R), "detail": (_str, O)},

@@ -16,10 +16,12 @@ from __future__ import annotations
 import collections
 import os
 import queue
+import sys
 from typing import Any, Callable, ContextManager, Mapping
 
 from ...control.wire import protocol
 from ...events import get_logger
+from ...faults import fault_kind
 from .held import HeldWatch
 
 log = get_logger("control.processor")
@@ -108,11 +110,12 @@ class Orders:
             return None
         if args.get("then"):
             return self._run_both(action, aid, fn, args)
+        handling = sys.exc_info()[1]  # (the training thread serves orders while it handles its step's fault)
         try:
             answer = fn(args)
         except Exception as e:
             log.exception("handler %s failed", action)
-            self.answer(action, aid, False, error=f"{type(e).__name__}: {e}")
+            self.answer(action, aid, False, error=f"{type(e).__name__}: {e}", kind=fault_kind(e, handling))
             return None
         if isinstance(answer, Later):
             answer._send = lambda ok, data=None, error="": self.answer(action, aid, ok, data=data, error=error)
@@ -129,13 +132,14 @@ class Orders:
                                                   f"on rank {self.rank}")
             return None
         answers = []
+        handling = sys.exc_info()[1]
         for name, handler, its_args in ((action, fn, {k: v for k, v in args.items() if k != "then"}),
                                         (then, follow, then_args)):
             try:
                 answer = handler(its_args)
             except Exception as e:
                 log.exception("handler %s failed", name)
-                self.answer(action, aid, False, error=f"{name}: {type(e).__name__}: {e}")
+                self.answer(action, aid, False, error=f"{name}: {type(e).__name__}: {e}", kind=fault_kind(e, handling))
                 return None
             if isinstance(answer, Later):
                 self.answer(action, aid, False, error=f"{name} answers later: it cannot be played with another")
@@ -144,8 +148,11 @@ class Orders:
         self.answer(action, aid, True, data=answers)
         return then
 
-    def answer(self, action: str, aid: int, ok: bool, data: object = None, error: str = "") -> None:
+    def answer(self, action: str, aid: int, ok: bool, data: object = None, error: str = "", kind: str = "") -> None:
+        """``kind``: a failure's fault kind (a handler that raised a memory or communication error)."""
         fields = {"data": data} if ok and data is not None else {"error": error} if not ok else {}
+        if not ok and kind and kind != "other":
+            fields["kind"] = kind
         try:
             msg = protocol.encode("result", rank=self.rank, action=action, id=aid, ok=ok, pid=os.getpid(), **fields)
         except protocol.ProtocolError as e:  # a handler's answer that is not a msgpack tree

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Protocol, Sequence
 
 from mindspeed_ha.events import EventLog, get_logger
+from mindspeed_ha.faults import fault_kind
 
 if TYPE_CHECKING:
     from mindspeed_ha.comm.groups import World
@@ -135,10 +137,25 @@ class RankRecovery:
         self.unfinished: dict[str, dict[str, Any]] | None = None
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], object]]:
-        return {"ha-status": self.ha_status, "rebuild": self.rebuild, "repair": self.repair,
-                "reload": self.reload, "rollback": self.rollback, "resume": self.resume, "scale-in": self.resize,
-                "scale-out": self.resize,
-                "dump-status": self.dump_status, "dump": self.dump}
+        return {action: self._poisoning(fn) for action, fn in {
+            "ha-status": self.ha_status, "rebuild": self.rebuild, "repair": self.repair,
+            "reload": self.reload, "rollback": self.rollback, "resume": self.resume, "scale-in": self.resize,
+            "scale-out": self.resize, "dump-status": self.dump_status, "dump": self.dump}.items()}
+
+    def _poisoning(self, fn: Callable[[dict[str, Any]], object]) -> Callable[[dict[str, Any]], object]:
+        """``fn``, whose memory error marks this rank's shard poisoned before it fails the order, as one
+        in a step does (``RankState.report``): the answer names the fault's kind, the controller starts
+        over with it, and its next status plans the shard's repair from its twin (a rebuild that met a
+        memory error and said nothing of the shard left it corrupt under a retry: every later loss NaN)."""
+        def run(args: dict[str, Any]) -> object:
+            handling = sys.exc_info()[1]  # (its context, not its cause: the step's fault, being handled)
+            try:
+                return fn(args)
+            except Exception as e:
+                if fault_kind(e, handling) == "memory-error":
+                    self.s.shard_poisoned = True
+                raise
+        return run
 
     @property
     def message_bytes(self) -> int:
