@@ -149,6 +149,7 @@ def simulate(a) -> None:
                                 groups=[[r, (r + a.world // 2) % a.world]], agent_node=r // NODE), "register")
     print(json.dumps({"ready": len(ranks)}), flush=True)
     hb = a.heartbeat
+    started = time.monotonic()
     n_ranks = len(ranks)
     # Heartbeats go out in 20 ms batches, each rank on its own phase of the interval.
     stdin = sys.stdin.fileno()  # (read raw: commands come in lines, and an empty read is the benchmark's end)
@@ -219,10 +220,15 @@ def simulate(a) -> None:
         iteration.update(it=11, phase="step")
         send(r, protocol.encode("hb", rank=r, it=11, upd=False, health="ok", phase="step", progress=2.0), "hb")
 
+    def work() -> dict:
+        """What a training rank's heartbeat says of its steps' own work (the straggler watch judges
+        every one): a step per heartbeat interval, 50 ms of its own work each."""
+        return {"wait": False, "steps": 10 + int((time.monotonic() - started) / hb), "busy": 0.05}
+
     def heartbeat(r) -> dict:
         return {"v": protocol.VERSION, "t": "hb", "rank": r, "it": iteration["it"], "upd": False, "health": "ok",
                 "phase": iteration["phase"], "progress": 1.0 if iteration["it"] < 11 else 2.0, "pid": 100000 + r,
-                "age": 0.0}
+                "age": 0.0, **work()}
 
     def agent_beats(node, node_ranks) -> bool:
         """--relay: agent ``node``'s heartbeat, carrying its ranks' (``node_ranks``)."""
@@ -359,7 +365,7 @@ def simulate(a) -> None:
                     beaten.append(("agent", u))
             elif u != silenced:
                 send(u, protocol.encode("hb", rank=u, it=iteration["it"], upd=False, health="ok",
-                                        phase=iteration["phase"], progress=1.0), "hb")
+                                        phase=iteration["phase"], progress=1.0, **work()), "hb")
                 beaten.append(u)
             for r in node_ranks if a.relay else (u,):
                 if r != silenced:

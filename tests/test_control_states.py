@@ -1,5 +1,6 @@
 """Every transition of the recovery state machine table, and the strategy choice."""
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from mindspeed_ha.control import strategies
 from mindspeed_ha.control.policy.states import TABLE, TIMEOUTS, Machine, Outcome as O, State as S, TransitionError, next_state
@@ -387,17 +388,59 @@ def test_a_straggler_is_named_by_its_own_work_not_its_step_time():
     got = []
     for busy, n in ((0.15, 2), (0.05, 1), (0.15, 2), (0.15, 2), (0.15, 1), (0.15, 3)):
         slow.busy, slow.busy_steps = busy, n
-        got.append(watch.observe(slow, ranks))
+        got.append(watch.observe(slow, lambda: ranks))
     assert got[:4] == [None] * 4 and got[4] == pytest.approx(3.0) and got[5] is None
-    assert watch.observe(ranks[0], ranks) is None  # at the others' median
+    assert watch.observe(ranks[0], lambda: ranks) is None  # at the others' median
     slow.pid, slow.steps = 999, 2  # its replacement: judged afresh, once past its warm-up
     slow.busy, slow.busy_steps = 0.15, 5
-    assert watch.observe(slow, ranks) is None
+    assert watch.observe(slow, lambda: ranks) is None
     slow.steps = 7
-    assert watch.observe(slow, ranks) == pytest.approx(3.0)
+    assert watch.observe(slow, lambda: ranks) == pytest.approx(3.0)
     calm = StragglerWatch(ratio=1.3, steps=1)
     slow.busy, slow.busy_steps = 0.05 + 0.019, 1  # 1.4x, but 19 ms: a time slice, not a straggler
-    assert calm.observe(slow, ranks) is None
+    assert calm.observe(slow, lambda: ranks) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.01, 0.02, 0.05, 0.1, 0.3, 1.0]) | st.floats(0.001, 10.0), min_size=2,
+                max_size=40))
+def test_a_ranks_ratio_is_to_the_exact_median_of_the_others_work(busy):
+    """The others' median the watch judges by is ``statistics.median`` of every other live rank's own
+    work (none: not counted): each rank's own value left out, wherever it falls among theirs, ties too."""
+    import statistics
+    from mindspeed_ha.control.policy.ranks import Rank
+    from mindspeed_ha.control.policy.stragglers import StragglerWatch
+    ranks = [Rank(rank=r, ident=b"x", pid=100 + r, busy=b, busy_steps=1, steps=10) for r, b in enumerate(busy)]
+    watch = StragglerWatch(ratio=1.5, steps=1)
+    watch.observe(ranks[0], lambda: ranks)  # (the first judgement takes the values)
+    for judged in ranks:
+        others = [i.busy for i in ranks if i is not judged and i.busy > 0]
+        assert watch._median_without(judged.rank) == (statistics.median(others) if others else None)
+    slow = max(ranks, key=lambda i: i.busy)
+    slow.busy += 1.0  # (past the noise floor: named at once, with its ratio to the others' median)
+    others = [i.busy for i in ranks if i is not slow and i.busy > 0]
+    ratio = StragglerWatch(ratio=0.0, steps=1).observe(slow, lambda: ranks)
+    assert ratio == (pytest.approx(slow.busy / statistics.median(others)) if others else None)
+
+
+def test_judging_every_ranks_work_costs_the_job_s_size_a_few_times_per_heartbeat_not_at_each():
+    """At 16,384 ranks every heartbeat carries its rank's work (8,000 a second at a 2 s interval): the
+    live ranks' values are taken once per 2,048 heard, not at every one, and a straggler among them is
+    still named after its slow steps."""
+    from mindspeed_ha.control.policy.ranks import Rank
+    from mindspeed_ha.control.policy.stragglers import StragglerWatch
+    ranks = [Rank(rank=r, ident=b"x", pid=100 + r, busy=0.05 + (r % 7) * 0.001, busy_steps=1, steps=10)
+             for r in range(16384)]
+    taken = []
+
+    def live():
+        taken.append(len(ranks))
+        return ranks
+
+    watch = StragglerWatch(ratio=1.5, steps=3)
+    ranks[4321].busy = 0.2
+    named = [r for _ in range(3) for r in range(16384) if watch.observe(ranks[r], live) is not None]
+    assert named == [4321] and len(taken) == 3 * 16384 // 2048
 
 
 def test_restart_budget_counts_restarts_replacements_and_crash_loops():

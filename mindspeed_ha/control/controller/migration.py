@@ -102,7 +102,7 @@ class Migrations:
         """A heartbeat told a rank's own work per step: a straggler is named (and moved, if asked)."""
         if self.port.state != S.NORMAL or self.port.first_step_pending() or info.it <= self.settle_until:
             return  # (the first steps after a recovery are slow on every rank: not evidence)
-        ratio = self.watch.observe(info, [i for i in self.table.ranks.values() if i.alive and not i.done])
+        ratio = self.watch.observe(info, self._live)
         if ratio is None:
             return
         steps = self.watch.slow.get((info.rank, info.pid), 0)
@@ -112,6 +112,9 @@ class Migrations:
                     "for %d steps", info.rank, info.node, ratio, steps)
         if self.options.migrate_stragglers:
             self.request(info.rank, f"straggler: {ratio:.2f}x the others' work per step for {steps} steps")
+
+    def _live(self) -> list[Rank]:
+        return [i for i in self.table.ranks.values() if i.alive and not i.done]
 
     def sub_healthy(self, r: int, why: str) -> None:
         """Evidence from outside training (the agents' health hook): weighed like a straggler."""
