@@ -29,7 +29,10 @@ SAMPLES = {
     "results": dict(node_rank=0, items=[{"v": protocol.VERSION, "t": "result", "rank": 1, "action": "stop", "id": 3,
                                          "ok": True, "pid": 8, "data": "park requested"}],
                     same=[{"v": protocol.VERSION, "t": "answers", "action": "stop", "id": 3, "ok": True, "data": "ok",
-                           "ranks": [2, 3], "pids": [9, 0]}], shared={"iteration": 3}),
+                           "ranks": [2, 3], "pids": [9, 0]},
+                          {"v": protocol.VERSION, "t": "answers", "action": "ha-status", "id": 4, "ok": True,
+                           "data": {"iteration": 3}, "ranks": [4, 5], "pids": [10, 11],
+                           "own": [{"rank": 4}, {"rank": 5}]}]),
     "answers": dict(action="rebuild", id=4, ok=False, error="x", ranks=[0, 1], pids=[7, 8]),
     "relay_hello": dict(rank=1, pid=8),
     "health": dict(node_rank=0, ranks=[2], detail="health check: ECC"),
@@ -139,6 +142,7 @@ KIND_OK = {
     "strs": lambda v: type(v) is list and all(type(x) is str for x in v),
     "map": lambda v: type(v) is dict and _tree_ok(v),
     "tree": _tree_ok,
+    "maps": lambda v: type(v) is list and all(type(x) is dict and _tree_ok(x) for x in v),
     # (an agent's batch of its ranks' answers: each a whole result message)
     "results": lambda v: type(v) is list and all(type(x) is dict and x.get("t") == "result" and not refusals(x)
                                                  for x in v),

@@ -677,10 +677,16 @@ def test_answers_given_alike_go_once_naming_their_ranks_and_count_as_each_ranks_
     msg = protocol.decode(results_frame(0, [{"v": protocol.VERSION, "t": "result", "action": "ha-status", "id": sid,
                                              "rank": r, "pid": 100 + r, "ok": True, "data": st}
                                             for r, st in statuses.items()]))
-    assert msg["shared"] == {"iteration": 10, "comm": {"keys": ["dp", "tp"], "ops": [3, 3]}}
-    assert [i["data"] for i in msg["items"]] == [{"rank": 0, "comm": {"members": {"dp": [0, 2]}}}, {"rank": 1}]
+    [status] = msg["same"]
+    assert msg["items"] == [] and status["ranks"] == [0, 1] and status["pids"] == [100, 101]
+    assert status["data"] == {"iteration": 10, "comm": {"keys": ["dp", "tp"], "ops": [3, 3]}}
+    assert status["own"] == [{"rank": 0, "comm": {"members": {"dp": [0, 2]}}}, {"rank": 1}]
     handlers["results"](b"agent0", msg)
     assert job.orders.answered[sid] == {r: (True, st) for r, st in statuses.items()}
+    # A frame whose own parts do not match its ranks is dropped whole (nobody's answer is guessed)
+    bad = job.orders.send("ha-status", [0, 1])
+    handlers["results"](b"agent0", {**msg, "same": [{**status, "id": bad, "own": status["own"][:1]}]})
+    assert job.orders.pending[bad].waiting == {0, 1} and job.router.drops.counts["invalid"] == 1
 
 
 def test_an_order_is_quiet_while_a_live_rank_owes_it_and_nothing_went_wrong():

@@ -165,28 +165,34 @@ ALIKE = ("action", "id", "ok", "data", "error", "kind")
 
 
 def results_frame(node_rank: int, items: list[dict[str, Any]]) -> bytes:
-    """The ``results`` frame of a node's answers: those given alike by several ranks (the same order,
-    outcome and data: most rounds' "ok") once, naming the ranks; the others (a status) one by one,
-    each with only what is its own when they answer one order (``shared``: what they have alike)."""
-    alike: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    """The ``results`` frame of a node's answers. Those that several ranks gave to one order with one
+    outcome go once, naming the ranks (``same``): alike (most rounds' "ok"), or, where each answered a
+    map (a status), what all of them have alike once and each one's own part (``own``, folding.py).
+    The others go one by one (``items``)."""
+    by_order: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for item in items:
-        # (action, id, ok, error and kind are a str, an int, a bool and a str or None, as decoded: equal
-        # values are alike; data is compared by its msgpack encoding, so that True is not 1)
-        key = (item["action"], item["id"], item["ok"], item.get("error"), item.get("kind"),
-               msgpack.packb(item.get("data")))
-        alike.setdefault(key, []).append(item)
-    single, same = [], []
-    for group in alike.values():
-        if len(group) == 1:
-            single.append(group[0])
+        # (a str, an int, a bool, and a str or None each, as decoded: equal values are alike)
+        key = (item["action"], item["id"], item["ok"], item.get("error"), item.get("kind"))
+        by_order.setdefault(key, []).append(item)
+    single: list[dict[str, Any]] = []
+    same: list[dict[str, Any]] = []
+    for group in by_order.values():
+        if len(group) > 1 and all(isinstance(i.get("data"), dict) for i in group):
+            shared, own = split_common([i["data"] for i in group])
+            same.append(_answers(group, data=shared, **({"own": own} if any(own) else {})))
             continue
-        same.append({"v": protocol.VERSION, "t": "answers", **{k: group[0][k] for k in ALIKE if k in group[0]},
-                     "ranks": [i["rank"] for i in group], "pids": [i.get("pid") or 0 for i in group]})
-    fields: dict[str, Any] = {"same": same} if same else {}
-    if len(single) > 1 and len({(i["action"], i["id"], i["ok"]) for i in single}) == 1 \
-            and all(isinstance(i.get("data"), dict) for i in single):
-        shared, own = split_common([i["data"] for i in single])
-        if shared:
-            single = [{**i, "data": mine} for i, mine in zip(single, own)]
-            fields["shared"] = shared
-    return protocol.encode("results", node_rank=node_rank, items=single, **fields)
+        alike: dict[bytes, list[dict[str, Any]]] = {}
+        for item in group:  # (data compared by its msgpack encoding, so that True is not 1)
+            alike.setdefault(msgpack.packb(item.get("data")), []).append(item)
+        for answers in alike.values():
+            if len(answers) == 1:
+                single.append(answers[0])
+            else:
+                same.append(_answers(answers))
+    return protocol.encode("results", node_rank=node_rank, items=single, **({"same": same} if same else {}))
+
+
+def _answers(group: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+    """One ``answers`` of ``group`` (answers to one order, with one outcome), ``fields`` over the first's."""
+    return {"v": protocol.VERSION, "t": "answers", **{k: group[0][k] for k in ALIKE if k in group[0]},
+            "ranks": [i["rank"] for i in group], "pids": [i.get("pid") or 0 for i in group], **fields}

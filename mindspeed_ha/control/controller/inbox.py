@@ -172,12 +172,20 @@ class Inbox:
         a = self.table.agents.get(msg["node_rank"])
         if a is not None:
             a.seen = time.monotonic()
-        shared = msg.get("shared")
-        items = [{**i, "data": merged(shared, i.get("data") or {})} for i in msg["items"]] if shared \
-            else list(msg["items"])
+        items = list(msg["items"])
         for alike in msg.get("same", ()):  # (one answer for several ranks: each its own again)
-            answer = {k: v for k, v in alike.items() if k not in ("ranks", "pids")}
-            items += [{**answer, "rank": r, "pid": pid or None} for r, pid in zip(alike["ranks"], alike["pids"])]
+            ranks, pids, own = alike["ranks"], alike["pids"], alike.get("own")
+            if len(pids) != len(ranks) or own is not None and (
+                    len(own) != len(ranks) or not isinstance(alike.get("data", {}), dict)):
+                self.router.drops.drop("invalid", f"answers of ranks {ranks} via agent {msg['node_rank']}: "
+                                                  "their pids or own parts do not match them")
+                continue
+            answer = {k: v for k, v in alike.items() if k not in ("ranks", "pids", "own")}
+            if own is None:
+                items += [{**answer, "rank": r, "pid": pid or None} for r, pid in zip(ranks, pids)]
+            else:
+                items += [{**answer, "rank": r, "pid": pid or None, "data": merged(answer.get("data") or {}, mine)}
+                          for r, pid, mine in zip(ranks, pids, own)]
         for item in items:
             r, pid = item["rank"], item.get("pid")
             why = "invalid" if not 0 <= r < self.table.world else "stale" if self.table.stale(r, pid) else ""

@@ -24,7 +24,7 @@ def split_common(datas: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict
         if all(v is not _MISSING for v in values):
             if all(isinstance(v, dict) for v in values):
                 shared, theirs = split_common(values)
-                if shared:
+                if shared or not any(theirs):  # (maps all empty are alike too)
                     common[key] = shared
                     for mine, part in zip(own, theirs):
                         if part:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import msgpack
 
-VERSION = 5
+VERSION = 6
 MAX_BYTES = 64 * 1024 * 1024    # one frame: the status of 16,384 ranks is about 4 MB
 MAX_LIST = 1 << 20              # any list: ranks of the job (pairs of them), shards, status rows
 MAX_STR = 1 << 20               # any string (a diagnosis, a path, an error with its causes)
@@ -76,6 +76,10 @@ def _is_ints(v: object) -> bool:
     return True
 
 
+def _is_map(v: object) -> bool:
+    return isinstance(v, dict) and _tree(v, MAX_DEPTH)
+
+
 def _whole(t: str) -> Callable[[object], bool]:
     """One rank's message of type ``t`` inside an agent's batch (an answer, a heartbeat): whole."""
     def ok(v: object) -> bool:
@@ -97,8 +101,9 @@ _KINDS: dict[str, Any] = {
     "ints": _is_ints,
     "groups": lambda v: _list_of(v, _is_ints),
     "strs": lambda v: _list_of(v, _is_str),
-    "map": lambda v: isinstance(v, dict) and _tree(v, MAX_DEPTH),  # order arguments, status reports
+    "map": _is_map,  # order arguments, status reports
     "tree": lambda v: _tree(v, MAX_DEPTH),  # a handler's result: any tree
+    "maps": lambda v: _list_of(v, _is_map),  # each rank's own part of a status (folding.py)
     "results": lambda v: _list_of(v, _whole("result")),
     "beats": lambda v: _list_of(v, _whole("hb")),
     "answers": lambda v: _list_of(v, _whole("answers")),
@@ -214,12 +219,14 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "agent_hb": {"node_rank": (_int, R), "spares": (_int, O), "relayed": ("ints", O), "relayed_pids": ("ints", O),
                  "beats": ("beats", O)},
     # the answers of its ranks to the controller's orders, as many as came in one turn of its loop;
-    # ``same``: those that several of them gave alike, each once with their ranks (most rounds' "ok")
-    # ``shared``: the part of ``data`` every one of ``items`` has alike (a status), sent once (folding.py)
-    "results": {"node_rank": (_int, R), "items": ("results", R), "same": ("answers", O), "shared": ("map", O)},
-    # (inside ``results`` only: not a message of its own) one answer, given alike by ``ranks`` (``pids``; 0: not said)
+    # ``same``: those that several of them gave to one order, each once with their ranks (most rounds'
+    # "ok", a status); ``items``: the others, one by one
+    "results": {"node_rank": (_int, R), "items": ("results", R), "same": ("answers", O)},
+    # (inside ``results`` only: not a message of its own) one answer, given by ``ranks`` (``pids``; 0: not
+    # said): alike, or, with ``own``, each rank's ``data`` is ``data`` with its own part over it (a
+    # status: what the node's ranks have alike goes once, folding.py), in the order of ``ranks``
     "answers": {"action": (_str, R), "id": (_int, R), "ok": (_bool, R), "data": ("tree", O), "error": (_str, O),
-                "kind": (_str, O), "ranks": ("ints", R), "pids": ("ints", R)},
+                "kind": (_str, O), "ranks": ("ints", R), "pids": ("ints", R), "own": ("maps", O)},
     # processor -> its agent's relay: this process takes its orders there too
     "relay_hello": {"rank": (_int, R), "pid": (_int, R)},
     "health": {"node_rank": (_int, R), "ranks": ("ints", R), "detail": (_str, O)},
