@@ -26,7 +26,9 @@ for them in one frame (the ranks still register and heartbeat on their own socke
     python benchmarks/controller_scale.py --ranks 16384 [--recovery] [--relay]
 Last line: JSON with ranks, detect_s, decide_ms, heartbeat_s (and more; with --recovery also
 recovery_ok, recovery_s, recovery_round / recovery_round_s — the slowest round —, status_ok and,
-when it failed, recovery_failure; orders_via: the orders the simulated ranks got directly and through agents).
+when it failed, recovery_failure; orders_via: the orders the simulated ranks got directly and through agents;
+round_cpu: each round's CPU, the controller thread's and the simulators', beside its wall time, and
+slowest_round_controller_cpu_s: the most the controller's thread spent in one round).
 """
 from __future__ import annotations
 
@@ -741,6 +743,70 @@ def main() -> None:
     print(json.dumps(result))
 
 
+class RoundClock:
+    """Where each recovery round's time goes: the controller thread's CPU and the simulators' (the
+    work of the ranks and agents, which on a cluster runs on their own hosts, here on the cores the
+    controller is measured on), sampled every 10 ms by the round the controller plays then."""
+
+    def __init__(self, c, sims: list[Sim]):
+        self.c, self.pids = c, [s.proc.pid for s in sims]
+        self.used: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0])
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._sample, name="round-clock", daemon=True)
+
+    def _round(self) -> str | None:
+        """The round the controller plays now, or its state where it plays none (the pause: the stop;
+        None: it is not recovering)."""
+        state = self.c.machine.state.value
+        if state == "normal":
+            return None
+        runner = getattr(getattr(self.c, "recovery", None), "runner", None)
+        if state != "recovering" or runner is None or getattr(runner, "current", None) is None:
+            return "stop" if state == "pause" else state
+        merged = getattr(runner, "merged", None)
+        return f"{runner.current.name}+{merged.name}" if merged is not None else runner.current.name
+
+    def _simulators_cpu(self) -> float:
+        total = 0.0
+        for pid in self.pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            except (OSError, IndexError, ValueError):
+                pass
+        return total
+
+    def _sample(self) -> None:
+        thread = next((t for t in threading.enumerate() if t.name == "mindspeed-ha-controller"), None)
+        if thread is None or thread.ident is None or not hasattr(time, "pthread_getcpuclockid"):
+            return
+        clock = time.pthread_getcpuclockid(thread.ident)
+        last = None
+        while not self.done.wait(0.01):
+            try:
+                now = (time.clock_gettime(clock), self._simulators_cpu(), time.monotonic())
+            except OSError:  # (the controller's thread ended)
+                return
+            name = self._round()
+            if last is not None and name is not None:
+                acc = self.used[name]
+                for i in range(3):
+                    acc[i] += now[i] - last[i]
+            last = now
+
+    def start(self) -> RoundClock:
+        self.thread.start()
+        return self
+
+    def stop(self) -> dict:
+        """round -> {controller_cpu_s, simulators_cpu_s, wall_s} (the recovery's rounds, in the order played)."""
+        self.done.set()
+        self.thread.join()
+        return {name: {"controller_cpu_s": round(ctl, 3), "simulators_cpu_s": round(sim, 3), "wall_s": round(wall, 3)}
+                for name, (ctl, sim, wall) in self.used.items() if wall >= 0.005}
+
+
 def run(a, c, events: Events, sims: list[Sim], lim: dict, t0: float, log_dir: str) -> dict:
     for s in sims:
         if s.report("ready", lim["register_s"]) is None:
@@ -754,6 +820,7 @@ def run(a, c, events: Events, sims: list[Sim], lim: dict, t0: float, log_dir: st
     print(f"{a.ranks} ranks registered in {t_reg:.1f}s ({'insecure' if a.insecure else 'CurveZMQ'}), "
           f"heartbeat {a.heartbeat}s over {a.procs} simulator processes", flush=True)
     time.sleep(3 * a.heartbeat)  # steady state
+    clock = RoundClock(c, sims).start()
     victim = a.ranks // 2 + 1
     for s in sims:
         s.tell(f"{'fault' if a.recovery else 'silence'} {victim}")
@@ -789,19 +856,26 @@ def run(a, c, events: Events, sims: list[Sim], lim: dict, t0: float, log_dir: st
         end = events.wait(lambda e: e["event"] in ("recovered", "strategy_failed", "dump_refused", "diagnosis")
                           or round_failed(e), lim["recovery_s"])
         recovered = end if end is not None and end["event"] == "recovered" else None
+        cpu = clock.stop()
         status_ok = status_json(log_dir, a.ranks, a.insecure, lim["status_s"])
         phases = (recovered or {}).get("phases", {})
         rounds = {k: v for k, v in phases.items() if k not in ("detect", "first_step")}
         slowest = max(rounds, key=rounds.get) if rounds else None
         res.update(recovery_ok=bool(recovered), recovery_s=recovered and recovered["mttr_s"],
                    recovery_phases=phases, recovery_round=slowest,
-                   recovery_round_s=rounds[slowest] if slowest else None, status_ok=status_ok,
+                   recovery_round_s=rounds[slowest] if slowest else None, status_ok=status_ok, round_cpu=cpu,
+                   slowest_round_controller_cpu_s=max((v["controller_cpu_s"] for k, v in cpu.items()
+                                                       if k in rounds), default=None),
                    _injected=injected, _waited=time.monotonic() - t_wait)
         if recovered:
             print(f"recovery at {a.ranks} ranks: ok, MTTR {res['recovery_s']} s, phases {phases}; slowest round "
                   f"{slowest} {res['recovery_round_s']} s; status --json {'ok' if status_ok else 'FAILED'}",
                   flush=True)
+            print("  CPU by round (the controller's thread; the simulated ranks and agents, on the same cores): "
+                  + ", ".join(f"{k} {v['controller_cpu_s']} s / {v['simulators_cpu_s']} s in {v['wall_s']} s"
+                              for k, v in cpu.items()), flush=True)
     else:
+        clock.stop()
         print(f"silenced rank {victim}: detected after {detect_s:.3f}s ({detect_s / a.heartbeat:.2f} heartbeats); "
               f"stop sent to {decision and decision['ranks']} ranks {res['decide_ms']} ms after detection, "
               f"received by all {res['deliver_ms']} ms after detection", flush=True)
