@@ -764,7 +764,8 @@ class RoundClock:
         if state != "recovering" or runner is None or getattr(runner, "current", None) is None:
             return "stop" if state == "pause" else state
         merged = getattr(runner, "merged", None)
-        return f"{runner.current.name}+{merged.name}" if merged is not None else runner.current.name
+        # (once the merged round's answers are in, the runner is in it, the merge still named)
+        return f"{runner.current.name}+{merged.name}" if merged not in (None, runner.current) else runner.current.name
 
     def _simulators_cpu(self) -> float:
         total = 0.0
