@@ -28,7 +28,8 @@ Last line: JSON with ranks, detect_s, decide_ms, heartbeat_s (and more; with --r
 recovery_ok, recovery_s, recovery_round / recovery_round_s — the slowest round —, status_ok and,
 when it failed, recovery_failure; orders_via: the orders the simulated ranks got directly and through agents;
 round_cpu: each round's CPU, the controller thread's and the simulators', beside its wall time, and
-slowest_round_controller_cpu_s: the most the controller's thread spent in one round).
+slowest_round_controller_cpu_s: the most the controller's thread spent in one round;
+training_controller_cpu_per_s: its CPU a second while the job trained, before the fault: the heartbeats).
 """
 from __future__ import annotations
 
@@ -746,20 +747,23 @@ def main() -> None:
 class RoundClock:
     """Where each recovery round's time goes: the controller thread's CPU and the simulators' (the
     work of the ranks and agents, which on a cluster runs on their own hosts, here on the cores the
-    controller is measured on), sampled every 10 ms by the round the controller plays then."""
+    controller is measured on), sampled every 10 ms by the round the controller plays then; and the
+    training before the fault ("training": the heartbeats' load on the controller)."""
 
     def __init__(self, c, sims: list[Sim]):
         self.c, self.pids = c, [s.proc.pid for s in sims]
         self.used: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0])
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._sample, name="round-clock", daemon=True)
+        self.faulted = False
 
     def _round(self) -> str | None:
         """The round the controller plays now, or its state where it plays none (the pause: the stop;
-        None: it is not recovering)."""
+        "training": before the fault; None: after the recovery)."""
         state = self.c.machine.state.value
+        self.faulted = self.faulted or state != "normal"
         if state == "normal":
-            return None
+            return None if self.faulted else "training"
         runner = getattr(getattr(self.c, "recovery", None), "runner", None)
         if state != "recovering" or runner is None or getattr(runner, "current", None) is None:
             return "stop" if state == "pause" else state
@@ -820,8 +824,8 @@ def run(a, c, events: Events, sims: list[Sim], lim: dict, t0: float, log_dir: st
         s.tell("go")
     print(f"{a.ranks} ranks registered in {t_reg:.1f}s ({'insecure' if a.insecure else 'CurveZMQ'}), "
           f"heartbeat {a.heartbeat}s over {a.procs} simulator processes", flush=True)
-    time.sleep(3 * a.heartbeat)  # steady state
     clock = RoundClock(c, sims).start()
+    time.sleep(3 * a.heartbeat)  # steady state
     victim = a.ranks // 2 + 1
     for s in sims:
         s.tell(f"{'fault' if a.recovery else 'silence'} {victim}")
@@ -875,6 +879,11 @@ def run(a, c, events: Events, sims: list[Sim], lim: dict, t0: float, log_dir: st
             print("  CPU by round (the controller's thread; the simulated ranks and agents, on the same cores): "
                   + ", ".join(f"{k} {v['controller_cpu_s']} s / {v['simulators_cpu_s']} s in {v['wall_s']} s"
                               for k, v in cpu.items()), flush=True)
+        training = cpu.get("training")
+        if training and training["wall_s"] > 0:  # (before the fault: the heartbeats, and nothing else)
+            res["training_controller_cpu_per_s"] = round(training["controller_cpu_s"] / training["wall_s"], 3)
+            print(f"  training before the fault: the controller's thread busy {res['training_controller_cpu_per_s']:.0%} "
+                  f"of the time ({a.ranks / a.heartbeat:,.0f} heartbeats a second)", flush=True)
     else:
         clock.stop()
         print(f"silenced rank {victim}: detected after {detect_s:.3f}s ({detect_s / a.heartbeat:.2f} heartbeats); "
