@@ -8,6 +8,7 @@ import time
 
 import pytest
 import zmq
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from mindspeed_ha.control.controller.inbox import Inbox
 from mindspeed_ha.control.controller.migration import Migrations
@@ -25,6 +26,7 @@ from mindspeed_ha.control.wire import protocol
 from mindspeed_ha.control.wire.hosts import this_host
 from mindspeed_ha.control.wire.security import Keys
 from mindspeed_ha.options import HAOptions
+from test_control_protocol import _datas, _exact
 
 GROUPS = {0: [0, 2], 2: [0, 2], 1: [1, 3], 3: [1, 3]}  # DP=4, two optimizer instances
 
@@ -687,6 +689,34 @@ def test_answers_given_alike_go_once_naming_their_ranks_and_count_as_each_ranks_
     bad = job.orders.send("ha-status", [0, 1])
     handlers["results"](b"agent0", {**msg, "same": [{**status, "id": bad, "own": status["own"][:1]}]})
     assert job.orders.pending[bad].waiting == {0, 1} and job.router.drops.counts["invalid"] == 1
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 1), st.booleans(), _datas, st.sampled_from(["", "memory-error"])),
+                min_size=1, max_size=8))
+def test_a_nodes_answers_folded_by_its_agent_are_each_ranks_own_again_at_the_controller(answers):
+    """Whatever a node's ranks answer (to one order or two; ok or not; maps alike in part, alike in
+    whole, or not maps), the agent's frame puts each rank's answer back exactly as the rank gave it:
+    the controller files, for each rank, its outcome and data (types too: a shared True never stands for
+    a 1) or its error and fault kind."""
+    from mindspeed_ha.launcher.relay import results_frame
+    job = Job(world=8)
+    handlers = job.inbox().handlers()
+    a0 = job.agent(0, range(8))
+    a0.relay, a0.relayed = True, {r: 100 + r for r in range(8)}
+    oids = [job.orders.send("ha-status", list(range(len(answers)))), job.orders.send("rebuild", list(range(len(answers))))]
+    items = []
+    for r, (which, ok, data, kind) in enumerate(answers):
+        item = {"v": protocol.VERSION, "t": "result", "rank": r, "pid": 100 + r, "action": ("ha-status", "rebuild")[which],
+                "id": oids[which], "ok": ok}
+        items.append({**item, "data": data} if ok else {**item, "error": f"boom {data!r}", **({"kind": kind} if kind else {})})
+    handlers["results"](b"agent0", protocol.decode(results_frame(0, items)))
+    for r, (which, ok, data, kind) in enumerate(answers):
+        got_ok, got = job.orders.answers(oids[which])[r]
+        assert got_ok is ok and (_exact(got) == _exact(data) if ok else got == f"boom {data!r}")
+        if not ok:
+            assert job.orders.kind(oids[which], r) == (kind or "other")
+    assert not job.router.drops.counts
 
 
 def test_an_order_is_quiet_while_a_live_rank_owes_it_and_nothing_went_wrong():
