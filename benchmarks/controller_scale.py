@@ -805,7 +805,8 @@ class RoundClock:
         return self
 
     def stop(self) -> dict:
-        """round -> {controller_cpu_s, simulators_cpu_s, wall_s} (the recovery's rounds, in the order played)."""
+        """round -> {controller_cpu_s, simulators_cpu_s, wall_s}, in the order played ("training"
+        first: before the fault)."""
         self.done.set()
         self.thread.join()
         return {name: {"controller_cpu_s": round(ctl, 3), "simulators_cpu_s": round(sim, 3), "wall_s": round(wall, 3)}
