@@ -107,6 +107,7 @@ def communicators(r: int, world: int) -> dict:
 def simulate(a) -> None:
     """A simulator process: ranks [lo, hi) of the world; commands on stdin, reports on stdout."""
     from mindspeed_ha.control.wire import protocol, security
+    from mindspeed_ha.control.wire.folding import as_columns  # (as a real agent carries its ranks' heartbeats)
     from mindspeed_ha.launcher.relay import results_frame  # (as a real agent batches its ranks' answers)
     keys = security.Keys.load(a.log_dir, insecure=a.insecure, timeout=10)
     ctx = zmq.Context(io_threads=1)
@@ -236,8 +237,8 @@ def simulate(a) -> None:
     def agent_beats(node, node_ranks) -> bool:
         """--relay: agent ``node``'s heartbeat, carrying its ranks' (``node_ranks``)."""
         try:
-            agents[node].send(protocol.encode("agent_hb", node_rank=node, beats=[
-                heartbeat(r) for r in node_ranks if r != silenced]), zmq.NOBLOCK)
+            agents[node].send(protocol.encode("agent_hb", node_rank=node, beats=as_columns([
+                heartbeat(r) for r in node_ranks if r != silenced])), zmq.NOBLOCK)
             return True
         except zmq.Again:
             unsent["hb"] += len(node_ranks)

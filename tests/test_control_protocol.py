@@ -24,8 +24,8 @@ SAMPLES = {
     "preempt": dict(signal=15, rank=2, pid=7),
     "agent": dict(node="n", node_rank=0, nnodes=1, pid=5, ranks=[0, 1], pids=[7, 8]),
     "agent_hb": dict(node_rank=0, spares=1, relayed=[0, 1], relayed_pids=[7, 8],
-                     beats=[{"v": protocol.VERSION, "t": "hb", "rank": 1, "it": 5, "upd": False, "health": "ok",
-                             "pid": 8, "age": 0.012}]),
+                     beats={"ranks": [1, 2], "same": {"it": 5, "upd": False, "health": "ok"},
+                            "each": {"pid": [8, 9], "age": [0.012, None]}}),
     "results": dict(node_rank=0, items=[{"v": protocol.VERSION, "t": "result", "rank": 1, "action": "stop", "id": 3,
                                          "ok": True, "pid": 8, "data": "park requested"}],
                     same=[{"v": protocol.VERSION, "t": "answers", "action": "stop", "id": 3, "ok": True, "data": "ok",
@@ -146,11 +146,29 @@ KIND_OK = {
     # (an agent's batch of its ranks' answers: each a whole result message)
     "results": lambda v: type(v) is list and all(type(x) is dict and x.get("t") == "result" and not refusals(x)
                                                  for x in v),
-    # (an agent's heartbeat: its ranks' heartbeats, each a whole hb message)
     "answers": lambda v: type(v) is list and all(type(x) is dict and x.get("t") == "answers" and not refusals(x)
                                                  for x in v),
-    "beats": lambda v: type(v) is list and all(type(x) is dict and x.get("t") == "hb" and not refusals(x) for x in v),
+    # (an agent's heartbeat: its ranks' heartbeats as columns, each rank's a whole hb message again)
+    "beats": lambda v: _beats_ok(v),
 }
+
+
+def _beats_ok(v) -> bool:
+    """Columns of heartbeats: ranks, fields alike and fields a rank each (None: that rank's lacks it),
+    none of them the rank, none both; each rank's heartbeat put back together is a valid hb."""
+    if type(v) is not dict or set(v) - {"ranks", "same", "each"} or not KIND_OK["ints"](v.get("ranks")):
+        return False
+    same, each = v.get("same", {}), v.get("each", {})
+    if type(same) is not dict or type(each) is not dict or set(same) & set(each) or "rank" in {*same, *each}:
+        return False
+    if any(type(col) is not list or len(col) != len(v["ranks"]) for col in each.values()):
+        return False
+    for i, r in enumerate(v["ranks"]):
+        beat = {"v": protocol.VERSION, "t": "hb", **same, "rank": r,
+                **{k: col[i] for k, col in each.items() if col[i] is not None}}
+        if refusals(beat):
+            return False
+    return True
 
 
 def _binary(v):
@@ -340,7 +358,7 @@ def test_live_controller_survives_fuzz(live):
 
 
 # Trees as a status holds them: maps in maps, a few keys (often the same ones), scalars of every type.
-_leaf = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from([0.0, 1.0, 1.5]), st.sampled_from("ab"))
+_leaf = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from([0.0, -0.0, 1.0, 1.5, math.nan]), st.sampled_from("ab"))
 _datas = st.recursive(_leaf, lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.sampled_from("abcd"), c,
                                                                                            max_size=4)), max_leaves=12)
 
@@ -362,6 +380,33 @@ def test_what_answers_share_is_sent_once_and_each_answer_is_put_back_exactly(dat
     from mindspeed_ha.control.wire.folding import merged, split_common
     common, own = split_common(datas)
     assert [_exact(merged(common, mine)) for mine in own] == [_exact(d) for d in datas]
+
+
+# A node's heartbeats: the fields a rank's may carry, each with values of its kind (ties likely: a
+# node's ranks say the same iteration, phase and health), and some left out.
+_beat_values = {"it": st.integers(-1, 2), "upd": st.booleans(), "health": st.sampled_from(["ok", "faulty"]),
+                "phase": st.sampled_from(["forward", "step"]), "progress": st.sampled_from([1.0, 1.5, 2]),
+                "wait": st.booleans(), "pid": st.integers(100, 101), "steps": st.integers(0, 1),
+                "busy": st.sampled_from([0.05, 0.06, 0, 0.0, -0.0]), "ckpt": st.integers(-1, 0), "held": st.just("frame"),
+                "desync": st.sampled_from([{"k": [1, 2]}, {}]), "now": st.booleans(), "age": st.sampled_from([0.0, 0.01])}
+_beat = st.fixed_dictionaries({k: _beat_values[k] for k in ("it", "upd", "health")},
+                              optional={k: v for k, v in _beat_values.items() if k not in ("it", "upd", "health")})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_beat, max_size=8))
+def test_a_nodes_heartbeats_as_columns_are_each_ranks_own_again_after_the_wire(beats):
+    """``folding.as_columns`` in an agent's heartbeat, through ``encode`` and ``decode``: ``rows`` gives
+    back each rank's heartbeat exactly as the rank sent it (fields, values and their types), and
+    whatever every one of them says alike goes once."""
+    from mindspeed_ha.control.wire.folding import as_columns, rows
+    beats = [{"v": protocol.VERSION, "t": "hb", "rank": r, **b} for r, b in enumerate(beats)]
+    msg = protocol.decode(protocol.encode("agent_hb", node_rank=0, beats=as_columns(beats)))
+    assert [_exact(b) for b in rows(msg["beats"])] == [
+        _exact({k: v for k, v in b.items() if k not in ("v", "t")}) for b in beats]
+    same = msg["beats"].get("same", {})
+    assert all(len(beats) > 0 and all(_exact(b.get(k)) == _exact(v) for b in beats) for k, v in same.items())
+    assert not set(same) & set(msg["beats"].get("each", {}))
 
 
 def test_one_message_to_many_is_each_ones_own_message_with_the_rest_packed_once():

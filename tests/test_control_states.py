@@ -431,7 +431,7 @@ def test_judging_every_ranks_work_costs_the_job_s_size_a_few_times_per_heartbeat
     from mindspeed_ha.control.policy.stragglers import StragglerWatch
     ranks = [Rank(rank=r, ident=b"x", pid=100 + r, busy=0.05 + (r % 7) * 0.001, busy_steps=1, steps=10)
              for r in range(16384)]
-    taken = []
+    taken: list[int] = []
 
     def live():
         taken.append(len(ranks))
@@ -441,6 +441,15 @@ def test_judging_every_ranks_work_costs_the_job_s_size_a_few_times_per_heartbeat
     ranks[4321].busy = 0.2
     named = [r for _ in range(3) for r in range(16384) if watch.observe(ranks[r], live) is not None]
     assert named == [4321] and len(taken) == 3 * 16384 // 2048
+    # As a job starts its ranks are heard one after another, most of them with no value yet: the
+    # values are still taken about once per 2,048 heard (the first time at once), not at every one.
+    ranks = [Rank(rank=r, ident=b"x", pid=100 + r, busy=0.0, busy_steps=1, steps=10) for r in range(16384)]
+    taken.clear()
+    watch = StragglerWatch(ratio=1.5, steps=3)
+    for info in ranks:
+        info.busy = 0.05
+        watch.observe(info, live)
+    assert len(taken) <= 16384 // 2048 + 1, len(taken)
 
 
 def test_restart_budget_counts_restarts_replacements_and_crash_loops():

@@ -23,6 +23,7 @@ from mindspeed_ha.control.policy.ranks import Agent, Rank, RankTable
 from mindspeed_ha.control.policy.standbys import Standbys
 from mindspeed_ha.control.policy.states import Outcome, State
 from mindspeed_ha.control.wire import protocol
+from mindspeed_ha.control.wire.folding import as_columns
 from mindspeed_ha.control.wire.hosts import this_host
 from mindspeed_ha.control.wire.security import Keys
 from mindspeed_ha.options import HAOptions
@@ -636,17 +637,17 @@ def test_heartbeats_through_an_agent_are_the_ranks_own_from_when_they_came_to_it
     for info in job.table.ranks.values():
         info.seen -= 1.0
     before = time.monotonic()
-    handlers["agent_hb"](b"agent0", {"t": "agent_hb", "node_rank": 0, "beats": [
+    handlers["agent_hb"](b"agent0", {"t": "agent_hb", "node_rank": 0, "beats": as_columns([
         {**beat, "rank": 0, "it": 7, "pid": 100, "age": 0.5}, {**beat, "rank": 1, "it": 7, "pid": 99},
-        {**beat, "rank": 4, "it": 7, "pid": 104}, {**beat, "rank": 9, "it": 7}]})
+        {**beat, "rank": 4, "it": 7, "pid": 104}, {**beat, "rank": 9, "it": 7}])})
     r0 = job.table.ranks[0]
     assert r0.it == 7 and r0.ident == bytes([0]) and before - 0.5 <= r0.seen <= time.monotonic() - 0.5
     assert job.table.ranks[1].it == 5 and job.router.drops.counts["invalid"] == 1
     assert [(i, m["t"], m.get("ranks")) for i, m in job.router.sent] == [(b"agent0", "ack", None),
                                                                          (b"agent0", "unheard", [1, 4])]
     handlers["hb"](bytes([0]), {**beat, "rank": 0, "it": 8})   # directly, meanwhile
-    handlers["agent_hb"](b"agent0", {"t": "agent_hb", "node_rank": 0, "beats": [
-        {**beat, "rank": 0, "it": 7, "pid": 100, "age": 0.3}]})  # (sent before that)
+    handlers["agent_hb"](b"agent0", {"t": "agent_hb", "node_rank": 0, "beats": as_columns([
+        {**beat, "rank": 0, "it": 7, "pid": 100, "age": 0.3}])})  # (sent before that)
     assert job.table.ranks[0].it == 8
 
 

@@ -151,6 +151,7 @@ def test_heartbeats_go_through_the_agent_together_and_directly_when_its_acks_sto
     through the agent; an ack from another controller than the link's is not taken. No ack within
     ack_wait: directly again, said once. The controller not knowing them: they register again."""
     from mindspeed_ha.control.wire import protocol
+    from mindspeed_ha.control.wire.folding import rows
     from mindspeed_ha.launcher.relay import BATCH_S, RelayHub
     from mindspeed_ha.rank.processor.relay import AgentRelay
     hub = RelayHub(0)
@@ -171,7 +172,7 @@ def test_heartbeats_go_through_the_agent_together_and_directly_when_its_acks_sto
         hub.collect()
         now = time.monotonic()
         assert hub.beats_due(now)
-        taken = hub.take_beats(now)
+        taken = rows(hub.take_beats(now))
         ages = {b["rank"]: b["age"] for b in taken}   # (rank 0's waited for rank 1's: 50 ms at least)
         assert sorted(ages) == [0, 1] and 0.04 <= ages[0] < 5 and 0 <= ages[1] <= ages[0], ages
         ack = protocol.decode(protocol.encode("ack", epoch=2, state="normal"))

@@ -3,7 +3,7 @@ ranks once, naming them; the agent passes it to each of their processes and send
 in one ``results`` frame per turn of its loop (whatever came in that turn: it never waits for the rest).
 
 Their heartbeats come here too (once their link is answered) and go on in the agent's own heartbeat,
-one frame for the node: a beat the rank wants passed on at once (``now``) goes at once with whatever
+one frame for the node, as columns (what the ranks say alike once): a beat the rank wants passed on at once (``now``) goes at once with whatever
 came with it; the others when every connected rank has beaten, or ``BATCH_S`` after the first (the
 ranks of a node beat on one shared clock, ``rank.processor.relay``). The controller's ack to that frame
 is passed back to the ranks that beat, naming the controller it came from: their links take it as
@@ -26,7 +26,7 @@ import msgpack
 import zmq
 
 from ..control.wire import protocol
-from ..control.wire.folding import split_common
+from ..control.wire.folding import as_columns, split_common
 from ..events import get_logger
 
 log = get_logger("launcher")
@@ -119,8 +119,9 @@ class RelayHub:
         return (self._urgent or len(self._beats) >= len(self._ident)
                 or now - min(at for _, at in self._beats.values()) >= BATCH_S)
 
-    def take_beats(self, now: float) -> list[dict[str, Any]]:
-        """The heartbeats to pass on, each with how long it waited here; their ranks get the next ack."""
+    def take_beats(self, now: float) -> dict[str, Any]:
+        """The heartbeats to pass on, each with how long it waited here, as the columns the agent's
+        heartbeat carries (``folding.as_columns``); their ranks get the next ack."""
         out = []
         for r, (msg, at) in self._beats.items():
             msg.pop("now", None)
@@ -130,7 +131,7 @@ class RelayHub:
         self._beats.clear()
         self._urgent = False
         self.beats += len(out)
-        return out
+        return as_columns(out)
 
     def pass_ack(self, ack: dict[str, Any], endpoint: str) -> None:
         """The controller's ack, from ``endpoint``, to the ranks whose heartbeats went on before it."""

@@ -9,6 +9,7 @@ from typing import Any
 from ...events import EventLog, get_logger
 from ..policy.ranks import Agent, RankTable
 from ..wire import protocol
+from ..wire.folding import rows
 from ..wire.router import Router
 from .migration import Migrations
 from .ports import ControllerPort
@@ -85,7 +86,7 @@ class AgentInbox:
         a.ident, a.seen, a.spares = ident, now, msg.get("spares", a.spares)
         if "relayed" in msg:
             a.relayed = dict(zip(msg["relayed"], msg.get("relayed_pids", ())))
-        unheard = self._beats(msg.get("beats", ()), now)
+        unheard = self._beats(rows(msg["beats"]) if "beats" in msg else [], now)
         self.router.send(ident, self.port.ack())
         if unheard:
             self.router.send(ident, protocol.encode("unheard", ranks=unheard))

@@ -467,8 +467,7 @@ class Controller:
         self.metrics.serve()
 
     def _publish(self) -> None:
-        self.metrics.seen(len(self.table.live()), self.table.newest_iteration(),
-                          max([i.checkpoint for i in self.table.ranks.values()] or [-1]))
+        self.metrics.seen(*self.table.figures())
 
     def store(self) -> Any:
         """A TCPStore served by the controller's process, where the ranks' new communicators meet:

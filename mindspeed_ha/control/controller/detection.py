@@ -95,8 +95,11 @@ class Detection:
         group's members cannot match (policy/desync.py): a hang of the ranks out of step, named now
         rather than at the hang timeout. True: recorded as a fault (fed by the caller)."""
         ranks = self.table.ranks
+        reports = {r: i.desync for r, i in ranks.items() if i.desync}
+        if not reports:  # (as nearly always: no rank waited that long; the rest is the job's size again)
+            return False
         live = {r for r in self.table.live() if not ranks[r].done}
-        found = desync.find({r: i.desync for r, i in ranks.items() if r in live and i.desync}, live)
+        found = desync.find({r: d for r, d in reports.items() if r in live}, live)
         if found is None:
             return False
         first = ranks[found.out_of_step[0]]

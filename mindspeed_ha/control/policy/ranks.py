@@ -180,6 +180,16 @@ class RankTable:
         return all(i.done or i.it > step or (i.it == step and i.phase in ("step", "checkpoint"))
                    for i in self.ranks.values() if i.alive and i.rank not in outside)
 
+    def figures(self) -> tuple[int, int, int]:
+        """The live ranks, the newest iteration and the newest checkpoint (-1: none), in one pass over
+        the ranks: the metrics take them at every scan of the clock."""
+        live, newest, checkpoint = 0, -1, -1
+        for i in self.ranks.values():
+            live += i.alive and not i.done
+            newest = i.it if i.it > newest else newest
+            checkpoint = i.checkpoint if i.checkpoint > checkpoint else checkpoint
+        return live, newest, checkpoint
+
     def newest_iteration(self) -> int:
         return max([i.it for i in self.ranks.values()] or [-1])
 

@@ -37,6 +37,7 @@ class StragglerWatch:
         self._sorted: list[float] = []                # the live ranks' own work per step, as last taken
         self._taken: dict[int, float] = {}            # rank -> its value in that list
         self._heard = 0                               # judgements since
+        self._live = 0                                # live ranks then (those without a value yet too)
 
     def observe(self, info: Rank, live: Callable[[], Iterable[Rank]]) -> float | None:
         """``info``: a rank that just reported its work (``busy`` over ``busy_steps`` steps);
@@ -45,10 +46,13 @@ class StragglerWatch:
         if not info.busy_steps or info.steps <= WARM_UP_STEPS:
             return None
         self._heard += 1
-        if self._heard >= max(1, len(self._taken) // REFRESH_SHARE):
+        # (counted on the live ranks, not the values taken: as a job starts, most ranks have none yet,
+        # and counting those alone took the list again at nearly every judgement)
+        if self._heard >= max(1, self._live // REFRESH_SHARE):
             self._heard = 0
-            self._taken = {i.rank: i.busy for i in live() if i.busy > 0}
-            self._sorted = sorted(self._taken.values())
+            ranks = list(live())
+            self._taken = {i.rank: i.busy for i in ranks if i.busy > 0}
+            self._sorted, self._live = sorted(self._taken.values()), len(ranks)
         median = self._median_without(info.rank)
         if median is None:
             return None

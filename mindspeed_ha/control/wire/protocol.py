@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import msgpack
 
-VERSION = 6
+VERSION = 7
 MAX_BYTES = 64 * 1024 * 1024    # one frame: the status of 16,384 ranks is about 4 MB
 MAX_LIST = 1 << 20              # any list: ranks of the job (pairs of them), shards, status rows
 MAX_STR = 1 << 20               # any string (a diagnosis, a path, an error with its causes)
@@ -105,9 +105,40 @@ _KINDS: dict[str, Any] = {
     "tree": lambda v: _tree(v, MAX_DEPTH),  # a handler's result: any tree
     "maps": lambda v: _list_of(v, _is_map),  # each rank's own part of a status (folding.py)
     "results": lambda v: _list_of(v, _whole("result")),
-    "beats": lambda v: _list_of(v, _whole("hb")),
+    "beats": lambda v: _is_beats(v),
     "answers": lambda v: _list_of(v, _whole("answers")),
 }
+
+
+def _is_beats(v: object) -> bool:
+    """A node's heartbeats as columns (``folding.as_columns``): ``ranks``; ``same``, fields of a
+    heartbeat every one of them has alike; ``each``, the others, a value a rank (None: the rank's
+    lacks it). Each rank's heartbeat put back together is a whole one."""
+    if type(v) is not dict or not v.keys() <= _BEATS_KEYS or not _is_ints(v.get("ranks")):
+        return False
+    n, same, each = len(v["ranks"]), v.get("same", {}), v.get("each", {})
+    if type(same) is not dict or type(each) is not dict:
+        return False
+    fields = SCHEMAS["hb"]
+    for name, value in same.items():
+        spec = fields.get(name)
+        if spec is None or name == "rank" or not _KINDS[spec[0]](value):
+            return False
+    for name, values in each.items():
+        spec = fields.get(name)
+        if spec is None or name == "rank" or name in same or type(values) is not list or len(values) != n:
+            return False
+        ok = _KINDS[spec[0]]
+        for value in values:
+            if value is None:
+                if spec[1]:  # (a field every heartbeat has)
+                    return False
+            elif not ok(value):
+                return False
+    return n == 0 or all(name in same or name in each for name in _REQUIRED["hb"] if name != "rank")
+
+
+_BEATS_KEYS = frozenset(("ranks", "same", "each"))
 
 
 def _tree(value: object, depth: int) -> bool:
@@ -215,7 +246,8 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "agent": {"node": (_str, R), "node_rank": (_int, R), "nnodes": (_int, R), "pid": (_int, R),
               "ranks": ("ints", R), "pids": ("ints", R), "store": (_str, O), "relay": (_bool, O),
               "relayed": ("ints", O), "relayed_pids": ("ints", O)},
-    # ``beats``: its ranks' heartbeats that came to its relay since its last one (each as the rank sent it)
+    # ``beats``: its ranks' heartbeats that came to its relay since its last one, as columns: what they
+    # say alike once, the rest a value a rank (folding.as_columns)
     "agent_hb": {"node_rank": (_int, R), "spares": (_int, O), "relayed": ("ints", O), "relayed_pids": ("ints", O),
                  "beats": ("beats", O)},
     # the answers of its ranks to the controller's orders, as many as came in one turn of its loop;
