@@ -155,13 +155,17 @@ KIND_OK = {
 
 def _beats_ok(v) -> bool:
     """Columns of heartbeats: ranks, fields alike and fields a rank each (None: that rank's lacks it),
-    none of them the rank, none both; each rank's heartbeat put back together is a valid hb."""
+    each a heartbeat's field of its kind, none of them the rank, none both; each rank's heartbeat put
+    back together is a valid hb."""
     if type(v) is not dict or set(v) - {"ranks", "same", "each"} or not KIND_OK["ints"](v.get("ranks")):
         return False
-    same, each = v.get("same", {}), v.get("each", {})
+    same, each, hb = v.get("same", {}), v.get("each", {}), protocol.SCHEMAS["hb"]
     if type(same) is not dict or type(each) is not dict or set(same) & set(each) or "rank" in {*same, *each}:
         return False
-    if any(type(col) is not list or len(col) != len(v["ranks"]) for col in each.values()):
+    if any(k not in hb or not KIND_OK[hb[k][0]](x) for k, x in same.items()):
+        return False
+    if any(k not in hb or type(col) is not list or len(col) != len(v["ranks"])
+           or not all(x is None or KIND_OK[hb[k][0]](x) for x in col) for k, col in each.items()):
         return False
     for i, r in enumerate(v["ranks"]):
         beat = {"v": protocol.VERSION, "t": "hb", **same, "rank": r,
@@ -241,6 +245,15 @@ def test_fuzz_decoder(data):
 @example({"v": protocol.VERSION, "t": "bye"})                               # a required field missing
 @example({"v": protocol.VERSION, "t": "hb", **SAMPLES["hb"], "upd": 0})     # a field of the wrong type
 @example({"v": protocol.VERSION + 1, "t": "bye", "rank": 3})                # another version
+# an agent's heartbeats as columns: a value of the wrong kind where no rank's beat reads it, a rank's
+# beat without a field every beat has, a column longer than the ranks, the rank among the fields
+@example({"v": protocol.VERSION, "t": "agent_hb", "node_rank": 0, "beats": {"ranks": [], "same": {"it": "x"}}})
+@example({"v": protocol.VERSION, "t": "agent_hb", "node_rank": 0,
+          "beats": {"ranks": [1, 2], "same": {"upd": False, "health": "ok"}, "each": {"it": [5, None]}}})
+@example({"v": protocol.VERSION, "t": "agent_hb", "node_rank": 0,
+          "beats": {"ranks": [1], "same": {"it": 5, "upd": False, "health": "ok"}, "each": {"pid": [8, 9]}}})
+@example({"v": protocol.VERSION, "t": "agent_hb", "node_rank": 0,
+          "beats": {"ranks": [1], "same": {"it": 5, "upd": False, "health": "ok", "rank": 1}}})
 def test_fuzz_mutated_valid(m):
     """Each example either decodes into the very message, or is refused with one of its real faults."""
     expected = refusals(m)

@@ -375,7 +375,7 @@ def validate(msg: object) -> None:
         if spec is None:
             raise ProtocolError(f"unknown field {name!r} in {t!r}")
         kind, is_a = spec[0], type(value)
-        # (the commonest kinds judged inline: a heartbeat is nine of them, an agent's carries eight)
+        # (the commonest kinds judged inline: a heartbeat is nine of them)
         if is_a is int and kind is _int:
             if -MAX_INT < value < MAX_INT:
                 continue
