@@ -26,6 +26,9 @@ reached; ``every``: at every run of that step, by every process of the rank — 
     PHASE  forward (default) | backward | grad-sync | optimizer | param-sync | checkpoint
            | recovery (when the rank starts serving an in-job recovery of a fault in step S, or
              parks before step S for a migration: a fault during recovery)
+           | rebuild (as the rank starts an in-job recovery's rebuild of its communicators)
+           | connect (in that rebuild, as the rank passes a remade communicator's open gate, before
+             its backend connects: its peers are connecting to it)
            | pipeline-send | pipeline-recv (as a pipeline stage issues its send or receive of
              activations or gradients, in step S's forward and backward: only on PP > 1)
            | resize (when the rank has entered an elastic resize's new layout, before any state
@@ -59,7 +62,7 @@ KINDS = ("kill", "exit", "exception", "bug", "desync", "uce", "hang", "freeze", 
 DEVICE_KINDS = {"cuda-illegal-address": "cuda"}  # drills that need a real device of that kind
 STREAM_ORDERED_KINDS = ("held",)  # drills that need a backend whose abort ends a pending collective
 PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "step-end", "checkpoint", "recovery",
-          "rebuild", "resize", "pipeline-send", "pipeline-recv")
+          "rebuild", "connect", "resize", "pipeline-send", "pipeline-recv")
 DEFAULT_PHASE = "forward"
 EXAMPLE = f'{ENV}="kill:rank=1:step=3:phase=backward,hang:rank=2:step=5"'
 

@@ -28,7 +28,7 @@ import hashlib
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -322,8 +322,61 @@ def _connect(group: StableGroup, gen: _Generation) -> dist.ProcessGroup:
     store = dist.PrefixStore(f"mindspeed_ha/gen{gen.number}/{group.key}/", gen.store)
     rank, size, timeout = group.group_rank, len(group.ranks), group.timeout
     _await_members(store, rank, size, timeout, group)
-    return make_communicator(store, rank, size, group.backend, timeout, options=group.options,
-                             device=current() if backends.stream_ordered(group.backend) else None)
+    device = current() if backends.stream_ordered(group.backend) else None
+
+    def connect() -> dist.ProcessGroup:
+        return make_communicator(store, rank, size, group.backend, timeout, options=group.options, device=device)
+    if device is not None and device.type != "cpu":
+        # (on a device, its connect stays on this thread, which the rank made that device's: a rank
+        # lost after the gate opened still holds its peers in NCCL's or HCCL's init there)
+        return connect()
+    return _connected_unless_stopped(connect, group)
+
+
+def _connected_unless_stopped(connect: Callable[[], dist.ProcessGroup], group: StableGroup,
+                              leave: Callable[[], None] | None = None) -> dist.ProcessGroup:
+    """``connect()``, the backend's connect (C++, deaf to a stop), on a thread of its own; this thread
+    waits for it and leaves on a stop (``leave`` raises it) as a collective would. A member lost once
+    the gate opened (killed there) leaves its peers connecting to a rank that is gone: in the
+    backend's connect they would wait for its whole timeout, the controller would take them for hung
+    and replace them — a rank and, with its twin's shard poisoned, the job (the drill in
+    test_in_job_recovery). A connect left this way ends on its thread, when it completes or at the
+    backend's timeout; what it made is ended and dropped there."""
+    from mindspeed_ha.comm.interruptible import PROCESS_STOP
+    leave = leave or PROCESS_STOP.raise_if_stopped
+    lock, done = threading.Lock(), threading.Event()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            pg: Any = connect()
+        except BaseException as e:  # (raised here, on the waiting thread; dropped if it left)
+            box["error"] = e
+            done.set()
+            return
+        with lock:
+            if not box.get("left"):
+                box["pg"] = pg
+                done.set()
+                return
+        _registry.retire(pg, group.backend)  # (nobody waits for it: ended and dropped here)
+
+    threading.Thread(target=run, name=f"mindspeed-ha-connect-{group.group_desc}"[:60], daemon=True).start()
+    pause = 0.00025
+    while not done.wait(pause):
+        try:
+            leave()
+        except BaseException:
+            with lock:
+                box["left"] = True
+                pg = box.pop("pg", None)
+            if pg is not None:  # (it came as the stop did)
+                _registry.retire(pg, group.backend)
+            raise
+        pause = min(2 * pause, _PATIENT_PAUSE_S)
+    if "error" in box:
+        raise box["error"]
+    return box["pg"]
 
 
 def make_communicator(store, rank: int, size: int, backend: str, timeout: datetime.timedelta,
@@ -377,12 +430,14 @@ def _await_members(store, rank: int, size: int, timeout: datetime.timedelta, gro
         if not gate and store.check(keys):
             gate = store.compare_set("gate", "", "open")
             if gate == b"open":
+                gate_opened()
                 return
         try:
             leave()
         except BaseException:
             if gate or store.compare_set("gate", "", "closed") == b"closed":
                 raise
+            gate_opened()
             return  # (it opened meanwhile: connect, then leave)
         now = time.monotonic()
         if now > deadline:
@@ -393,6 +448,26 @@ def _await_members(store, rank: int, size: int, timeout: datetime.timedelta, gro
             raise TimeoutError(f"{group!r}: member(s) {missing} did not come within {timeout.total_seconds():.0f} s")
         time.sleep(pause)
         pause = min(2 * pause, _EAGER_PAUSE_S if now < patient else _PATIENT_PAUSE_S)
+
+
+# Called as this rank passes a connection's open gate, before its backend connects: the fault drills'
+# point ``phase=connect`` (a rank lost there leaves its peers in the backend's connect to it).
+_at_gate: list[Callable[[], None]] = []
+
+
+def gate_opened() -> None:
+    for hook in _at_gate:
+        hook()
+
+
+@contextlib.contextmanager
+def at_open_gates(hook: Callable[[], None]) -> Iterator[None]:
+    """``hook`` runs each time this rank passes an open gate within the block (the drills' point)."""
+    _at_gate.append(hook)
+    try:
+        yield
+    finally:
+        _at_gate.remove(hook)
 
 
 def _register(group: StableGroup, backend: str, store) -> None:

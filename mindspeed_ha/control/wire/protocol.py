@@ -33,7 +33,7 @@ PHASES = ("startup", "forward", "backward", "grad-sync", "optimizer", "param-syn
           "step", "unknown", "recovery", "rebuild", "resize")
 INJECT_KINDS = ("kill", "exit", "exception", "bug", "uce", "hang", "comm", "ecc", "slow")
 INJECT_PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-sync", "step-end", "checkpoint", "recovery",
-                 "rebuild", "resize", "pipeline-send", "pipeline-recv")
+                 "rebuild", "connect", "resize", "pipeline-send", "pipeline-recv")
 
 
 class ProtocolError(ValueError):

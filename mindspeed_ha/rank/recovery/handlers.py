@@ -227,9 +227,12 @@ class RankRecovery:
             return f"joined and set up in {time.perf_counter() - t0:.3f}s ({got['groups']} groups)"
         self.s.stop.clear()
         self.s.device_ready(self.trainer.iteration + 1)
-        self.s.fire("rebuild", self.trainer.iteration + 1)
+        from mindspeed_ha.comm import groups
+        step = self.trainer.iteration + 1
+        self.s.fire("rebuild", step)
         self.trainer.clean_partial_step()
-        got = self.tools.reconnect(*store, remake=args.get("remake"))
+        with groups.at_open_gates(lambda: self.s.fire("connect", step)):
+            got = self.tools.reconnect(*store, remake=args.get("remake"))
         return self._rebuilt(got)
 
     def _rebuilt(self, got: dict[str, Any]) -> str:
