@@ -296,11 +296,16 @@ def test_megatron_lm_recover_restarts_only_the_killed_workers(tmp_path, fault_fr
     from helpers import events as read_events
     rec = [e for e in read_events(tmp_path, "controller") if e["event"] == "recovered"]
     # (0.12: the twin instance may have ended the step before the stop reached it, no collective of
-    # its train_step's tail spanning DP: it rolls back to that end while the others roll forward)
-    forward = "roll-forward/rollback" if MLM_GRAD_NORM_OVER_EVERY_RANK else "roll-forward"
-    assert [(e["strategy"], e["iteration"], e["how"].replace(forward, "roll-forward"), e["lost_steps"])
-            for e in rec] == [("recover", 3, "roll-forward", 0), ("recover", 4, "rollback", 0),
-                              ("retry", 7, "rollback", 0), ("recover", 9, "roll-forward", 0)]
+    # its train_step's tail spanning DP: it rolls back to that end while the others roll forward. On a
+    # loaded machine every survivor may have ended it first, the lost rank's instance too — its
+    # parameter all-gather issued, not waited on: all roll back to that end (seen once in CI). Every
+    # loss is the same either way, checked above.)
+    at_end = ("roll-forward/rollback", "rollback") if MLM_GRAD_NORM_OVER_EVERY_RANK else ()
+    after_update = {3, 9}  # (the steps whose kill came after the update)
+    assert [(e["strategy"], e["iteration"], "roll-forward" if e["iteration"] in after_update and e["how"] in at_end
+             else e["how"], e["lost_steps"]) for e in rec] == \
+        [("recover", 3, "roll-forward", 0), ("recover", 4, "rollback", 0), ("retry", 7, "rollback", 0),
+         ("recover", 9, "roll-forward", 0)]
     ctl = read_events(tmp_path, "controller")
     (takeover,) = [e for e in ctl if e["event"] == "takeover"]
     told = [e["iteration"] for e in ctl if e["event"] == "fault" and e["pid"] == takeover["pid"]]
