@@ -322,61 +322,8 @@ def _connect(group: StableGroup, gen: _Generation) -> dist.ProcessGroup:
     store = dist.PrefixStore(f"mindspeed_ha/gen{gen.number}/{group.key}/", gen.store)
     rank, size, timeout = group.group_rank, len(group.ranks), group.timeout
     _await_members(store, rank, size, timeout, group)
-    device = current() if backends.stream_ordered(group.backend) else None
-
-    def connect() -> dist.ProcessGroup:
-        return make_communicator(store, rank, size, group.backend, timeout, options=group.options, device=device)
-    if device is not None and device.type != "cpu":
-        # (on a device, its connect stays on this thread, which the rank made that device's: a rank
-        # lost after the gate opened still holds its peers in NCCL's or HCCL's init there)
-        return connect()
-    return _connected_unless_stopped(connect, group)
-
-
-def _connected_unless_stopped(connect: Callable[[], dist.ProcessGroup], group: StableGroup,
-                              leave: Callable[[], None] | None = None) -> dist.ProcessGroup:
-    """``connect()``, the backend's connect (C++, deaf to a stop), on a thread of its own; this thread
-    waits for it and leaves on a stop (``leave`` raises it) as a collective would. A member lost once
-    the gate opened (killed there) leaves its peers connecting to a rank that is gone: in the
-    backend's connect they would wait for its whole timeout, the controller would take them for hung
-    and replace them — a rank and, with its twin's shard poisoned, the job (the drill in
-    test_in_job_recovery). A connect left this way ends on its thread, when it completes or at the
-    backend's timeout; what it made is ended and dropped there."""
-    from mindspeed_ha.comm.interruptible import PROCESS_STOP
-    leave = leave or PROCESS_STOP.raise_if_stopped
-    lock, done = threading.Lock(), threading.Event()
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            pg: Any = connect()
-        except BaseException as e:  # (raised here, on the waiting thread; dropped if it left)
-            box["error"] = e
-            done.set()
-            return
-        with lock:
-            if not box.get("left"):
-                box["pg"] = pg
-                done.set()
-                return
-        _registry.retire(pg, group.backend)  # (nobody waits for it: ended and dropped here)
-
-    threading.Thread(target=run, name=f"mindspeed-ha-connect-{group.group_desc}"[:60], daemon=True).start()
-    pause = 0.00025
-    while not done.wait(pause):
-        try:
-            leave()
-        except BaseException:
-            with lock:
-                box["left"] = True
-                pg = box.pop("pg", None)
-            if pg is not None:  # (it came as the stop did)
-                _registry.retire(pg, group.backend)
-            raise
-        pause = min(2 * pause, _PATIENT_PAUSE_S)
-    if "error" in box:
-        raise box["error"]
-    return box["pg"]
+    return make_communicator(store, rank, size, group.backend, timeout, options=group.options,
+                             device=current() if backends.stream_ordered(group.backend) else None)
 
 
 def make_communicator(store, rank: int, size: int, backend: str, timeout: datetime.timedelta,
