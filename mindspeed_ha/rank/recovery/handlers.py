@@ -225,10 +225,10 @@ class RankRecovery:
             self.s.joined(setup_s, getattr(self.trainer, "setup_seconds", None) or {}, got)
             self._rebuilt(got)
             return f"joined and set up in {time.perf_counter() - t0:.3f}s ({got['groups']} groups)"
-        self.s.stop.clear()
-        self.s.device_ready(self.trainer.iteration + 1)
         from mindspeed_ha.comm import groups
         step = self.trainer.iteration + 1
+        self.s.stop.clear()
+        self.s.device_ready(step)
         self.s.fire("rebuild", step)
         self.trainer.clean_partial_step()
         with groups.at_open_gates(lambda: self.s.fire("connect", step)):
