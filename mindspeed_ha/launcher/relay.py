@@ -7,7 +7,8 @@ one frame for the node, as columns (what the ranks say alike once): a beat the r
 at once (``now``) goes at once with whatever came with it; the others when every connected rank has
 beaten, or ``BATCH_S`` after the first (the ranks of a node beat on one shared clock,
 ``rank.processor.relay``). The controller's ack to that frame is passed back to the ranks that beat,
-naming the controller it came from: their links take it as their own ack (a rank whose acks stop coming through here beats directly again).
+naming the controller it came from: their links take it as their own ack (a rank whose acks stop
+coming through here beats directly again).
 
 The ranks connect to an ``ipc://`` socket in a fresh directory of mode 0700 (the job's user only), and
 say who they are (``relay_hello``). Which of them are connected, with their pids, goes to the
